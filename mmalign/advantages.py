@@ -1,0 +1,540 @@
+"""Group-relative advantage estimators (see ALGORITHMS.md, "Advantage estimators").
+
+Every estimator is a plain, vectorised tensor function registered by name::
+
+    fn(rewards: Tensor, group: Tensor, **options) -> Tensor   # Float[B]
+
+- ``rewards`` is Float[B] or Float[B, K] (K reward components). With K components the
+  option ``weights`` (a sequence of K floats, default all 1) combines them:
+  r_i = nansum_k w_k r_{i,k} (see :func:`combine_rewards`).
+- ``group`` is Long[B]: arbitrary group ids (any integers, not necessarily contiguous,
+  sorted or starting at 0). Samples sharing an id are the G samples of one prompt.
+
+Conventions shared by all estimators:
+
+- NaN means "not applicable". A sample whose reward components are ALL NaN has reward NaN;
+  such a sample is left out of its group's statistics and gets advantage 0. A combined reward
+  of +-inf (a broken reward plugin) is treated the same way, so no estimator returns NaN or inf.
+- A group with fewer than 2 valid samples gets advantage 0 for all its samples (its std is
+  undefined).
+- Computation is in float32, or float64 when ``rewards`` is float64. The result has that dtype
+  and the device of ``rewards``.
+- Options are keyword-only. An unknown option raises ``TypeError`` naming the estimator and the
+  option; a bad value raises ``ValueError``.
+
+Registry metadata: ``extra_samples`` (how many samples per prompt the rollout must draw on top of
+G, read with :func:`extra_samples`) and ``loss_sample_mask`` (a function with the estimator's
+signature returning Bool[B], False for samples that must not enter the loss; read with
+:func:`loss_sample_mask`). Only ``mc_grpo`` uses them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmalign.registry import Registry
+
+Estimator = Callable[..., Tensor]
+Weights = Sequence[float] | Tensor | None
+
+REGISTRY: Registry[Estimator] = Registry("advantage estimator")
+
+# |A| at or below this counts as zero when mc_grpo rescales the non-zero advantages of a group
+# (the reference implementation uses torch.isclose(A, 0, atol=1e-6)).
+_MC_ZERO_ATOL = 1e-6
+
+
+# --------------------------------------------------------------------------- registry API
+
+
+def _option_checked(kind: str, name: str, fn: Callable[..., Any], n_positional: int) -> Callable[..., Any]:
+    """Wrap ``fn`` so that unknown keyword options raise a TypeError naming ``kind name`` and the option."""
+    params = list(inspect.signature(fn).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return fn  # the function takes **kwargs on purpose: it validates itself
+    allowed = {
+        p.name
+        for p in params[n_positional:]
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **options: Any) -> Any:
+        bad = sorted(set(options) - allowed)
+        if bad:
+            valid = ", ".join(sorted(allowed)) or "none"
+            raise TypeError(
+                f"{kind} {name!r} got unknown option(s) {', '.join(map(repr, bad))}; valid options: {valid}"
+            )
+        return fn(*args, **options)
+
+    return wrapper
+
+
+def register(name: str, **meta: Any) -> Callable[[Estimator], Estimator]:
+    """Decorator registering ``fn(rewards, group, **options) -> Float[B]`` under ``name``.
+
+    The registered (and returned) function rejects unknown options with a TypeError.
+    """
+
+    def deco(fn: Estimator) -> Estimator:
+        wrapped = _option_checked(REGISTRY.kind, name, fn, n_positional=2)
+        return REGISTRY.register(name, **meta)(wrapped)
+
+    return deco
+
+
+def get(name: str) -> Estimator:
+    """The estimator registered under ``name`` (``RegistryError``, a KeyError, if unknown)."""
+    return REGISTRY.get(name)
+
+
+def names() -> list[str]:
+    """Sorted names of the registered estimators."""
+    return REGISTRY.names()
+
+
+def describe(name: str) -> str:
+    """One-line summary of an estimator (first line of its docstring)."""
+    return REGISTRY.describe(name)
+
+
+def options(name: str) -> dict[str, Any]:
+    """The options an estimator accepts, with their defaults (for config validation)."""
+    fn = inspect.unwrap(REGISTRY.get(name))
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    return {p.name: p.default for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
+def extra_samples(name: str) -> int:
+    """How many samples per prompt the rollout must draw on top of G (0 unless the estimator says so)."""
+    return int(REGISTRY.meta(name).get("extra_samples", 0))
+
+
+def loss_sample_mask(name: str, rewards: Tensor, group: Tensor, **options: Any) -> Tensor:
+    """Bool[B]: which samples take part in the loss (all True unless the estimator drops some).
+
+    ``options`` are the estimator's options; unknown ones raise TypeError as for the estimator.
+    """
+    fn = REGISTRY.get(name)
+    mask_fn = REGISTRY.meta(name).get("loss_sample_mask")
+    if mask_fn is None:
+        allowed = _options_of(fn)
+        bad = sorted(set(options) - set(allowed))
+        if bad:
+            raise TypeError(
+                f"{REGISTRY.kind} {name!r} got unknown option(s) {', '.join(map(repr, bad))}; "
+                f"valid options: {', '.join(sorted(allowed)) or 'none'}"
+            )
+        r = torch.as_tensor(rewards)
+        return torch.ones(r.shape[0], dtype=torch.bool, device=r.device)
+    return _option_checked(REGISTRY.kind, name, mask_fn, n_positional=2)(rewards, group, **options)
+
+
+def _options_of(fn: Callable[..., Any]) -> list[str]:
+    params = list(inspect.signature(inspect.unwrap(fn)).parameters.values())[2:]
+    return [p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+
+# --------------------------------------------------------------------------- public helpers
+
+
+def clip_advantages(adv: Tensor, limit: float | None) -> Tensor:
+    """Clamp advantages to [-limit, limit]; ``None`` returns ``adv`` unchanged."""
+    if limit is None:
+        return adv
+    if not limit > 0:
+        raise ValueError(f"advantage clip limit must be > 0 or None, got {limit!r}")
+    return adv.clamp(-float(limit), float(limit))
+
+
+def combine_rewards(rewards: Tensor, weights: Weights = None) -> Tensor:
+    """Float[B] total reward: r_i = nansum_k w_k r_{i,k}; NaN where every component of a sample is NaN.
+
+    ``rewards`` is Float[B] (returned as float, weighted by ``weights[0]`` if given) or
+    Float[B, K]; ``weights`` has K entries (default all 1). Computed in float32 (float64 for
+    float64 input).
+    """
+    r = _as_float(rewards)
+    if r.dim() == 1:
+        r2 = r[:, None]
+    elif r.dim() == 2:
+        r2 = r
+    else:
+        raise ValueError(f"rewards must be Float[B] or Float[B, K], got shape {tuple(r.shape)}")
+    w = _weights(weights, r2.shape[1], r2)
+    nan = torch.isnan(r2)
+    total = torch.where(nan, torch.zeros_like(r2), r2 * w).sum(dim=1)
+    return torch.where(nan.all(dim=1), torch.full_like(total, float("nan")), total)
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _as_float(x: Tensor) -> Tensor:
+    x = torch.as_tensor(x)
+    return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+
+def _weights(weights: Weights, k: int, like: Tensor) -> Tensor:
+    if weights is None:
+        return torch.ones(k, dtype=like.dtype, device=like.device)
+    w = torch.as_tensor(weights, dtype=like.dtype, device=like.device).reshape(-1)
+    if w.numel() != k:
+        raise ValueError(f"weights has {w.numel()} entries but rewards have {k} component(s)")
+    if not torch.isfinite(w).all():
+        raise ValueError("weights must be finite")
+    return w
+
+
+def _group_index(group: Tensor, batch: int, device: torch.device) -> tuple[Tensor, int]:
+    """Map arbitrary group ids to 0..G-1 (ordered by id); returns (gid Long[B], G)."""
+    g = torch.as_tensor(group, device=device)
+    if g.dim() != 1 or g.shape[0] != batch:
+        raise ValueError(f"group must be Long[B] with B={batch}, got shape {tuple(g.shape)}")
+    if g.dtype.is_floating_point or g.dtype.is_complex or g.dtype == torch.bool:
+        raise TypeError(f"group ids must be an integer tensor, got {g.dtype}")
+    uniq, gid = torch.unique(g, return_inverse=True)
+    return gid, int(uniq.numel())
+
+
+def _prepare(rewards: Tensor, group: Tensor, weights: Weights) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Combined reward r Float[B], valid Bool[B], gid Long[B], number of groups G."""
+    r = combine_rewards(rewards, weights)
+    gid, n_groups = _group_index(group, r.shape[0], r.device)
+    return r, torch.isfinite(r), gid, n_groups
+
+
+def _seg_sum(x: Tensor, gid: Tensor, n_groups: int) -> Tensor:
+    """Per-group sums of x (Float[B] or Float[B, K]) -> Float[G] or Float[G, K]."""
+    out = torch.zeros((n_groups, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out.index_add_(0, gid, x)
+
+
+def _group_stats(r: Tensor, valid: Tensor, gid: Tensor, n_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per group over valid samples: count n, mean, unbiased std (0 where n < 2). Works for [B] or [B, K]."""
+    zero = torch.zeros_like(r)
+    n = _seg_sum(valid.to(r.dtype), gid, n_groups)
+    mean = _seg_sum(torch.where(valid, r, zero), gid, n_groups) / n.clamp(min=1)
+    dev = torch.where(valid, r - mean[gid], zero)
+    var = _seg_sum(dev * dev, gid, n_groups) / (n - 1).clamp(min=1)
+    return n, mean, var.sqrt()
+
+
+def _safe_div(num: Tensor, den: Tensor) -> Tensor:
+    """num / den where den > 0, else 0 (never NaN/inf from a zero denominator)."""
+    ok = den > 0
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def _whiten(x: Tensor, sel: Tensor, eps: float) -> Tensor:
+    """(x - mean) / (std + eps) over the selected entries (unbiased std); 0 elsewhere or if < 2 selected."""
+    zero = torch.zeros_like(x)
+    cnt = sel.sum().to(x.dtype)
+    mu = torch.where(sel, x, zero).sum() / cnt.clamp(min=1)
+    dev = torch.where(sel, x - mu, zero)
+    sd = ((dev * dev).sum() / (cnt - 1).clamp(min=1)).sqrt()
+    out = _safe_div(x - mu, (sd + eps).expand_as(x))
+    return torch.where(sel & (cnt >= 2), out, zero)
+
+
+def _group_lower_median(x: Tensor, sel: Tensor, gid: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
+    """Per-group lower median of the selected entries: the ((n-1)//2)-th order statistic.
+
+    Returns (median Float[G] (0 for groups with no selected entry), n Long[G]). Vectorised: one
+    stable sort by value, then a stable sort by group, so each group is a contiguous sorted run.
+    """
+    key = torch.where(sel, x, torch.full_like(x, float("inf")))  # unselected sort last in their group
+    by_value = torch.argsort(key, stable=True)
+    order = by_value[torch.argsort(gid[by_value], stable=True)]
+    size = torch.bincount(gid, minlength=n_groups)
+    start = torch.cumsum(size, 0) - size
+    n = _seg_sum(sel.long(), gid, n_groups)
+    pos = start + (n - 1).clamp(min=0) // 2
+    med = key[order][pos]
+    return torch.where(n > 0, med, torch.zeros_like(med)), n
+
+
+def _check_eps(name: str, eps: float) -> float:
+    if not eps >= 0:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps!r}")
+    return float(eps)
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+@register("grpo")
+def grpo(
+    rewards: Tensor, group: Tensor, *, weights: Weights = None, std: str = "group", eps: float = 1e-4
+) -> Tensor:
+    """GRPO: A_i = (r_i - mean_g r) / (std + eps), std per group (unbiased), over the batch, or none.
+
+    ``std="group"`` (default): unbiased std of the group; ``"batch"``: unbiased std of all valid
+    rewards in the batch (the mean stays per group); ``"none"``: no division.
+    """
+    if std not in ("group", "batch", "none"):
+        raise ValueError(f"grpo: std must be 'group', 'batch' or 'none', got {std!r}")
+    eps = _check_eps("grpo", eps)
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    n, mean, sd = _group_stats(r, valid, gid, n_groups)
+    eligible = valid & (n[gid] >= 2)
+    centered = torch.where(eligible, r - mean[gid], torch.zeros_like(r))
+    if std == "group":
+        adv = _safe_div(centered, sd[gid] + eps)
+    elif std == "batch":
+        _, _, batch_sd = _group_stats(r, valid, torch.zeros_like(gid), 1)
+        adv = _safe_div(centered, (batch_sd + eps).expand_as(r))
+    else:
+        adv = centered
+    return torch.where(eligible, adv, torch.zeros_like(adv))
+
+
+@register("dr_grpo")
+def dr_grpo(rewards: Tensor, group: Tensor, *, weights: Weights = None) -> Tensor:
+    """Dr. GRPO: A_i = r_i - mean_g r, no std division (pair with aggregation ``seq_sum_norm``)."""
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    n, mean, _ = _group_stats(r, valid, gid, n_groups)
+    eligible = valid & (n[gid] >= 2)
+    return torch.where(eligible, r - mean[gid], torch.zeros_like(r))
+
+
+@register("rloo")
+def rloo(rewards: Tensor, group: Tensor, *, weights: Weights = None) -> Tensor:
+    """RLOO: A_i = r_i - mean of the other valid samples of the group, (1/(n-1)) sum_{j!=i} r_j."""
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    n, mean, _ = _group_stats(r, valid, gid, n_groups)
+    ng = n[gid]
+    eligible = valid & (ng >= 2)
+    # r_i - (S - r_i)/(n-1) = n/(n-1) * (r_i - mean)
+    adv = ng / (ng - 1).clamp(min=1) * (r - mean[gid])
+    return torch.where(eligible, adv, torch.zeros_like(r))
+
+
+@register("reinforce_pp")
+def reinforce_pp(rewards: Tensor, group: Tensor, *, weights: Weights = None, eps: float = 1e-4) -> Tensor:
+    """REINFORCE++ (baseline): whiten over the batch the group-centred rewards r_i - mean_g r.
+
+    Whitening = (x - mean) / (std + eps) with the unbiased std, taken over the samples that are
+    valid and whose group has >= 2 valid samples; every other sample gets 0.
+    """
+    eps = _check_eps("reinforce_pp", eps)
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    n, mean, _ = _group_stats(r, valid, gid, n_groups)
+    eligible = valid & (n[gid] >= 2)
+    x = torch.where(eligible, r - mean[gid], torch.zeros_like(r))
+    return _whiten(x, eligible, eps)
+
+
+@register("gdpo")
+def gdpo(rewards: Tensor, group: Tensor, *, weights: Weights = None, eps: float = 1e-4) -> Tensor:
+    """GDPO: normalise each reward component within its group, weighted-sum them, then whiten over the batch.
+
+    A_hat_{i,k} = (r_{i,k} - mean_g r_{.,k}) / (std_g r_{.,k} + eps) over the samples whose component
+    k is not NaN (a NaN component contributes 0 to its sample's sum; a component with < 2 valid
+    values in a group contributes 0); A_pre_i = sum_k w_k A_hat_{i,k}; A = (A_pre - mean) /
+    (std + eps) over the batch's valid samples in groups with >= 2 valid samples (unbiased stds).
+    """
+    eps = _check_eps("gdpo", eps)
+    r2 = _as_float(rewards)
+    if r2.dim() == 1:
+        r2 = r2[:, None]
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    w = _weights(weights, r2.shape[1], r2)
+    comp_valid = torch.isfinite(r2) & valid[:, None]
+    n_k, mean_k, sd_k = _group_stats(r2, comp_valid, gid, n_groups)
+    comp_ok = comp_valid & (n_k[gid] >= 2)
+    centered = torch.where(comp_ok, r2 - mean_k[gid], torch.zeros_like(r2))
+    a_hat = torch.where(comp_ok, _safe_div(centered, sd_k[gid] + eps), torch.zeros_like(r2))
+    a_pre = (a_hat * w).sum(dim=1)
+    n, _, _ = _group_stats(r, valid, gid, n_groups)
+    eligible = valid & (n[gid] >= 2)
+    return _whiten(a_pre, eligible, eps)
+
+
+def _mc_grpo_core(rewards: Tensor, group: Tensor, weights: Weights, mad_eps: float) -> tuple[Tensor, Tensor]:
+    """Shared by mc_grpo and its loss mask: (advantages Float[B], keep Bool[B])."""
+    if not mad_eps > 0:
+        raise ValueError(f"mc_grpo: mad_eps must be > 0, got {mad_eps!r}")
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    batch = r.shape[0]
+    zero = torch.zeros_like(r)
+    med, n = _group_lower_median(r, valid, gid, n_groups)
+    dev = torch.where(valid, (r - med[gid]).abs(), zero)
+    mad, _ = _group_lower_median(dev, valid, gid, n_groups)
+    mad = mad + mad_eps
+    ng = n[gid]
+    eligible = valid & (ng >= 2)
+    adv = torch.where(eligible, (r - med[gid]) / mad[gid], zero)
+    # rescale the non-zero advantages of each group by (#valid samples) / (#non-zero advantages)
+    nonzero = adv.abs() > _MC_ZERO_ATOL
+    nnz = _seg_sum(nonzero.long(), gid, n_groups)
+    scale = n.to(r.dtype) / nnz.clamp(min=1).to(r.dtype)
+    adv = torch.where(nonzero, adv * scale[gid], adv)
+    # pivot: lowest-index valid sample whose reward equals the median; for a group without valid
+    # samples, its lowest-index sample (so that every group drops exactly one sample)
+    idx = torch.arange(batch, device=r.device)
+    sentinel = torch.full((n_groups,), batch, dtype=torch.long, device=r.device)
+    at_median = valid & (r == med[gid])
+    pivot = sentinel.scatter_reduce(0, gid, torch.where(at_median, idx, batch), "amin")
+    first = sentinel.scatter_reduce(0, gid, idx, "amin")
+    pivot = torch.where(pivot == batch, first, pivot)
+    keep = torch.ones(batch, dtype=torch.bool, device=r.device)
+    keep[pivot] = False
+    return adv, keep
+
+
+def _mc_grpo_loss_mask(
+    rewards: Tensor, group: Tensor, *, weights: Weights = None, mad_eps: float = 1e-3
+) -> Tensor:
+    """Bool[B]: False for the one pivot (median) sample of each group, True elsewhere."""
+    return _mc_grpo_core(rewards, group, weights, mad_eps)[1]
+
+
+@register("mc_grpo", extra_samples=1, loss_sample_mask=_mc_grpo_loss_mask)
+def mc_grpo(rewards: Tensor, group: Tensor, *, weights: Weights = None, mad_eps: float = 1e-3) -> Tensor:
+    """MC-GRPO: median-centred, MAD-scaled advantages on G+1 samples; the median (pivot) sample is dropped.
+
+    Per group, over its n valid samples (normally n = G+1, odd):
+    m = median r; MAD = median |r - m| + mad_eps (1e-3); A_i = (r_i - m) / MAD; then every
+    non-zero advantage (|A| > 1e-6) is multiplied by n / #non-zero, i.e. (G+1)/#non-zero for a
+    full group. The pivot, exactly one sample per group, is excluded from the loss via the
+    registry metadata ``loss_sample_mask`` (see :func:`loss_sample_mask`); the rollout draws
+    ``extra_samples=1`` sample per prompt on top of G.
+
+    Details (as in the authors' code, lotusroot-kim/MC-GRPO, which uses ``torch.median``):
+
+    - "median" is the LOWER median, the ((n-1)//2)-th smallest value. For odd n it is the usual
+      median; for even n it is the smaller of the two middle values (not their average), so the
+      median is always an actual sample's reward and the pivot has advantage exactly 0. The MAD
+      uses the lower median too.
+    - The rescale counts the pivot among the n samples (n / #non-zero, computed before the pivot
+      is dropped), as the reference code does. Samples tied with the median also have A = 0 and
+      stay in the loss with zero advantage.
+    - The pivot is the lowest-index sample whose reward equals the median. A group with no valid
+      sample drops its lowest-index sample; all its advantages are 0.
+    - NaN-reward samples and groups with < 2 valid samples get 0 (the shared convention).
+    - With binary rewards the MAD is usually 0, so MAD = mad_eps and |A| is ~1/mad_eps (1000) times
+      the rescale: faithful to the reference (Adam is nearly invariant to that global scale), but
+      consider ``adv_clip`` or a larger ``mad_eps`` with other optimizers.
+    """
+    return _mc_grpo_core(rewards, group, weights, mad_eps)[0]
+
+
+@register("ngrpo")
+def ngrpo(
+    rewards: Tensor,
+    group: Tensor,
+    *,
+    weights: Weights = None,
+    k: int = 1,
+    r_max: float = 1.0,
+    eps: float = 1e-6,
+) -> Tensor:
+    """NGRPO: GRPO statistics over the group plus k virtual samples of reward r_max (all-wrong groups < 0).
+
+    mu' and sigma' are the mean and unbiased std of the n valid rewards together with k copies of
+    ``r_max`` (as ``torch.std`` in the authors' code); A_i = (r_i - mu') / (sigma' + eps), eps = 1e-6.
+    Pair with asymmetric clipping (eps_low 0.16, eps_high 0.24). Groups with < 2 real valid
+    samples still get 0, like every estimator here.
+    """
+    if isinstance(k, bool) or int(k) != k or k < 0:
+        raise ValueError(f"ngrpo: k must be an integer >= 0, got {k!r}")
+    eps = _check_eps("ngrpo", eps)
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    zero = torch.zeros_like(r)
+    n = _seg_sum(valid.to(r.dtype), gid, n_groups)
+    total = _seg_sum(torch.where(valid, r, zero), gid, n_groups)
+    n_aug = n + k
+    mean = (total + k * r_max) / n_aug.clamp(min=1)
+    dev = torch.where(valid, r - mean[gid], zero)
+    ss = _seg_sum(dev * dev, gid, n_groups) + k * (r_max - mean) ** 2
+    sd = (ss / (n_aug - 1).clamp(min=1)).sqrt()
+    eligible = valid & (n[gid] >= 2)
+    adv = _safe_div(r - mean[gid], sd[gid] + eps)
+    return torch.where(eligible, adv, zero)
+
+
+@register("pass_at_k")
+def pass_at_k(
+    rewards: Tensor, group: Tensor, *, weights: Weights = None, normalize: bool = False, eps: float = 1e-4
+) -> Tensor:
+    """Pass@k: only the group's best sample gets (its reward - the second-best reward); all others get 0.
+
+    If the two best rewards of a group are equal (a tie for first) every sample of the group gets
+    0. ``normalize=True`` divides by the group's unbiased std + eps.
+    """
+    eps = _check_eps("pass_at_k", eps)
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    zero = torch.zeros_like(r)
+    neg_inf = torch.full_like(r, float("-inf"))
+    init = torch.full((n_groups,), float("-inf"), dtype=r.dtype, device=r.device)
+    top = init.scatter_reduce(0, gid, torch.where(valid, r, neg_inf), "amax")
+    at_top = valid & (r == top[gid])
+    n_top = _seg_sum(at_top.long(), gid, n_groups)
+    second = init.scatter_reduce(0, gid, torch.where(valid & ~at_top, r, neg_inf), "amax")
+    n, _, sd = _group_stats(r, valid, gid, n_groups)
+    best = at_top & (n_top[gid] == 1) & (n[gid] >= 2)
+    gap = torch.where(best, top[gid] - torch.where(best, second[gid], zero), zero)
+    if normalize:
+        gap = _safe_div(gap, sd[gid] + eps)
+    return torch.where(best, gap, zero)
+
+
+@register("a_grae")
+def a_grae(
+    rewards: Tensor,
+    group: Tensor,
+    *,
+    weights: Weights = None,
+    progress: float = 0.0,
+    beta_pos_start: float = 0.6,
+    beta_pos_end: float = 0.9,
+    difficulty_strength: float = 0.5,
+    eps: float = 1e-4,
+) -> Tensor:
+    """A-GRAE (our design from the paper's description): GRPO, damped positives, easy->hard group weights.
+
+    Our design from the description in "Unveiling Implicit Advantage Symmetry" (A-GRAE); the paper's
+    exact schedule is not reproduced. With p = ``progress`` in [0, 1] (fraction of training done):
+
+    1. A = grpo advantages (group std, ``eps``).
+    2. Asymmetric suppression: positive advantages are multiplied by
+       beta_pos(p) = beta_pos_start + (beta_pos_end - beta_pos_start) * p (each in (0, 1]).
+    3. Difficulty weight per group: e_g = the group's mean valid reward, min-max normalised over the
+       groups of the batch that have >= 2 valid samples (e_g = 0.5 when they all have the same mean);
+       e_g = 1 is the easiest group. w_g = 1 + s * (1 - 2p) * (2 e_g - 1), s = ``difficulty_strength``
+       in [0, 1]: at p = 0 easy groups weigh 1 + s and hard ones 1 - s, at p = 0.5 all weigh 1,
+       at p = 1 hard groups weigh 1 + s and easy ones 1 - s.
+
+    A_i = w_g * (beta_pos(p) if A_i > 0 else 1) * A_i.
+    """
+    if not 0.0 <= progress <= 1.0:
+        raise ValueError(f"a_grae: progress must be in [0, 1], got {progress!r}")
+    for label, beta in (("beta_pos_start", beta_pos_start), ("beta_pos_end", beta_pos_end)):
+        if not 0.0 < beta <= 1.0:
+            raise ValueError(f"a_grae: {label} must be in (0, 1], got {beta!r}")
+    if not 0.0 <= difficulty_strength <= 1.0:
+        raise ValueError(f"a_grae: difficulty_strength must be in [0, 1], got {difficulty_strength!r}")
+    base = grpo(rewards, group, weights=weights, std="group", eps=eps)
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    n, mean, _ = _group_stats(r, valid, gid, n_groups)
+    ok = n >= 2
+    inf = torch.full_like(mean, float("inf"))
+    sentinel = mean.new_full((1,), float("inf"))  # keeps min/max defined for an empty batch
+    lo = torch.cat([torch.where(ok, mean, inf), sentinel]).min()
+    hi = torch.cat([torch.where(ok, mean, -inf), -sentinel]).max()
+    span = hi - lo
+    has_span = ok.any() & (span > 0)
+    easiness = torch.where(has_span, (mean - lo) / torch.where(has_span, span, torch.ones_like(span)), 0.5)
+    easiness = torch.where(ok, easiness, torch.full_like(easiness, 0.5))
+    weight = 1.0 + difficulty_strength * (1.0 - 2.0 * progress) * (2.0 * easiness - 1.0)
+    beta_pos = beta_pos_start + (beta_pos_end - beta_pos_start) * progress
+    adv = torch.where(base > 0, base * beta_pos, base) * weight[gid]
+    return torch.where(valid & (n[gid] >= 2), adv, torch.zeros_like(adv))

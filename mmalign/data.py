@@ -1,0 +1,131 @@
+"""Prompt data: JSONL files (or Hugging Face datasets) and a resumable prompt sampler.
+
+Every row is a dict; all of its columns travel with the samples to the rewards. The prompt
+text is made from the row with a format template (``"{question}"`` by default) and stored
+under the key ``prompt``; a row that already has a ``prompt`` column keeps it when the template
+is the default.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from string import Formatter
+from typing import Any
+
+import torch
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file and line."""
+
+
+def load_jsonl(path: str | Path, max_rows: int | None = None) -> list[dict[str, Any]]:
+    """Read a JSONL file; a malformed line raises DataError naming `path:line`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    rows: list[dict[str, Any]] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
+            row["_source"] = f"{path}:{lineno}"
+            rows.append(row)
+            if max_rows is not None and len(rows) >= max_rows:
+                break
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def load_hf_dataset(spec: str, max_rows: int | None = None) -> list[dict[str, Any]]:
+    """`hf:<name>[:<split>]` (a hub id or a local `save_to_disk` folder) -> list of rows."""
+    parts = spec.split(":")
+    name = parts[1]
+    split = parts[2] if len(parts) > 2 else "train"
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - optional dependency
+        raise DataError(f"{spec}: the `datasets` package is needed for hf: data sources") from e
+    ds = datasets.load_from_disk(name) if Path(name).is_dir() else datasets.load_dataset(name, split=split)
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds[split]
+    rows = []
+    for i, row in enumerate(ds):
+        row = dict(row)
+        row["_source"] = f"{spec}[{i}]"
+        rows.append(row)
+        if max_rows is not None and len(rows) >= max_rows:
+            break
+    return rows
+
+
+def add_prompts(rows: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """Set ``row["prompt"] = template.format(**row)``; a missing column is a DataError naming the row."""
+    fields = {f for _, f, _, _ in Formatter().parse(template) if f}
+    if template == "{question}" and all("prompt" in r for r in rows) and not all("question" in r for r in rows):
+        return rows
+    for row in rows:
+        missing = [f for f in fields if f.split(".")[0].split("[")[0] not in row]
+        if missing:
+            raise DataError(
+                f"{row.get('_source', '?')}: column(s) {missing} used by data.prompt_template are missing "
+                f"(row has: {sorted(k for k in row if not k.startswith('_'))})"
+            )
+        row["prompt"] = template.format(**row)
+    return rows
+
+
+def load_rows(source: str, template: str = "{question}", max_rows: int | None = None) -> list[dict[str, Any]]:
+    rows = load_hf_dataset(source, max_rows) if source.startswith("hf:") else load_jsonl(source, max_rows)
+    return add_prompts(rows, template)
+
+
+class PromptSampler:
+    """Yields rows in shuffled epochs; its position is part of checkpoints, so resume is exact."""
+
+    def __init__(self, num_rows: int, seed: int = 0, shuffle: bool = True) -> None:
+        if num_rows < 1:
+            raise ValueError("PromptSampler needs at least one row")
+        self.num_rows = num_rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.num_rows, generator=g).tolist()
+
+    def next_indices(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            if self.position >= self.num_rows:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._make_order()
+            take = min(n - len(out), self.num_rows - self.position)
+            out.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": self.num_rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_rows"] != self.num_rows:
+            raise ValueError(
+                f"the checkpoint's sampler saw {state['num_rows']} rows but the data now has {self.num_rows}"
+            )
+        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+        self._order = self._make_order()

@@ -1,0 +1,342 @@
+"""Text policy: any Hugging Face causal LM (hub id or local folder), one action = one token.
+
+- Rollouts use ``model.generate`` (temperature, top-p, top-k, max new tokens, stop strings).
+- Per-token log-probs are recomputed with grad from one forward pass over prompt + completion,
+  with the logits divided by the sampling temperature (the distribution that was sampled).
+- The action mask covers the completion up to and including the EOS token or the last token of
+  a stop string; everything after (padding) is masked out.
+- LoRA through peft (the reference model is then the same network with the adapter disabled), or
+  full fine-tuning (a frozen copy serves as reference, made only when a KL penalty is used).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from mmalign.batch import Rollout
+from mmalign.config import LoraConfig
+from mmalign.policies.base import ActionStats
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
+    """log_softmax(logits)[..., index] without materialising the full log-softmax (fp32)."""
+    logits = logits.float()
+    picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def completion_mask(completion_ids: Tensor, eos_ids: list[int], stop_lengths: Tensor | None = None) -> Tensor:
+    """Bool[B,T]: tokens up to and including the first EOS (or the end given by `stop_lengths`)."""
+    b, t = completion_ids.shape
+    lengths = torch.full((b,), t, dtype=torch.long, device=completion_ids.device)
+    if eos_ids:
+        is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+        has = is_eos.any(dim=1)
+        first = is_eos.int().argmax(dim=1)
+        lengths = torch.where(has, first + 1, lengths)
+    if stop_lengths is not None:
+        lengths = torch.minimum(lengths, stop_lengths)
+    return torch.arange(t, device=completion_ids.device)[None, :] < lengths[:, None]
+
+
+class TextPolicy:
+    """A causal language model as a GRPO policy. See the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_strings: list[str] | None = None,
+        use_chat_template: bool = False,
+        system_prompt: str | None = None,
+        generation_batch_size: int | None = None,
+        need_reference: bool = False,
+        lora: bool = False,
+    ) -> None:
+        self.model = model
+        self.forward_model = model
+        """What `evaluate` runs (the trainer swaps in the DDP-wrapped model; generation uses `model`)."""
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.stop_strings = list(stop_strings or [])
+        self.use_chat_template = use_chat_template
+        self.system_prompt = system_prompt
+        self.generation_batch_size = generation_batch_size
+        self.lora = lora
+        self.ref_model: torch.nn.Module | None = None
+        if need_reference and not lora:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        eos = tokenizer.eos_token_id
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        ids = {eos} if eos is not None else set()
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif isinstance(gen_eos, list):
+            ids.update(gen_eos)
+        self.eos_ids = sorted(ids)
+        self._prompt_cache: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        dtype: str = "float32",
+        lora: LoraConfig | None = None,
+        gradient_checkpointing: bool = False,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+        need_reference: bool = False,
+        **kwargs: Any,
+    ) -> TextPolicy:
+        """Load model and tokenizer with `from_pretrained` (hub id or local path); wrap LoRA if enabled."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        load_kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "trust_remote_code": trust_remote_code}
+        if attn_implementation:
+            load_kwargs["attn_implementation"] = attn_implementation
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, **load_kwargs)
+        except OSError as e:
+            raise OSError(
+                f"cannot load the model {name_or_path!r} (config key model.name_or_path): {e}"
+            ) from e
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        use_lora = bool(lora and lora.enabled)
+        if use_lora:
+            from peft import LoraConfig as PeftLoraConfig
+            from peft import get_peft_model
+
+            assert lora is not None
+            peft_cfg = PeftLoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, peft_cfg)
+        return cls(model, tokenizer, need_reference=need_reference, lora=use_lora, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ------------------------------------------------------------------ prompts
+    def format_prompt(self, prompt: str) -> str:
+        if not self.use_chat_template:
+            return prompt
+        messages = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": self.system_prompt})
+        messages.append({"role": "user", "content": prompt})
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        """Left-padded prompt ids and attention mask; each distinct prompt is tokenized once."""
+        seqs = []
+        for p in prompts:
+            ids = self._prompt_cache.get(p)
+            if ids is None:
+                ids = self.tokenizer(self.format_prompt(p), add_special_tokens=not self.use_chat_template)["input_ids"]
+                if len(self._prompt_cache) < 100_000:
+                    self._prompt_cache[p] = ids
+            seqs.append(ids)
+        width = max(len(s) for s in seqs)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        att = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            att[i, width - len(s) :] = 1
+        return ids, att
+
+    # ------------------------------------------------------------------ rollout
+    @torch.no_grad()
+    def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
+        """Sample `group_size` completions for each row's ``prompt`` (see `Policy.rollout`)."""
+        prompts = [str(r["prompt"]) for r in rows for _ in range(group_size)]
+        group = torch.arange(len(rows)).repeat_interleave(group_size)
+        columns: dict[str, list[Any]] = {}
+        for key in rows[0]:
+            columns[key] = [r.get(key) for r in rows for _ in range(group_size)]
+
+        chunk = self.generation_batch_size or len(prompts)
+        was_training = self.model.training
+        self.model.eval()
+        parts: list[tuple[Tensor, Tensor, Tensor]] = []
+        bar = tqdm(total=len(prompts), desc="rollout", leave=False, disable=len(prompts) <= chunk)
+        for start in range(0, len(prompts), chunk):
+            part = prompts[start : start + chunk]
+            parts.append(self._generate(part))
+            bar.update(len(part))
+        bar.close()
+        if was_training:
+            self.model.train()
+
+        p_width = max(p[0].shape[1] for p in parts)
+        c_width = max(p[2].shape[1] for p in parts)
+        pad = self.tokenizer.pad_token_id
+        prompt_ids = torch.cat([_pad_left(p[0], p_width, pad) for p in parts])
+        prompt_mask = torch.cat([_pad_left(p[1], p_width, 0) for p in parts])
+        completion_ids = torch.cat([_pad_right(p[2], c_width, pad) for p in parts])
+        stop_lengths = self._stop_lengths(completion_ids) if self.stop_strings else None
+        mask = completion_mask(completion_ids, self.eos_ids, stop_lengths)
+        completion_ids = completion_ids.masked_fill(~mask, pad)
+        num_tokens = mask.sum(dim=1)
+        ends_with_eos = torch.zeros(len(prompts), dtype=torch.bool)
+        if self.eos_ids:
+            last = completion_ids.gather(1, (num_tokens - 1).clamp(min=0)[:, None]).squeeze(1)
+            ends_with_eos = torch.isin(last, torch.tensor(self.eos_ids)) & (num_tokens > 0)
+        stopped = ends_with_eos if stop_lengths is None else ends_with_eos | (stop_lengths <= num_tokens)
+        texts = self.tokenizer.batch_decode(
+            [ids[:n].tolist() for ids, n in zip(completion_ids, num_tokens.tolist(), strict=True)],
+            skip_special_tokens=True,
+        )
+        rollout = Rollout(
+            group=group,
+            mask=mask,
+            prompts=prompts,
+            columns=columns,
+            outputs={"texts": texts, "num_tokens": num_tokens, "truncated": ~stopped},
+            payload={"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids},
+        )
+        if compute_logp:
+            rollout.logp_old = self._logprobs(self.model, rollout, grad=False)
+        return rollout
+
+    def _generate(self, prompts: list[str]) -> tuple[Tensor, Tensor, Tensor]:
+        ids, att = self._encode_prompts(prompts)
+        ids, att = ids.to(self.device), att.to(self.device)
+        kwargs: dict[str, Any] = {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "eos_token_id": self.eos_ids or None,
+        }
+        if self.stop_strings:
+            kwargs["stop_strings"] = self.stop_strings
+            kwargs["tokenizer"] = self.tokenizer
+        out = self.model.generate(input_ids=ids, attention_mask=att, **kwargs)
+        return ids.cpu(), att.cpu(), out[:, ids.shape[1] :].cpu()
+
+    def _stop_lengths(self, completion_ids: Tensor) -> Tensor:
+        """Per row, the number of tokens up to the end of the first stop string (T if none)."""
+        b, t = completion_ids.shape
+        out = torch.full((b,), t, dtype=torch.long)
+        for i in range(b):
+            text = ""
+            for j in range(t):
+                text += self.tokenizer.decode([int(completion_ids[i, j])], skip_special_tokens=False)
+                if any(s in text for s in self.stop_strings):
+                    out[i] = j + 1
+                    break
+        return out
+
+    # ------------------------------------------------------------------ log-probs
+    def _logprobs(self, model: torch.nn.Module, rollout: Rollout, *, grad: bool) -> Tensor:
+        p = rollout.payload
+        prompt_ids, prompt_mask = p["prompt_ids"].to(self.device), p["prompt_mask"].to(self.device)
+        completion_ids = p["completion_ids"].to(self.device)
+        mask = rollout.mask.to(self.device)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention = torch.cat([prompt_mask, mask.long()], dim=1)
+        position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        t = completion_ids.shape[1]
+        with torch.set_grad_enabled(grad):
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=position_ids,
+                logits_to_keep=t + 1,
+                use_cache=False,
+            )
+            logits = out.logits[:, -t - 1 : -1, :]
+            if self.temperature != 1.0:
+                logits = logits / self.temperature
+            logp = selective_log_softmax(logits, completion_ids)
+        return logp.masked_fill(~mask, 0.0)
+
+    def evaluate(self, rollout: Rollout) -> ActionStats:
+        """Per-token log-probs of the stored completions, with grad."""
+        return ActionStats(logp=self._logprobs(self.forward_model, rollout, grad=True))
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout) -> Tensor:
+        """Log-probs under the reference: the adapter disabled (LoRA) or the frozen copy."""
+        if self.lora:
+            with self.model.disable_adapter():
+                return self._logprobs(self.model, rollout, grad=False)
+        if self.ref_model is None:
+            raise RuntimeError("no reference model: construct TextPolicy with need_reference=True")
+        return self._logprobs(self.ref_model, rollout, grad=False)
+
+    # ------------------------------------------------------------------ weights
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def load_trainable_state_dict(self, state: dict[str, Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        missing = [n for n, p in params.items() if p.requires_grad and n not in state]
+        unknown = [n for n in state if n not in params]
+        if missing or unknown:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unknown[:5]}")
+        with torch.no_grad():
+            for n, v in state.items():
+                params[n].copy_(v)
+
+    def save(self, path: str | Path) -> None:
+        """`save_pretrained` of the adapter (LoRA) or the whole model, plus the tokenizer."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    def save_trainable(self, path: str | Path) -> None:
+        save_file({k: v.contiguous() for k, v in self.trainable_state_dict().items()}, str(path))
+
+
+def _pad_left(x: Tensor, width: int, value: int) -> Tensor:
+    if x.shape[1] == width:
+        return x
+    pad = torch.full((x.shape[0], width - x.shape[1]), value, dtype=x.dtype)
+    return torch.cat([pad, x], dim=1)
+
+
+def _pad_right(x: Tensor, width: int, value: int) -> Tensor:
+    if x.shape[1] == width:
+        return x
+    pad = torch.full((x.shape[0], width - x.shape[1]), value, dtype=x.dtype)
+    return torch.cat([x, pad], dim=1)

@@ -1,0 +1,578 @@
+"""GroupTrainer: rollout -> reward -> advantage -> filter -> update, on accelerate.
+
+One loop serves every policy (text, VLM, diffusion): the policy turns prompts into a `Rollout`
+of actions with log-probs, the reward set scores the samples, an estimator from
+`mmalign.advantages` turns rewards into group-relative advantages, a filter from
+`mmalign.filters` keeps informative groups, and a loss from `mmalign.losses` updates the policy.
+
+Distributed runs: every process samples its own share of the prompts (whole groups, never
+split), rewards are gathered from all processes before advantages are computed, so N processes
+give the same advantages as one. Loss normalisers (token counts, sequence counts) are global.
+
+Run directory (``output_dir``): ``config.yaml``, ``metrics.jsonl`` (one JSON object per step),
+``samples/step_XXXXXX.jsonl`` (prompts, outputs, each reward, advantage), ``checkpoints/step_XXXXXX/``
+(trainable weights, optimizer, scheduler, RNG of each process, sampler and filter state) and
+``final/`` (the trained model or adapter, `from_pretrained`-loadable).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from mmalign import advantages as adv_lib
+from mmalign import filters as filter_lib
+from mmalign import losses as loss_lib
+from mmalign.batch import Rollout
+from mmalign.config import Config, ConfigError
+from mmalign.data import PromptSampler
+from mmalign.registry import RegistryError
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "step_"
+
+
+class TrainingError(RuntimeError):
+    """Training stopped; the message says at which step and what was kept."""
+
+
+def _check_registry(cfg: Config, key: str, registry_get: Any, name: str) -> None:
+    try:
+        registry_get(name)
+    except RegistryError as e:
+        raise ConfigError(f"{cfg.source}: key '{key}': {e}") from None
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint folder in `output_dir/checkpoints`, or None."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / "COMPLETE").exists()]
+    if not done:
+        return None
+    return max(done, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
+
+
+class GroupTrainer:
+    """The training loop shared by every pipeline. See the module docstring."""
+
+    def __init__(self, cfg: Config, components: Any, *, resume: bool = False, accelerator: Any = None) -> None:
+        from accelerate import Accelerator
+
+        self.cfg = cfg
+        self.policy = components.policy
+        self.reward_set = components.rewards
+        self.rows = components.data
+        self.callbacks = list(components.callbacks)
+        self.accelerator = accelerator or Accelerator(cpu=cfg.trainer.cpu, mixed_precision=cfg.trainer.mixed_precision)
+        acc = self.accelerator
+        self.world = acc.num_processes
+        self.rank = acc.process_index
+        self.is_main = acc.is_main_process
+        self.out = Path(cfg.output_dir)
+        a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
+
+        # ---- registry names are checked up front, with the config key in the message
+        _check_registry(cfg, "algorithm.estimator", adv_lib.get, a.estimator)
+        _check_registry(cfg, "algorithm.loss", loss_lib.get, a.loss)
+        _check_registry(cfg, "algorithm.loss_agg", loss_lib.AGGREGATIONS.get, a.loss_agg)
+        _check_registry(cfg, "algorithm.kl_estimator", loss_lib.KL_ESTIMATORS.get, a.kl_estimator)
+        _check_registry(cfg, "algorithm.filter", filter_lib.get, a.filter)
+        if r.prompts_per_step % self.world:
+            raise ConfigError(
+                f"{cfg.source}: key 'rollout.prompts_per_step' ({r.prompts_per_step}) must be divisible by "
+                f"the number of processes ({self.world})"
+            )
+        self.estimator = adv_lib.get(a.estimator)
+        self.extra_samples = adv_lib.extra_samples(a.estimator)
+        self.loss_fn = loss_lib.get(a.loss)
+        try:
+            self.group_filter = filter_lib.build_filter(a.filter, **a.filter_kwargs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{cfg.source}: key 'algorithm.filter_kwargs': {e}") from None
+
+        self.local_prompts = r.prompts_per_step // self.world
+        self.samples_per_group = r.group_size + self.extra_samples
+        local_batch = self.local_prompts * self.samples_per_group
+        self.minibatch = (t.minibatch_size // self.world) if t.minibatch_size else None
+        self.microbatch = t.microbatch_size or self.minibatch or local_batch
+        if t.minibatch_size and t.minibatch_size % self.world:
+            raise ConfigError(f"{cfg.source}: key 'trainer.minibatch_size' must be divisible by the number of processes")
+        updates_per_pass = math.ceil(local_batch / self.minibatch) if self.minibatch else 1
+        # logp_old is needed when the weights change between updates on one rollout
+        self.need_logp_old = t.num_iterations > 1 or updates_per_pass > 1 or a.filter == "replay"
+
+        # ---- optimisation
+        params = self.policy.trainable_parameters()
+        if not params:
+            raise ConfigError(f"{cfg.source}: the policy has no trainable parameters (check model.lora)")
+        self.optimizer = torch.optim.AdamW(
+            params, lr=t.lr, betas=tuple(t.betas), eps=t.adam_eps, weight_decay=t.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+        self.policy.forward_model, self.optimizer = acc.prepare(self.policy.model, self.optimizer)
+        self.sampler = PromptSampler(len(self.rows), seed=cfg.seed, shuffle=cfg.data.shuffle)
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7919)
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        set_seed(cfg.seed + 1000 * self.rank)
+        self._prepare_output_dir(resume)
+
+    # ----------------------------------------------------------------- set-up
+    def _lr_lambda(self, step: int) -> float:
+        t = self.cfg.trainer
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_scheduler == "constant":
+            return 1.0
+        span = max(1, t.steps - t.warmup_steps)
+        frac = min(1.0, (step - t.warmup_steps) / span)
+        if t.lr_scheduler == "linear":
+            return 1.0 - frac
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    def _prepare_output_dir(self, resume: bool) -> None:
+        metrics = self.out / "metrics.jsonl"
+        if resume:
+            ckpt = latest_checkpoint(self.out)
+            if ckpt is None:
+                raise ConfigError(
+                    f"--resume: no complete checkpoint in {self.out / 'checkpoints'}; run without --resume"
+                )
+            self.load_checkpoint(ckpt)
+            if self.is_main and metrics.exists():  # drop metrics of steps after the checkpoint
+                kept = [ln for ln in metrics.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
+                metrics.write_text("".join(ln + "\n" for ln in kept))
+        elif metrics.exists() and metrics.stat().st_size > 0 and not self.cfg.overwrite:
+            raise ConfigError(
+                f"output_dir {self.out} already holds a run (metrics.jsonl). Continue it with --resume, "
+                f"choose another output_dir=..., or pass overwrite=true to replace it"
+            )
+        elif self.is_main and self.cfg.overwrite:
+            for name in ("metrics.jsonl", "samples", "checkpoints", "final"):
+                p = self.out / name
+                if p.is_dir():
+                    shutil.rmtree(p)
+                elif p.exists():
+                    p.unlink()
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        self.accelerator.wait_for_everyone()
+
+    # ----------------------------------------------------------------- rollout
+    def _gather(self, x: Tensor) -> Tensor:
+        return self.accelerator.gather(x.contiguous()) if self.world > 1 else x
+
+    def _generate_round(self) -> tuple[Rollout, Tensor, Tensor]:
+        """One round of sampling on this process; returns (local rollout, global rewards, global groups)."""
+        idx = self.sampler.next_indices(self.cfg.rollout.prompts_per_step)
+        mine = idx[self.rank * self.local_prompts : (self.rank + 1) * self.local_prompts]
+        rows = [self.rows[i] for i in mine]
+        rollout = self.policy.rollout(rows, self.samples_per_group, compute_logp=self.need_logp_old)
+        # global group ids: position of the prompt in this step's global list, offset per round
+        offset = self._round * self.cfg.rollout.prompts_per_step + self.rank * self.local_prompts
+        rollout.group = rollout.group + offset
+        self._round += 1
+        t0 = time.perf_counter()
+        rewards = self.reward_set(rollout).to(rollout.group.device)
+        self._timers["reward"] += time.perf_counter() - t0
+        rollout.rewards = rewards
+        rollout.reward_names = list(self.reward_set.names)
+        return rollout, self._gather(rewards), self._gather(rollout.group)
+
+    def compute_advantages(self, rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
+        """Advantages and loss-sample mask of the GLOBAL batch (identical on every process)."""
+        a = self.cfg.algorithm
+        weights = self.reward_set.weights.tolist()
+        opts = dict(a.estimator_kwargs)
+        if rewards.dim() == 2:
+            opts.setdefault("weights", weights)
+        try:
+            adv = self.estimator(rewards, group, **opts)
+            keep = adv_lib.loss_sample_mask(a.estimator, rewards, group, **opts)
+        except TypeError as e:
+            raise ConfigError(f"{self.cfg.source}: key 'algorithm.estimator_kwargs': {e}") from None
+        return adv_lib.clip_advantages(adv, a.adv_clip), keep
+
+    def _local_slice(self, x: Tensor, n_local: int) -> Tensor:
+        return x[self.rank * n_local : (self.rank + 1) * n_local]
+
+    def make_rollout(self) -> tuple[Rollout, dict[str, float]]:
+        """Sample, score, compute advantages and filter until the batch is full (or rounds run out)."""
+        self._round = 0
+        f = self.group_filter
+        rounds = f.max_rounds if f.resample else 1
+        kept: list[Rollout] = []
+        first_stats: dict[str, float] = {}
+        all_rewards, all_groups, all_prompts = [], [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            rollout, g_rewards, g_group = self._generate_round()
+            self._timers["rollout"] += time.perf_counter() - t0 - 0.0
+            adv, keep = self.compute_advantages(g_rewards, g_group)
+            n_local = len(rollout)
+            rollout.advantages = self._local_slice(adv, n_local).to(rollout.mask.device)
+            keep_local = self._local_slice(keep, n_local)
+            if not bool(keep_local.all()):
+                rollout.mask = rollout.mask & keep_local[:, None].to(rollout.mask.device)
+            scores = adv_lib.combine_rewards(rollout.rewards, self.reward_set.weights.tolist())
+            if not first_stats:
+                first_stats = self._reward_metrics(g_rewards, g_group, rollout)
+            all_rewards.append(g_rewards)
+            all_groups.append(g_group)
+            all_prompts.extend(rollout.prompts)
+            kept.append(f(rollout, scores))
+            n_groups = sum(len(k.group_ids()) for k in kept)
+            counts = self._gather(torch.tensor([n_groups]))
+            if int(counts.min()) >= self.local_prompts:
+                break
+        batch = Rollout.cat(kept)
+        # every process trains on the same number of groups (DDP needs matching backward calls)
+        n_groups = len(batch.group_ids())
+        n_min = int(self._gather(torch.tensor([n_groups])).min())
+        n_use = min(n_min, self.local_prompts)
+        if n_use < n_groups:
+            batch = batch.select_groups(batch.group_ids()[:n_use])
+        stats = dict(first_stats)
+        stats.update({k: float(v) for k, v in f.last_stats().items()})
+        stats["filter/rounds"] = float(self._round)
+        stats["filter/groups_used"] = float(n_use * self.world)
+        return batch, stats
+
+    def _reward_metrics(self, g_rewards: Tensor, g_group: Tensor, rollout: Rollout) -> dict[str, float]:
+        weights = self.reward_set.weights.tolist()
+        total = adv_lib.combine_rewards(g_rewards, weights)
+        finite = total[~torch.isnan(total)]
+        m: dict[str, float] = {
+            "reward/mean": float(finite.mean()) if finite.numel() else float("nan"),
+            "reward/std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
+        }
+        m.update(self.reward_set.stats(g_rewards))
+        _, stds = filter_lib.group_std(total, g_group)
+        m["zero_std_frac"] = float((stds == 0).float().mean())
+        nan_groups = self.reward_set.nan_groups(g_rewards, g_group)
+        m["reward/nan_groups"] = float(len(nan_groups))
+        if nan_groups and self.is_main:
+            local = {int(g): p for g, p in zip(rollout.group.tolist(), rollout.prompts, strict=True)}
+            for name, gid in nan_groups[:5]:
+                prompt = local.get(int(gid), "<prompt on another process>")
+                msg = (
+                    f"step {self.step + 1}: reward {name!r} returned NaN (not applicable) for every sample of "
+                    f"group {gid} (prompt: {prompt[:80]!r}); that reward is left out of these samples' total"
+                )
+                tqdm.write(f"warning: {msg}")
+                log.warning(msg)
+            if len(nan_groups) > 5:
+                tqdm.write(f"warning: ... and {len(nan_groups) - 5} more all-NaN (reward, group) pairs")
+        n_tok = rollout.outputs.get("num_tokens")
+        if isinstance(n_tok, Tensor):
+            m["completion_len/mean"] = float(self._gather(n_tok.float().mean().reshape(1)).mean())
+        trunc = rollout.outputs.get("truncated")
+        if isinstance(trunc, Tensor):
+            m["truncated_frac"] = float(self._gather(trunc.float().mean().reshape(1)).mean())
+        return m
+
+    # ----------------------------------------------------------------- update
+    def _global_sum(self, x: float) -> float:
+        if self.world == 1:
+            return x
+        return float(self._gather(torch.tensor([x], dtype=torch.float64)).sum())
+
+    def update(self, batch: Rollout) -> dict[str, float]:
+        """num_iterations passes over `batch`, one optimizer step per minibatch."""
+        cfg, acc = self.cfg, self.accelerator
+        a, t = cfg.algorithm, cfg.trainer
+        if a.kl_coef > 0:
+            batch.logp_ref = self.policy.reference_logprobs(batch).detach()
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, float] = defaultdict(float)
+        n = len(batch)
+        mb_size = self.minibatch or n
+        loss_kwargs = dict(a.loss_kwargs)
+        for _epoch in range(t.num_iterations):
+            order = (
+                torch.randperm(n, generator=self.shuffle_gen).tolist()
+                if t.shuffle_minibatches and t.num_iterations * math.ceil(n / mb_size) > 1
+                else list(range(n))
+            )
+            for start in range(0, n, mb_size):
+                mb = batch[order[start : start + mb_size]]
+                n_tok = self._global_sum(float(mb.mask.sum()))
+                n_seq = self._global_sum(float(len(mb)))
+                micro = list(range(0, len(mb), self.microbatch))
+                for j, ms in enumerate(micro):
+                    mu = mb[list(range(ms, min(ms + self.microbatch, len(mb))))]
+                    ctx = acc.no_sync(self.policy.forward_model) if j < len(micro) - 1 else _nullcontext()
+                    with ctx:
+                        stats = self.policy.evaluate(mu)
+                        logp = stats.logp
+                        logp_old = mu.logp_old if mu.logp_old is not None else logp.detach()
+                        mask = mu.mask.to(logp.device)
+                        out = self.loss_fn(logp, logp_old.to(logp.device), mu.advantages.to(logp.device), mask, **loss_kwargs)
+                        per_token = out.per_token
+                        kl_tok = None
+                        if a.kl_coef > 0:
+                            kl_tok = stats.kl if stats.kl is not None else loss_lib.kl(logp, mu.logp_ref.to(logp.device), a.kl_estimator)
+                            per_token = per_token + a.kl_coef * kl_tok
+                        loss = loss_lib.aggregate(
+                            per_token, mask, a.loss_agg, num_tokens=n_tok, num_seqs=n_seq,
+                            max_len=cfg.rollout.max_new_tokens,
+                        ) * self.world  # DDP averages gradients over processes
+                        acc.backward(loss)
+                    with torch.no_grad():
+                        k = float(mask.sum())
+                        sums["loss"] += float(loss) / self.world
+                        sums["clip_frac"] += float((out.clipped & mask).sum())
+                        sums["approx_kl"] += float(loss_lib.approx_kl(logp, logp_old, mask)) * k
+                        if kl_tok is not None:
+                            sums["kl"] += float((kl_tok * mask).sum())
+                        if stats.entropy is not None:
+                            sums["entropy"] += float((stats.entropy * mask).sum())
+                        counts["tokens"] += k
+                if t.max_grad_norm is not None:
+                    gn = acc.clip_grad_norm_(self.policy.trainable_parameters(), t.max_grad_norm)
+                    sums["grad_norm"] += float(gn)
+                    counts["opt_steps"] += 1
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                counts["updates"] += 1
+        tok = max(counts["tokens"], 1.0)
+        m = {
+            "loss": sums["loss"] / max(counts["updates"], 1),
+            "clip_frac": sums["clip_frac"] / tok,
+            "approx_kl": sums["approx_kl"] / tok,
+        }
+        if a.kl_coef > 0:
+            m["kl"] = sums["kl"] / tok
+        if "entropy" in sums:
+            m["entropy"] = sums["entropy"] / tok
+        if counts["opt_steps"]:
+            m["grad_norm"] = sums["grad_norm"] / counts["opt_steps"]
+        if self.world > 1:
+            vec = self._gather(torch.tensor([m[k] for k in sorted(m)], dtype=torch.float64).reshape(1, -1))
+            m = dict(zip(sorted(m), vec.mean(0).tolist(), strict=True))
+        return m
+
+    # ----------------------------------------------------------------- one step
+    def train_step(self) -> dict[str, Any]:
+        self._timers: dict[str, float] = defaultdict(float)
+        t0 = time.perf_counter()
+        batch, metrics = self.make_rollout()
+        t1 = time.perf_counter()
+        self.policy.model.train()
+        if len(batch):
+            metrics.update(self.update(batch))
+            adv = batch.advantages
+            metrics["adv/abs_mean"] = float(self._gather(adv.abs().mean().reshape(1)).mean())
+        else:
+            tqdm.write(f"step {self.step + 1}: no informative group after filtering; the update is skipped")
+        self.scheduler.step()
+        self.step += 1
+        t2 = time.perf_counter()
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["time/rollout_s"] = self._timers["rollout"] - self._timers["reward"]
+        metrics["time/reward_s"] = self._timers["reward"]
+        metrics["time/update_s"] = t2 - t1
+        metrics["time/step_s"] = t2 - t0
+        self._last_batch = batch
+        return {"step": self.step, **metrics}
+
+    # ----------------------------------------------------------------- run
+    def train(self) -> list[dict[str, Any]]:
+        """Train until `trainer.steps`; returns the metrics of the steps run now."""
+        t = self.cfg.trainer
+        bar = tqdm(
+            total=t.steps, initial=self.step, desc="train", disable=not (self.is_main and t.progress_bar),
+            dynamic_ncols=True,
+        )
+        metrics_f = (self.out / "metrics.jsonl").open("a") if self.is_main else None
+        try:
+            while self.step < t.steps:
+                try:
+                    m = self.train_step()
+                except Exception as e:
+                    ckpt = latest_checkpoint(self.out)
+                    where = f"checkpoint {ckpt.name}" if ckpt else "no checkpoint yet"
+                    raise TrainingError(
+                        f"training stopped at step {self.step + 1}: {e}\n"
+                        f"  kept: metrics of steps 1..{self.step} in {self.out / 'metrics.jsonl'}; {where}"
+                        + (" (continue with --resume)" if ckpt else "")
+                    ) from e
+                self.history.append(m)
+                if metrics_f is not None and (self.step % t.log_every == 0 or self.step == t.steps):
+                    metrics_f.write(json.dumps(_jsonable(m)) + "\n")
+                    metrics_f.flush()
+                    os.fsync(metrics_f.fileno())
+                if self.step % t.sample_every == 0 or self.step == 1:
+                    self.dump_samples(self._last_batch)
+                for cb in self.callbacks:
+                    if hasattr(cb, "on_step_end"):
+                        cb.on_step_end(self, self.step, m)
+                if self.step % t.save_every == 0 or self.step == t.steps:
+                    self.save_checkpoint()
+                bar.set_postfix(reward=f"{m.get('reward/mean', float('nan')):.3f}", step_s=f"{m['time/step_s']:.2f}")
+                bar.update(1)
+        finally:
+            bar.close()
+            if metrics_f is not None:
+                metrics_f.close()
+        if self.is_main:
+            self.policy.save(self.out / "final")
+        self.accelerator.wait_for_everyone()
+        return self.history
+
+    # ----------------------------------------------------------------- samples
+    def dump_samples(self, batch: Rollout) -> None:
+        from accelerate.utils import gather_object
+
+        if not len(batch):
+            return
+        texts = batch.outputs.get("texts") or [None] * len(batch)
+        rows = []
+        adv = batch.advantages
+        for i in range(len(batch)):
+            row: dict[str, Any] = {
+                "group": int(batch.group[i]),
+                "prompt": batch.prompts[i],
+                "output": texts[i],
+                "advantage": float(adv[i].mean()) if adv is not None else None,
+                "rewards": {n: _num(batch.rewards[i, k]) for k, n in enumerate(batch.reward_names)},
+            }
+            for key in ("answer", "solution", "label"):
+                if key in batch.columns:
+                    row[key] = batch.columns[key][i]
+            rows.append(row)
+        if self.world > 1:
+            rows = gather_object(rows)
+        if self.is_main:
+            d = self.out / "samples"
+            d.mkdir(parents=True, exist_ok=True)
+            with (d / f"step_{self.step:06d}.jsonl").open("w") as f:
+                for row in rows:
+                    f.write(json.dumps(_jsonable(row)) + "\n")
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write `checkpoints/step_N/` atomically (a temp folder renamed when complete)."""
+        from safetensors.torch import save_file
+
+        root = self.out / "checkpoints"
+        final = root / f"{CHECKPOINT_PREFIX}{self.step:06d}"
+        tmp = root / f".tmp_{CHECKPOINT_PREFIX}{self.step:06d}"
+        if self.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        torch.save(
+            {"rng": rng_state(), "shuffle_gen": self.shuffle_gen.get_state()}, tmp / f"rng_{self.rank}.pt"
+        )
+        if self.is_main:
+            state = self.policy.trainable_state_dict()
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "trainable.safetensors"))
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(
+                {
+                    "step": self.step,
+                    "sampler": self.sampler.state_dict(),
+                    "filter": self.group_filter.state_dict(),
+                    "callbacks": [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks],
+                    "world_size": self.world,
+                },
+                tmp / "trainer_state.pt",
+            )
+        self.accelerator.wait_for_everyone()
+        if self.is_main:
+            (tmp / "COMPLETE").write_text(str(self.step))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            ckpts = sorted(
+                (p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX)),
+                key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]),
+            )
+            for old in ckpts[: max(0, len(ckpts) - self.cfg.trainer.keep_checkpoints)]:
+                shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def load_checkpoint(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        if state["world_size"] != self.world:
+            raise ConfigError(
+                f"checkpoint {path} was written by {state['world_size']} process(es); resume with the same number "
+                f"(now {self.world})"
+            )
+        self.policy.load_trainable_state_dict(load_file(str(path / "trainable.safetensors")))
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.group_filter.load_state_dict(state["filter"])
+        for cb, s in zip(self.callbacks, state["callbacks"], strict=False):
+            if s is not None and hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(s)
+        rng = torch.load(path / f"rng_{self.rank}.pt", weights_only=False)
+        set_rng_state(rng["rng"])
+        self.shuffle_gen.set_state(rng["shuffle_gen"])
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _num(x: Tensor) -> float | None:
+    v = float(x)
+    return None if math.isnan(v) else v
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if isinstance(obj, Tensor):
+        return _jsonable(obj.tolist())
+    return obj

@@ -1,0 +1,51 @@
+"""Text reasoning: a causal LM trained with GRPO on verifiable answers (GSM8K-style JSONL).
+
+Data: JSONL rows with at least the columns used by ``data.prompt_template`` (``question`` by
+default) and the reference answer column read by the accuracy reward (``answer`` by default);
+every other column reaches the rewards too. Rewards come from the config (``answer_accuracy``,
+``format``, ``overlong`` or any plugin).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mmalign.config import Config
+from mmalign.data import load_rows
+from mmalign.policies.text import TextPolicy
+from mmalign.tiny import ensure_model
+from pipelines import Components, register_pipeline
+from rewards import RewardSet
+
+
+def build_text_policy(cfg: Config) -> TextPolicy:
+    """The `TextPolicy` described by `cfg.model` and `cfg.rollout` (shared by text-generating pipelines)."""
+    m, r = cfg.model, cfg.rollout
+    path = ensure_model(m.name_or_path, m.tiny_builder)
+    return TextPolicy.from_pretrained(
+        path,
+        dtype=m.dtype,
+        lora=m.lora,
+        gradient_checkpointing=m.gradient_checkpointing,
+        attn_implementation=m.attn_implementation,
+        trust_remote_code=m.trust_remote_code,
+        need_reference=cfg.algorithm.kl_coef > 0,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop_strings=r.stop_strings,
+        use_chat_template=m.use_chat_template,
+        system_prompt=m.system_prompt,
+        generation_batch_size=r.batch_size,
+    )
+
+
+@register_pipeline("text_reasoning")
+def build(cfg: Config) -> Any:
+    """Causal LM + verifiable text rewards (accuracy, format, overlong) on JSONL prompts."""
+    rows = load_rows(cfg.data.train, cfg.data.prompt_template, cfg.data.max_rows)
+    eval_rows = load_rows(cfg.data.eval, cfg.data.prompt_template) if cfg.data.eval else None
+    rewards = RewardSet(cfg.rewards)
+    policy = build_text_policy(cfg)
+    return Components(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)

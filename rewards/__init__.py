@@ -1,0 +1,44 @@
+"""Reward plugins for mmalign: the API (`rewards.base`) and the built-in rewards (`rewards.text`).
+
+``rewards.get(name)`` returns the registered reward class, ``rewards.names()`` lists the registered
+names; ``load_reward(spec, **options)`` builds one from a name, an entry point of group
+``mmalign.rewards`` or a ``package.module:Class`` path; ``RewardSet`` evaluates a config's list.
+"""
+
+from .base import (
+    ENTRY_POINT_GROUP,
+    REGISTRY,
+    FunctionReward,
+    Reward,
+    RewardBatch,
+    RewardError,
+    RewardKeyError,
+    RewardSet,
+    RewardSpec,
+    entry_point_names,
+    get,
+    load_reward,
+    names,
+    register_reward,
+)
+from .text import AnswerAccuracy, FormatReward, OverlongPenalty
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "REGISTRY",
+    "AnswerAccuracy",
+    "FormatReward",
+    "FunctionReward",
+    "OverlongPenalty",
+    "Reward",
+    "RewardBatch",
+    "RewardError",
+    "RewardKeyError",
+    "RewardSet",
+    "RewardSpec",
+    "entry_point_names",
+    "get",
+    "load_reward",
+    "names",
+    "register_reward",
+]

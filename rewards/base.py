@@ -1,0 +1,568 @@
+"""The reward plugin API: `Reward`, `RewardBatch`, loading by name / entry point / path, `RewardSet`.
+
+A reward is a class registered by name (see DESIGN.md, "Rewards")::
+
+    @register_reward("my_reward")
+    class MyReward(Reward):
+        '''One-line summary, shown by `mmalign list rewards`.'''
+        needs = {"texts"}
+        def __init__(self, *, scale: float = 1.0) -> None:   # options from the config
+            self.scale = scale
+        def __call__(self, batch: RewardBatch) -> Tensor:    # Float[B]; NaN = not applicable
+            ...
+
+Loading (`load_reward(spec, **options)`) resolves `spec`, in this order:
+
+1. a name registered with `register_reward`;
+2. an entry point of group ``mmalign.rewards`` (only the matching entry point is imported);
+3. an explicit ``"package.module:attr"`` path.
+
+The object found may be a `Reward` subclass (instantiated with the options), a `Reward` instance
+(no options allowed), or a plain function, which is wrapped into a `FunctionReward`. Two function
+styles are told apart by the signature:
+
+- TRL style, ``f(prompts, completions, **columns) -> list[float]``: chosen when the function has a
+  parameter named ``completions``. It is called with keywords only: ``prompts`` (list[str]),
+  ``completions`` (list[str], the decoded texts), every dataset column by name (only those it names
+  unless it takes ``**kwargs``) and the config options. ``None`` entries count as NaN, like in TRL.
+- batch style, ``f(batch, **options) -> Float[B]``: every other function; it receives the
+  `RewardBatch` as its only positional argument.
+
+A function's ``needs`` attribute, if set, overrides the default ``{"texts"}``.
+
+Process rewards: a reward may compute Float[B, T], but `RewardSet` only builds Float[B, K]
+columns, and a 2-D result is reported as an error that names the reward (process rewards will get
+their own field later, `Rollout.step_rewards`). Combining the columns with weights
+(r_i = nansum_k w_k r_ik) is done by `mmalign.advantages.combine_rewards`, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import importlib.metadata
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from mmalign.registry import Registry, RegistryError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "REGISTRY",
+    "FunctionReward",
+    "Reward",
+    "RewardBatch",
+    "RewardError",
+    "RewardKeyError",
+    "RewardSet",
+    "RewardSpec",
+    "entry_point_names",
+    "get",
+    "load_reward",
+    "names",
+    "register_reward",
+]
+
+ENTRY_POINT_GROUP = "mmalign.rewards"
+
+REGISTRY: Registry[Any] = Registry("reward")
+
+
+class RewardError(RuntimeError):
+    """A reward failed or returned something unusable; the message names the reward."""
+
+
+class RewardKeyError(KeyError):
+    """A key is missing from a `RewardBatch` (the message lists the available keys)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
+        return str(self.args[0]) if self.args else ""
+
+
+# --------------------------------------------------------------------------- the batch
+@dataclass
+class RewardBatch:
+    """What a reward receives: one entry per sample in every list / first tensor dimension.
+
+    - ``prompts``  list[str]
+    - ``outputs``  dict: "texts" list[str], "num_tokens" Long[B], "images" Float[B,3,H,W], ...
+    - ``columns``  dict[str, list]: every dataset column, one value per sample
+    - ``group``    Long[B]: which prompt each sample came from (default: each sample its own group)
+
+    ``batch["key"]`` looks the key up in ``columns``, then in ``outputs``.
+    """
+
+    prompts: list[str]
+    outputs: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    group: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.prompts)
+        if self.group is None:
+            self.group = torch.arange(n)
+        elif self.group.shape[0] != n:
+            raise ValueError(f"RewardBatch: {n} prompts but group has {self.group.shape[0]} entries")
+
+    @classmethod
+    def from_rollout(cls, rollout: Any) -> RewardBatch:
+        """The reward view of a `mmalign.batch.Rollout` (shares its lists and tensors, no copies)."""
+        return cls(
+            prompts=list(rollout.prompts),
+            outputs=rollout.outputs,
+            columns=rollout.columns,
+            group=rollout.group,
+        )
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def keys(self) -> list[str]:
+        """Every key ``batch[key]`` can find: the columns, then the outputs."""
+        return list(self.columns) + [k for k in self.outputs if k not in self.columns]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.columns or key in self.outputs
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.columns:
+            return self.columns[key]
+        if key in self.outputs:
+            return self.outputs[key]
+        raise RewardKeyError(
+            f"{key!r} is neither a dataset column nor an output. "
+            f"Columns: {sorted(self.columns) or 'none'}; outputs: {sorted(self.outputs) or 'none'}"
+        )
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    @property
+    def texts(self) -> list[str]:
+        """The decoded completions, ``outputs["texts"]``."""
+        if "texts" not in self.outputs:
+            raise RewardKeyError(f"the outputs have no 'texts'; outputs: {sorted(self.outputs) or 'none'}")
+        return self.outputs["texts"]
+
+
+# ------------------------------------------------------------------------- the reward
+class Reward:
+    """Base class of rewards. Subclasses implement ``__call__(batch) -> Float[B]`` (NaN = not applicable).
+
+    Options from the config arrive as keyword arguments of the constructor; a subclass without
+    options need not define ``__init__`` (then any option is a TypeError naming the reward).
+    ``needs`` lists what the reward reads from the outputs (the trainer decodes pixels only if some
+    reward needs "images"). ``name`` is the registered name; the loader sets it on the instance to
+    the spec it was loaded by. Rewards are called under ``torch.no_grad()`` by `RewardSet`.
+    """
+
+    needs: ClassVar[set[str]] = set()
+    name: str = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = cls.__name__
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise TypeError(
+                f"reward {self.name!r} takes no options, got {', '.join(map(repr, sorted(options)))}"
+            )
+
+    def __call__(self, batch: RewardBatch) -> Tensor | list[float]:
+        raise NotImplementedError(f"reward {self.name!r} does not implement __call__(batch)")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _accepted_options(fn: Callable[..., Any], skip: int) -> tuple[set[str], bool]:
+    """Keyword names `fn` accepts (after `skip` leading positional parameters) and whether it has **kwargs."""
+    params = list(inspect.signature(fn).parameters.values())[skip:]
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, var_kw
+
+
+def _check_options(
+    name: str, fn: Callable[..., Any], skip: int, options: Mapping[str, Any], check_missing: bool = True
+) -> None:
+    """TypeError naming the reward for options `fn` does not take, or required ones that are missing."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[skip:]
+    except (TypeError, ValueError):  # no signature available (builtins): let the call decide
+        return
+    accepted, var_kw = _accepted_options(fn, skip)
+    unknown = sorted(set(options) - accepted)
+    if unknown and not var_kw:
+        known = ", ".join(sorted(accepted)) or "none"
+        raise TypeError(
+            f"reward {name!r} got unknown option(s) {', '.join(map(repr, unknown))}; its options: {known}"
+        )
+    missing = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in options
+    ]
+    if missing and check_missing:
+        raise TypeError(f"reward {name!r} needs the option(s) {', '.join(map(repr, missing))}")
+
+
+class FunctionReward(Reward):
+    """A plain function used as a reward (batch style or TRL style; see the module docstring)."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, **options: Any) -> None:
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self.style = self.detect_style(fn)
+        self.needs = set(getattr(fn, "needs", {"texts"}))
+        self.options = dict(options)
+        batch_style = self.style == "batch"
+        _check_options(self.name, fn, 1 if batch_style else 0, self.options, check_missing=batch_style)
+        if self.style == "trl":
+            try:
+                self._accepted, self._var_kw = _accepted_options(fn, 0)
+            except (TypeError, ValueError):
+                self._accepted, self._var_kw = set(), True
+
+    @staticmethod
+    def detect_style(fn: Callable[..., Any]) -> str:
+        """Return "trl" if `fn` has a parameter named ``completions``, else "batch"."""
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return "batch"
+        return "trl" if "completions" in params else "batch"
+
+    def __call__(self, batch: RewardBatch) -> Any:
+        if self.style == "batch":
+            return self.fn(batch, **self.options)
+        columns = {k: v for k, v in batch.columns.items() if k not in ("prompts", "completions")}
+        kwargs = {"prompts": batch.prompts, "completions": batch.texts, **columns, **self.options}
+        if not self._var_kw:  # pass only what it names (TRL itself always passes prompts=...)
+            kwargs = {k: v for k, v in kwargs.items() if k in self._accepted}
+        return self.fn(**kwargs)
+
+
+def register_reward(name: str, **meta: Any) -> Callable[[Any], Any]:
+    """Decorator registering a `Reward` subclass (or a reward function) under `name`."""
+
+    def deco(obj: Any) -> Any:
+        if isinstance(obj, type):
+            if not issubclass(obj, Reward):
+                raise TypeError(f"@register_reward({name!r}): {obj.__name__} must subclass rewards.Reward")
+            obj.name = name
+        elif not callable(obj):
+            raise TypeError(f"@register_reward({name!r}) decorates a Reward subclass or a function")
+        return REGISTRY.register(name, **meta)(obj)
+
+    return deco
+
+
+def get(name: str) -> Any:
+    """The registered reward class (or function) called `name`; `RegistryError` (a KeyError) if unknown."""
+    return REGISTRY.get(name)
+
+
+def names() -> list[str]:
+    """The registered reward names, sorted (entry points: `entry_point_names()`)."""
+    return REGISTRY.names()
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def entry_point_names() -> list[str]:
+    """Names of the rewards installed through the ``mmalign.rewards`` entry-point group (nothing is imported)."""
+    return sorted({ep.name for ep in _entry_points()})
+
+
+def _resolve(spec: str) -> Any:
+    if spec in REGISTRY:
+        return REGISTRY.get(spec)
+    eps = _entry_points()
+    for ep in eps:
+        if ep.name == spec:
+            try:
+                return ep.load()
+            except Exception as e:
+                raise RegistryError(
+                    f"reward entry point {spec!r} ({ep.value}) could not be loaded: {type(e).__name__}: {e}"
+                ) from e
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:
+            raise RegistryError(
+                f"reward {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
+            ) from e
+        obj: Any = module
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise RegistryError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+            obj = getattr(obj, part)
+        return obj
+    registered = ", ".join(REGISTRY.names()) or "none"
+    installed = ", ".join(sorted({ep.name for ep in eps})) or "none"
+    close = difflib.get_close_matches(spec, REGISTRY.names() + [ep.name for ep in eps], n=3)
+    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    raise RegistryError(
+        f"unknown reward {spec!r}.{hint} Registered: {registered}. "
+        f"Entry points ({ENTRY_POINT_GROUP}): {installed}. Or give an explicit 'package.module:Class' path."
+    )
+
+
+def load_reward(spec: str, **kwargs: Any) -> Reward:
+    """Build the reward `spec` (registered name, entry point or ``module:attr``) with options `kwargs`.
+
+    Unknown options are a TypeError naming the reward; an unknown spec a `RegistryError` (a KeyError)
+    listing the registered names and the installed entry points.
+    """
+    obj = _resolve(spec)
+    if isinstance(obj, type):
+        if not issubclass(obj, Reward):
+            raise TypeError(
+                f"reward {spec!r} resolves to class {obj.__qualname__}, which does not subclass rewards.Reward "
+                f"(a reward is a Reward subclass or a function)"
+            )
+        _check_options(spec, obj.__init__, 1, kwargs)
+        reward = obj(**kwargs)
+    elif isinstance(obj, Reward):
+        if kwargs:
+            raise TypeError(f"reward {spec!r} is an already built Reward instance and takes no options")
+        reward = obj
+    elif callable(obj):
+        return FunctionReward(obj, name=spec, **kwargs)
+    else:
+        raise TypeError(f"reward {spec!r} resolves to {type(obj).__name__}, not a Reward class or a function")
+    reward.name = spec
+    return reward
+
+
+# ---------------------------------------------------------------------- a set of rewards
+@dataclass
+class RewardSpec:
+    """One entry of the config's reward list; `alias` names the column (default: `name`)."""
+
+    name: str
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    alias: str | None = None
+
+    @property
+    def column(self) -> str:
+        return self.alias or self.name
+
+    @classmethod
+    def coerce(cls, item: Any) -> RewardSpec:
+        """A RewardSpec from a RewardSpec, a name, a mapping, or any object with the same fields
+        (e.g. `mmalign.config.RewardConfig`)."""
+        if isinstance(item, RewardSpec):
+            return item
+        if isinstance(item, str):
+            return cls(name=item)
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(item, Mapping):
+            unknown = sorted(set(item) - set(allowed))
+            if unknown:
+                raise TypeError(f"reward entry {dict(item)!r}: unknown key(s) {unknown}; allowed: {allowed}")
+            return cls(**item)
+        if hasattr(item, "name"):
+            return cls(**{k: getattr(item, k) for k in allowed if hasattr(item, k)})
+        raise TypeError(f"cannot make a RewardSpec from {type(item).__name__}: {item!r}")
+
+
+def _fmt_rows(rows: Iterable[int], limit: int = 8) -> str:
+    rows = list(rows)
+    shown = ", ".join(map(str, rows[:limit]))
+    return f"[{shown}{', ...' if len(rows) > limit else ''}]"
+
+
+class RewardSet:
+    """The rewards of a config, evaluated together into Float[B, K] columns (NaN = not applicable).
+
+    ``names`` are the column names (alias or spec name), ``weights`` Float[K], ``needs`` the union
+    of the rewards' needs. Weighting the columns is `mmalign.advantages.combine_rewards`' job.
+    """
+
+    def __init__(self, specs: Sequence[RewardSpec | str | Mapping[str, Any] | Any]) -> None:
+        self.specs = [RewardSpec.coerce(s) for s in specs]
+        seen: dict[str, int] = {}
+        for i, s in enumerate(self.specs):
+            if not isinstance(s.weight, int | float) or not math.isfinite(s.weight):
+                raise ValueError(f"rewards[{i}] ({s.name!r}): weight must be a finite number, got {s.weight!r}")
+            if s.column in seen:
+                raise ValueError(
+                    f"rewards[{i}] and rewards[{seen[s.column]}] are both named {s.column!r}; "
+                    f"give one of them an alias"
+                )
+            seen[s.column] = i
+        self.rewards: list[Reward] = [load_reward(s.name, **dict(s.kwargs)) for s in self.specs]
+
+    @classmethod
+    def from_rewards(cls, rewards: Sequence[Reward], weights: Sequence[float] | None = None) -> RewardSet:
+        """A set of already built rewards (columns named by ``reward.name``)."""
+        weights = [1.0] * len(rewards) if weights is None else list(weights)
+        if len(weights) != len(rewards):
+            raise ValueError(f"{len(rewards)} rewards but {len(weights)} weights")
+        self = cls.__new__(cls)
+        self.specs = [RewardSpec(name=r.name, weight=float(w)) for r, w in zip(rewards, weights, strict=True)]
+        if len({s.column for s in self.specs}) != len(self.specs):
+            raise ValueError(f"reward names must be distinct, got {[s.column for s in self.specs]}")
+        self.rewards = list(rewards)
+        return self
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def names(self) -> list[str]:
+        return [s.column for s in self.specs]
+
+    @property
+    def weights(self) -> Tensor:
+        return torch.tensor([float(s.weight) for s in self.specs], dtype=torch.float32)
+
+    @property
+    def needs(self) -> set[str]:
+        out: set[str] = set()
+        for r in self.rewards:
+            out |= set(getattr(r, "needs", ()))
+        return out
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+    def __repr__(self) -> str:
+        return f"RewardSet({', '.join(f'{s.column}*{s.weight:g}' for s in self.specs)})"
+
+    def _label(self, k: int) -> str:
+        s = self.specs[k]
+        inner = f"{s.name}, rewards[{k}]" if s.alias else f"rewards[{k}]"
+        return f"reward {s.column!r} ({inner})"
+
+    # ---------------------------------------------------------------------- scoring
+    def __call__(self, data: Any, prompts: Sequence[str] | None = None) -> Tensor:
+        """Float[B, K] for a `Rollout` or a `RewardBatch` (on the device of its ``group``).
+
+        `prompts`, if given, replaces the batch's prompts. Each reward runs under ``torch.no_grad()``.
+        """
+        batch = data if isinstance(data, RewardBatch) else RewardBatch.from_rollout(data)
+        if prompts is not None:
+            batch = dataclasses.replace(batch, prompts=list(prompts))
+        n = len(batch)
+        cols = []
+        with torch.no_grad():
+            for k, reward in enumerate(self.rewards):
+                try:
+                    out = reward(batch)
+                except Exception as e:
+                    raise RewardError(f"{self._label(k)} failed: {type(e).__name__}: {e}") from e
+                cols.append(self._validate(k, out, n))
+        device = batch.group.device if batch.group is not None else torch.device("cpu")
+        if not cols:
+            return torch.zeros(n, 0, dtype=torch.float32, device=device)
+        return torch.stack(cols, dim=1).to(device)
+
+    def _validate(self, k: int, out: Any, n: int) -> Tensor:
+        label = self._label(k)
+        if isinstance(out, Tensor):
+            out = out.detach()
+            if out.dtype.is_complex:
+                raise RewardError(f"{label} returned a complex tensor; rewards are real numbers")
+            if out.dim() == 2:
+                raise RewardError(
+                    f"{label} returned a tensor of shape {tuple(out.shape)}; process rewards Float[B,T] "
+                    f"are not combined into reward columns (return Float[B])"
+                )
+            if out.dim() != 1:
+                raise RewardError(f"{label} returned a tensor of shape {tuple(out.shape)}; expected Float[{n}]")
+            col = out.to(device="cpu", dtype=torch.float32)
+        else:
+            if isinstance(out, str | bytes) or not isinstance(out, Iterable):
+                raise RewardError(f"{label} returned {type(out).__name__}; expected Float[{n}] or a list of {n} floats")
+            values = []
+            for i, v in enumerate(out):
+                if v is None:
+                    values.append(math.nan)
+                    continue
+                if isinstance(v, Tensor) and v.numel() == 1:
+                    v = v.item()
+                if isinstance(v, str | bytes) or not hasattr(v, "__float__"):
+                    raise RewardError(f"{label} returned a non-numeric value at sample {i}: {v!r}")
+                values.append(float(v))
+            col = torch.tensor(values, dtype=torch.float32)
+        if col.shape[0] != n:
+            raise RewardError(f"{label} returned {col.shape[0]} values for a batch of {n}")
+        inf = torch.isinf(col)
+        if inf.any():
+            raise RewardError(
+                f"{label} returned +/-inf at sample(s) {_fmt_rows(inf.nonzero().flatten().tolist())} "
+                f"(use NaN for 'not applicable')"
+            )
+        return col
+
+    # ---------------------------------------------------------------------- reporting
+    def _check_columns(self, rewards: Tensor) -> None:
+        if rewards.dim() != 2 or rewards.shape[1] != len(self.specs):
+            raise ValueError(f"expected rewards Float[B, {len(self.specs)}], got shape {tuple(rewards.shape)}")
+
+    def stats(self, rewards: Tensor) -> dict[str, float]:
+        """``reward/<name>/mean``, ``/std`` and ``/nan_frac`` per column, over the non-NaN entries.
+
+        The std is the population std (ddof 0: one valid value gives 0); mean and std are NaN when
+        every entry of a column is NaN.
+        """
+        self._check_columns(rewards)
+        out: dict[str, float] = {}
+        r = rewards.detach().to("cpu", torch.float64)
+        for k, name in enumerate(self.names):
+            col = r[:, k]
+            valid = col[~torch.isnan(col)]
+            if valid.numel():
+                mean = valid.mean().item()
+                std = valid.std(correction=0).item()
+            else:
+                mean = std = math.nan
+            out[f"reward/{name}/mean"] = mean
+            out[f"reward/{name}/std"] = std
+            out[f"reward/{name}/nan_frac"] = 1.0 - valid.numel() / col.numel() if col.numel() else math.nan
+        return out
+
+    def nan_groups(self, rewards: Tensor, group: Tensor) -> list[tuple[str, int]]:
+        """(reward name, group id) for each reward that is NaN for every sample of a group.
+
+        Ordered by column, then by first appearance of the group in the batch.
+        """
+        self._check_columns(rewards)
+        g = group.detach().cpu().tolist()
+        order = list(dict.fromkeys(g))
+        nan = torch.isnan(rewards.detach().cpu())
+        out = []
+        for k, name in enumerate(self.names):
+            col = nan[:, k].tolist()
+            all_nan = dict.fromkeys(order, True)
+            for gid, is_nan in zip(g, col, strict=True):
+                all_nan[gid] = all_nan[gid] and is_nan
+            out.extend((name, gid) for gid in order if all_nan[gid])
+        return out
+
+    def nan_group_messages(self, rewards: Tensor, group: Tensor, prompts: Sequence[str]) -> list[str]:
+        """One warning line per `nan_groups` entry, quoting (the start of) the group's prompt."""
+        first: dict[int, int] = {}
+        for i, gid in enumerate(group.detach().cpu().tolist()):
+            first.setdefault(gid, i)
+        msgs = []
+        for name, gid in self.nan_groups(rewards, group):
+            p = str(prompts[first[gid]])
+            p = p if len(p) <= 80 else p[:77] + "..."
+            msgs.append(f"reward {name!r} returned NaN for every sample of group {gid} (prompt: {p!r})")
+        return msgs
