@@ -84,8 +84,18 @@ def register(name: str, **meta: Any) -> Callable[[Estimator], Estimator]:
     """
 
     def deco(fn: Estimator) -> Estimator:
-        wrapped = _option_checked(REGISTRY.kind, name, fn, n_positional=2)
-        return REGISTRY.register(name, **meta)(wrapped)
+        checked = _option_checked(REGISTRY.kind, name, fn, n_positional=2)
+
+        @functools.wraps(checked)
+        def in_float64(rewards: Tensor, group: Tensor, **options: Any) -> Tensor:
+            # Group statistics are taken in float64: float32 sums of equal rewards can miss the
+            # mean by ~1e-8, which eps = 1e-4 would blow up into spurious advantages of ~1e-4
+            # for groups whose rewards are all equal.
+            r = torch.as_tensor(rewards)
+            out_dtype = torch.float64 if r.dtype == torch.float64 else torch.float32
+            return checked(r.to(torch.float64), group, **options).to(out_dtype)
+
+        return REGISTRY.register(name, **meta)(in_float64)
 
     return deco
 
@@ -222,6 +232,16 @@ def _group_stats(r: Tensor, valid: Tensor, gid: Tensor, n_groups: int) -> tuple[
     zero = torch.zeros_like(r)
     n = _seg_sum(valid.to(r.dtype), gid, n_groups)
     mean = _seg_sum(torch.where(valid, r, zero), gid, n_groups) / n.clamp(min=1)
+    # a group whose valid rewards are all equal gets its mean exactly (no rounding residue)
+    idx = gid.view(-1, *([1] * (r.dim() - 1))).expand_as(r)
+    shape = (n_groups, *r.shape[1:])
+    gmax = torch.full(shape, float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(
+        0, idx, torch.where(valid, r, torch.full_like(r, float("-inf"))), reduce="amax"
+    )
+    gmin = torch.full(shape, float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(
+        0, idx, torch.where(valid, r, torch.full_like(r, float("inf"))), reduce="amin"
+    )
+    mean = torch.where((gmax == gmin) & (n > 0), gmax, mean)
     dev = torch.where(valid, r - mean[gid], zero)
     var = _seg_sum(dev * dev, gid, n_groups) / (n - 1).clamp(min=1)
     return n, mean, var.sqrt()

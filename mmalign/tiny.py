@@ -28,6 +28,9 @@ BUILDERS: Registry[Callable[[Path], None]] = Registry("tiny model builder")
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -36,12 +39,21 @@ CHAT_TEMPLATE = (
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, extra_special: list[str] | None = None) -> Any:
     """A byte-level BPE trained on `texts`, wrapped as a `PreTrainedTokenizerFast` (EOS, PAD, chat template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = [EOS, PAD, *(extra_special or [])]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # The same normalizer and pre-tokenizer as Qwen2's tokenizer class: `AutoTokenizer` rebuilds a
+    # Qwen2-architecture model's tokenizer with those, so training with anything else would make the
+    # folder tokenize differently once loaded back with `from_pretrained`.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -121,13 +133,20 @@ def _arith_completion(answer: int) -> str:
 
 @BUILDERS.register("text_reasoning")
 def build_text_reasoning(
-    path: Path, steps: int = 300, seed: int = 0, p_correct: float = 0.4, max_operand: int = 9, **model_kwargs: Any
+    path: Path,
+    sharp_steps: int = 800,
+    blur_steps: int = 300,
+    seed: int = 0,
+    p_correct: float = 0.35,
+    max_operand: int = 9,
+    **model_kwargs: Any,
 ) -> None:
-    """Tiny LM warm-started on the addition task with noisy answers (correct with prob. p_correct).
+    """Tiny LM warm-started on the addition task, then blurred so that RL has something to fix.
 
-    The warm start teaches the answer format and a blurred version of the sums: the answer is
-    correct with probability `p_correct`, otherwise off by one or two. The resulting base model
-    therefore answers correctly about `p_correct` of the time, and RL has to sharpen it.
+    Phase 1 (`sharp_steps`) teaches the format and the sums; phase 2 (`blur_steps`) fine-tunes on
+    noisy answers, correct with probability `p_correct` and otherwise off by one or two. The base
+    model therefore samples the right answer only about `p_correct` of the time at temperature 1,
+    while its errors stay close to the truth: a sensible weak "base model" that GRPO can sharpen.
     """
     from tqdm.auto import tqdm
 
@@ -137,35 +156,39 @@ def build_text_reasoning(
     texts = [ARITH_PROMPT.format(**r) + _arith_completion(int(r["answer"])) for r in rows]
     tokenizer = train_bpe_tokenizer(texts + [_arith_completion(i) for i in range(-3, 45)], vocab_size=400)
     model = tiny_causal_lm(tokenizer, **model_kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    batch = 64
     model.train()
-    for _ in tqdm(range(steps), desc="warm start (tiny text model)", leave=False):
+
+    def batch_of(noisy: bool, size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         seqs, prompt_lens = [], []
-        for r in rng.sample(rows, batch):
+        for r in rng.sample(rows, size):
             ans = int(r["answer"])
-            u = rng.random()
-            if u >= p_correct:
+            if noisy and rng.random() >= p_correct:
                 ans += rng.choice([-2, -1, 1, 2])
             prompt = tokenizer(ARITH_PROMPT.format(**r))["input_ids"]
             comp = tokenizer(_arith_completion(ans))["input_ids"] + [tokenizer.eos_token_id]
             seqs.append(prompt + comp)
             prompt_lens.append(len(prompt))
         width = max(map(len, seqs))
-        ids = torch.full((batch, width), tokenizer.pad_token_id)
-        labels = torch.full((batch, width), -100)
-        att = torch.zeros((batch, width), dtype=torch.long)
+        ids = torch.full((size, width), tokenizer.pad_token_id)
+        labels = torch.full((size, width), -100)
+        att = torch.zeros((size, width), dtype=torch.long)
         for i, (s, pl) in enumerate(zip(seqs, prompt_lens, strict=True)):
             ids[i, : len(s)] = torch.tensor(s)
             labels[i, pl : len(s)] = torch.tensor(s[pl:])
             att[i, : len(s)] = 1
-        loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        return ids, att, labels
+
+    for phase, steps, lr in (("sharp", sharp_steps, 3e-3), ("blur", blur_steps, 1e-3)):
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        for _ in tqdm(range(steps), desc=f"warm start, {phase} phase", leave=False):
+            ids, att, labels = batch_of(noisy=phase == "blur")
+            loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     model.eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    (path / "mmalign_tiny.json").write_text(
-        json.dumps({"builder": "text_reasoning", "steps": steps, "seed": seed, "p_correct": p_correct})
-    )
+    meta = {"builder": "text_reasoning", "sharp_steps": sharp_steps, "blur_steps": blur_steps, "seed": seed,
+            "p_correct": p_correct, "max_operand": max_operand}
+    (path / "mmalign_tiny.json").write_text(json.dumps(meta))

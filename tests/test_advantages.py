@@ -584,3 +584,12 @@ def test_register_custom_estimator_rejects_unknown_options():
     finally:  # keep the global registry clean for other tests
         adv.REGISTRY._items.pop("_test_constant", None)
         adv.REGISTRY._meta.pop("_test_constant", None)
+
+
+def test_equal_rewards_give_exactly_zero_advantage_despite_rounding():
+    # 1.0 * 0 + 0.2 * 1 = 0.2 for every sample; float rounding of the group mean must not leak
+    # through eps = 1e-4 into advantages of ~1e-4 (seen in a real run before the fix).
+    r = torch.tensor([[0.0, 1.0]] * 8)
+    g = torch.zeros(8, dtype=torch.long)
+    for name in ("grpo", "dr_grpo", "rloo"):
+        assert torch.equal(adv.get(name)(r, g, weights=[1.0, 0.2]), torch.zeros(8)), name

@@ -1,0 +1,714 @@
+"""Time one full GRPO training step (rollout, reward, update) of mmalign and of TRL's `GRPOTrainer`.
+
+Both frameworks train the SAME tiny causal LM (a randomly initialised Qwen2 built offline with
+`mmalign.tiny`, written with `save_pretrained` and loaded back by each framework with
+`from_pretrained`) on the same prompts, with the same batch (prompts per step x group size),
+the same completion length, temperature 1.0, full fine-tuning, the same learning rate, no KL and
+one optimizer step per training step, scored by the same TRL-style reward function.
+
+Each framework runs in its own subprocess (separate imports, separate peak memory), warms up for
+`--warmup` steps and then times `--steps` steps:
+
+- mmalign: wall time of each `GroupTrainer.train_step()` call (sample prompts, generate, reward,
+  advantages, forward + backward, optimizer step); its metrics give the split rollout / reward /
+  update.
+- TRL: wall time between `on_step_begin` and `on_step_end` of a `TrainerCallback`, which brackets
+  `training_step` (generation, reward and advantages happen in `_prepare_inputs`, inside it), the
+  gradient clipping and the optimizer step. The split comes from timing wrappers around
+  `_generate`, `_calculate_rewards` and `_generate_and_score_completions` on the trainer instance.
+
+Memory: on CPU the peak RSS of the worker process (`ru_maxrss`) and its RSS once the trainer is
+built (model loaded); on CUDA `torch.cuda.max_memory_allocated` over the timed steps.
+
+Usage::
+
+    python benchmarks/bench_step_vs_trl.py                      # defaults below, ~2-3 min on 2 CPU cores
+    python benchmarks/bench_step_vs_trl.py --device cuda --hidden 1024 --layers 8 --max-new-tokens 256
+
+TRL comes with the ``bench`` extra: ``pip install -e '.[bench]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEFAULT_JSON = HERE / "results" / "step_vs_trl.json"
+FRAMEWORKS = ("mmalign", "trl")
+
+
+# ----------------------------------------------------------------------------- the shared reward
+def char_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """TRL-style reward used by both frameworks: the fraction of letters that are vowels.
+
+    Cheap, deterministic and different from sample to sample (so advantages are not all zero).
+    """
+    out = []
+    for text in completions:
+        letters = [c for c in text.lower() if c.isalpha()]
+        out.append(sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0)
+    return out
+
+
+# ----------------------------------------------------------------------------- data and model
+_SYLLABLES = [
+    "ka", "to", "ri", "mu", "se", "la", "po", "ne", "di", "fa", "gu", "ho", "be", "zi", "wa",
+    "qu", "ex", "an", "or", "il", "um", "st", "th", "ch", "sh", "pr", "tr", "gr", "en", "on",
+]
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+
+
+def make_prompts(n: int, words: int, seed: int) -> list[str]:
+    """`n` distinct synthetic prompts of `words` made-up words each (deterministic)."""
+    rng = random.Random(seed)
+    prompts: list[str] = []
+    seen: set[str] = set()
+    while len(prompts) < n:
+        p = "Q: " + " ".join(_word(rng) for _ in range(words)) + " ?\nA:"
+        if p not in seen:
+            seen.add(p)
+            prompts.append(p)
+    return prompts
+
+
+def build_model(path: Path, args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
+    """Train a BPE tokenizer, build a random-init Qwen2 with mmalign.tiny, `save_pretrained` both."""
+    import torch
+
+    from mmalign.tiny import tiny_causal_lm, train_bpe_tokenizer
+
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed + 1)
+    corpus = prompts + [" ".join(_word(rng) for _ in range(24)) for _ in range(2000)]
+    tokenizer = train_bpe_tokenizer(corpus, vocab_size=args.vocab)
+    heads = max(1, args.hidden // 64)
+    model = tiny_causal_lm(
+        tokenizer,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or 3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=max(256, 2 * (args.max_new_tokens + 64)),
+    )
+    if args.suppress_eos:
+        # Only the mmalign side reads this (its generate() call leaves suppress_tokens to the model's
+        # generation config); TRL builds its own GenerationConfig and gets it through generation_kwargs.
+        model.generation_config.suppress_tokens = [tokenizer.eos_token_id]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    n_params = sum(p.numel() for p in model.parameters())
+    prompt_tokens = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    return {
+        "params": n_params,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens),
+    }
+
+
+# ----------------------------------------------------------------------------- worker helpers
+def _rss_mb() -> float:
+    """Current resident set size of this process (MiB)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):  # not Linux: fall back to the peak
+        return _peak_rss_mb()
+
+
+def _peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+def _system_busy_s() -> float:
+    """CPU seconds spent by every process on the machine since boot (all cores; NaN if unknown)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class _Contention:
+    """How much CPU OTHER processes used while the timed steps ran (a noise indicator on shared machines)."""
+
+    def start(self) -> None:
+        self.t0, self.sys0, self.own0 = time.perf_counter(), _system_busy_s(), time.process_time()
+
+    def stop(self) -> dict[str, float]:
+        wall = time.perf_counter() - self.t0
+        other = (_system_busy_s() - self.sys0) - (time.process_time() - self.own0)
+        cores = os.cpu_count() or 1
+        return {"other_procs_cpu_s": other, "other_procs_cpu_frac": max(0.0, other) / (wall * cores)}
+
+
+def _param_probe(model: Any) -> tuple[str, Any]:
+    import torch
+
+    name, p = next((n, p) for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2)
+    return name, p.detach().float().cpu().clone().to(torch.float64)
+
+
+def _memory(spec: dict[str, Any], rss_setup: float, cuda_setup: float | None) -> dict[str, Any]:
+    mem: dict[str, Any] = {"rss_after_setup_mb": rss_setup, "peak_rss_mb": _peak_rss_mb()}
+    mem["peak_rss_increase_mb"] = mem["peak_rss_mb"] - rss_setup
+    if spec["device"] == "cuda":
+        import torch
+
+        mem["cuda_after_setup_mb"] = cuda_setup
+        mem["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        mem["cuda_peak_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
+    return mem
+
+
+def _setup_torch(spec: dict[str, Any]) -> Any:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    if spec["device"] == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    return torch
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+    return {
+        "median_s": statistics.median(times),
+        "mean_s": statistics.fmean(times),
+        "min_s": min(times),
+        "max_s": max(times),
+    }
+
+
+# ----------------------------------------------------------------------------- mmalign worker
+def run_mmalign(spec: dict[str, Any]) -> dict[str, Any]:
+    torch = _setup_torch(spec)
+    sys.path[:0] = [str(ROOT), str(HERE)]
+    import pipelines
+    from mmalign.config import config_from_dict
+    from mmalign.trainer import GroupTrainer
+
+    rss_import = _rss_mb()
+    work = Path(spec["workdir"])
+    data = work / "prompts.jsonl"
+    with data.open("w") as f:
+        for p in spec["prompts"]:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    steps = spec["warmup"] + spec["steps"]
+    cfg = config_from_dict(
+        {
+            "pipeline": "text_reasoning",
+            "output_dir": str(work / "mmalign_run"),
+            "seed": spec["seed"],
+            "overwrite": True,
+            "model": {"name_or_path": spec["model_dir"], "dtype": spec["dtype"],
+                      "gradient_checkpointing": spec["gradient_checkpointing"]},
+            "data": {"train": str(data), "prompt_template": "{prompt}", "shuffle": True},
+            "rollout": {
+                "group_size": spec["group_size"],
+                "prompts_per_step": spec["prompts_per_step"],
+                "max_new_tokens": spec["max_new_tokens"],
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": 0,
+            },
+            "rewards": [{"name": "bench_step_vs_trl:char_reward"}],
+            "algorithm": {"estimator": "grpo", "loss": "ppo_clip", "loss_agg": "token_mean", "kl_coef": 0.0},
+            "trainer": {
+                "steps": steps,
+                "lr": spec["lr"],
+                "lr_scheduler": "constant",
+                "num_iterations": 1,
+                "minibatch_size": None,  # the whole rollout: one optimizer step per training step
+                "microbatch_size": None,
+                "max_grad_norm": 1.0,
+                "cpu": spec["device"] == "cpu",
+                "mixed_precision": "no",
+                "save_every": 10**9,
+                "sample_every": 10**9,
+                "progress_bar": False,
+            },
+        },
+        source="bench_step_vs_trl",
+    )
+    components = pipelines.get("text_reasoning")(cfg)
+    trainer = GroupTrainer(cfg, components)
+    probe_name, before = _param_probe(trainer.policy.model)
+    if spec["device"] == "cuda":
+        torch.cuda.synchronize()
+    rss_setup = _rss_mb()
+    cuda_setup = torch.cuda.memory_allocated() / 2**20 if spec["device"] == "cuda" else None
+
+    times, cpu_times, rows = [], [], []
+    contention = _Contention()
+    for i in range(steps):
+        if i == spec["warmup"]:
+            contention.start()
+            if spec["device"] == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+        t0, c0 = time.perf_counter(), time.process_time()
+        m = trainer.train_step()
+        if spec["device"] == "cuda":
+            torch.cuda.synchronize()
+        dt, ct = time.perf_counter() - t0, time.process_time() - c0
+        if i >= spec["warmup"]:
+            times.append(dt)
+            cpu_times.append(ct)
+            rows.append(m)
+    noise = contention.stop()
+    after = dict(trainer.policy.model.named_parameters())[probe_name].detach().float().cpu().to(torch.float64)
+
+    def mean(key: str) -> float:
+        return statistics.fmean(float(r[key]) for r in rows)
+
+    rollout, reward, update = mean("time/rollout_s"), mean("time/reward_s"), mean("time/update_s")
+    return {
+        "framework": "mmalign",
+        "step_times_s": times,
+        "step_cpu_times_s": cpu_times,
+        **noise,
+        **_summary(times),
+        "completion_len_mean": mean("completion_len/mean"),
+        "truncated_frac": mean("truncated_frac"),
+        "breakdown_mean_s": {
+            "rollout (generate)": rollout,
+            "reward": reward,
+            "update (fwd+bwd+optim)": update,
+            "other (advantages, metrics)": statistics.fmean(times) - rollout - reward - update,
+        },
+        "reward_mean": mean("reward/mean"),
+        "params_changed": bool((after - before).abs().max() > 0),
+        "rss_after_import_mb": rss_import,
+        **_memory(spec, rss_setup, cuda_setup),
+    }
+
+
+# ----------------------------------------------------------------------------- TRL worker
+class _Timed:
+    """Wraps a bound method, accumulating its wall time (and synchronising CUDA around it)."""
+
+    def __init__(self, fn: Any, cuda: bool) -> None:
+        self.fn, self.cuda, self.total = fn, cuda, 0.0
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*a, **k)
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.total += time.perf_counter() - t0
+
+
+def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
+    torch = _setup_torch(spec)
+    try:
+        from datasets import Dataset
+        from transformers import AutoTokenizer, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        raise SystemExit(f"TRL side needs `trl` and `datasets` (pip install -e '.[bench]'): {e}") from e
+
+    rss_import = _rss_mb()
+    cuda = spec["device"] == "cuda"
+    warmup, steps = spec["warmup"], spec["steps"]
+    batch = spec["prompts_per_step"] * spec["group_size"]
+    gen_kwargs = {"suppress_tokens": [spec["eos_token_id"]]} if spec["suppress_eos"] else None
+    args = GRPOConfig(
+        output_dir=str(Path(spec["workdir"]) / "trl_run"),
+        seed=spec["seed"],
+        # one generation batch (prompts_per_step x group_size completions) = one optimizer step
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=spec["group_size"],
+        num_iterations=1,
+        max_completion_length=spec["max_new_tokens"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        generation_kwargs=gen_kwargs,
+        beta=0.0,
+        loss_type="dapo",  # token mean over the batch, like mmalign's token_mean
+        scale_rewards="group",
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=warmup + steps,
+        model_init_kwargs={"dtype": getattr(torch, spec["dtype"])},
+        gradient_checkpointing=spec["gradient_checkpointing"],  # TRL's default is True; mmalign's False
+        bf16=False,  # TRL's default is True (autocast); both run in the model's dtype here
+        fp16=False,
+        use_cpu=not cuda,
+        report_to="none",
+        logging_steps=10**9,
+        disable_tqdm=True,
+        save_strategy="no",
+        eval_strategy="no",
+        log_completions=False,
+        dataloader_num_workers=0,
+        shuffle_dataset=True,
+    )
+    dataset = Dataset.from_list([{"prompt": p} for p in spec["prompts"]])
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.t_begin = self.c_begin = 0.0
+            self.contention, self.noise = _Contention(), {}
+            self.rows: list[dict[str, float]] = []
+            self.trainer: Any = None
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+                if state.global_step == warmup:
+                    torch.cuda.reset_peak_memory_stats()
+            tr = self.trainer
+            self.marks = (tr._generate.total, tr._calculate_rewards.total, tr._generate_and_score_completions.total)
+            if state.global_step == warmup:
+                self.contention.start()
+            self.c_begin = time.process_time()
+            self.t_begin = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            dt, ct = time.perf_counter() - self.t_begin, time.process_time() - self.c_begin
+            tr = self.trainer
+            gen, rew, score = (
+                tr._generate.total - self.marks[0],
+                tr._calculate_rewards.total - self.marks[1],
+                tr._generate_and_score_completions.total - self.marks[2],
+            )
+            lens = tr._metrics["train"].get("completions/mean_length") or [float("nan")]
+            clipped = tr._metrics["train"].get("completions/clipped_ratio") or [float("nan")]
+            self.rows.append(
+                {"step_s": dt, "cpu_s": ct, "generate_s": gen, "reward_s": rew, "score_total_s": score,
+                 "completion_len": float(lens[-1]), "clipped_ratio": float(clipped[-1])}
+            )
+            if state.global_step > warmup:
+                self.noise = self.contention.stop()
+
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=spec["model_dir"],
+        reward_funcs=char_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]),
+        callbacks=[timer],
+    )
+    timer.trainer = trainer
+    for name in ("_generate", "_calculate_rewards", "_generate_and_score_completions"):
+        setattr(trainer, name, _Timed(getattr(trainer, name), cuda))
+    probe_name, before = _param_probe(trainer.model)
+    if cuda:
+        torch.cuda.synchronize()
+    rss_setup = _rss_mb()
+    cuda_setup = torch.cuda.memory_allocated() / 2**20 if cuda else None
+
+    trainer.train()
+
+    after = dict(trainer.model.named_parameters())[probe_name].detach().float().cpu().to(torch.float64)
+    rows = timer.rows[warmup:]
+    if len(rows) != steps:
+        raise RuntimeError(f"TRL ran {len(timer.rows)} optimizer steps, expected {warmup + steps}")
+    times = [r["step_s"] for r in rows]
+
+    def mean(key: str) -> float:
+        return statistics.fmean(r[key] for r in rows)
+
+    gen, rew, score = mean("generate_s"), mean("reward_s"), mean("score_total_s")
+    return {
+        "framework": "trl",
+        "step_times_s": times,
+        "step_cpu_times_s": [r["cpu_s"] for r in rows],
+        **timer.noise,
+        **_summary(times),
+        "completion_len_mean": mean("completion_len"),
+        "truncated_frac": mean("clipped_ratio"),
+        "breakdown_mean_s": {
+            "rollout (generate)": gen,
+            "reward": rew,
+            "update (fwd+bwd+optim)": statistics.fmean(times) - score,
+            "other (advantages, metrics)": score - gen - rew,
+        },
+        "params_changed": bool((after - before).abs().max() > 0),
+        "rss_after_import_mb": rss_import,
+        **_memory(spec, rss_setup, cuda_setup),
+    }
+
+
+# ----------------------------------------------------------------------------- driver
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "trl", "accelerate", "mmalign"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _machine(device: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    desc = f"{os.cpu_count()} CPU cores ({cpu})"
+    if device == "cuda":
+        import torch
+
+        desc += f", GPU: {torch.cuda.get_device_name(0)}"
+    return desc
+
+
+def _run_worker(framework: str, spec_path: Path, out_path: Path, timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", framework,
+           "--spec", str(spec_path), "--worker-out", str(out_path)]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    if proc.returncode != 0 or not out_path.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise RuntimeError(f"{framework} worker failed (exit {proc.returncode}):\n{tail}")
+    res = json.loads(out_path.read_text())
+    res["process_wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def _merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from the rounds of one framework: all timed steps pooled, memory the max over rounds."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out = dict(rounds[0])
+    out["step_times_s"] = [t for r in rounds for t in r["step_times_s"]]
+    out["step_cpu_times_s"] = [t for r in rounds for t in r["step_cpu_times_s"]]
+    out.update(_summary(out["step_times_s"]))
+    for key in ("completion_len_mean", "truncated_frac", "other_procs_cpu_frac", "other_procs_cpu_s",
+                "process_wall_s"):
+        out[key] = statistics.fmean(r[key] for r in rounds)
+    out["breakdown_mean_s"] = {k: statistics.fmean(r["breakdown_mean_s"][k] for r in rounds)
+                               for k in rounds[0]["breakdown_mean_s"]}
+    for key in out:
+        if key.endswith("_mb") and out[key] is not None:
+            out[key] = max(r[key] for r in rounds)
+    out["params_changed"] = all(r["params_changed"] for r in rounds)
+    out["rounds"] = rounds
+    return out
+
+
+def _fmt_table(results: dict[str, dict[str, Any]], device: str) -> str:
+    mem_key = "cuda_peak_allocated_mb" if device == "cuda" else "peak_rss_mb"
+    mem_name = "peak CUDA alloc (MiB)" if device == "cuda" else "peak RSS (MiB)"
+    head = ["framework", "median step (s)", "mean step (s)", "median CPU (s)", "mean compl. len", mem_name,
+            "setup (MiB)", "train incr. (MiB)"]
+    lines = []
+    for fw, r in results.items():
+        if device == "cuda":
+            setup, incr = r["cuda_after_setup_mb"], r["cuda_peak_allocated_mb"] - r["cuda_after_setup_mb"]
+        else:
+            setup, incr = r["rss_after_setup_mb"], r["peak_rss_increase_mb"]
+        lines.append([fw, f"{r['median_s']:.3f}", f"{r['mean_s']:.3f}",
+                      f"{statistics.median(r['step_cpu_times_s']):.3f}", f"{r['completion_len_mean']:.1f}",
+                      f"{r[mem_key]:.0f}", f"{setup:.0f}", f"{incr:.0f}"])
+    widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    out = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*row) for row in lines]
+    return "\n".join(out)
+
+
+def _fmt_breakdown(results: dict[str, dict[str, Any]]) -> str:
+    keys = list(next(iter(results.values()))["breakdown_mean_s"])
+    head = ["phase (mean s/step)", *results]
+    rows = [[k, *(f"{results[fw]['breakdown_mean_s'][k]:.3f}" for fw in results)] for k in keys]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths)), *(fmt.format(*r) for r in rows)])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per framework (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="completion length (default 32)")
+    p.add_argument("--hidden", type=int, default=256, help="model hidden size (default 256)")
+    p.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP size (default 3 x hidden)")
+    p.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary size (default 1024)")
+    p.add_argument("--prompt-words", type=int, default=12, help="made-up words per prompt (default 12)")
+    p.add_argument("--dataset-size", type=int, default=256, help="distinct prompts in the dataset (default 256)")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights dtype (both)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="enable it in both (default off in both)")
+    p.add_argument("--suppress-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="forbid EOS while sampling, in both, so every completion has max length (default on)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in both workers (default: all cores)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the workers this many times, alternating frameworks; steps are pooled (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--frameworks", default="mmalign,trl", help="comma list, run in this order (default mmalign,trl)")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON.relative_to(ROOT)})")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per framework before giving up")
+    p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker is None:
+        if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+            p.error("--steps and --rounds must be >= 1, --warmup >= 0")
+        if args.group_size < 2:
+            p.error("--group-size must be >= 2 (TRL refuses smaller groups)")
+        if args.dataset_size < args.prompts:
+            p.error("--dataset-size must be >= --prompts")
+        frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+        bad = [f for f in frameworks if f not in FRAMEWORKS]
+        if bad or not frameworks:
+            p.error(f"--frameworks: unknown {bad}; choose from {list(FRAMEWORKS)}")
+        args.frameworks = frameworks
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.spec.read_text())
+        result = run_mmalign(spec) if args.worker == "mmalign" else run_trl(spec)
+        args.worker_out.write_text(json.dumps(result))
+        return 0
+
+    if "trl" in args.frameworks:
+        missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+        if missing:
+            print(f"error: {', '.join(missing)} not installed; install the bench extra: pip install -e '.[bench]' "
+                  f"(or run --frameworks mmalign)", file=sys.stderr)
+            return 2
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+            return 2
+    threads = args.threads or os.cpu_count() or 1
+    sys.path.insert(0, str(ROOT))
+
+    with tempfile.TemporaryDirectory(prefix="bench_step_vs_trl_") as tmp:
+        work = Path(tmp)
+        prompts = make_prompts(args.dataset_size, args.prompt_words, args.seed)
+        t0 = time.perf_counter()
+        model_info = build_model(work / "model", args, prompts)
+        print(f"model: Qwen2, {model_info['params'] / 1e6:.2f}M parameters, hidden {args.hidden}, "
+              f"{args.layers} layers, vocab {model_info['vocab_size']}, prompts ~{model_info['prompt_tokens_mean']:.1f} "
+              f"tokens (built in {time.perf_counter() - t0:.1f}s at {work / 'model'})", flush=True)
+        spec = {
+            "model_dir": str(work / "model"),
+            "workdir": str(work),
+            "prompts": prompts,
+            "prompts_per_step": args.prompts,
+            "group_size": args.group_size,
+            "max_new_tokens": args.max_new_tokens,
+            "lr": args.lr,
+            "dtype": args.dtype,
+            "gradient_checkpointing": args.gradient_checkpointing,
+            "suppress_eos": args.suppress_eos,
+            "eos_token_id": model_info["eos_token_id"],
+            "device": args.device,
+            "threads": threads,
+            "seed": args.seed,
+            "warmup": args.warmup,
+            "steps": args.steps,
+        }
+        spec_path = work / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        runs: dict[str, list[dict[str, Any]]] = {fw: [] for fw in args.frameworks}
+        for rnd in range(args.rounds):  # alternate the frameworks: drifting machine load hits both alike
+            for fw in args.frameworks:
+                tag = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
+                print(f"running {fw}{tag}: {args.warmup} warm-up + {args.steps} timed steps ...", flush=True)
+                r = _run_worker(fw, spec_path, work / f"result_{fw}_{rnd}.json", args.timeout)
+                runs[fw].append(r)
+                print(f"  {fw}: median {r['median_s']:.3f}s/step, steps {[round(t, 3) for t in r['step_times_s']]}, "
+                      f"other processes' CPU {100 * r['other_procs_cpu_frac']:.0f}%, process {r['process_wall_s']:.0f}s", flush=True)
+        results = {fw: _merge_rounds(rs) for fw, rs in runs.items()}
+
+    print()
+    print(f"settings: {args.prompts} prompts x {args.group_size} completions = {args.prompts * args.group_size} "
+          f"samples/step, {args.max_new_tokens} new tokens, temperature 1.0, lr {args.lr:g}, no KL, "
+          f"1 optimizer step/step, {args.dtype}, device {args.device}, {threads} threads, "
+          f"EOS {'suppressed' if args.suppress_eos else 'allowed'}")
+    print(_fmt_table(results, args.device))
+    print()
+    print(_fmt_breakdown(results))
+    ratio = None
+    if "mmalign" in results and "trl" in results:
+        ratio = results["trl"]["median_s"] / results["mmalign"]["median_s"]
+        print()
+        print(f"ratio TRL/mmalign (median step time): {ratio:.2f}x  "
+              f"({'mmalign faster' if ratio > 1 else 'TRL faster' if ratio < 1 else 'equal'}; target >= 1.5x)")
+    busy = max(r["other_procs_cpu_frac"] for r in results.values())
+    if args.device == "cpu" and busy > 0.05:
+        print(f"note: other processes used up to {100 * busy:.0f}% of the CPU during the timed steps; wall "
+              f"times are noisy (look at the CPU column, rerun on a quiet machine or use --rounds)", file=sys.stderr)
+    for fw, r in results.items():
+        if not r["params_changed"]:
+            print(f"warning: {fw}: the probed parameter did not change during training", file=sys.stderr)
+
+    payload = {
+        "benchmark": "step_vs_trl",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": _machine(args.device),
+        "versions": _versions(),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                     if k not in ("worker", "spec", "worker_out")} | {"threads": threads},
+        "model": model_info,
+        "results": results,
+        "ratio_trl_over_mmalign": ratio,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
