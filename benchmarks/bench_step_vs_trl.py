@@ -7,7 +7,10 @@ the same completion length, temperature 1.0, full fine-tuning, the same learning
 one optimizer step per training step, scored by the same TRL-style reward function.
 
 Each framework runs in its own subprocess (separate imports, separate peak memory), warms up for
-`--warmup` steps and then times `--steps` steps:
+`--warmup` steps and then times `--steps` steps. By default the two subprocesses run side by side
+in lockstep: step i of one, then step i of the other (the order alternates), never both at once,
+so load from other programs on a shared machine that drifts over time hits both frameworks alike;
+the median of the per-pair ratios is printed as well. `--no-interleave` runs one after the other.
 
 - mmalign: wall time of each `GroupTrainer.train_step()` call (sample prompts, generate, reward,
   advantages, forward + backward, optimizer step); its metrics give the split rollout / reward /
@@ -18,11 +21,12 @@ Each framework runs in its own subprocess (separate imports, separate peak memor
   `_generate`, `_calculate_rewards` and `_generate_and_score_completions` on the trainer instance.
 
 Memory: on CPU the peak RSS of the worker process (`ru_maxrss`) and its RSS once the trainer is
-built (model loaded); on CUDA `torch.cuda.max_memory_allocated` over the timed steps.
+built (model loaded); on CUDA `torch.cuda.max_memory_allocated` over the timed steps. Each worker
+also records its CPU time per step and how much CPU other processes used meanwhile (a noise flag).
 
 Usage::
 
-    python benchmarks/bench_step_vs_trl.py                      # defaults below, ~2-3 min on 2 CPU cores
+    python benchmarks/bench_step_vs_trl.py                      # defaults, about 1.5 min on 2 CPU cores
     python benchmarks/bench_step_vs_trl.py --device cuda --hidden 1024 --layers 8 --max-new-tokens 256
 
 TRL comes with the ``bench`` extra: ``pip install -e '.[bench]'``.
@@ -37,6 +41,7 @@ import os
 import platform
 import random
 import resource
+import select
 import statistics
 import subprocess
 import sys
@@ -151,17 +156,72 @@ def _system_busy_s() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-class _Contention:
-    """How much CPU OTHER processes used while the timed steps ran (a noise indicator on shared machines)."""
+class StepClock:
+    """Times steps in a worker; with a gate, each step waits for the driver's go (lockstep interleaving).
 
-    def start(self) -> None:
-        self.t0, self.sys0, self.own0 = time.perf_counter(), _system_busy_s(), time.process_time()
+    Per step: wall time, this process's CPU time, and the CPU time OTHER processes used meanwhile (a
+    noise indicator on shared machines). `begin(i)`/`end(i)` bracket step i (0-based); the first
+    `warmup` steps are not recorded; CUDA is synchronised at both ends and its peak memory counter is
+    reset when the first timed step begins.
+    """
 
-    def stop(self) -> dict[str, float]:
-        wall = time.perf_counter() - self.t0
-        other = (_system_busy_s() - self.sys0) - (time.process_time() - self.own0)
+    def __init__(self, gate: str | None, warmup: int, total: int, cuda: bool) -> None:
+        self.warmup, self.total, self.cuda = warmup, total, cuda
+        self.go = self.done = None
+        if gate:
+            go_fd, done_fd = (int(x) for x in gate.split(","))
+            self.go, self.done = os.fdopen(go_fd, "r"), os.fdopen(done_fd, "w")
+        self.ready_sent = False
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []
+        self.other_cpu = self.timed_wall = 0.0
+
+    def begin(self, i: int) -> None:
+        if self.go is not None:
+            if not self.ready_sent:
+                self._say("ready")
+                self.ready_sent = True
+            if not self.go.readline():
+                raise SystemExit("the benchmark driver went away")
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            if i == self.warmup:
+                torch.cuda.reset_peak_memory_stats()
+        self.c0, self.sys0, self.t0 = time.process_time(), _system_busy_s(), time.perf_counter()
+
+    def end(self, i: int) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        dt, ct = time.perf_counter() - self.t0, time.process_time() - self.c0
+        other = _system_busy_s() - self.sys0 - ct
+        if i >= self.warmup:
+            self.times.append(dt)
+            self.cpu_times.append(ct)
+            self.other_cpu += other
+            self.timed_wall += dt
+        if self.done is not None:
+            self._say("done")
+            if i == self.total - 1:  # hold the post-training work until every framework is done
+                self.go.readline()
+
+    def _say(self, word: str) -> None:
+        assert self.done is not None
+        self.done.write(word + "\n")
+        self.done.flush()
+
+    def stats(self) -> dict[str, Any]:
         cores = os.cpu_count() or 1
-        return {"other_procs_cpu_s": other, "other_procs_cpu_frac": max(0.0, other) / (wall * cores)}
+        return {
+            "step_times_s": self.times,
+            "step_cpu_times_s": self.cpu_times,
+            **_summary(self.times),
+            "other_procs_cpu_s": self.other_cpu,
+            "other_procs_cpu_frac": max(0.0, self.other_cpu) / max(self.timed_wall * cores, 1e-9),
+        }
 
 
 def _param_probe(model: Any) -> tuple[str, Any]:
@@ -202,7 +262,7 @@ def _summary(times: list[float]) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- mmalign worker
-def run_mmalign(spec: dict[str, Any]) -> dict[str, Any]:
+def run_mmalign(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]:
     torch = _setup_torch(spec)
     sys.path[:0] = [str(ROOT), str(HERE)]
     import pipelines
@@ -244,7 +304,7 @@ def run_mmalign(spec: dict[str, Any]) -> dict[str, Any]:
                 "microbatch_size": None,
                 "max_grad_norm": 1.0,
                 "cpu": spec["device"] == "cpu",
-                "mixed_precision": "no",
+                "mixed_precision": spec["mixed_precision"],
                 "save_every": 10**9,
                 "sample_every": 10**9,
                 "progress_bar": False,
@@ -260,24 +320,15 @@ def run_mmalign(spec: dict[str, Any]) -> dict[str, Any]:
     rss_setup = _rss_mb()
     cuda_setup = torch.cuda.memory_allocated() / 2**20 if spec["device"] == "cuda" else None
 
-    times, cpu_times, rows = [], [], []
-    contention = _Contention()
+    clock = StepClock(gate, spec["warmup"], steps, spec["device"] == "cuda")
+    rows = []
     for i in range(steps):
-        if i == spec["warmup"]:
-            contention.start()
-            if spec["device"] == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-        t0, c0 = time.perf_counter(), time.process_time()
+        clock.begin(i)
         m = trainer.train_step()
-        if spec["device"] == "cuda":
-            torch.cuda.synchronize()
-        dt, ct = time.perf_counter() - t0, time.process_time() - c0
+        clock.end(i)
         if i >= spec["warmup"]:
-            times.append(dt)
-            cpu_times.append(ct)
             rows.append(m)
-    noise = contention.stop()
+    timing = clock.stats()
     after = dict(trainer.policy.model.named_parameters())[probe_name].detach().float().cpu().to(torch.float64)
 
     def mean(key: str) -> float:
@@ -286,17 +337,14 @@ def run_mmalign(spec: dict[str, Any]) -> dict[str, Any]:
     rollout, reward, update = mean("time/rollout_s"), mean("time/reward_s"), mean("time/update_s")
     return {
         "framework": "mmalign",
-        "step_times_s": times,
-        "step_cpu_times_s": cpu_times,
-        **noise,
-        **_summary(times),
+        **timing,
         "completion_len_mean": mean("completion_len/mean"),
         "truncated_frac": mean("truncated_frac"),
         "breakdown_mean_s": {
             "rollout (generate)": rollout,
             "reward": reward,
             "update (fwd+bwd+optim)": update,
-            "other (advantages, metrics)": statistics.fmean(times) - rollout - reward - update,
+            "other (advantages, metrics)": timing["mean_s"] - rollout - reward - update,
         },
         "reward_mean": mean("reward/mean"),
         "params_changed": bool((after - before).abs().max() > 0),
@@ -326,7 +374,7 @@ class _Timed:
             self.total += time.perf_counter() - t0
 
 
-def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
+def run_trl(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]:
     torch = _setup_torch(spec)
     try:
         from datasets import Dataset
@@ -365,8 +413,8 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         max_steps=warmup + steps,
         model_init_kwargs={"dtype": getattr(torch, spec["dtype"])},
         gradient_checkpointing=spec["gradient_checkpointing"],  # TRL's default is True; mmalign's False
-        bf16=False,  # TRL's default is True (autocast); both run in the model's dtype here
-        fp16=False,
+        bf16=spec["mixed_precision"] == "bf16",  # TRL's default is True; mmalign's mixed_precision is "no"
+        fp16=spec["mixed_precision"] == "fp16",
         use_cpu=not cuda,
         report_to="none",
         logging_steps=10**9,
@@ -380,28 +428,20 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
     dataset = Dataset.from_list([{"prompt": p} for p in spec["prompts"]])
 
     class StepTimer(TrainerCallback):
+        """Brackets each optimizer step: on_step_begin .. on_step_end (see the module docstring)."""
+
         def __init__(self) -> None:
-            self.t_begin = self.c_begin = 0.0
-            self.contention, self.noise = _Contention(), {}
+            self.clock = StepClock(gate, warmup, warmup + steps, cuda)
             self.rows: list[dict[str, float]] = []
             self.trainer: Any = None
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-                if state.global_step == warmup:
-                    torch.cuda.reset_peak_memory_stats()
+            self.clock.begin(state.global_step)
             tr = self.trainer
             self.marks = (tr._generate.total, tr._calculate_rewards.total, tr._generate_and_score_completions.total)
-            if state.global_step == warmup:
-                self.contention.start()
-            self.c_begin = time.process_time()
-            self.t_begin = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            dt, ct = time.perf_counter() - self.t_begin, time.process_time() - self.c_begin
+            self.clock.end(state.global_step - 1)
             tr = self.trainer
             gen, rew, score = (
                 tr._generate.total - self.marks[0],
@@ -411,11 +451,9 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
             lens = tr._metrics["train"].get("completions/mean_length") or [float("nan")]
             clipped = tr._metrics["train"].get("completions/clipped_ratio") or [float("nan")]
             self.rows.append(
-                {"step_s": dt, "cpu_s": ct, "generate_s": gen, "reward_s": rew, "score_total_s": score,
+                {"generate_s": gen, "reward_s": rew, "score_total_s": score,
                  "completion_len": float(lens[-1]), "clipped_ratio": float(clipped[-1])}
             )
-            if state.global_step > warmup:
-                self.noise = self.contention.stop()
 
     timer = StepTimer()
     trainer = GRPOTrainer(
@@ -441,7 +479,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
     rows = timer.rows[warmup:]
     if len(rows) != steps:
         raise RuntimeError(f"TRL ran {len(timer.rows)} optimizer steps, expected {warmup + steps}")
-    times = [r["step_s"] for r in rows]
+    timing = timer.clock.stats()
 
     def mean(key: str) -> float:
         return statistics.fmean(r[key] for r in rows)
@@ -449,16 +487,13 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
     gen, rew, score = mean("generate_s"), mean("reward_s"), mean("score_total_s")
     return {
         "framework": "trl",
-        "step_times_s": times,
-        "step_cpu_times_s": [r["cpu_s"] for r in rows],
-        **timer.noise,
-        **_summary(times),
+        **timing,
         "completion_len_mean": mean("completion_len"),
         "truncated_frac": mean("clipped_ratio"),
         "breakdown_mean_s": {
             "rollout (generate)": gen,
             "reward": rew,
-            "update (fwd+bwd+optim)": statistics.fmean(times) - score,
+            "update (fwd+bwd+optim)": timing["mean_s"] - score,
             "other (advantages, metrics)": score - gen - rew,
         },
         "params_changed": bool((after - before).abs().max() > 0),
@@ -497,20 +532,81 @@ def _machine(device: str) -> str:
     return desc
 
 
-def _run_worker(framework: str, spec_path: Path, out_path: Path, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", framework,
-           "--spec", str(spec_path), "--worker-out", str(out_path)]
+def _readline(f: Any, timeout: float) -> str:
+    ready, _, _ = select.select([f], [], [], timeout)
+    return f.readline() if ready else "<timeout>"
+
+
+def _run_workers(frameworks: list[str], spec: dict[str, Any], work: Path, tag: str,
+                 timeout: float) -> dict[str, dict[str, Any]]:
+    """Start one worker process per framework and run their steps in lockstep.
+
+    All workers load their model first; then step i of every framework runs in turn (order
+    alternating from step to step), never two at once. Background load that drifts over time thus
+    hits every framework alike, while each process keeps its own imports and peak memory.
+    """
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    procs: dict[str, Any] = {}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
-    if proc.returncode != 0 or not out_path.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise RuntimeError(f"{framework} worker failed (exit {proc.returncode}):\n{tail}")
-    res = json.loads(out_path.read_text())
-    res["process_wall_s"] = time.perf_counter() - t0
-    return res
+
+    def fail(fw: str, why: str) -> None:
+        for p, *_ in procs.values():
+            if p.poll() is None:
+                p.kill()
+        log = (work / f"{fw}{tag}.log").read_text().splitlines()[-40:]
+        raise RuntimeError(f"{fw} worker {why}; last lines of its output:\n" + "\n".join(log))
+
+    try:
+        for fw in frameworks:
+            go_r, go_w = os.pipe()
+            done_r, done_w = os.pipe()
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", fw, "--spec", str(spec_path),
+                   "--worker-out", str(work / f"result_{fw}{tag}.json"), "--gate", f"{go_r},{done_w}"]
+            log = (work / f"{fw}{tag}.log").open("w")
+            p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(go_r, done_w))
+            log.close()
+            os.close(go_r)
+            os.close(done_w)
+            procs[fw] = (p, os.fdopen(go_w, "w"), os.fdopen(done_r, "r"))
+        for fw, (_, _, done) in procs.items():
+            if (line := _readline(done, timeout).strip()) != "ready":
+                fail(fw, f"did not get ready ({line or 'exited'})")
+        for i in range(spec["warmup"] + spec["steps"]):
+            order = frameworks if i % 2 == 0 else frameworks[::-1]
+            for fw in order:
+                _, go, done = procs[fw]
+                go.write("go\n")
+                go.flush()
+                if (line := _readline(done, timeout).strip()) != "done":
+                    fail(fw, f"failed in step {i + 1} ({line or 'exited'})")
+        results = {}
+        for _, go, _ in procs.values():  # let every worker finish (TRL logs at the end of train())
+            go.write("finish\n")
+            go.flush()
+        for fw, (p, go, _) in procs.items():
+            go.close()
+            rc = p.wait(timeout=timeout)
+            out = work / f"result_{fw}{tag}.json"
+            if rc != 0 or not out.exists():
+                fail(fw, f"exited with code {rc}")
+            results[fw] = json.loads(out.read_text())
+            results[fw]["process_wall_s"] = time.perf_counter() - t0
+        return results
+    finally:
+        for p, go, done in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            for f in (go, done):
+                try:
+                    f.close()
+                except (OSError, ValueError):
+                    pass
 
 
 def _merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -537,7 +633,7 @@ def _merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def _fmt_table(results: dict[str, dict[str, Any]], device: str) -> str:
     mem_key = "cuda_peak_allocated_mb" if device == "cuda" else "peak_rss_mb"
     mem_name = "peak CUDA alloc (MiB)" if device == "cuda" else "peak RSS (MiB)"
-    head = ["framework", "median step (s)", "mean step (s)", "median CPU (s)", "mean compl. len", mem_name,
+    head = ["framework", "median step (s)", "min step (s)", "median CPU (s)", "mean compl. len", mem_name,
             "setup (MiB)", "train incr. (MiB)"]
     lines = []
     for fw, r in results.items():
@@ -545,7 +641,7 @@ def _fmt_table(results: dict[str, dict[str, Any]], device: str) -> str:
             setup, incr = r["cuda_after_setup_mb"], r["cuda_peak_allocated_mb"] - r["cuda_after_setup_mb"]
         else:
             setup, incr = r["rss_after_setup_mb"], r["peak_rss_increase_mb"]
-        lines.append([fw, f"{r['median_s']:.3f}", f"{r['mean_s']:.3f}",
+        lines.append([fw, f"{r['median_s']:.3f}", f"{r['min_s']:.3f}",
                       f"{statistics.median(r['step_cpu_times_s']):.3f}", f"{r['completion_len_mean']:.1f}",
                       f"{r[mem_key]:.0f}", f"{setup:.0f}", f"{incr:.0f}"])
     widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
@@ -579,13 +675,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dataset-size", type=int, default=256, help="distinct prompts in the dataset (default 256)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights dtype (both)")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
+                   help="autocast in both (mmalign trainer.mixed_precision, TRL bf16/fp16; default no)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="enable it in both (default off in both)")
     p.add_argument("--suppress-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="forbid EOS while sampling, in both, so every completion has max length (default on)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads in both workers (default: all cores)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="run the workers this many times, alternating frameworks; steps are pooled (default 1)")
+                   help="start the workers this many times; timed steps are pooled (default 1)")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                   help="run both workers at once, their steps in lockstep turns (default); --no-interleave:\n"
+                        "one framework after the other")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--frameworks", default="mmalign,trl", help="comma list, run in this order (default mmalign,trl)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON.relative_to(ROOT)})")
@@ -593,6 +694,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--gate", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker is None:
         if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
@@ -613,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         spec = json.loads(args.spec.read_text())
-        result = run_mmalign(spec) if args.worker == "mmalign" else run_trl(spec)
+        result = (run_mmalign if args.worker == "mmalign" else run_trl)(spec, args.gate)
         args.worker_out.write_text(json.dumps(result))
         return 0
 
@@ -649,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": args.max_new_tokens,
             "lr": args.lr,
             "dtype": args.dtype,
+            "mixed_precision": args.mixed_precision,
             "gradient_checkpointing": args.gradient_checkpointing,
             "suppress_eos": args.suppress_eos,
             "eos_token_id": model_info["eos_token_id"],
@@ -658,33 +761,43 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "steps": args.steps,
         }
-        spec_path = work / "spec.json"
-        spec_path.write_text(json.dumps(spec))
         runs: dict[str, list[dict[str, Any]]] = {fw: [] for fw in args.frameworks}
-        for rnd in range(args.rounds):  # alternate the frameworks: drifting machine load hits both alike
-            for fw in args.frameworks:
+        groups = [args.frameworks] if args.interleave else [[fw] for fw in args.frameworks]
+        for rnd in range(args.rounds):
+            for group in groups:
                 tag = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
-                print(f"running {fw}{tag}: {args.warmup} warm-up + {args.steps} timed steps ...", flush=True)
-                r = _run_worker(fw, spec_path, work / f"result_{fw}_{rnd}.json", args.timeout)
-                runs[fw].append(r)
-                print(f"  {fw}: median {r['median_s']:.3f}s/step, steps {[round(t, 3) for t in r['step_times_s']]}, "
-                      f"other processes' CPU {100 * r['other_procs_cpu_frac']:.0f}%, process {r['process_wall_s']:.0f}s", flush=True)
+                how = " in lockstep" if len(group) > 1 else ""
+                print(f"running {' and '.join(group)}{how}{tag}: {args.warmup} warm-up + {args.steps} timed steps "
+                      f"each ...", flush=True)
+                for fw, r in _run_workers(group, spec, work, f"_{rnd}", args.timeout).items():
+                    runs[fw].append(r)
+                    print(f"  {fw}: median {r['median_s']:.3f}s/step, steps {[round(t, 3) for t in r['step_times_s']]}, "
+                          f"other processes' CPU {100 * r['other_procs_cpu_frac']:.0f}%", flush=True)
         results = {fw: _merge_rounds(rs) for fw, rs in runs.items()}
 
     print()
     print(f"settings: {args.prompts} prompts x {args.group_size} completions = {args.prompts * args.group_size} "
           f"samples/step, {args.max_new_tokens} new tokens, temperature 1.0, lr {args.lr:g}, no KL, "
-          f"1 optimizer step/step, {args.dtype}, device {args.device}, {threads} threads, "
+          f"1 optimizer step/step, {args.dtype} weights, autocast {args.mixed_precision}, device {args.device}, {threads} threads, "
           f"EOS {'suppressed' if args.suppress_eos else 'allowed'}")
     print(_fmt_table(results, args.device))
     print()
     print(_fmt_breakdown(results))
-    ratio = None
+    ratio = paired = None
     if "mmalign" in results and "trl" in results:
         ratio = results["trl"]["median_s"] / results["mmalign"]["median_s"]
         print()
-        print(f"ratio TRL/mmalign (median step time): {ratio:.2f}x  "
-              f"({'mmalign faster' if ratio > 1 else 'TRL faster' if ratio < 1 else 'equal'}; target >= 1.5x)")
+        verdict = "mmalign faster" if ratio > 1.02 else "TRL faster" if ratio < 1 / 1.02 else "about equal"
+        print(f"ratio TRL/mmalign (median step time): {ratio:.2f}x  ({verdict}; target >= 1.5x)")
+        if args.interleave:
+            # step i of both ran back to back: the per-step ratio cancels slow drifts in machine load
+            pairs = [t / m for t, m in zip(results["trl"]["step_times_s"], results["mmalign"]["step_times_s"])]
+            paired = statistics.median(pairs)
+            print(f"ratio TRL/mmalign, median of the {len(pairs)} back-to-back step pairs: {paired:.2f}x")
+        for key, name in (("peak_rss_mb", "peak RSS"), ("cuda_peak_allocated_mb", "peak CUDA memory")):
+            if results["mmalign"].get(key) is not None:
+                a, b = results["mmalign"][key], results["trl"][key]
+                print(f"{name}: mmalign {a:.0f} MiB vs TRL {b:.0f} MiB ({'no more' if a <= b else 'MORE'} than TRL)")
     busy = max(r["other_procs_cpu_frac"] for r in results.values())
     if args.device == "cpu" and busy > 0.05:
         print(f"note: other processes used up to {100 * busy:.0f}% of the CPU during the timed steps; wall "
@@ -699,10 +812,11 @@ def main(argv: list[str] | None = None) -> int:
         "machine": _machine(args.device),
         "versions": _versions(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                     if k not in ("worker", "spec", "worker_out")} | {"threads": threads},
+                     if k not in ("worker", "spec", "worker_out", "gate")} | {"threads": threads},
         "model": model_info,
         "results": results,
         "ratio_trl_over_mmalign": ratio,
+        "ratio_trl_over_mmalign_paired_median": paired,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(payload, indent=2) + "\n")

@@ -3,7 +3,13 @@
 A config is a tree of dataclasses. Loading checks every key and value against the declared
 fields and types; an unknown or misspelled key is an error naming the key, the file and a
 close match. Command-line overrides use dotted paths: ``trainer.lr=1e-5 rollout.group_size=4``;
-values are parsed as YAML scalars (so ``1e-5`` is a float, ``[a, b]`` a list, ``null`` None).
+values are parsed as YAML scalars (so ``1e-5`` is a float, ``[a, b]`` a list, ``null`` None), except
+that a key of type ``str`` takes the text exactly as typed (``data.prompt_template=Q: {question}``).
+An index into a list is a number (``rewards.0.weight=0.5``); the index one past the end appends.
+
+YAML is read with YAML 1.2 number and boolean rules, in files and overrides alike: ``1e-5`` is a
+float (YAML 1.1 reads it as a string), only ``true``/``false`` are booleans (``no`` stays a string,
+so ``mixed_precision: no`` works), and a key given twice in one mapping is an error.
 
 Pipelines may declare their own typed section: ``register_options("my_pipeline", MyOptions)``
 makes the top-level ``options:`` mapping validate against ``MyOptions``.
@@ -13,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -142,7 +150,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     options: Any = None
     """Pipeline-specific section, typed by the pipeline (see `register_options`)."""
-    source: str = "<dict>"
+    source: str = field(default="<dict>", compare=False)
     """Where the config came from (set by the loader; not a YAML key)."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,7 +167,109 @@ def register_options(pipeline: str, options_cls: type) -> None:
     _OPTIONS[pipeline] = options_cls
 
 
+# ----------------------------------------------------------------------------- YAML
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats (``1e-5``) and booleans (only true/false), duplicate keys as errors."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # unhashable key: SafeConstructor reports it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark
+                    )
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+_FLOAT_TAG, _BOOL_TAG = "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool"
+_FLOAT_RE = re.compile(
+    r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+_BOOL_RE = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+
+
+def _resolvers() -> dict[str, list[tuple[str, re.Pattern[str]]]]:
+    out: dict[str, list[tuple[str, re.Pattern[str]]]] = {}
+    for ch, items in yaml.SafeLoader.yaml_implicit_resolvers.items():
+        new = []
+        for tag, rx in items:
+            if tag == _FLOAT_TAG:
+                rx = _FLOAT_RE
+            elif tag == _BOOL_TAG:
+                if ch not in "tTfF":
+                    continue
+                rx = _BOOL_RE
+            new.append((tag, rx))
+        out[ch] = new
+    return out
+
+
+_Loader.yaml_implicit_resolvers = _resolvers()
+
+
+def _load_yaml(text: str, name: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else name
+        what = "; ".join(x for x in (e.context, e.problem) if x) or str(e)
+        raise ConfigError(f"{where}: invalid YAML: {what}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{name}: invalid YAML: {e}") from None
+
+
 # ----------------------------------------------------------------------------- conversion
+
+
+@dataclass
+class _Source:
+    """Where the values came from: a file (or `<dict>`) and the keys the command line set."""
+
+    name: str
+    overrides: list[tuple[str, str, str]] = field(default_factory=list)
+    """(key as written in messages, e.g. ``rewards[0].weight``, the override text, its raw value)."""
+    label: str = ""
+
+    def override_for(self, key: str) -> tuple[str, str, str] | None:
+        for o in reversed(self.overrides):
+            k = o[0]
+            if key == k or key.startswith((k + ".", k + "[")) or k.startswith((key + ".", key + "[")):
+                return o
+        return None
+
+    def raw_for(self, key: str) -> str | None:
+        for k, _, raw in reversed(self.overrides):
+            if k == key:
+                return raw
+        return None
+
+    def where(self, key: str | None) -> str:
+        o = self.override_for(key) if key is not None else None
+        if o is not None:
+            return f"command line: override {o[1]!r}"
+        return self.label or self.name
+
+
+def _where(src: _Source | str, key: str | None) -> str:
+    return src.where(key) if isinstance(src, _Source) else src
 
 
 def _to_plain(obj: Any) -> Any:
@@ -183,14 +293,24 @@ def _type_name(tp: Any) -> str:
         return f"{getattr(origin, '__name__', str(origin))}[{args}]"
     if tp is type(None):
         return "null"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
     return getattr(tp, "__name__", str(tp))
+
+
+def _accepts_str(tp: Any) -> bool:
+    return tp is str or (get_origin(tp) in (Union, types.UnionType) and str in get_args(tp))
 
 
 class _Mismatch(Exception):
     pass
 
 
-def _convert(value: Any, tp: Any, key: str, src: str) -> Any:
+_NUMBER_RE = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
+
+
+def _convert(value: Any, tp: Any, key: str, src: _Source | str) -> Any:
     """Check `value` against type `tp`; return it converted (dicts into dataclasses)."""
     if tp is Any:
         return value
@@ -208,7 +328,7 @@ def _convert(value: Any, tp: Any, key: str, src: str) -> Any:
                 continue
         raise _Mismatch
     if origin is Literal:
-        if value in get_args(tp):
+        if any(value == a and type(value) is type(a) for a in get_args(tp)):
             return value
         raise _Mismatch
     if dataclasses.is_dataclass(tp):
@@ -227,6 +347,8 @@ def _convert(value: Any, tp: Any, key: str, src: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:  # YAML 1.1 spellings
+            return _BOOL_WORDS[value.strip().lower()]
         raise _Mismatch
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -235,11 +357,8 @@ def _convert(value: Any, tp: Any, key: str, src: str) -> Any:
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):  # YAML reads "1e-5" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                raise _Mismatch from None
+        if isinstance(value, str) and _NUMBER_RE.fullmatch(value.strip()):  # a quoted number: "1e-5"
+            return float(value)
         raise _Mismatch
     if tp is str:
         if isinstance(value, str):
@@ -250,70 +369,123 @@ def _convert(value: Any, tp: Any, key: str, src: str) -> Any:
     raise _Mismatch
 
 
-def _convert_checked(value: Any, tp: Any, key: str, src: str) -> Any:
+def _convert_checked(value: Any, tp: Any, key: str, src: _Source | str) -> Any:
+    raw = src.raw_for(key) if isinstance(src, _Source) else None
+    if raw is not None and value is not None and _accepts_str(tp):
+        # a str key set on the command line takes the text as typed: `data.prompt_template=Q: {question}`
+        # is not a YAML mapping, `output_dir=2024` not a number, `... #1` not a comment ('quotes' unquote)
+        if isinstance(value, str):
+            if not raw.lstrip().startswith(("'", '"')):
+                value = raw
+        else:
+            try:
+                return _convert(value, tp, key, src)
+            except (_Mismatch, ConfigError):
+                value = raw
     try:
         return _convert(value, tp, key, src)
     except _Mismatch:
         raise ConfigError(
-            f"{src}: key '{key}' must be {_type_name(tp)}, got {type(value).__name__} {value!r}"
+            f"{_where(src, key)}: key '{key}' must be {_type_name(tp)}, got {type(value).__name__} {value!r}"
         ) from None
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str, src: str) -> Any:
+def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source | str) -> Any:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not (cls is Config and f.name == "source")}
+    dot = f"{prefix}." if prefix else ""
     kwargs: dict[str, Any] = {}
     for k, v in data.items():
-        full = f"{prefix}.{k}" if prefix else str(k)
+        full = f"{dot}{k}"
         if k not in fields:
             close = difflib.get_close_matches(str(k), list(fields), n=1)
-            hint = f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)" if close else ""
+            hint = f" (did you mean '{dot}{close[0]}'?)" if close else ""
             raise ConfigError(
-                f"{src}: unknown key '{full}'{hint}. Valid keys here: {', '.join(sorted(fields))}"
+                f"{_where(src, full)}: unknown key '{full}'{hint}. Valid keys here: {', '.join(sorted(fields))}"
             )
         kwargs[k] = _convert_checked(v, hints[k], full, src)
-    return cls(**kwargs)
+    for name, f in fields.items():
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{_where(src, dot + name)}: key '{dot}{name}' is required ({_type_name(hints[name])})")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # e.g. a check in the dataclass's __post_init__
+        raise ConfigError(f"{_where(src, prefix or None)}: section '{prefix or cls.__name__}': {e}") from None
 
 
 # ----------------------------------------------------------------------------- overrides
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` -> (["a", "b", "c"], parsed value)."""
+    """`a.b.c=value` -> (["a", "b", "c"], parsed value); a value YAML cannot parse stays a string."""
     if "=" not in text:
         raise ConfigError(f"command line: override {text!r} must look like key.sub=value")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key:
         raise ConfigError(f"command line: override {text!r} has an empty key")
+    parts = [p.strip() for p in key.split(".")]
+    if not all(parts):
+        raise ConfigError(f"command line: override {text!r}: the key has an empty part")
+    if not raw.strip():
+        return parts, ""
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"command line: cannot parse the value of {key!r}: {e}") from None
-    return key.split("."), value
+        value = yaml.load(raw, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
 
 
-def apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
+def _list_index(node: list[Any], part: str, path: list[str], i: int) -> int:
+    if not re.fullmatch(r"[0-9]+", part) or int(part) > len(node):
+        valid = f"0..{len(node) - 1}, or {len(node)} to append" if node else "0 to append"
+        raise ConfigError(
+            f"command line: override '{'.'.join(path)}': '{'.'.join(path[: i + 1])}' is not a valid index "
+            f"into a list of {len(node)} (use {valid})"
+        )
+    return int(part)
+
+
+def apply_override(data: dict[str, Any], path: list[str], value: Any) -> str:
+    """Set `value` at `path` in the plain mapping `data` (creating sections); return the key as messages
+    write it (``rewards[0].weight``). A list index may be one past the end, which appends; a missing
+    list is created by its index 0 (``rollout.stop_strings.0=</answer>``)."""
     node: Any = data
+    key = ""
     for i, part in enumerate(path[:-1]):
+        # a section the file does not have is created: a list if the next part is an index, else a mapping
+        new: Any = [] if re.fullmatch(r"[0-9]+", path[i + 1]) else {}
         if isinstance(node, list):
-            try:
-                node = node[int(part)]
-            except (ValueError, IndexError):
-                raise ConfigError(
-                    f"command line: '{'.'.join(path)}': {'.'.join(path[: i + 1])} is not a valid list index"
-                ) from None
-            continue
-        if part not in node or node[part] is None:
-            node[part] = {}
-        node = node[part]
+            idx = _list_index(node, part, path, i)
+            if idx == len(node):
+                node.append(new)
+            elif node[idx] is None:
+                node[idx] = new
+            key += f"[{idx}]"
+            node = node[idx]
+        else:
+            key = f"{key}.{part}" if key else part
+            if node.get(part) is None:
+                node[part] = new
+            node = node[part]
         if not isinstance(node, dict | list):
-            raise ConfigError(f"command line: '{'.'.join(path)}': '{'.'.join(path[: i + 1])}' is not a section")
+            raise ConfigError(
+                f"command line: override '{'.'.join(path)}': '{'.'.join(path[: i + 1])}' is a value, not a section"
+            )
     last = path[-1]
     if isinstance(node, list):
-        node[int(last)] = value
+        idx = _list_index(node, last, path, len(path) - 1)
+        if idx == len(node):
+            node.append(value)
+        else:
+            node[idx] = value
+        key += f"[{idx}]"
     else:
         node[last] = value
+        key = f"{key}.{last}" if key else last
+    return key
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -321,18 +493,22 @@ def apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
 
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     """Validate a plain mapping into a `Config` (errors name the key and `source`)."""
+    return _from_dict(data, _Source(source))
+
+
+def _from_dict(data: Any, src: _Source) -> Config:
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{src.name}: the top level must be a mapping, got {type(data).__name__}")
     raw_options = data.get("options")
-    data = {k: v for k, v in data.items() if k != "options"}
-    cfg = _build(Config, data, "", source)
-    cfg.source = source
+    rest = {k: v for k, v in data.items() if k != "options"}
+    cfg = _build(Config, rest, "", src)
+    cfg.source = src.label or src.name
     options_cls = _OPTIONS.get(cfg.pipeline)
     if options_cls is not None:
-        cfg.options = _build(options_cls, raw_options or {}, "options", source)
+        cfg.options = _convert_checked({} if raw_options is None else raw_options, options_cls, "options", src)
     elif raw_options is not None:
         cfg.options = raw_options
-    validate(cfg)
+    validate(cfg, src)
     return cfg
 
 
@@ -340,41 +516,65 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """Read a YAML config and apply `key.sub=value` overrides; raise ConfigError on any problem."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config: {e}") from None
+    data = _load_yaml(text, str(path))
+    if data is None:
+        data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    source = str(path)
-    for text in overrides:
-        keys, value = parse_override(text)
-        apply_override(data, keys, value)
-        source = f"{path} (with command-line overrides)"
-    return config_from_dict(data, source)
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    src = _Source(str(path))
+    for item in overrides:
+        keys, value = parse_override(item)
+        key = apply_override(data, keys, value)
+        src.overrides.append((key, item, item.split("=", 1)[1]))
+    if overrides:
+        src.label = f"{path} (with command-line overrides)"
+    return _from_dict(data, src)
 
 
-def validate(cfg: Config) -> None:
+def _finite(x: float) -> bool:
+    return math.isfinite(x)
+
+
+def validate(cfg: Config, src: _Source | str | None = None) -> None:
     """Cross-field checks that the type system cannot express."""
-    src = cfg.source
-    r, t, a = cfg.rollout, cfg.trainer, cfg.algorithm
+    where = cfg.source if src is None else src
+    r, t, a, m = cfg.rollout, cfg.trainer, cfg.algorithm, cfg.model
 
     def need(cond: bool, key: str, msg: str) -> None:
         if not cond:
-            raise ConfigError(f"{src}: key '{key}' {msg}")
+            raise ConfigError(f"{_where(where, key)}: key '{key}' {msg}")
 
     need(bool(cfg.pipeline), "pipeline", "is required")
     need(bool(cfg.output_dir), "output_dir", "is required")
+    if m.lora.enabled:
+        need(m.lora.r >= 1, "model.lora.r", "must be >= 1")
+        need(m.lora.alpha > 0, "model.lora.alpha", "must be > 0")
+    need(0 <= m.lora.dropout < 1, "model.lora.dropout", "must be in [0, 1)")
+    need(cfg.data.max_rows is None or cfg.data.max_rows >= 1, "data.max_rows", "must be >= 1 or null")
     need(r.group_size >= 1, "rollout.group_size", "must be >= 1")
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
-    need(r.temperature > 0, "rollout.temperature", "must be > 0 (sampling is required for GRPO)")
+    need(
+        _finite(r.temperature) and r.temperature > 0,
+        "rollout.temperature",
+        "must be a finite number > 0 (sampling is required for GRPO)",
+    )
     need(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    need(r.top_k >= 0, "rollout.top_k", "must be >= 0 (0: no top-k)")
+    need(r.batch_size is None or r.batch_size >= 1, "rollout.batch_size", "must be >= 1 or null")
     need(t.steps >= 1, "trainer.steps", "must be >= 1")
-    need(t.lr >= 0, "trainer.lr", "must be >= 0")
-    need(t.num_iterations >= 1, "trainer.num_iterations", "must be >= 1")
+    need(_finite(t.lr) and t.lr >= 0, "trainer.lr", "must be a finite number >= 0")
+    need(_finite(t.weight_decay) and t.weight_decay >= 0, "trainer.weight_decay", "must be a finite number >= 0")
     need(len(t.betas) == 2, "trainer.betas", "must be two numbers")
+    need(all(0 <= b < 1 for b in t.betas), "trainer.betas", f"must be in [0, 1), got {t.betas}")
+    need(_finite(t.adam_eps) and t.adam_eps > 0, "trainer.adam_eps", "must be a finite number > 0")
+    need(t.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
+    need(t.num_iterations >= 1, "trainer.num_iterations", "must be >= 1")
     for key in ("minibatch_size", "microbatch_size"):
         v = getattr(t, key)
         need(v is None or v >= 1, f"trainer.{key}", "must be >= 1 or null")
@@ -384,9 +584,20 @@ def validate(cfg: Config) -> None:
             "trainer.microbatch_size",
             f"({t.microbatch_size}) must divide trainer.minibatch_size ({t.minibatch_size})",
         )
-    need(t.save_every >= 1 and t.log_every >= 1, "trainer.save_every", "and trainer.log_every must be >= 1")
-    need(a.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
+    need(t.max_grad_norm is None or t.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0 or null")
+    for key in ("log_every", "sample_every", "save_every", "keep_checkpoints"):
+        need(getattr(t, key) >= 1, f"trainer.{key}", "must be >= 1")
+    need(_finite(a.kl_coef) and a.kl_coef >= 0, "algorithm.kl_coef", "must be a finite number >= 0")
     need(a.adv_clip is None or a.adv_clip > 0, "algorithm.adv_clip", "must be > 0 or null")
     need(len(cfg.rewards) >= 1, "rewards", "must list at least one reward")
+    columns: dict[str, int] = {}
     for i, rw in enumerate(cfg.rewards):
         need(bool(rw.name), f"rewards[{i}].name", "is required")
+        need(_finite(rw.weight), f"rewards[{i}].weight", f"must be a finite number, got {rw.weight}")
+        column = rw.alias or rw.name
+        need(
+            column not in columns,
+            f"rewards[{i}]",
+            f"is named {column!r} like rewards[{columns.get(column)}]; give one of them an `alias`",
+        )
+        columns[column] = i

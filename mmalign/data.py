@@ -21,19 +21,27 @@ class DataError(ValueError):
 
 
 def load_jsonl(path: str | Path, max_rows: int | None = None) -> list[dict[str, Any]]:
-    """Read a JSONL file; a malformed line raises DataError naming `path:line`."""
+    """Read a JSONL file; a malformed line raises DataError naming `path:line`. Blank lines are skipped
+    (line numbers still count them); a UTF-8 byte-order mark is allowed."""
     path = Path(path)
+    if max_rows is not None and max_rows < 1:
+        raise DataError(f"{path}: max_rows must be >= 1 or None, got {max_rows}")
     if not path.is_file():
-        raise DataError(f"data file not found: {path}")
+        raise DataError(f"data file not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
     rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                column = min(e.pos, len(line.rstrip("\r\n"))) + 1
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {column})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
             row["_source"] = f"{path}:{lineno}"
@@ -41,7 +49,7 @@ def load_jsonl(path: str | Path, max_rows: int | None = None) -> list[dict[str, 
             if max_rows is not None and len(rows) >= max_rows:
                 break
     if not rows:
-        raise DataError(f"{path}: no rows")
+        raise DataError(f"{path}: no rows (the file is empty)")
     return rows
 
 
@@ -64,22 +72,44 @@ def load_hf_dataset(spec: str, max_rows: int | None = None) -> list[dict[str, An
         rows.append(row)
         if max_rows is not None and len(rows) >= max_rows:
             break
+    if not rows:
+        raise DataError(f"{spec}: no rows")
     return rows
 
 
 def add_prompts(rows: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
-    """Set ``row["prompt"] = template.format(**row)``; a missing column is a DataError naming the row."""
-    fields = {f for _, f, _, _ in Formatter().parse(template) if f}
-    if template == "{question}" and all("prompt" in r for r in rows) and not all("question" in r for r in rows):
-        return rows
+    """Set ``row["prompt"] = template.format(**row)``; a missing column is a DataError naming the row.
+
+    With the default template ``"{question}"``, a row that already has a ``prompt`` column keeps it.
+    """
+    try:
+        fields = [f for _, f, _, _ in Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise DataError(f"data.prompt_template {template!r} is not a valid format string: {e}") from None
+    positional = [f for f in fields if not f or f.split(".")[0].split("[")[0].isdigit()]
+    if positional:
+        raise DataError(
+            f"data.prompt_template {template!r}: every field must name a column, like {{question}} "
+            f"(got {{{positional[0]}}})"
+        )
+    columns = {f.split(".")[0].split("[")[0] for f in fields}
+    default = template == "{question}"
     for row in rows:
-        missing = [f for f in fields if f.split(".")[0].split("[")[0] not in row]
+        if default and "prompt" in row:
+            continue
+        missing = sorted({c for c in columns if c not in row})
         if missing:
             raise DataError(
                 f"{row.get('_source', '?')}: column(s) {missing} used by data.prompt_template are missing "
                 f"(row has: {sorted(k for k in row if not k.startswith('_'))})"
             )
-        row["prompt"] = template.format(**row)
+        try:
+            row["prompt"] = template.format(**row)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise DataError(
+                f"{row.get('_source', '?')}: data.prompt_template {template!r} cannot format this row: "
+                f"{type(e).__name__}: {e}"
+            ) from None
     return rows
 
 
@@ -93,7 +123,7 @@ class PromptSampler:
 
     def __init__(self, num_rows: int, seed: int = 0, shuffle: bool = True) -> None:
         if num_rows < 1:
-            raise ValueError("PromptSampler needs at least one row")
+            raise DataError("PromptSampler needs at least one row")
         self.num_rows = num_rows
         self.seed = seed
         self.shuffle = shuffle
@@ -104,7 +134,7 @@ class PromptSampler:
     def _make_order(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.num_rows))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**64)
         return torch.randperm(self.num_rows, generator=g).tolist()
 
     def next_indices(self, n: int) -> list[int]:
@@ -124,7 +154,7 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_rows"] != self.num_rows:
-            raise ValueError(
+            raise DataError(
                 f"the checkpoint's sampler saw {state['num_rows']} rows but the data now has {self.num_rows}"
             )
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]

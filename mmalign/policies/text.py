@@ -47,7 +47,7 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int], stop_lengths: Te
         first = is_eos.int().argmax(dim=1)
         lengths = torch.where(has, first + 1, lengths)
     if stop_lengths is not None:
-        lengths = torch.minimum(lengths, stop_lengths)
+        lengths = torch.minimum(lengths, stop_lengths.clamp(max=t))
     return torch.arange(t, device=completion_ids.device)[None, :] < lengths[:, None]
 
 
@@ -250,16 +250,30 @@ class TextPolicy:
         return ids.cpu(), att.cpu(), out[:, ids.shape[1] :].cpu()
 
     def _stop_lengths(self, completion_ids: Tensor) -> Tensor:
-        """Per row, the number of tokens up to the end of the first stop string (T if none)."""
+        """Per row, the number of tokens up to the end of the first stop string (T + 1 if none).
+
+        Decodes prefixes (so multi-byte characters split across tokens are handled) and finds the
+        shortest prefix containing a stop string by bisection: O(T log T) decodes per matching row.
+        """
         b, t = completion_ids.shape
-        out = torch.full((b,), t, dtype=torch.long)
+        out = torch.full((b,), t + 1, dtype=torch.long)
+
+        def hit(ids: list[int], k: int) -> bool:
+            text = self.tokenizer.decode(ids[:k], skip_special_tokens=False)
+            return any(s in text for s in self.stop_strings)
+
         for i in range(b):
-            text = ""
-            for j in range(t):
-                text += self.tokenizer.decode([int(completion_ids[i, j])], skip_special_tokens=False)
-                if any(s in text for s in self.stop_strings):
-                    out[i] = j + 1
-                    break
+            ids = completion_ids[i].tolist()
+            if not hit(ids, t):
+                continue
+            lo, hi = 1, t  # smallest k with hit(ids, k)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if hit(ids, mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            out[i] = lo
         return out
 
     # ------------------------------------------------------------------ log-probs

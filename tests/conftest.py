@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny models are built once per test session, offline, into a temp folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quickstart's warm-started tiny LM (the `text_reasoning` tiny builder), ~30 s once."""
+    from mmalign import tiny
+
+    path = tmp_path_factory.mktemp("models") / "text_reasoning-tiny"
+    tiny.build("text_reasoning", path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def random_text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised tiny LM + BPE tokenizer saved with save_pretrained (instant)."""
+    import torch
+
+    from mmalign import tiny
+
+    torch.manual_seed(0)
+    texts = [f"Q: {a} + {b} = ?\nA: <answer>{a + b}</answer> hello world, the end." for a in range(10) for b in range(10)]
+    tok = tiny.train_bpe_tokenizer(texts, vocab_size=300)
+    model = tiny.tiny_causal_lm(tok, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    path = tmp_path_factory.mktemp("models") / "random-tiny"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -1,0 +1,98 @@
+"""Run GroupTrainer.make_rollout on deterministic fake rollouts, in 1 or N processes.
+
+Used by tests/test_distributed.py:
+    python tests/scripts/dist_advantages.py OUT.json ESTIMATOR
+    torchrun --standalone --nproc_per_node 2 tests/scripts/dist_advantages.py OUT.json ESTIMATOR
+Rank 0 writes, for 3 steps, every sample's (step, prompt, output, group, advantage) to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from mmalign.batch import Rollout
+from mmalign.config import config_from_dict
+from mmalign.trainer import GroupTrainer
+from pipelines import Components
+from rewards import RewardSet
+
+
+class FakePolicy:
+    """Outputs depend only on (prompt, sample index): the same rollouts in any process layout."""
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(2, 1)
+        self.forward_model = self.model
+
+    def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool) -> Rollout:
+        prompts, texts = [], []
+        for r in rows:
+            q = int(r["question"])
+            for j in range(group_size):
+                prompts.append(r["prompt"])
+                texts.append(f"<answer>{(q * 7 + j * j * 3) % 4}</answer>" + ("!" * ((q + j) % 3)))
+        b = len(prompts)
+        return Rollout(
+            group=torch.arange(len(rows)).repeat_interleave(group_size),
+            mask=torch.ones(b, 3, dtype=torch.bool),
+            prompts=prompts,
+            logp_old=torch.zeros(b, 3) if compute_logp else None,
+            columns={k: [r[k] for r in rows for _ in range(group_size)] for k in rows[0]},
+            outputs={"texts": texts, "num_tokens": torch.full((b,), 3)},
+        )
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())
+
+
+def main() -> None:
+    out_path, estimator = sys.argv[1], sys.argv[2]
+    cfg = config_from_dict(
+        {
+            "pipeline": "fake",
+            "output_dir": out_path + ".run",
+            "overwrite": True,
+            "rollout": {"group_size": 5, "prompts_per_step": 6},
+            "rewards": [
+                {"name": "answer_accuracy", "kwargs": {"extract": "tag"}},
+                {"name": "format", "weight": 0.5, "kwargs": {"tags": ["answer"], "strict": True}},
+            ],
+            "algorithm": {"estimator": estimator},
+            "trainer": {"cpu": True, "progress_bar": False},
+        },
+        "dist_advantages",
+    )
+    rows = [{"question": str(i), "answer": str(i % 4), "prompt": f"q{i}"} for i in range(18)]
+    comps = Components(policy=FakePolicy(), rewards=RewardSet(cfg.rewards), data=rows)
+    trainer = GroupTrainer(cfg, comps, accelerator=Accelerator(cpu=True))
+    records = []
+    for step in range(3):
+        trainer._timers = {"rollout": 0.0, "reward": 0.0}
+        batch, _ = trainer.make_rollout()
+        for i in range(len(batch)):
+            records.append(
+                {
+                    "step": step,
+                    "prompt": batch.prompts[i],
+                    "output": batch.outputs["texts"][i],
+                    "group": int(batch.group[i]),
+                    "advantage": float(batch.advantages[i]),
+                    "in_loss": bool(batch.mask[i].any()),
+                }
+            )
+    everything = gather_object(records)
+    if trainer.is_main:
+        with open(out_path, "w") as f:
+            json.dump({"world_size": trainer.world, "records": everything}, f)
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()  # destroys the process group: a clean exit for torchrun
+
+
+if __name__ == "__main__":
+    main()

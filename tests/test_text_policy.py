@@ -1,0 +1,191 @@
+"""TextPolicy: tokenizer round trip, rollout masks, log-probs against generate's own scores, LoRA/reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from mmalign import tiny
+from mmalign.config import LoraConfig
+from mmalign.policies.text import TextPolicy, completion_mask, selective_log_softmax
+
+
+def test_bpe_tokenizer_survives_save_and_auto_load(tmp_path: Path) -> None:
+    """AutoTokenizer of a Qwen2-architecture folder must tokenize exactly like the in-process BPE."""
+    texts = ["Q: 7 + 5 = ?\nA: <answer>12</answer>", "hello world 123, it's 4.5!"] * 20
+    tok = tiny.train_bpe_tokenizer(texts, vocab_size=280)
+    model = tiny.tiny_causal_lm(tok, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    plain = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    for s in ["Q: 13 + 9 = ?\nA:", " <answer>12</answer>", "it's 4.5 hello"]:
+        assert loaded(s)["input_ids"] == tok(s)["input_ids"] == plain(s)["input_ids"], s
+        assert loaded.decode(loaded(s)["input_ids"]) == s
+    assert loaded.eos_token == tiny.EOS and loaded.pad_token == tiny.PAD
+    assert loaded.chat_template == tiny.CHAT_TEMPLATE
+
+
+def test_selective_log_softmax_matches_full() -> None:
+    logits = torch.randn(3, 5, 11)
+    idx = torch.randint(0, 11, (3, 5))
+    ref = torch.log_softmax(logits, -1).gather(-1, idx[..., None]).squeeze(-1)
+    assert torch.allclose(selective_log_softmax(logits, idx), ref, atol=1e-6)
+
+
+def test_completion_mask_includes_eos_and_stops() -> None:
+    ids = torch.tensor([[5, 6, 0, 1, 1], [5, 5, 5, 5, 5], [0, 1, 1, 1, 1]])
+    m = completion_mask(ids, eos_ids=[0])
+    assert m.tolist() == [
+        [True, True, True, False, False],
+        [True] * 5,
+        [True, False, False, False, False],
+    ]
+    m2 = completion_mask(ids, eos_ids=[0], stop_lengths=torch.tensor([2, 4, 5]))
+    assert m2.sum(1).tolist() == [2, 4, 1]
+
+
+def _policy(path: Path, **kw) -> TextPolicy:
+    kw.setdefault("max_new_tokens", 10)
+    return TextPolicy.from_pretrained(str(path), **kw)
+
+
+def _rows(prompts: list[str]) -> list[dict]:
+    return [{"prompt": p, "idx": i} for i, p in enumerate(prompts)]
+
+
+PROMPTS = ["Q: 1 + 2 = ?\nA:", "hello", "Q: 9 + 9 = ?\nA: <answer>", "world, the end. Q: 3 + 4 = ?\nA:"]
+
+
+def test_rollout_fields_and_columns(random_text_model_dir: Path) -> None:
+    torch.manual_seed(0)
+    pol = _policy(random_text_model_dir)
+    ro = pol.rollout(_rows(PROMPTS), 3, compute_logp=True)
+    assert len(ro) == 12 and ro.group.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert ro.columns["idx"] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert ro.prompts[3] == "hello"
+    n = ro.outputs["num_tokens"]
+    assert torch.equal(n, ro.mask.sum(1))
+    # the mask is a prefix; a sample that stopped ends with EOS, a truncated one fills T
+    for i in range(len(ro)):
+        k = int(n[i])
+        assert ro.mask[i, :k].all() and not ro.mask[i, k:].any()
+        ids = ro.payload["completion_ids"][i]
+        if not bool(ro.outputs["truncated"][i]):
+            assert int(ids[k - 1]) in pol.eos_ids
+        else:
+            assert k == 10
+    # logp_old: finite on valid tokens, 0 on padding
+    assert torch.isfinite(ro.logp_old).all() and (ro.logp_old[~ro.mask] == 0).all()
+    assert (ro.logp_old[ro.mask] < 0).all()
+
+
+def test_logprobs_equal_generate_scores_with_left_padding(random_text_model_dir: Path) -> None:
+    """Recomputed log-probs equal those of the distribution generate sampled from (prompts of
+    different lengths, so left padding and position ids matter), at temperature 0.7."""
+    pol = _policy(random_text_model_dir, temperature=0.7)
+    ids, att = pol._encode_prompts(PROMPTS)
+    assert (att == 0).any()  # some prompts are padded
+    torch.manual_seed(1)
+    out = pol.model.generate(
+        input_ids=ids, attention_mask=att, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
+        max_new_tokens=6, output_scores=True, return_dict_in_generate=True,
+        pad_token_id=pol.tokenizer.pad_token_id, eos_token_id=pol.eos_ids,
+    )
+    comp = out.sequences[:, ids.shape[1]:]
+    scores = torch.stack(out.scores, dim=1)  # [B, T, V], already divided by the temperature
+    ref = torch.log_softmax(scores.float(), -1).gather(-1, comp[..., None]).squeeze(-1)
+    mask = completion_mask(comp, pol.eos_ids)
+    from mmalign.batch import Rollout
+
+    ro = Rollout(
+        group=torch.arange(4), mask=mask, prompts=PROMPTS,
+        payload={"prompt_ids": ids, "prompt_mask": att, "completion_ids": comp.masked_fill(~mask, 1)},
+    )
+    logp = pol.evaluate(ro).logp
+    assert torch.allclose(logp[mask], ref[mask], atol=1e-4), (logp[mask] - ref[mask]).abs().max()
+
+
+def test_ratio_is_one_on_unchanged_weights(random_text_model_dir: Path) -> None:
+    pol = _policy(random_text_model_dir)
+    ro = pol.rollout(_rows(PROMPTS), 2, compute_logp=True)
+    logp = pol.evaluate(ro).logp
+    assert torch.allclose(logp.detach(), ro.logp_old, atol=1e-6)
+    # and a minibatch slice gives the same numbers
+    sub = ro[[1, 4, 6]]
+    assert torch.allclose(pol.evaluate(sub).logp.detach(), ro.logp_old[[1, 4, 6]], atol=1e-6)
+
+
+def test_stop_lengths_find_the_token_that_completes_the_stop_string(random_text_model_dir: Path) -> None:
+    pol = _policy(random_text_model_dir, stop_strings=["wor", "zzz"])
+    ids = pol.tokenizer("hello world, the end")["input_ids"]
+    k = next(k for k in range(1, len(ids) + 1) if "wor" in pol.tokenizer.decode(ids[:k]))
+    none = pol.tokenizer("hello hello")["input_ids"]
+    width = max(len(ids), len(none))
+    batch = torch.tensor([ids + [1] * (width - len(ids)), none + [1] * (width - len(none))])
+    assert pol._stop_lengths(batch).tolist() == [k, width + 1]
+
+
+def test_stop_strings_end_the_completion(tiny_text_model_dir: Path) -> None:
+    """The warm-started model writes ' <answer>N</answer>' then EOS; stopping at '</' cuts it there."""
+    torch.manual_seed(0)
+    pol = _policy(tiny_text_model_dir, max_new_tokens=12, stop_strings=["</"])
+    ro = pol.rollout(_rows(["Q: 3 + 4 = ?\nA:", "Q: 9 + 1 = ?\nA:"]), 4, compute_logp=True)
+    for i, text in enumerate(ro.outputs["texts"]):
+        assert text.endswith("</"), text
+        assert not bool(ro.outputs["truncated"][i])
+        k = int(ro.outputs["num_tokens"][i])
+        assert not ro.mask[i, k:].any() and (ro.payload["completion_ids"][i, k:] == pol.tokenizer.pad_token_id).all()
+    # without the stop string the same model finishes with EOS, and nothing is flagged truncated
+    ro2 = _policy(tiny_text_model_dir, max_new_tokens=12).rollout(_rows(["Q: 3 + 4 = ?\nA:"]), 4, compute_logp=False)
+    assert all(t.endswith("</answer>") for t in ro2.outputs["texts"])
+    assert not ro2.outputs["truncated"].any()
+    ro3 = _policy(tiny_text_model_dir, max_new_tokens=3).rollout(_rows(["Q: 3 + 4 = ?\nA:"]), 2, compute_logp=False)
+    assert ro3.outputs["truncated"].all()
+
+
+def test_lora_reference_is_the_base_model(random_text_model_dir: Path) -> None:
+    pol = _policy(random_text_model_dir, lora=LoraConfig(enabled=True, r=4, alpha=8))
+    names = [n for n, p in pol.model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    base = _policy(random_text_model_dir)
+    ro = base.rollout(_rows(PROMPTS[:2]), 2, compute_logp=True)
+    # LoRA B starts at zero: policy == base; perturb B, then the reference still equals base
+    with torch.no_grad():
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.5)
+    ref = pol.reference_logprobs(ro)
+    assert torch.allclose(ref, ro.logp_old, atol=1e-5)
+    assert not torch.allclose(pol.evaluate(ro).logp.detach(), ro.logp_old, atol=1e-3)
+
+
+def test_full_finetune_reference_is_a_frozen_copy(random_text_model_dir: Path) -> None:
+    pol = _policy(random_text_model_dir, need_reference=True)
+    ro = pol.rollout(_rows(PROMPTS[:2]), 2, compute_logp=True)
+    with torch.no_grad():
+        for p in pol.model.parameters():
+            p.mul_(1.1)
+    assert torch.allclose(pol.reference_logprobs(ro), ro.logp_old, atol=1e-5)
+    assert all(not p.requires_grad for p in pol.ref_model.parameters())
+
+
+def test_chat_template_is_applied(random_text_model_dir: Path) -> None:
+    pol = _policy(random_text_model_dir, use_chat_template=True, system_prompt="be brief")
+    assert pol.format_prompt("hi") == "<|system|>be brief\n<|user|>hi\n<|assistant|>"
+
+
+def test_trainable_state_round_trip(random_text_model_dir: Path) -> None:
+    pol = _policy(random_text_model_dir)
+    state = pol.trainable_state_dict()
+    with torch.no_grad():
+        for p in pol.model.parameters():
+            p.zero_()
+    pol.load_trainable_state_dict(state)
+    again = pol.trainable_state_dict()
+    assert all(torch.equal(state[k], again[k]) for k in state)
+    with pytest.raises(ValueError, match="does not match"):
+        pol.load_trainable_state_dict({"nope": torch.zeros(1)})
