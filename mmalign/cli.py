@@ -12,6 +12,10 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mmalign.config import Config
 
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = ()
 
@@ -37,13 +41,13 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
-def _check_names(cfg: object) -> None:
+def _check_names(cfg: Config) -> None:
     """Registry names of `cfg.algorithm`, checked before the (possibly slow) model is built."""
     from mmalign import advantages, filters, losses
     from mmalign.config import ConfigError
     from mmalign.registry import RegistryError
 
-    a = cfg.algorithm  # type: ignore[attr-defined]
+    a = cfg.algorithm
     for key, get, name in (
         ("algorithm.estimator", advantages.get, a.estimator),
         ("algorithm.loss", losses.get, a.loss),
@@ -54,7 +58,7 @@ def _check_names(cfg: object) -> None:
         try:
             get(name)
         except RegistryError as e:
-            raise ConfigError(f"{cfg.source}: key '{key}': {e}") from None  # type: ignore[attr-defined]
+            raise ConfigError(f"{cfg.source}: key '{key}': {e}") from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -72,6 +76,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     components = build(cfg)
     trainer = GroupTrainer(cfg, components, resume=args.resume)
     history = trainer.train()
+    trainer.accelerator.end_training()  # closes the process group of a multi-process run cleanly
     if trainer.is_main and history:
         first, last = history[0], history[-1]
         print(
