@@ -46,6 +46,6 @@ def build(cfg: Config) -> Any:
     """Causal LM + verifiable text rewards (accuracy, format, overlong) on JSONL prompts."""
     rows = load_rows(cfg.data.train, cfg.data.prompt_template, cfg.data.max_rows)
     eval_rows = load_rows(cfg.data.eval, cfg.data.prompt_template) if cfg.data.eval else None
-    rewards = RewardSet(cfg.rewards)
+    rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_text_policy(cfg)
     return Components(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)

@@ -395,19 +395,45 @@ class RewardSet:
     of the rewards' needs. Weighting the columns is `mmalign.advantages.combine_rewards`' job.
     """
 
-    def __init__(self, specs: Sequence[RewardSpec | str | Mapping[str, Any] | Any]) -> None:
+    def __init__(
+        self, specs: Sequence[RewardSpec | str | Mapping[str, Any] | Any], source: str | None = None
+    ) -> None:
+        """Build every reward of `specs`. With `source` (the config file), a bad entry raises
+        `mmalign.config.ConfigError` naming the file and the key (``rewards[i].name`` / ``.kwargs``)."""
         self.specs = [RewardSpec.coerce(s) for s in specs]
         seen: dict[str, int] = {}
         for i, s in enumerate(self.specs):
             if not isinstance(s.weight, int | float) or not math.isfinite(s.weight):
-                raise ValueError(f"rewards[{i}] ({s.name!r}): weight must be a finite number, got {s.weight!r}")
+                raise self._config_error(
+                    source, f"rewards[{i}].weight", ValueError(f"rewards[{i}] ({s.name!r}): weight must be a finite number, got {s.weight!r}")
+                )
             if s.column in seen:
-                raise ValueError(
-                    f"rewards[{i}] and rewards[{seen[s.column]}] are both named {s.column!r}; "
-                    f"give one of them an alias"
+                raise self._config_error(
+                    source,
+                    f"rewards[{i}].alias",
+                    ValueError(
+                        f"rewards[{i}] and rewards[{seen[s.column]}] are both named {s.column!r}; "
+                        f"give one of them an alias"
+                    ),
                 )
             seen[s.column] = i
-        self.rewards: list[Reward] = [load_reward(s.name, **dict(s.kwargs)) for s in self.specs]
+        self.rewards: list[Reward] = []
+        for i, s in enumerate(self.specs):
+            try:
+                self.rewards.append(load_reward(s.name, **dict(s.kwargs)))
+            except TypeError as e:
+                raise self._config_error(source, f"rewards[{i}].kwargs", e) from e
+            except (KeyError, ImportError, AttributeError) as e:
+                raise self._config_error(source, f"rewards[{i}].name", e) from e
+
+    @staticmethod
+    def _config_error(source: str | None, key: str, err: Exception) -> Exception:
+        if source is None:
+            return err
+        from mmalign.config import ConfigError
+
+        text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        return ConfigError(f"{source}: key '{key}': {text}")
 
     @classmethod
     def from_rewards(cls, rewards: Sequence[Reward], weights: Sequence[float] | None = None) -> RewardSet:

@@ -323,11 +323,6 @@ def test_debug_shows_traceback_for_user_errors(capsys, tmp_path, no_model):
     assert err.strip().splitlines()[-1].startswith("mmalign: error: ")
 
 
-@pytest.mark.xfail(
-    reason="rewards/base.py: RewardSet raises a plain TypeError (traceback) and RegistryError without the "
-    "config key/file for bad reward entries; see the report",
-    strict=False,
-)
 @pytest.mark.parametrize(
     "override", ["rewards.0.kwargs.extractt=tag", "rewards.0.name=accuracyy"]
 )

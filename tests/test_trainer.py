@@ -241,3 +241,51 @@ def test_kl_penalty_with_lora(random_text_model_dir: Path, tmp_path: Path) -> No
     assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # adapter starts as identity
     assert history[-1]["kl"] > 0
     assert (tmp_path / "run" / "final" / "adapter_config.json").exists()
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"filter": "dynamic_sampling", "filter_kwargs": {"max_rounds": 3}},
+        {"filter": "replay", "filter_kwargs": {"capacity": 8}},
+        {"filter": "range", "filter_kwargs": {"low": 0.0, "high": 1.5}},
+        {"estimator": "mc_grpo", "adv_clip": 5.0},
+        {"estimator": "rloo", "loss": "gspo", "loss_agg": "seq_mean_token_mean"},
+        {"estimator": "dr_grpo", "loss": "cispo", "loss_agg": "seq_sum_norm"},
+        {"estimator": "gdpo", "loss": "sapo"},
+        {"estimator": "ngrpo", "loss": "dual_clip", "loss_kwargs": {"eps_low": 0.16, "eps_high": 0.24}},
+    ],
+    ids=lambda a: "-".join(str(v) for v in a.values() if isinstance(v, str)),
+)
+def test_algorithm_variants_train(random_text_model_dir: Path, tmp_path: Path, algorithm: dict) -> None:
+    cfg = make_cfg(
+        random_text_model_dir, tmp_path / "run", algorithm=algorithm, rewards=VARIED,
+        trainer={"steps": 2, "lr": 1e-3, "progress_bar": False, "save_every": 1},
+    )
+    trainer = make_trainer(cfg)
+    history = trainer.train()
+    assert len(history) == 2
+    for m in history:
+        assert all(v is None or not isinstance(v, float) or v == v for v in m.values())  # no NaN metric
+    if algorithm.get("estimator") == "mc_grpo":
+        batch = trainer._last_batch
+        assert len(batch) == 4 * 5  # G + 1 samples per prompt
+        # exactly one pivot per group is left out of the loss
+        for g in batch.group_ids():
+            rows = (batch.group == g).nonzero().flatten()
+            assert int((~batch.mask[rows].any(dim=1)).sum()) == 1
+    if algorithm.get("filter") == "dynamic_sampling":
+        assert all(m["filter/rounds"] >= 1 for m in history)
+        batch = trainer._last_batch
+        from mmalign.advantages import combine_rewards
+        from mmalign.filters import group_std
+
+        _, stds = group_std(combine_rewards(batch.rewards, [1.0, 1.0]), batch.group)
+        assert (stds > 0).all()  # no zero-variance group reached the update
+    # the filter's state is in the checkpoint and reloads
+    trainer2 = make_trainer(make_cfg(
+        random_text_model_dir, tmp_path / "run", algorithm=algorithm, rewards=VARIED,
+        trainer={"steps": 3, "lr": 1e-3, "progress_bar": False, "save_every": 1},
+    ), resume=True)
+    assert trainer2.step == 2
+    assert trainer2.group_filter.state_dict().keys() == trainer.group_filter.state_dict().keys()
