@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -399,7 +400,9 @@ class GroupTrainer:
             metrics["adv/abs_mean"] = float(self._gather(adv.abs().mean().reshape(1)).mean())
         else:
             tqdm.write(f"step {self.step + 1}: no informative group after filtering; the update is skipped")
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a skipped update still advances the per-step LR schedule
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
         self.step += 1
         t2 = time.perf_counter()
         metrics["lr"] = self.scheduler.get_last_lr()[0]
