@@ -23,6 +23,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -294,10 +295,9 @@ class GroupTrainer:
                     f"step {self.step + 1}: reward {name!r} returned NaN (not applicable) for every sample of "
                     f"group {gid} (prompt: {prompt[:80]!r}); that reward is left out of these samples' total"
                 )
-                tqdm.write(f"warning: {msg}")
-                log.warning(msg)
+                tqdm.write(f"warning: {msg}", file=sys.stderr)
             if len(nan_groups) > 5:
-                tqdm.write(f"warning: ... and {len(nan_groups) - 5} more all-NaN (reward, group) pairs")
+                tqdm.write(f"warning: ... and {len(nan_groups) - 5} more all-NaN (reward, group) pairs", file=sys.stderr)
         n_tok = rollout.outputs.get("num_tokens")
         if isinstance(n_tok, Tensor):
             m["completion_len/mean"] = float(self._gather(n_tok.float().mean().reshape(1)).mean())
