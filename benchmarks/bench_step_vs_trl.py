@@ -114,8 +114,8 @@ def build_model(path: Path, args: argparse.Namespace, prompts: list[str]) -> dic
         max_position_embeddings=max(256, 2 * (args.max_new_tokens + 64)),
     )
     if args.suppress_eos:
-        # Only the mmalign side reads this (its generate() call leaves suppress_tokens to the model's
-        # generation config); TRL builds its own GenerationConfig and gets it through generation_kwargs.
+        # mmalign's generate() call takes suppress_tokens from the model's generation config; TRL
+        # builds its own GenerationConfig, so it gets the same list through generation_kwargs.
         model.generation_config.suppress_tokens = [tokenizer.eos_token_id]
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -265,10 +265,14 @@ def _summary(times: list[float]) -> dict[str, float]:
 def run_mmalign(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]:
     torch = _setup_torch(spec)
     sys.path[:0] = [str(ROOT), str(HERE)]
+    import accelerate  # noqa: F401  (imported lazily by mmalign; loaded here so that the
+    import transformers  # noqa: F401  "after import" RSS is comparable with TRL's, which imports both)
+
     import pipelines
     from mmalign.config import config_from_dict
     from mmalign.trainer import GroupTrainer
 
+    transformers.AutoModelForCausalLM  # noqa: B018  (resolve the lazy module, as TRL's import does)
     rss_import = _rss_mb()
     work = Path(spec["workdir"])
     data = work / "prompts.jsonl"
@@ -283,7 +287,8 @@ def run_mmalign(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]
             "seed": spec["seed"],
             "overwrite": True,
             "model": {"name_or_path": spec["model_dir"], "dtype": spec["dtype"],
-                      "gradient_checkpointing": spec["gradient_checkpointing"]},
+                      "gradient_checkpointing": spec["gradient_checkpointing"],
+                      "shared_prefix": spec.get("shared_prefix", True)},
             "data": {"train": str(data), "prompt_template": "{prompt}", "shuffle": True},
             "rollout": {
                 "group_size": spec["group_size"],
@@ -680,6 +685,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action="store_true", help="enable it in both (default off in both)")
     p.add_argument("--suppress-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="forbid EOS while sampling, in both, so every completion has max length (default on)")
+    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="mmalign's shared-prefix log-prob forward (model.shared_prefix; default on, as in its configs)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads in both workers (default: all cores)")
     p.add_argument("--rounds", type=int, default=1,
@@ -753,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": args.dtype,
             "mixed_precision": args.mixed_precision,
             "gradient_checkpointing": args.gradient_checkpointing,
+            "shared_prefix": args.shared_prefix,
             "suppress_eos": args.suppress_eos,
             "eos_token_id": model_info["eos_token_id"],
             "device": args.device,

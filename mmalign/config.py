@@ -57,6 +57,9 @@ class ModelConfig:
     use_chat_template: bool = False
     system_prompt: str | None = None
     gradient_checkpointing: bool = False
+    shared_prefix: bool = True
+    """Encode each group's prompt once when recomputing log-probs (same numbers as the plain forward;
+    not used under gradient checkpointing). Set false for a model whose KV cache cannot carry grad."""
     attn_implementation: str | None = None
     trust_remote_code: bool = False
 

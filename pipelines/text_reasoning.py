@@ -38,6 +38,7 @@ def build_text_policy(cfg: Config) -> TextPolicy:
         use_chat_template=m.use_chat_template,
         system_prompt=m.system_prompt,
         generation_batch_size=r.batch_size,
+        shared_prefix=m.shared_prefix,
     )
 
 

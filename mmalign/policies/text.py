@@ -69,6 +69,7 @@ class TextPolicy:
         generation_batch_size: int | None = None,
         need_reference: bool = False,
         lora: bool = False,
+        shared_prefix: bool = True,
     ) -> None:
         self.model = model
         self.forward_model = model
@@ -83,6 +84,8 @@ class TextPolicy:
         self.system_prompt = system_prompt
         self.generation_batch_size = generation_batch_size
         self.lora = lora
+        self.shared_prefix = shared_prefix
+        """Encode each group's prompt once when recomputing log-probs (off under gradient checkpointing)."""
         self.ref_model: torch.nn.Module | None = None
         if need_reference and not lora:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -246,8 +249,27 @@ class TextPolicy:
         if self.stop_strings:
             kwargs["stop_strings"] = self.stop_strings
             kwargs["tokenizer"] = self.tokenizer
+        if self.shared_prefix and ids.shape[1] > 1:
+            kwargs["past_key_values"] = self._prefill(prompts, ids, att)
         out = self.model.generate(input_ids=ids, attention_mask=att, **kwargs)
         return ids.cpu(), att.cpu(), out[:, ids.shape[1] :].cpu()
+
+    def _prefill(self, prompts: list[str], ids: Tensor, att: Tensor) -> Any:
+        """KV cache of all but the last prompt token, computed once per distinct prompt and gathered
+        for every sample; `generate` then only runs the last prompt token and the new ones."""
+        from transformers import DynamicCache
+
+        index: dict[str, int] = {}
+        inverse = torch.tensor([index.setdefault(p, len(index)) for p in prompts], device=ids.device)
+        first = torch.tensor([prompts.index(p) for p in index], device=ids.device)
+        u_ids, u_att = ids[first, :-1], att[first, :-1]
+        cache = DynamicCache()
+        self.model(
+            input_ids=u_ids, attention_mask=u_att, position_ids=(u_att.cumsum(dim=1) - 1).clamp(min=0),
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )
+        cache.batch_select_indices(inverse)
+        return cache
 
     def _stop_lengths(self, completion_ids: Tensor) -> Tensor:
         """Per row, the number of tokens up to the end of the first stop string (T + 1 if none).
@@ -282,23 +304,83 @@ class TextPolicy:
         prompt_ids, prompt_mask = p["prompt_ids"].to(self.device), p["prompt_mask"].to(self.device)
         completion_ids = p["completion_ids"].to(self.device)
         mask = rollout.mask.to(self.device)
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention = torch.cat([prompt_mask, mask.long()], dim=1)
-        position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        t = completion_ids.shape[1]
         with torch.set_grad_enabled(grad):
-            out = model(
-                input_ids=input_ids,
-                attention_mask=attention,
-                position_ids=position_ids,
-                logits_to_keep=t + 1,
-                use_cache=False,
-            )
-            logits = out.logits[:, -t - 1 : -1, :]
+            if self.shared_prefix and not self._gradient_checkpointing():
+                logits = self._shared_prefix_logits(model, rollout.group, prompt_ids, prompt_mask, completion_ids, mask)
+            else:
+                logits = self._plain_logits(model, prompt_ids, prompt_mask, completion_ids, mask)
             if self.temperature != 1.0:
                 logits = logits / self.temperature
             logp = selective_log_softmax(logits, completion_ids)
         return logp.masked_fill(~mask, 0.0)
+
+    def _gradient_checkpointing(self) -> bool:
+        m = self.model
+        flag = getattr(m, "is_activation_checkpointing", None)  # transformers >= 5 name
+        if flag is None:
+            flag = getattr(m, "is_gradient_checkpointing", False)
+        return bool(flag) and m.training
+
+    @staticmethod
+    def _plain_logits(
+        model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, mask: Tensor
+    ) -> Tensor:
+        """One forward over prompt + completion per sample; logits that predict each completion token."""
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention = torch.cat([prompt_mask, mask.long()], dim=1)
+        position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        t = completion_ids.shape[1]
+        out = model(
+            input_ids=input_ids, attention_mask=attention, position_ids=position_ids, logits_to_keep=t + 1,
+            use_cache=False,
+        )
+        return out.logits[:, -t - 1 : -1, :]
+
+    @staticmethod
+    def _shared_prefix_logits(
+        model: torch.nn.Module,
+        group: Tensor,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        completion_ids: Tensor,
+        mask: Tensor,
+    ) -> Tensor:
+        """Shared-prefix forward (Prefix Grouper): each group's prompt is encoded once, its keys and
+        values are gathered for the group's completions, which attend to them through the KV cache.
+
+        Log-probs and parameter gradients equal those of `_plain_logits` (the prompt's KV tensors
+        stay in the autograd graph, so gradients flow back through them into the prompt forward);
+        the prompt's forward and backward cost is paid once per group instead of once per sample.
+        """
+        from transformers import DynamicCache
+
+        uniq, inverse = torch.unique(group.to(prompt_ids.device), return_inverse=True)
+        first = torch.full((uniq.numel(),), group.numel(), dtype=torch.long, device=prompt_ids.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(group.numel(), device=prompt_ids.device), reduce="amin")
+        u_ids, u_mask = prompt_ids[first], prompt_mask[first]
+        keep = u_mask.any(dim=0)  # drop columns that are padding in every unique prompt
+        if not bool(keep.all()):
+            u_ids, u_mask = u_ids[:, keep], u_mask[:, keep]
+            prompt_mask = prompt_mask[:, keep]
+        u_pos = (u_mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        # Under DDP the prefix pass goes through the inner module: DDP expects one forward per
+        # backward; every parameter still gets one gradient hook call, so the all-reduce is complete.
+        prefix_model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        out_p = prefix_model(
+            input_ids=u_ids, attention_mask=u_mask, position_ids=u_pos, past_key_values=cache, use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = out_p.past_key_values
+        cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...], differentiable gather
+        t = completion_ids.shape[1]
+        attention = torch.cat([prompt_mask, mask.long()], dim=1)
+        position_ids = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(t, device=mask.device)[None, :]
+        out_c = model(
+            input_ids=completion_ids, attention_mask=attention, position_ids=position_ids, past_key_values=cache,
+            use_cache=True,
+        )
+        return torch.cat([out_p.logits[:, -1:, :][inverse], out_c.logits[:, :-1, :]], dim=1)
 
     def evaluate(self, rollout: Rollout) -> ActionStats:
         """Per-token log-probs of the stored completions, with grad."""
