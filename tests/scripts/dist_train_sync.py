@@ -1,0 +1,63 @@
+"""Train 3 steps of the text pipeline in N processes; every rank writes a digest of its weights.
+
+    torchrun --standalone --nproc_per_node 2 tests/scripts/dist_train_sync.py OUT_DIR [shared_prefix]
+DDP must keep the replicas identical (the shared-prefix forward runs part of the model outside
+the DDP wrapper, so this checks that gradients of every parameter are still all-reduced).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+import pipelines
+from mmalign import tiny
+from mmalign.config import config_from_dict
+from mmalign.trainer import GroupTrainer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    shared = len(sys.argv) < 3 or sys.argv[2] != "plain"
+    acc = Accelerator(cpu=True)
+    model_dir = out / "model"
+    if acc.is_main_process:  # (transformers' save_pretrained writes nothing on other ranks)
+        torch.manual_seed(0)
+        texts = [f"Q: {a} + {b} = ?\nA: <answer>{a + b}</answer>" for a in range(10) for b in range(10)]
+        tok = tiny.train_bpe_tokenizer(texts, 300)
+        tiny.tiny_causal_lm(tok, hidden_size=32, intermediate_size=64).save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
+    acc.wait_for_everyone()
+    cfg = config_from_dict(
+        {
+            "pipeline": "text_reasoning",
+            "output_dir": str(out / "run"),
+            "overwrite": True,
+            "model": {"name_or_path": str(model_dir), "shared_prefix": shared},
+            "data": {"train": str(REPO / "assets/text_reasoning/train.jsonl"), "prompt_template": "Q: {question} = ?\nA:"},
+            "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 6},
+            "rewards": [{"name": "format", "kwargs": {"pattern": r"[^e]*", "search": False}}],
+            "trainer": {"steps": 3, "lr": 1e-2, "cpu": True, "progress_bar": False, "save_every": 100},
+        },
+        "dist_train_sync",
+    )
+    trainer = GroupTrainer(cfg, pipelines.get("text_reasoning")(cfg), accelerator=acc)
+    before = [p.detach().clone() for p in trainer.policy.model.parameters()]
+    history = trainer.train()
+    moved = sum(float((p.detach() - b).abs().sum()) for p, b in zip(trainer.policy.model.parameters(), before))
+    after = {n: float(p.detach().double().sum()) for n, p in trainer.policy.model.named_parameters()}
+    (out / f"rank{acc.process_index}.json").write_text(
+        json.dumps({"moved": moved, "after": after, "losses": [m.get("loss") for m in history]})
+    )
+    acc.wait_for_everyone()
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    main()
