@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.registry import Registry
+from mmalign.registry import Registry, option_checked
 
 Estimator = Callable[..., Tensor]
 Weights = Sequence[float] | Tensor | None
@@ -53,30 +53,6 @@ _MC_ZERO_ATOL = 1e-6
 # --------------------------------------------------------------------------- registry API
 
 
-def _option_checked(kind: str, name: str, fn: Callable[..., Any], n_positional: int) -> Callable[..., Any]:
-    """Wrap ``fn`` so that unknown keyword options raise a TypeError naming ``kind name`` and the option."""
-    params = list(inspect.signature(fn).parameters.values())
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return fn  # the function takes **kwargs on purpose: it validates itself
-    allowed = {
-        p.name
-        for p in params[n_positional:]
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    }
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **options: Any) -> Any:
-        bad = sorted(set(options) - allowed)
-        if bad:
-            valid = ", ".join(sorted(allowed)) or "none"
-            raise TypeError(
-                f"{kind} {name!r} got unknown option(s) {', '.join(map(repr, bad))}; valid options: {valid}"
-            )
-        return fn(*args, **options)
-
-    return wrapper
-
-
 def register(name: str, **meta: Any) -> Callable[[Estimator], Estimator]:
     """Decorator registering ``fn(rewards, group, **options) -> Float[B]`` under ``name``.
 
@@ -84,7 +60,7 @@ def register(name: str, **meta: Any) -> Callable[[Estimator], Estimator]:
     """
 
     def deco(fn: Estimator) -> Estimator:
-        checked = _option_checked(REGISTRY.kind, name, fn, n_positional=2)
+        checked = option_checked(REGISTRY.kind, name, fn, n_positional=2)
 
         @functools.wraps(checked)
         def in_float64(rewards: Tensor, group: Tensor, **options: Any) -> Tensor:
@@ -144,7 +120,7 @@ def loss_sample_mask(name: str, rewards: Tensor, group: Tensor, **options: Any) 
             )
         r = torch.as_tensor(rewards)
         return torch.ones(r.shape[0], dtype=torch.bool, device=r.device)
-    return _option_checked(REGISTRY.kind, name, mask_fn, n_positional=2)(rewards, group, **options)
+    return option_checked(REGISTRY.kind, name, mask_fn, n_positional=2)(rewards, group, **options)
 
 
 def _options_of(fn: Callable[..., Any]) -> list[str]:

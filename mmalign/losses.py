@@ -25,7 +25,6 @@ Options are keyword-only; an unknown option raises TypeError naming the loss and
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.registry import Registry
+from mmalign.registry import Registry, option_checked
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -61,35 +60,11 @@ KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 # --------------------------------------------------------------------------- registry API
 
 
-def _option_checked(kind: str, name: str, fn: Callable[..., Any], n_positional: int) -> Callable[..., Any]:
-    """Wrap ``fn`` so that unknown keyword options raise a TypeError naming ``kind name`` and the option."""
-    params = list(inspect.signature(fn).parameters.values())
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return fn
-    allowed = {
-        p.name
-        for p in params[n_positional:]
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    }
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **options: Any) -> Any:
-        bad = sorted(set(options) - allowed)
-        if bad:
-            valid = ", ".join(sorted(allowed)) or "none"
-            raise TypeError(
-                f"{kind} {name!r} got unknown option(s) {', '.join(map(repr, bad))}; valid options: {valid}"
-            )
-        return fn(*args, **options)
-
-    return wrapper
-
-
 def register(name: str, **meta: Any) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator registering a policy loss ``fn(logp, logp_old, advantages, mask, **options)``."""
 
     def deco(fn: PolicyLoss) -> PolicyLoss:
-        return REGISTRY.register(name, **meta)(_option_checked(REGISTRY.kind, name, fn, n_positional=4))
+        return REGISTRY.register(name, **meta)(option_checked(REGISTRY.kind, name, fn, n_positional=4))
 
     return deco
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -64,3 +66,27 @@ class Registry(Generic[T]):
         """First line of the entry's docstring, for `mmalign list`."""
         doc = getattr(self.get(name), "__doc__", None) or ""
         return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def option_checked(kind: str, name: str, fn: Callable[..., Any], n_positional: int) -> Callable[..., Any]:
+    """Wrap ``fn`` so that unknown keyword options raise a TypeError naming ``kind name`` and the option."""
+    params = list(inspect.signature(fn).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return fn  # the function takes **kwargs on purpose: it validates itself
+    allowed = {
+        p.name
+        for p in params[n_positional:]
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **options: Any) -> Any:
+        bad = sorted(set(options) - allowed)
+        if bad:
+            valid = ", ".join(sorted(allowed)) or "none"
+            raise TypeError(
+                f"{kind} {name!r} got unknown option(s) {', '.join(map(repr, bad))}; valid options: {valid}"
+            )
+        return fn(*args, **options)
+
+    return wrapper

@@ -243,7 +243,7 @@ class GroupTrainer:
         for _ in range(rounds):
             t0 = time.perf_counter()
             rollout, g_rewards, g_group = self._generate_round()
-            self._timers["rollout"] += time.perf_counter() - t0 - 0.0
+            self._timers["rollout"] += time.perf_counter() - t0
             adv, keep = self.compute_advantages(g_rewards, g_group)
             n_local = len(rollout)
             rollout.advantages = self._local_slice(adv, n_local).to(rollout.mask.device)
