@@ -54,17 +54,31 @@ def load_jsonl(path: str | Path, max_rows: int | None = None) -> list[dict[str, 
 
 
 def load_hf_dataset(spec: str, max_rows: int | None = None) -> list[dict[str, Any]]:
-    """`hf:<name>[:<split>]` (a hub id or a local `save_to_disk` folder) -> list of rows."""
+    """`hf:<name>[:<split>[:<config>]]` (a hub id, or a local `save_to_disk` folder) -> list of rows.
+
+    Example: ``hf:openai/gsm8k:train:main``. Hub datasets need the network (or the local
+    Hugging Face cache); a folder written by `Dataset.save_to_disk` works offline.
+    """
     parts = spec.split(":")
+    if len(parts) < 2 or not parts[1] or len(parts) > 4:
+        raise DataError(f"{spec!r}: expected hf:<name>[:<split>[:<config>]]")
     name = parts[1]
-    split = parts[2] if len(parts) > 2 else "train"
+    split = parts[2] if len(parts) > 2 and parts[2] else "train"
+    config = parts[3] if len(parts) > 3 and parts[3] else None
     try:
         import datasets
     except ImportError as e:  # pragma: no cover - optional dependency
         raise DataError(f"{spec}: the `datasets` package is needed for hf: data sources") from e
-    ds = datasets.load_from_disk(name) if Path(name).is_dir() else datasets.load_dataset(name, split=split)
-    if isinstance(ds, datasets.DatasetDict):
-        ds = ds[split]
+    try:
+        ds = datasets.load_from_disk(name) if Path(name).is_dir() else datasets.load_dataset(name, config, split=split)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(f"{spec}: no split {split!r} (has {sorted(ds)})")
+            ds = ds[split]
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"{spec}: cannot load the dataset: {type(e).__name__}: {e}") from e
     rows = []
     for i, row in enumerate(ds):
         row = dict(row)

@@ -302,3 +302,23 @@ def test_sampler_large_and_negative_seeds():
     for seed in (2**62, -3):
         s = PromptSampler(10, seed=seed)
         assert sorted(s.next_indices(10)) == list(range(10))
+
+
+def test_hf_dataset_saved_to_disk_loads_with_split_and_all_columns(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from mmalign.data import DataError, load_rows
+
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list([{"question": "1 + 1", "answer": "2", "level": 1}] * 3),
+            "test": datasets.Dataset.from_list([{"question": "2 + 2", "answer": "4", "level": 2}]),
+        }
+    )
+    dd.save_to_disk(str(tmp_path / "ds"))
+    rows = load_rows(f"hf:{tmp_path / 'ds'}:test", "Q: {question}")
+    assert len(rows) == 1 and rows[0]["prompt"] == "Q: 2 + 2" and rows[0]["level"] == 2
+    assert rows[0]["_source"].endswith("[0]")
+    with pytest.raises(DataError, match="no split 'validation'"):
+        load_rows(f"hf:{tmp_path / 'ds'}:validation")
+    with pytest.raises(DataError, match="expected hf:"):
+        load_rows("hf:")
