@@ -73,6 +73,13 @@ class DataConfig:
     """Python format string over the row's columns; gives the prompt text."""
     shuffle: bool = True
     max_rows: int | None = None
+    sampler: str = "uniform"
+    """Prompt sampler (mmalign.samplers): `uniform` (shuffled epochs) or `vade` (Thompson sampling on
+    per-prompt Beta posteriors of success, picking the most informative prompts)."""
+    sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+    success_threshold: float | None = 0.5
+    """For the sampler's feedback: a sample succeeds when its total reward is > this (null: the
+    group's mean reward clamped to [0, 1] is its success rate)."""
 
 
 @dataclass

@@ -39,9 +39,9 @@ from tqdm.auto import tqdm
 from mmalign import advantages as adv_lib
 from mmalign import filters as filter_lib
 from mmalign import losses as loss_lib
+from mmalign import samplers as sampler_lib
 from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError
-from mmalign.data import PromptSampler
 from mmalign.registry import RegistryError
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,14 @@ class GroupTrainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         self.policy.forward_model, self.optimizer = acc.prepare(self.policy.model, self.optimizer)
-        self.sampler = PromptSampler(len(self.rows), seed=cfg.seed, shuffle=cfg.data.shuffle)
+        opts = dict(cfg.data.sampler_kwargs)
+        if cfg.data.sampler == "uniform":
+            opts.setdefault("shuffle", cfg.data.shuffle)
+        _check_registry(cfg, "data.sampler", sampler_lib.get, cfg.data.sampler)
+        try:
+            self.sampler = sampler_lib.build_sampler(cfg.data.sampler, len(self.rows), cfg.seed, **opts)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{cfg.source}: key 'data.sampler_kwargs': {e}") from None
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7919)
         self.step = 0
         self.history: list[dict[str, Any]] = []
@@ -200,7 +207,9 @@ class GroupTrainer:
 
     def _generate_round(self) -> tuple[Rollout, Tensor, Tensor]:
         """One round of sampling on this process; returns (local rollout, global rewards, global groups)."""
-        idx = self.sampler.next_indices(self.cfg.rollout.prompts_per_step)
+        pps = self.cfg.rollout.prompts_per_step
+        idx = self.sampler.next_indices(pps)
+        round_base = self._round * pps
         mine = idx[self.rank * self.local_prompts : (self.rank + 1) * self.local_prompts]
         rows = [self.rows[i] for i in mine]
         rollout = self.policy.rollout(rows, self.samples_per_group, compute_logp=self.need_logp_old)
@@ -213,7 +222,12 @@ class GroupTrainer:
         self._timers["reward"] += time.perf_counter() - t0
         rollout.rewards = rewards
         rollout.reward_names = list(self.reward_set.names)
-        return rollout, self._gather(rewards), self._gather(rollout.group)
+        g_rewards, g_group = self._gather(rewards), self._gather(rollout.group)
+        # feedback for adaptive prompt samplers, from the GLOBAL batch so every rank's sampler agrees
+        total = adv_lib.combine_rewards(g_rewards, self.reward_set.weights.tolist())
+        ids, rates, counts = sampler_lib.group_successes(total, g_group, self.cfg.data.success_threshold)
+        self.sampler.observe([idx[int(g) - round_base] for g in ids], rates, counts)
+        return rollout, g_rewards, g_group
 
     def compute_advantages(self, rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
         """Advantages and loss-sample mask of the GLOBAL batch (identical on every process)."""
@@ -270,6 +284,7 @@ class GroupTrainer:
             batch = batch.select_groups(batch.group_ids()[:n_use])
         stats = dict(first_stats)
         stats.update({k: float(v) for k, v in f.last_stats().items()})
+        stats.update({k: float(v) for k, v in self.sampler.last_stats().items()})
         stats["filter/rounds"] = float(self._round)
         stats["filter/groups_used"] = float(n_use * self.world)
         return batch, stats

@@ -21,14 +21,19 @@ from .base import (
     names,
     register_reward,
 )
+from .multimodal import BMAS, BoxIoU, MixedAccuracy, MultipleChoice
 from .text import AnswerAccuracy, FormatReward, OverlongPenalty
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "REGISTRY",
+    "BMAS",
     "AnswerAccuracy",
+    "BoxIoU",
     "FormatReward",
     "FunctionReward",
+    "MixedAccuracy",
+    "MultipleChoice",
     "OverlongPenalty",
     "Reward",
     "RewardBatch",

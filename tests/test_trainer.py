@@ -289,3 +289,19 @@ def test_algorithm_variants_train(random_text_model_dir: Path, tmp_path: Path, a
     ), resume=True)
     assert trainer2.step == 2
     assert trainer2.group_filter.state_dict().keys() == trainer.group_filter.state_dict().keys()
+
+
+def test_vade_sampler_trains_and_resumes_exactly(random_text_model_dir: Path, tmp_path: Path) -> None:
+    data = {"train": str(TRAIN_JSONL), "prompt_template": "Q: {question} = ?\nA:", "sampler": "vade",
+            "sampler_kwargs": {"explore": 0.25}, "success_threshold": 0.5}
+    kw = {"data": data, "rewards": VARIED}
+    full = make_trainer(make_cfg(random_text_model_dir, tmp_path / "full", trainer={
+        "steps": 4, "save_every": 2, "lr": 1e-3, "progress_bar": False}, **kw)).train()
+    assert "sampler/picked_info" in full[0] and full[-1]["sampler/seen_frac"] > full[0]["sampler/seen_frac"]
+    part = make_cfg(random_text_model_dir, tmp_path / "part", trainer={
+        "steps": 2, "save_every": 2, "lr": 1e-3, "progress_bar": False}, **kw)
+    make_trainer(part).train()
+    resumed = make_trainer(make_cfg(random_text_model_dir, tmp_path / "part", trainer={
+        "steps": 4, "save_every": 2, "lr": 1e-3, "progress_bar": False}, **kw), resume=True)
+    resumed.train()
+    assert [strip_time(m) for m in read_metrics(tmp_path / "part")] == [strip_time(m) for m in full]

@@ -1,0 +1,234 @@
+"""`VLLMEngine`: rollouts on vLLM, colocated with training on the same GPU(s).
+
+Install with ``pip install "mmalign[vllm]"``. Importing this module never needs vLLM; only
+constructing a `VLLMEngine` does (an ImportError otherwise, naming the extra).
+
+Targeted vLLM versions: 0.8 – 0.11 (V0 and V1 engines), tensor_parallel_size = 1 per training
+process (each DDP rank owns one colocated engine on its own GPU). What differs between versions
+is guarded:
+
+- Engine process: the engine core is kept in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is
+  set unless the user set it), so weights are loaded by direct calls, without serialising tensors.
+- Full weight sync: ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights``
+  (V0, and V1 with in-process engine core: ``driver_worker`` forwards to the worker), otherwise
+  ``llm.collective_rpc(fn)`` with a function run on each worker (V1 ≥ 0.8.5; with the multiprocess
+  engine core it needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on recent versions).
+  ``load_weights`` takes Hugging Face checkpoint names and handles fused (qkv, gate_up) and tied
+  weights itself. The prefix cache is reset after each sync (cached KV of old weights is stale).
+- LoRA, ``lora_mode="merge"`` (default, any version): the trainer pushes merged weights
+  (`mmalign.engines.merged_state_dict`, ``lora=False``). ``lora_mode="adapter"``: the engine is
+  built with ``enable_lora=True`` and ``sync_weights(adapter_state, lora=True)`` writes the adapter
+  (``adapter_model.safetensors`` + ``adapter_config.json`` from ``peft_config``) to a temp folder
+  and uses a new ``LoRARequest`` id per sync, so vLLM loads the new version.
+- Log-probs: ``SamplingParams(n=..., logprobs=0)`` returns the sampled token's log-prob. vLLM V0
+  computes it after temperature (and top-k/top-p) processing; V1 returns raw log-probs (without
+  temperature) unless ``logprobs_mode="processed_logprobs"`` (vLLM ≥ 0.10.2), which is passed when
+  supported. The trainer's formula is ``log_softmax(logits / T)`` without truncation, so use
+  ``top_p = 1`` and ``top_k = 0`` for exact agreement; any remaining gap is what the truncated IS
+  correction (`mmalign.is_correction`) is for. On V1 < 0.10.2 with T ≠ 1 the engine's log-probs
+  ignore the temperature: use T = 1 there or leave TIS off.
+- Sleep mode: ``enable_sleep_mode=True`` lets `sleep()` offload weights and free the KV cache
+  (``llm.sleep(level=1)``) during the update and `wake()` (``llm.wake_up()``) bring them back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from torch import Tensor
+
+from mmalign.engines.base import EngineOutput, RolloutEngine, SamplingSpec, WeightState, iter_state
+
+INSTALL_HINT = 'vLLM is not installed; install the optional extra with: pip install "mmalign[vllm]" (needs CUDA)'
+
+
+def _require_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"VLLMEngine needs vLLM. {INSTALL_HINT}") from e
+    return vllm
+
+
+def _load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
+    """Run on each vLLM worker through ``collective_rpc`` (the worker is passed as ``self``)."""
+    worker.model_runner.model.load_weights(weights=weights)
+
+
+class VLLMEngine(RolloutEngine):
+    """A colocated `vllm.LLM` as a `RolloutEngine` (see the module docstring)."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.3,
+        enable_sleep_mode: bool = True,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+        lora_mode: Literal["merge", "adapter"] = "merge",
+        peft_config: dict[str, Any] | None = None,
+        max_lora_rank: int = 64,
+        logprobs_mode: str | None = "processed_logprobs",
+        llm_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        vllm = _require_vllm()
+        super().__init__()
+        if model is None:
+            raise ValueError("VLLMEngine: model (a hub id or a local folder) is required")
+        if lora_mode not in ("merge", "adapter"):
+            raise ValueError(f"VLLMEngine: lora_mode must be 'merge' or 'adapter', got {lora_mode!r}")
+        if lora_mode == "adapter" and peft_config is None:
+            raise ValueError("VLLMEngine: lora_mode='adapter' needs peft_config (model.peft_config['default'].to_dict())")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.vllm = vllm
+        self.lora_mode = lora_mode
+        self.supports_lora_adapters = lora_mode == "adapter"
+        self.peft_config = dict(peft_config or {})
+        self._lora_request: Any = None
+        self._lora_dir = tempfile.TemporaryDirectory(prefix="mmalign-vllm-lora-") if lora_mode == "adapter" else None
+        self._sleep_enabled = enable_sleep_mode
+        self.asleep = False
+        kwargs: dict[str, Any] = dict(
+            model=str(model),
+            tokenizer=tokenizer,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if lora_mode == "adapter":
+            kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        if logprobs_mode is not None and self._accepts_engine_arg("logprobs_mode"):
+            kwargs["logprobs_mode"] = logprobs_mode
+        kwargs.update(llm_kwargs or {})
+        self.llm = vllm.LLM(**kwargs)
+
+    def _accepts_engine_arg(self, name: str) -> bool:
+        try:
+            from dataclasses import fields
+
+            from vllm.engine.arg_utils import EngineArgs
+
+            return name in {f.name for f in fields(EngineArgs)}
+        except Exception:  # version without dataclass EngineArgs
+            return False
+
+    # ------------------------------------------------------------------ sampling
+    def _sampling_params(self, n: int, sp: SamplingSpec, seed: int | None) -> Any:
+        return self.vllm.SamplingParams(
+            n=n,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k > 0 else -1,
+            max_tokens=sp.max_new_tokens,
+            stop=list(sp.stop) or None,
+            stop_token_ids=list(sp.stop_token_ids) or None,
+            seed=seed,
+            logprobs=0,
+        )
+
+    def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec) -> list[EngineOutput]:
+        if self.asleep:
+            self.wake()
+        params = [
+            self._sampling_params(n, sampling, None if sampling.seed is None else sampling.seed + i)
+            for i in range(len(prompt_token_ids))
+        ]
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]  # TokensPrompt is a TypedDict
+        kwargs: dict[str, Any] = {"use_tqdm": False}
+        if self._lora_request is not None:
+            kwargs["lora_request"] = self._lora_request
+        results = self.llm.generate(prompts, params, **kwargs)
+        out: list[EngineOutput] = []
+        for i, res in enumerate(results):
+            for c in res.outputs:
+                ids = list(c.token_ids)
+                lps = []
+                for pos, tok in enumerate(ids):
+                    entry = c.logprobs[pos] if c.logprobs is not None else None
+                    if entry is None or tok not in entry:
+                        raise RuntimeError(f"vLLM returned no log-prob for token {pos} of prompt {i} (logprobs=0 was requested)")
+                    lp = entry[tok]
+                    lps.append(float(getattr(lp, "logprob", lp)))
+                reason = "length" if c.finish_reason == "length" else "stop"
+                out.append(EngineOutput(token_ids=ids, logprobs=lps, finish_reason=reason, prompt_index=i, text=c.text))
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def _load_weights(self, state: WeightState, *, lora: bool) -> None:
+        if lora:
+            self._load_adapter(state)
+            return
+        weights = list(iter_state(state))
+        model = self._driver_model()
+        if model is not None:
+            model.load_weights(weights=weights)
+        elif hasattr(self.llm, "collective_rpc"):
+            self.llm.collective_rpc(_load_on_worker, args=(weights,))
+        else:
+            raise RuntimeError(
+                "cannot reach the vLLM model to load weights (no driver_worker and no collective_rpc); "
+                "this vLLM version is not supported by VLLMEngine"
+            )
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+
+    def _driver_model(self) -> Any:
+        try:
+            return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        except AttributeError:
+            pass
+        try:  # V1 with the worker wrapper not forwarding attributes
+            return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        except AttributeError:
+            return None
+
+    def _load_adapter(self, state: WeightState) -> None:
+        from safetensors.torch import save_file
+
+        assert self._lora_dir is not None
+        version = self.weight_version + 1
+        path = Path(self._lora_dir.name) / f"v{version}"
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in iter_state(state)}
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in self.peft_config.items()}
+        (path / "adapter_config.json").write_text(json.dumps(cfg, default=str))
+        from vllm.lora.request import LoRARequest
+
+        self._lora_request = LoRARequest(lora_name=f"mmalign-v{version}", lora_int_id=version, lora_path=str(path))
+        old = Path(self._lora_dir.name) / f"v{version - 1}"
+        if old.exists():  # vLLM has loaded it already or will load the new one instead
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        if self._sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        if self._lora_dir is not None:
+            self._lora_dir.cleanup()
