@@ -91,7 +91,15 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     stop_strings: list[str] = field(default_factory=list)
-    engine: Literal["hf"] = "hf"
+    engine: Literal["hf", "fake", "vllm"] = "hf"
+    """Who samples: `hf` (the policy's own `generate`), `vllm` (colocated vLLM, `mmalign[vllm]`, GPU)
+    or `fake` (an in-process CPU engine with its own weight copy, for tests)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    sync_timeout_s: float = 600.0
+    """Weight sync to the engine after each optimizer step fails with a clear error past this."""
+    is_correction: Literal["none", "token", "sequence"] = "token"
+    """Truncated importance sampling for the engine/trainer log-prob mismatch (engines other than hf)."""
+    is_cap: float = 2.0
     batch_size: int | None = None
     """Generate at most this many sequences at once (None: the whole step)."""
 

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from mmalign import advantages as adv_lib
 from mmalign import filters as filter_lib
+from mmalign import is_correction as isc
 from mmalign import losses as loss_lib
 from mmalign import samplers as sampler_lib
 from mmalign.batch import Rollout
@@ -133,8 +134,11 @@ class GroupTrainer:
         if t.minibatch_size and t.minibatch_size % self.world:
             raise ConfigError(f"{cfg.source}: key 'trainer.minibatch_size' must be divisible by the number of processes")
         updates_per_pass = math.ceil(local_batch / self.minibatch) if self.minibatch else 1
-        # logp_old is needed when the weights change between updates on one rollout
-        self.need_logp_old = t.num_iterations > 1 or updates_per_pass > 1 or a.filter == "replay"
+        # logp_old is needed when the weights change between updates on one rollout, and with an engine
+        # (whose own log-probs only enter the importance-sampling correction)
+        self.need_logp_old = t.num_iterations > 1 or updates_per_pass > 1 or a.filter == "replay" or r.engine != "hf"
+        self.engine = self._build_engine()
+        self._engine_dirty = self.engine is not None
 
         # ---- optimisation
         params = self.policy.trainable_parameters()
@@ -160,6 +164,38 @@ class GroupTrainer:
         self._prepare_output_dir(resume)
 
     # ----------------------------------------------------------------- set-up
+    def _build_engine(self) -> Any:
+        r = self.cfg.rollout
+        if r.engine == "hf":
+            return None
+        from mmalign.engines import get_engine
+
+        kwargs = dict(r.engine_kwargs)
+        if r.engine == "fake":
+            kwargs.setdefault("model", self.policy.model)
+            kwargs.setdefault("tokenizer", self.policy.tokenizer)
+        else:
+            kwargs.setdefault("model", self.cfg.model.name_or_path)
+        try:
+            engine = get_engine(r.engine, **kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{self.cfg.source}: key 'rollout.engine_kwargs': {e}") from None
+        self.policy.engine = engine
+        return engine
+
+    def sync_engine(self) -> None:
+        """Push the current weights to the rollout engine (merged LoRA, or the adapter where the engine
+        loads adapters); raises `WeightSyncError` past `rollout.sync_timeout_s` instead of hanging."""
+        from mmalign.engines import adapter_state_dict, full_state_dict
+
+        model = self.accelerator.unwrap_model(self.policy.model)
+        if getattr(self.engine, "supports_lora_adapters", False) and getattr(self.policy, "lora", False):
+            state, lora = adapter_state_dict(model), True
+        else:
+            state, lora = full_state_dict(model), False
+        self.engine.sync_weights(state, lora=lora, timeout_s=self.cfg.rollout.sync_timeout_s, step=self.step)
+        self._engine_dirty = False
+
     def _lr_lambda(self, step: int) -> float:
         t = self.cfg.trainer
         if t.warmup_steps and step < t.warmup_steps:
@@ -249,6 +285,10 @@ class GroupTrainer:
     def make_rollout(self) -> tuple[Rollout, dict[str, float]]:
         """Sample, score, compute advantages and filter until the batch is full (or rounds run out)."""
         self._round = 0
+        if self.engine is not None:
+            if self._engine_dirty:
+                self.sync_engine()
+            self.policy.engine_seed = self.cfg.seed * 1_000_003 + self.step * 7919 + self.rank
         f = self.group_filter
         rounds = f.max_rounds if f.resample else 1
         kept: list[Rollout] = []
@@ -330,7 +370,7 @@ class GroupTrainer:
     def update(self, batch: Rollout) -> dict[str, float]:
         """num_iterations passes over `batch`, one optimizer step per minibatch."""
         cfg, acc = self.cfg, self.accelerator
-        a, t = cfg.algorithm, cfg.trainer
+        a, t, r_cfg = cfg.algorithm, cfg.trainer, cfg.rollout
         if a.kl_coef > 0:
             batch.logp_ref = self.policy.reference_logprobs(batch).detach()
         sums: dict[str, float] = defaultdict(float)
@@ -359,6 +399,19 @@ class GroupTrainer:
                         mask = mu.mask.to(logp.device)
                         out = self.loss_fn(logp, logp_old.to(logp.device), mu.advantages.to(logp.device), mask, **loss_kwargs)
                         per_token = out.per_token
+                        if self.engine is not None and r_cfg.is_correction != "none":
+                            w = isc.tis_weights(
+                                logp_old.to(logp.device), mu.payload["logp_engine"].to(logp.device), mask,
+                                level=r_cfg.is_correction, cap=r_cfg.is_cap,
+                            )
+                            per_token = isc.apply_is_weights(per_token, w)
+                            is_stats = isc.is_metrics(
+                                logp_old.to(logp.device), mu.payload["logp_engine"].to(logp.device), mask,
+                                level=r_cfg.is_correction, cap=r_cfg.is_cap, weights=w,
+                            )
+                            for key, value in is_stats.items():
+                                sums[key] += float(value)
+                                counts[key] += 1
                         kl_tok = None
                         if a.kl_coef > 0:
                             kl_tok = stats.kl if stats.kl is not None else loss_lib.kl(logp, mu.logp_ref.to(logp.device), a.kl_estimator)
@@ -384,6 +437,7 @@ class GroupTrainer:
                     counts["opt_steps"] += 1
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                self._engine_dirty = self.engine is not None
                 counts["updates"] += 1
         tok = max(counts["tokens"], 1.0)
         m = {
@@ -395,6 +449,8 @@ class GroupTrainer:
             m["kl"] = sums["kl"] / tok
         if "entropy" in sums:
             m["entropy"] = sums["entropy"] / tok
+        for key in [k for k in sums if k.startswith("is/")]:
+            m[key] = sums[key] / max(counts[key], 1.0)
         if counts["opt_steps"]:
             m["grad_norm"] = sums["grad_norm"] / counts["opt_steps"]
         if self.world > 1:
@@ -444,9 +500,10 @@ class GroupTrainer:
                 except Exception as e:
                     ckpt = latest_checkpoint(self.out)
                     where = f"checkpoint {ckpt.name}" if ckpt else "no checkpoint yet"
+                    kept = f"metrics of steps 1..{self.step} in {self.out / 'metrics.jsonl'}" if self.step else "no step finished"
                     raise TrainingError(
                         f"training stopped at step {self.step + 1}: {e}\n"
-                        f"  kept: metrics of steps 1..{self.step} in {self.out / 'metrics.jsonl'}; {where}"
+                        f"  kept: {kept}; {where}"
                         + (" (continue with --resume)" if ckpt else "")
                     ) from e
                 self.history.append(m)

@@ -200,7 +200,7 @@ def test_reward_item_must_be_a_mapping(tmp_path):
         ("trainer", "lr_scheduler", "exponential"),
         ("trainer", "mixed_precision", "fp8"),
         ("trainer", "mixed_precision", False),
-        ("rollout", "engine", "vllm"),
+        ("rollout", "engine", "sglang"),
     ],
 )
 def test_literal_fields_reject_other_values(tmp_path, section, key, value):

@@ -305,3 +305,42 @@ def test_vade_sampler_trains_and_resumes_exactly(random_text_model_dir: Path, tm
         "steps": 4, "save_every": 2, "lr": 1e-3, "progress_bar": False}, **kw), resume=True)
     resumed.train()
     assert [strip_time(m) for m in read_metrics(tmp_path / "part")] == [strip_time(m) for m in full]
+
+
+def test_fake_engine_rollouts_sync_and_is_correction(random_text_model_dir: Path, tmp_path: Path) -> None:
+    """An engine samples with its own weight copy; after every optimizer step the trainer pushes the
+    weights, so engine and trainer log-probs agree at the next rollout (IS weights ~1)."""
+    cfg = make_cfg(
+        random_text_model_dir, tmp_path / "run", rewards=VARIED,
+        rollout={"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8, "engine": "fake",
+                 "is_correction": "token", "is_cap": 2.0},
+        trainer={"steps": 3, "lr": 1e-2, "progress_bar": False, "save_every": 100},
+    )
+    trainer = make_trainer(cfg)
+    assert trainer.engine is not None and trainer.need_logp_old
+    history = trainer.train()
+    for m in history:
+        assert m["is/abs_dlogp_mean"] < 1e-4, m  # synced before each rollout
+        assert abs(m["is/weight_mean"] - 1.0) < 1e-3
+    assert trainer.engine.weight_version >= 3
+    # without the sync the engine falls behind and the IS weights move away from 1
+    trainer._engine_dirty = False
+    trainer.sync_engine = lambda: None  # type: ignore[method-assign]
+    trainer.cfg.trainer.steps = 5
+    late = trainer.train()[-1]
+    assert late["is/abs_dlogp_mean"] > 1e-3
+
+
+def test_engine_sync_failure_is_a_clear_error(random_text_model_dir: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(
+        random_text_model_dir, tmp_path / "run", rewards=VARIED,
+        rollout={"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 4, "engine": "fake",
+                 "engine_kwargs": {"sync_delay_s": 5.0}, "sync_timeout_s": 0.2},
+        trainer={"steps": 2, "progress_bar": False, "save_every": 100},
+    )
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(TrainingError, match="0.2"):
+        make_trainer(cfg).train()
+    assert time.perf_counter() - t0 < 30

@@ -86,6 +86,9 @@ class TextPolicy:
         self.lora = lora
         self.shared_prefix = shared_prefix
         """Encode each group's prompt once when recomputing log-probs (off under gradient checkpointing)."""
+        self.engine: Any = None
+        """A `mmalign.engines.RolloutEngine` that samples instead of `generate` (set by the trainer)."""
+        self.engine_seed = 0
         self.ref_model: torch.nn.Module | None = None
         if need_reference and not lora:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -190,6 +193,8 @@ class TextPolicy:
         for key in rows[0]:
             columns[key] = [r.get(key) for r in rows for _ in range(group_size)]
 
+        if self.engine is not None:
+            return self._rollout_with_engine(rows, group_size, prompts, group, columns)
         chunk = self.generation_batch_size or len(prompts)
         was_training = self.model.training
         self.model.eval()
@@ -209,6 +214,39 @@ class TextPolicy:
         prompt_ids = torch.cat([_pad_left(p[0], p_width, pad) for p in parts])
         prompt_mask = torch.cat([_pad_left(p[1], p_width, 0) for p in parts])
         completion_ids = torch.cat([_pad_right(p[2], c_width, pad) for p in parts])
+        return self._finish_rollout(prompts, group, columns, prompt_ids, prompt_mask, completion_ids, compute_logp)
+
+    def _rollout_with_engine(
+        self, rows: list[dict[str, Any]], group_size: int, prompts: list[str], group: Tensor,
+        columns: dict[str, list[Any]],
+    ) -> Rollout:
+        """Sample with `self.engine`; keep its log-probs as ``payload["logp_engine"]`` and recompute
+        ``logp_old`` with the trainer's own weights (the IS correction compares the two)."""
+        from mmalign.engines import SamplingSpec, outputs_to_tensors
+
+        ids, att = self._encode_prompts([str(r["prompt"]) for r in rows])
+        token_lists = [row[m.bool()].tolist() for row, m in zip(ids, att, strict=True)]
+        spec = SamplingSpec(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_new_tokens=self.max_new_tokens,
+            stop=list(self.stop_strings), stop_token_ids=list(self.eos_ids), seed=self.engine_seed,
+        )
+        outs = self.engine.generate(token_lists, group_size, spec)
+        completion_ids, logp_engine, _ = outputs_to_tensors(outs, self.tokenizer.pad_token_id)
+        rollout = self._finish_rollout(
+            prompts, group, columns, ids.repeat_interleave(group_size, 0), att.repeat_interleave(group_size, 0),
+            completion_ids, compute_logp=True,
+        )
+        width = rollout.mask.shape[1]
+        logp_engine = _pad_right(logp_engine.float(), width, 0)[:, :width]
+        rollout.payload["logp_engine"] = logp_engine.masked_fill(~rollout.mask, 0.0)
+        return rollout
+
+    def _finish_rollout(
+        self, prompts: list[str], group: Tensor, columns: dict[str, list[Any]], prompt_ids: Tensor,
+        prompt_mask: Tensor, completion_ids: Tensor, compute_logp: bool,
+    ) -> Rollout:
+        """Masks, texts and (optionally) log-probs of sampled completions."""
+        pad = self.tokenizer.pad_token_id
         stop_lengths = self._stop_lengths(completion_ids) if self.stop_strings else None
         mask = completion_mask(completion_ids, self.eos_ids, stop_lengths)
         completion_ids = completion_ids.masked_fill(~mask, pad)

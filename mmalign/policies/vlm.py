@@ -1,0 +1,370 @@
+"""Vision-language policy: Qwen2-VL / Qwen2.5-VL style models, one action = one generated token.
+
+Loaded with `AutoProcessor` and `AutoModelForImageTextToText` (hub id or local folder). A row
+carries ``prompt`` text and ``images`` (file paths, already resolved, or PIL images; one or
+several per prompt) and optionally ``video`` (a list of frame paths or PIL frames). The prompt is
+the processor's chat template over one user message: the image (and video) placeholders, then
+the text. Sampling, temperature-scaled log-probs and the action mask work as in `TextPolicy`:
+
+- rollouts use ``model.generate`` on left-padded prompts (temperature, top-p, top-k, max new
+  tokens, stop strings); each row is encoded by the processor once and shared by its group;
+- the payload keeps what the log-probs need: prompt ids / mask / ``mm_token_type_ids``
+  (batch-first tensors), the completion ids, and the vision inputs as PER-SAMPLE LISTS:
+  ``pixel_values`` [i] = Float[patches_i, D] (Qwen2-VL concatenates patches over the batch, so
+  only per-sample storage slices consistently with `Rollout.__getitem__`), ``image_grid_thw`` [i]
+  = Long[images_i, 3], and ``pixel_values_videos`` / ``video_grid_thw`` likewise; `evaluate`
+  re-concatenates the entries of the samples in its minibatch;
+- log-probs are recomputed with grad from one forward over prompt + completion (M-RoPE positions
+  are computed by the model from ``mm_token_type_ids`` and the grids); the action mask covers
+  only completion tokens up to and including EOS, never a prompt or image token;
+- ``Rollout.columns`` gain ``image_width`` / ``image_height`` (the first image's original size),
+  ``resized_width`` / ``resized_height`` (its size as the model sees it: grid x patch size) and
+  ``image_sizes`` / ``resized_sizes`` (lists of (w, h) over all of a row's images), so box rewards
+  can rescale between the two;
+- ``freeze_vision`` stops gradients into the vision tower; LoRA targets the language model's
+  linear layers only (`language_model_lora_targets`); the reference is the adapter disabled
+  (LoRA) or a frozen copy (full fine-tuning with KL), as in `TextPolicy`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from mmalign.batch import Rollout
+from mmalign.config import LoraConfig
+from mmalign.policies.text import (
+    _DTYPES,
+    TextPolicy,
+    _pad_left,
+    _pad_right,
+    completion_mask,
+    selective_log_softmax,
+)
+
+log = logging.getLogger(__name__)
+
+LANGUAGE_LINEAR = r"(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"
+VISION_MODULE = re.compile(r"(^|\.)visual\.")
+"""Parameter/module names of the vision tower (``model.visual.*`` in Qwen2-VL and Qwen2.5-VL)."""
+
+_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def language_model_lora_targets(target_modules: list[str] | str = "all-linear") -> str:
+    """A peft ``target_modules`` regex that matches only linear layers of the language model.
+
+    ``"all-linear"`` becomes every attention and MLP projection of ``language_model.layers``; a
+    list of short names (``["q_proj", "v_proj"]``) is restricted to the language model too (in
+    Qwen2.5-VL the vision blocks have ``gate_proj``/``up_proj`` as well); any other string is
+    taken as the caller's own regex, unchanged.
+    """
+    if target_modules == "all-linear":
+        leaf = LANGUAGE_LINEAR
+    elif isinstance(target_modules, list):
+        leaf = "(" + "|".join(r"(.*\.)?" + re.escape(m) for m in target_modules) + ")"
+    else:
+        return target_modules
+    return rf".*language_model\.layers\.\d+\.{leaf}"
+
+
+def _load_image(x: Any) -> Any:
+    from PIL import Image
+
+    if isinstance(x, Image.Image):
+        return x.convert("RGB")
+    with Image.open(x) as im:
+        return im.convert("RGB")
+
+
+def _as_list(x: Any) -> list[Any]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, list | tuple) else [x]
+
+
+class VLMPolicy(TextPolicy):
+    """An image(+video)-text-to-text model as a GRPO policy. See the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        processor: Any,
+        *,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        freeze_vision: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        kwargs["shared_prefix"] = False  # the prefix cache path is text-only (1-D positions)
+        kwargs.setdefault("use_chat_template", True)
+        self.processor = processor
+        if min_pixels is not None or max_pixels is not None:
+            set_pixel_range(processor, min_pixels, max_pixels)
+        self.freeze_vision = freeze_vision
+        if freeze_vision:
+            for name, p in model.named_parameters():
+                if VISION_MODULE.search(name):
+                    p.requires_grad_(False)
+        super().__init__(model, processor.tokenizer, **kwargs)
+        ip = getattr(processor, "image_processor", None)
+        self.patch_size = int(getattr(ip, "patch_size", 14) or 14)
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_pretrained(  # type: ignore[override]
+        cls,
+        name_or_path: str,
+        *,
+        dtype: str = "float32",
+        lora: LoraConfig | None = None,
+        gradient_checkpointing: bool = False,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+        need_reference: bool = False,
+        **kwargs: Any,
+    ) -> VLMPolicy:
+        """Load processor and model with `from_pretrained`; wrap LoRA (language model only) if enabled."""
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        load_kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "trust_remote_code": trust_remote_code}
+        if attn_implementation:
+            load_kwargs["attn_implementation"] = attn_implementation
+        try:
+            processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+            model = AutoModelForImageTextToText.from_pretrained(name_or_path, **load_kwargs)
+        except OSError as e:
+            raise OSError(
+                f"cannot load the model {name_or_path!r} (config key model.name_or_path): {e}"
+            ) from e
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        use_lora = bool(lora and lora.enabled)
+        if use_lora:
+            from peft import LoraConfig as PeftLoraConfig
+            from peft import get_peft_model
+
+            assert lora is not None
+            peft_cfg = PeftLoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=language_model_lora_targets(lora.target_modules),
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, peft_cfg)
+        return cls(model, processor, need_reference=need_reference, lora=use_lora, **kwargs)
+
+    # ------------------------------------------------------------------ prompts
+    def format_vlm_prompt(self, prompt: str, num_images: int, has_video: bool) -> str:
+        content: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
+        if has_video:
+            content.append({"type": "video"})
+        content.append({"type": "text", "text": prompt})
+        messages: list[dict[str, Any]] = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": self.system_prompt})
+        messages.append({"role": "user", "content": content})
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Processor outputs for one row (unbatched): ids, token types, vision tensors, image sizes."""
+        images = [_load_image(x) for x in _as_list(row.get("images", row.get("image")))]
+        frames = [_load_image(x) for x in _as_list(row.get("video"))]
+        text = self.format_vlm_prompt(str(row["prompt"]), len(images), bool(frames))
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
+        if images:
+            kwargs["images"] = images
+        if frames:
+            kwargs["videos"] = [frames]
+        enc = self.processor(**kwargs)
+        out: dict[str, Any] = {
+            "input_ids": enc["input_ids"][0],
+            "mm_token_type_ids": enc["mm_token_type_ids"][0] if "mm_token_type_ids" in enc
+            else torch.zeros_like(enc["input_ids"][0]),
+            "image_sizes": [(im.width, im.height) for im in images],
+        }
+        for key in _VISION_KEYS:
+            out[key] = enc[key] if key in enc else None
+        grid = out["image_grid_thw"]
+        out["resized_sizes"] = (
+            [(int(w) * self.patch_size, int(h) * self.patch_size) for _, h, w in grid.tolist()] if grid is not None else []
+        )
+        return out
+
+    def batch_inputs(self, encs: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """Left-padded model inputs for a list of `encode_row` outputs (vision tensors concatenated)."""
+        width = max(e["input_ids"].shape[0] for e in encs)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(encs), width), pad, dtype=torch.long)
+        att = torch.zeros((len(encs), width), dtype=torch.long)
+        tt = torch.zeros((len(encs), width), dtype=torch.long)
+        for i, e in enumerate(encs):
+            n = e["input_ids"].shape[0]
+            ids[i, width - n :] = e["input_ids"]
+            att[i, width - n :] = 1
+            tt[i, width - n :] = e["mm_token_type_ids"]
+        out: dict[str, Tensor] = {"input_ids": ids, "attention_mask": att, "mm_token_type_ids": tt}
+        out.update(_cat_vision([{k: e[k] for k in _VISION_KEYS} for e in encs]))
+        return out
+
+    # ------------------------------------------------------------------ rollout
+    @torch.no_grad()
+    def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
+        """Sample `group_size` completions per row (``prompt`` + ``images`` / ``video``)."""
+        row_encs = [self.encode_row(r) for r in rows]
+        encs = [e for e in row_encs for _ in range(group_size)]  # shared, not copied
+        prompts = [str(r["prompt"]) for r in rows for _ in range(group_size)]
+        group = torch.arange(len(rows)).repeat_interleave(group_size)
+        columns: dict[str, list[Any]] = {}
+        for key in rows[0]:
+            columns[key] = [r.get(key) for r in rows for _ in range(group_size)]
+        sizes = {
+            "image_width": [e["image_sizes"][0][0] if e["image_sizes"] else None for e in encs],
+            "image_height": [e["image_sizes"][0][1] if e["image_sizes"] else None for e in encs],
+            "resized_width": [e["resized_sizes"][0][0] if e["resized_sizes"] else None for e in encs],
+            "resized_height": [e["resized_sizes"][0][1] if e["resized_sizes"] else None for e in encs],
+            "image_sizes": [list(e["image_sizes"]) for e in encs],
+            "resized_sizes": [list(e["resized_sizes"]) for e in encs],
+        }
+        columns.update(sizes)
+
+        chunk = self.generation_batch_size or len(encs)
+        was_training = self.model.training
+        self.model.eval()
+        parts: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+        bar = tqdm(total=len(encs), desc="rollout", leave=False, disable=len(encs) <= chunk)
+        for start in range(0, len(encs), chunk):
+            part = encs[start : start + chunk]
+            parts.append(self._generate_vlm(part))
+            bar.update(len(part))
+        bar.close()
+        if was_training:
+            self.model.train()
+
+        p_width = max(p[0].shape[1] for p in parts)
+        c_width = max(p[3].shape[1] for p in parts)
+        pad = self.tokenizer.pad_token_id
+        prompt_ids = torch.cat([_pad_left(p[0], p_width, pad) for p in parts])
+        prompt_mask = torch.cat([_pad_left(p[1], p_width, 0) for p in parts])
+        token_types = torch.cat([_pad_left(p[2], p_width, 0) for p in parts])
+        completion_ids = torch.cat([_pad_right(p[3], c_width, pad) for p in parts])
+        stop_lengths = self._stop_lengths(completion_ids) if self.stop_strings else None
+        mask = completion_mask(completion_ids, self.eos_ids, stop_lengths)
+        completion_ids = completion_ids.masked_fill(~mask, pad)
+        num_tokens = mask.sum(dim=1)
+        ends_with_eos = torch.zeros(len(encs), dtype=torch.bool)
+        if self.eos_ids:
+            last = completion_ids.gather(1, (num_tokens - 1).clamp(min=0)[:, None]).squeeze(1)
+            ends_with_eos = torch.isin(last, torch.tensor(self.eos_ids)) & (num_tokens > 0)
+        stopped = ends_with_eos if stop_lengths is None else ends_with_eos | (stop_lengths <= num_tokens)
+        texts = self.tokenizer.batch_decode(
+            [ids[:n].tolist() for ids, n in zip(completion_ids, num_tokens.tolist(), strict=True)],
+            skip_special_tokens=True,
+        )
+        payload: dict[str, Any] = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "mm_token_type_ids": token_types,
+            "completion_ids": completion_ids,
+        }
+        for key in _VISION_KEYS:
+            payload[key] = [e[key] for e in encs]  # per-sample list: slices with the batch
+        rollout = Rollout(
+            group=group,
+            mask=mask,
+            prompts=prompts,
+            columns=columns,
+            outputs={"texts": texts, "num_tokens": num_tokens, "truncated": ~stopped},
+            payload=payload,
+        )
+        if compute_logp:
+            rollout.logp_old = self._logprobs(self.model, rollout, grad=False)
+        return rollout
+
+    def _generate_vlm(self, encs: list[dict[str, Any]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        inputs = {k: v.to(self.device) for k, v in self.batch_inputs(encs).items()}
+        kwargs: dict[str, Any] = {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "eos_token_id": self.eos_ids or None,
+        }
+        if self.stop_strings:
+            kwargs["stop_strings"] = self.stop_strings
+            kwargs["tokenizer"] = self.tokenizer
+        ids = inputs["input_ids"]
+        out = self.model.generate(**inputs, **kwargs)
+        return ids.cpu(), inputs["attention_mask"].cpu(), inputs["mm_token_type_ids"].cpu(), out[:, ids.shape[1] :].cpu()
+
+    # ------------------------------------------------------------------ log-probs
+    def _logprobs(self, model: torch.nn.Module, rollout: Rollout, *, grad: bool) -> Tensor:
+        p = rollout.payload
+        dev = self.device
+        prompt_ids, prompt_mask = p["prompt_ids"].to(dev), p["prompt_mask"].to(dev)
+        completion_ids = p["completion_ids"].to(dev)
+        mask = rollout.mask.to(dev)
+        t = completion_ids.shape[1]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention = torch.cat([prompt_mask, mask.long()], dim=1)
+        token_types = torch.cat([p["mm_token_type_ids"].to(dev), torch.zeros_like(completion_ids)], dim=1)
+        vision = {k: v.to(dev) for k, v in _cat_vision([{k: p[k][i] for k in _VISION_KEYS} for i in range(len(rollout))]).items()}
+        kwargs: dict[str, Any] = {}
+        if not vision:  # text-only rows: 1-D positions that skip the left padding
+            kwargs["position_ids"] = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        with torch.set_grad_enabled(grad):
+            out = model(
+                input_ids=input_ids, attention_mask=attention, mm_token_type_ids=token_types, logits_to_keep=t + 1,
+                use_cache=False, **vision, **kwargs,
+            )
+            logits = out.logits[:, -t - 1 : -1, :]
+            if self.temperature != 1.0:
+                logits = logits / self.temperature
+            logp = selective_log_softmax(logits, completion_ids)
+        return logp.masked_fill(~mask, 0.0)
+
+    # ------------------------------------------------------------------ weights
+    def save(self, path: str | Path) -> None:
+        """`save_pretrained` of the adapter (LoRA) or the whole model, plus the processor."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        self.processor.save_pretrained(path)
+
+
+def set_pixel_range(processor: Any, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Set the image (and video) processor's resize bounds (``size`` shortest/longest edge = pixel counts)."""
+    for name in ("image_processor", "video_processor"):
+        ip = getattr(processor, name, None)
+        if ip is None:
+            continue
+        size = dict(getattr(ip, "size", None) or {})
+        if min_pixels is not None:
+            size["shortest_edge"] = int(min_pixels)
+            if hasattr(ip, "min_pixels"):
+                ip.min_pixels = int(min_pixels)
+        if max_pixels is not None:
+            size["longest_edge"] = int(max_pixels)
+            if hasattr(ip, "max_pixels"):
+                ip.max_pixels = int(max_pixels)
+        ip.size = size
+
+
+def _cat_vision(items: list[dict[str, Tensor | None]]) -> dict[str, Tensor]:
+    """Concatenate per-sample vision tensors (patches, grids) in batch order; absent keys are left out."""
+    out: dict[str, Tensor] = {}
+    for key in _VISION_KEYS:
+        parts = [it[key] for it in items if it.get(key) is not None]
+        if parts:
+            out[key] = torch.cat(parts, dim=0)  # type: ignore[arg-type]
+    return out
