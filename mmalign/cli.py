@@ -1,7 +1,7 @@
 """The `mmalign` command.
 
     mmalign train CONFIG.yaml [key.sub=value ...] [--resume]
-    mmalign list [pipelines|rewards|estimators|losses|filters]
+    mmalign list [pipelines|rewards|estimators|losses|filters|samplers]
 """
 
 from __future__ import annotations
@@ -115,6 +115,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         _list_section("losses", [(n, losses.REGISTRY.describe(n)) for n in losses.names()])
         _list_section("loss aggregations (algorithm.loss_agg)", [(n, losses.AGGREGATIONS.describe(n)) for n in losses.AGGREGATIONS.names()])
         _list_section("KL estimators (algorithm.kl_estimator)", [(n, losses.KL_ESTIMATORS.describe(n)) for n in losses.KL_ESTIMATORS.names()])
+    if what in ("samplers", "all"):
+        from mmalign import samplers
+
+        _list_section("prompt samplers (data.sampler)", [(n, samplers.SAMPLERS.describe(n)) for n in samplers.names()])
     if what in ("filters", "all"):
         from mmalign import filters
 
@@ -135,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="show what is registered")
     ls.add_argument(
-        "what", nargs="?", default="all", choices=["pipelines", "rewards", "estimators", "losses", "filters", "all"]
+        "what", nargs="?", default="all", choices=["pipelines", "rewards", "estimators", "losses", "filters", "samplers", "all"]
     )
     ls.set_defaults(func=cmd_list)
     return p

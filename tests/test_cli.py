@@ -13,7 +13,7 @@ import yaml
 import pipelines
 import pipelines.text_reasoning
 import rewards
-from mmalign import advantages, filters, losses
+from mmalign import advantages, filters, losses, samplers
 from mmalign.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +25,7 @@ SECTIONS = {
     "estimators": ["estimators"],
     "losses": ["losses", "loss aggregations (algorithm.loss_agg)", "KL estimators (algorithm.kl_estimator)"],
     "filters": ["filters (algorithm.filter)"],
+    "samplers": ["prompt samplers (data.sampler)"],
 }
 
 
@@ -38,6 +39,7 @@ def registered() -> dict[str, list[str]]:
         "loss aggregations (algorithm.loss_agg)": losses.aggregation_names(),
         "KL estimators (algorithm.kl_estimator)": losses.kl_names(),
         "filters (algorithm.filter)": filters.names(),
+        "prompt samplers (data.sampler)": samplers.names(),
     }
 
 
@@ -110,6 +112,7 @@ _UndocumentedReward.__doc__ = None
         (losses.AGGREGATIONS, "loss aggregations (algorithm.loss_agg)", _undocumented),
         (losses.KL_ESTIMATORS, "KL estimators (algorithm.kl_estimator)", _undocumented),
         (filters.FILTERS, "filters (algorithm.filter)", _undocumented),
+        (samplers.SAMPLERS, "prompt samplers (data.sampler)", _undocumented),
         (rewards.REGISTRY, "rewards", _UndocumentedReward),
         (pipelines.REGISTRY, "pipelines", _undocumented),
     ],
