@@ -77,6 +77,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = GroupTrainer(cfg, components, resume=args.resume)
     history = trainer.train()
     trainer.accelerator.end_training()  # closes the process group of a multi-process run cleanly
+    args._multi_process = trainer.world > 1
     if trainer.is_main and history:
         first, last = history[0], history[-1]
         print(
@@ -151,7 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        if getattr(args, "_multi_process", False):
+            # Everything is written and closed. Skip interpreter teardown, where gloo's threads can
+            # abort a finished multi-process run ("terminate called without an active exception").
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+        return rc
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
