@@ -521,6 +521,13 @@ def _from_dict(data: Any, src: _Source) -> Config:
     rest = {k: v for k, v in data.items() if k != "options"}
     cfg = _build(Config, rest, "", src)
     cfg.source = src.label or src.name
+    if cfg.pipeline not in _OPTIONS:  # pipelines register their options section when imported
+        try:
+            import pipelines
+
+            pipelines._load_all()
+        except ImportError:  # pragma: no cover - the pipelines package is part of the install
+            pass
     options_cls = _OPTIONS.get(cfg.pipeline)
     if options_cls is not None:
         cfg.options = _convert_checked({} if raw_options is None else raw_options, options_cls, "options", src)

@@ -192,3 +192,5 @@ def build_text_reasoning(
     meta = {"builder": "text_reasoning", "sharp_steps": sharp_steps, "blur_steps": blur_steps, "seed": seed,
             "p_correct": p_correct, "max_operand": max_operand}
     (path / "mmalign_tiny.json").write_text(json.dumps(meta))
+
+from mmalign import tiny_vlm as _tiny_vlm  # noqa: E402,F401  (registers the vlm_* builders)

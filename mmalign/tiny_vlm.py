@@ -140,7 +140,7 @@ def draw_shape(colour: str, shape: str, rng: random.Random, size: int = IMAGE_SI
 
     img = Image.new("RGB", (size, size), (255, 255, 255))
     d = ImageDraw.Draw(img)
-    s = rng.randint(size // 4, size // 2)
+    s = rng.randint(size // 2, size - 8)
     x, y = rng.randint(2, size - s - 2), rng.randint(2, size - s - 2)
     fill = COLOURS[colour]
     if shape == "circle":
@@ -181,8 +181,8 @@ def write_dataset(folder: str | Path, n: int = 64, seed: int = 7) -> Path:
 @BUILDERS.register("vlm_reasoning")
 def build_vlm_reasoning(
     path: Path,
-    sharp_steps: int = 200,
-    blur_steps: int = 120,
+    sharp_steps: int = 300,
+    blur_steps: int = 150,
     p_correct: float = 0.4,
     seed: int = 0,
     num_images: int = 256,

@@ -115,6 +115,12 @@ class VLMPolicy(TextPolicy):
         super().__init__(model, processor.tokenizer, **kwargs)
         ip = getattr(processor, "image_processor", None)
         self.patch_size = int(getattr(ip, "patch_size", 14) or 14)
+        cfg = getattr(model, "config", None)
+        vision_ids = {getattr(cfg, k, None) for k in
+                      ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+        self.suppressed_ids = sorted(i for i in vision_ids if isinstance(i, int) and i not in self.eos_ids)
+        """Vision placeholder tokens are never sampled (a sampled <|image_pad|> would be read as an image
+        slot when log-probs are recomputed); they are masked out of the recomputed distribution too."""
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -300,6 +306,8 @@ class VLMPolicy(TextPolicy):
             "pad_token_id": self.tokenizer.pad_token_id,
             "eos_token_id": self.eos_ids or None,
         }
+        if self.suppressed_ids:
+            kwargs["suppress_tokens"] = self.suppressed_ids
         if self.stop_strings:
             kwargs["stop_strings"] = self.stop_strings
             kwargs["tokenizer"] = self.tokenizer
@@ -328,6 +336,8 @@ class VLMPolicy(TextPolicy):
                 use_cache=False, **vision, **kwargs,
             )
             logits = out.logits[:, -t - 1 : -1, :]
+            if self.suppressed_ids:  # the distribution that was sampled: no vision placeholders
+                logits = logits.index_fill(-1, torch.tensor(self.suppressed_ids, device=dev), float("-inf"))
             if self.temperature != 1.0:
                 logits = logits / self.temperature
             logp = selective_log_softmax(logits, completion_ids)

@@ -1,0 +1,178 @@
+"""VLM reasoning: a vision-language model (Qwen2-VL / Qwen2.5-VL) trained with GRPO on verifiable answers.
+
+Data: JSONL rows with ``images`` (a list of image paths, or one path as a string, relative to
+``options.image_root``; absolute paths are kept), optionally ``video`` (a list of frame paths),
+the columns used by ``data.prompt_template`` (``question`` by default) and the reference answer
+read by the accuracy reward (``answer``); every other column reaches the rewards too. A malformed
+row or a missing image is a `DataError` naming the file and line, or (``options.on_bad_row: skip``)
+a skipped row, counted and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from mmalign.config import Config, register_options
+from mmalign.data import DataError, load_rows
+from mmalign.policies.vlm import VLMPolicy
+from mmalign.tiny import ensure_model
+from pipelines import Components, register_pipeline
+from rewards import RewardSet
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VLMOptions:
+    image_root: str | None = None
+    """Folder that relative image paths are resolved against (default: the JSONL file's folder)."""
+    min_pixels: int | None = None
+    """Smallest image size (pixels) after the processor's resize (None: the processor's own)."""
+    max_pixels: int | None = None
+    """Largest image size (pixels) after the processor's resize (None: the processor's own)."""
+    freeze_vision: bool = False
+    """Keep the vision tower fixed (full fine-tuning; under LoRA it has no adapters anyway)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A malformed row or missing image file: stop with an error naming file:line, or skip it (counted, logged)."""
+
+
+register_options("vlm_reasoning", VLMOptions)
+
+
+def vlm_options(cfg: Config) -> VLMOptions:
+    """The typed `options:` section (`config_from_dict` validates it against `VLMOptions`)."""
+    if isinstance(cfg.options, VLMOptions):
+        return cfg.options
+    if cfg.options is None:
+        return VLMOptions()
+    raise TypeError(f"{cfg.source}: options were not validated as VLMOptions (config built by hand?)")
+
+
+def _paths(value: Any, key: str, where: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise DataError(f"{where}: column {key!r} must be a path or a list of paths, got {value!r}")
+
+
+def resolve_row(row: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Resolve ``images`` / ``video`` paths against `root`; a DataError names the row's file:line."""
+    where = row.get("_source", "?")
+    images = _paths(row.get("images", row.get("image")), "images", where)
+    frames = _paths(row.get("video"), "video", where)
+    if not images and not frames:
+        raise DataError(f"{where}: the row has no 'images' (or 'video') column")
+    out = dict(row)
+    for key, paths in (("images", images), ("video", frames)):
+        if not paths:
+            continue
+        resolved = []
+        for p in paths:
+            full = Path(p) if Path(p).is_absolute() else root / p
+            if not full.is_file():
+                raise DataError(f"{where}: image file not found: {full}")
+            resolved.append(str(full))
+        out[key] = resolved
+    out.pop("image", None)
+    return out
+
+
+def load_vlm_rows(source: str, template: str, opts: VLMOptions, max_rows: int | None = None) -> list[dict[str, Any]]:
+    """Rows of `source` with resolved image paths; bad rows raise or are skipped per ``opts.on_bad_row``."""
+    root = Path(opts.image_root) if opts.image_root else Path(source).resolve().parent
+    try:
+        rows = load_rows(source, template, max_rows)
+    except DataError:
+        if opts.on_bad_row == "error":
+            raise
+        rows = _load_skipping(source, template, max_rows)
+    out, skipped = [], 0
+    for row in rows:
+        try:
+            out.append(resolve_row(row, root))
+        except DataError as e:
+            if opts.on_bad_row == "error":
+                raise
+            skipped += 1
+            log.warning("skipping a bad row: %s", e)
+    skipped += getattr(rows, "skipped", 0)
+    if skipped:
+        log.warning("%s: skipped %d bad row(s) of %d (options.on_bad_row: skip)", source, skipped, len(out) + skipped)
+    if not out:
+        raise DataError(f"{source}: no usable rows")
+    return out
+
+
+class _Rows(list):
+    skipped = 0
+
+
+def _load_skipping(source: str, template: str, max_rows: int | None) -> list[dict[str, Any]]:
+    """Line by line: a line that is not a JSON object or lacks a prompt column is skipped and logged."""
+    import json
+
+    from mmalign.data import add_prompts
+
+    rows = _Rows()
+    with Path(source).open(encoding="utf-8-sig") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{source}:{lineno}"
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+                row["_source"] = where
+                add_prompts([row], template)
+            except (json.JSONDecodeError, DataError) as e:
+                rows.skipped += 1
+                log.warning("skipping a bad row: %s: %s", where, e)
+                continue
+            rows.append(row)
+            if max_rows is not None and len(rows) >= max_rows:
+                break
+    return rows
+
+
+def build_vlm_policy(cfg: Config) -> VLMPolicy:
+    """The `VLMPolicy` described by `cfg.model`, `cfg.rollout` and the `options:` section."""
+    m, r = cfg.model, cfg.rollout
+    opts = vlm_options(cfg)
+    path = ensure_model(m.name_or_path, m.tiny_builder)
+    return VLMPolicy.from_pretrained(
+        path,
+        dtype=m.dtype,
+        lora=m.lora,
+        gradient_checkpointing=m.gradient_checkpointing,
+        attn_implementation=m.attn_implementation,
+        trust_remote_code=m.trust_remote_code,
+        need_reference=cfg.algorithm.kl_coef > 0,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop_strings=r.stop_strings,
+        system_prompt=m.system_prompt,
+        generation_batch_size=r.batch_size,
+        min_pixels=opts.min_pixels,
+        max_pixels=opts.max_pixels,
+        freeze_vision=opts.freeze_vision,
+    )
+
+
+@register_pipeline("vlm_reasoning")
+def build(cfg: Config) -> Any:
+    """Vision-language model + verifiable text rewards on JSONL rows with image paths."""
+    opts = vlm_options(cfg)
+    rows = load_vlm_rows(cfg.data.train, cfg.data.prompt_template, opts, cfg.data.max_rows)
+    eval_rows = load_vlm_rows(cfg.data.eval, cfg.data.prompt_template, opts) if cfg.data.eval else None
+    rewards = RewardSet(cfg.rewards, source=cfg.source)
+    policy = build_vlm_policy(cfg)
+    return Components(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)
