@@ -14,6 +14,7 @@ and `bmas_score` are public so pipelines and tests can use them on their own. An
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +46,8 @@ __all__ = [
 
 Box = tuple[float, float, float, float]
 TokenEmbedFn = Callable[[Sequence[str]], Sequence[Tensor]]
+
+log = logging.getLogger(__name__)
 
 
 def _column(reward: Reward, batch: RewardBatch, column: str, what: str) -> list[Any]:
@@ -381,6 +384,7 @@ class BoxIoU(Reward):
             rws = _column(self, batch, self.resized_width_column, "resized width (coords='resized')")
             rhs = _column(self, batch, self.resized_height_column, "resized height (coords='resized')")
         out = []
+        unparsed: list[int] = []
         for i in range(n):
             if refs[i] is None:
                 out.append(math.nan)
@@ -389,12 +393,22 @@ class BoxIoU(Reward):
             pred = parse_box(texts[i], self.tag)
             if pred is None:
                 out.append(0.0)
+                unparsed.append(i)
                 continue
             original = (
                 self._size("original image", widths[i], heights[i], i) if self.coords != "absolute" else None
             )
             resized = self._size("resized image", rws[i], rhs[i], i) if self.coords == "resized" else None
             out.append(self.score_iou(iou(self.to_absolute(pred, original, resized), ref)))
+        self.last_unparsed = len(unparsed)
+        if unparsed:
+            i = unparsed[0]
+            source = batch.get("_source")
+            where = f" ({source[i]})" if isinstance(source, list) and source[i] else ""
+            log.warning(
+                "reward %r: no box could be parsed from %d of %d completions (scored 0), e.g. sample %d%s: %r",
+                self.name, len(unparsed), n, i, where, texts[i][:120],
+            )
         return torch.tensor(out, dtype=torch.float32)
 
 

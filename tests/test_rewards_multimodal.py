@@ -403,3 +403,20 @@ class TestMixedAccuracy:
         out = rs(mixed_batch())
         assert out.shape == (6, 1)
         assert out[:4, 0].tolist() == pytest.approx([1.0, 1.0, 1.0, 0.5])
+
+
+def test_box_iou_reports_completions_without_a_parsable_box(caplog):
+    import logging
+
+    from rewards import RewardBatch, load_reward
+
+    r = load_reward("box_iou")
+    batch = RewardBatch(
+        prompts=["p", "p"],
+        outputs={"texts": ["<answer>[10, 10, 20, 20]</answer>", "the dog is on the left"]},
+        columns={"box": [[10, 10, 20, 20], [0, 0, 5, 5]], "_source": ["data.jsonl:1", "data.jsonl:2"]},
+    )
+    with caplog.at_level(logging.WARNING):
+        scores = r(batch)
+    assert scores.tolist() == [1.0, 0.0] and r.last_unparsed == 1
+    assert "no box could be parsed from 1 of 2 completions (scored 0), e.g. sample 1 (data.jsonl:2): 'the dog is on the left'" in caplog.text
