@@ -18,12 +18,10 @@ from pipelines import Components, register_pipeline
 from rewards import RewardSet
 
 
-def build_text_policy(cfg: Config) -> TextPolicy:
-    """The `TextPolicy` described by `cfg.model` and `cfg.rollout` (shared by text-generating pipelines)."""
+def policy_kwargs(cfg: Config) -> dict[str, Any]:
+    """`from_pretrained` keyword arguments of a text-generating policy, from `cfg.model` and `cfg.rollout`."""
     m, r = cfg.model, cfg.rollout
-    path = ensure_model(m.name_or_path, m.tiny_builder)
-    return TextPolicy.from_pretrained(
-        path,
+    return dict(
         dtype=m.dtype,
         lora=m.lora,
         gradient_checkpointing=m.gradient_checkpointing,
@@ -35,10 +33,17 @@ def build_text_policy(cfg: Config) -> TextPolicy:
         top_p=r.top_p,
         top_k=r.top_k,
         stop_strings=r.stop_strings,
-        use_chat_template=m.use_chat_template,
         system_prompt=m.system_prompt,
         generation_batch_size=r.batch_size,
-        shared_prefix=m.shared_prefix,
+    )
+
+
+def build_text_policy(cfg: Config) -> TextPolicy:
+    """The `TextPolicy` described by `cfg.model` and `cfg.rollout`."""
+    m = cfg.model
+    path = ensure_model(m.name_or_path, m.tiny_builder)
+    return TextPolicy.from_pretrained(
+        path, use_chat_template=m.use_chat_template, shared_prefix=m.shared_prefix, **policy_kwargs(cfg)
     )
 
 

@@ -20,6 +20,7 @@ from mmalign.data import DataError, load_rows
 from mmalign.policies.vlm import VLMPolicy
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
+from pipelines.text_reasoning import policy_kwargs
 from rewards import RewardSet
 
 log = logging.getLogger(__name__)
@@ -143,27 +144,14 @@ def _load_skipping(source: str, template: str, max_rows: int | None) -> list[dic
 
 def build_vlm_policy(cfg: Config) -> VLMPolicy:
     """The `VLMPolicy` described by `cfg.model`, `cfg.rollout` and the `options:` section."""
-    m, r = cfg.model, cfg.rollout
     opts = vlm_options(cfg)
-    path = ensure_model(m.name_or_path, m.tiny_builder)
+    path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
     return VLMPolicy.from_pretrained(
         path,
-        dtype=m.dtype,
-        lora=m.lora,
-        gradient_checkpointing=m.gradient_checkpointing,
-        attn_implementation=m.attn_implementation,
-        trust_remote_code=m.trust_remote_code,
-        need_reference=cfg.algorithm.kl_coef > 0,
-        max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        stop_strings=r.stop_strings,
-        system_prompt=m.system_prompt,
-        generation_batch_size=r.batch_size,
         min_pixels=opts.min_pixels,
         max_pixels=opts.max_pixels,
         freeze_vision=opts.freeze_vision,
+        **policy_kwargs(cfg),
     )
 
 

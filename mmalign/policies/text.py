@@ -119,14 +119,11 @@ class TextPolicy:
         **kwargs: Any,
     ) -> TextPolicy:
         """Load model and tokenizer with `from_pretrained` (hub id or local path); wrap LoRA if enabled."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         load_kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "trust_remote_code": trust_remote_code}
         if attn_implementation:
             load_kwargs["attn_implementation"] = attn_implementation
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, **load_kwargs)
+            tokenizer, model = cls._load_pretrained(name_or_path, load_kwargs)
         except OSError as e:
             raise OSError(
                 f"cannot load the model {name_or_path!r} (config key model.name_or_path): {e}"
@@ -144,11 +141,24 @@ class TextPolicy:
                 r=lora.r,
                 lora_alpha=lora.alpha,
                 lora_dropout=lora.dropout,
-                target_modules=lora.target_modules,
+                target_modules=cls._lora_targets(lora.target_modules),
                 task_type="CAUSAL_LM",
             )
             model = get_peft_model(model, peft_cfg)
         return cls(model, tokenizer, need_reference=need_reference, lora=use_lora, **kwargs)
+
+    @staticmethod
+    def _load_pretrained(name_or_path: str, load_kwargs: dict[str, Any]) -> tuple[Any, torch.nn.Module]:
+        """(tokenizer, model) from a hub id or folder; model families override this."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=load_kwargs["trust_remote_code"])
+        return tokenizer, AutoModelForCausalLM.from_pretrained(name_or_path, **load_kwargs)
+
+    @staticmethod
+    def _lora_targets(target_modules: list[str] | str) -> list[str] | str:
+        """The peft `target_modules` for the configured ones (families narrow them, e.g. VLMs)."""
+        return target_modules
 
     @property
     def device(self) -> torch.device:

@@ -38,9 +38,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from mmalign.batch import Rollout
-from mmalign.config import LoraConfig
 from mmalign.policies.text import (
-    _DTYPES,
     TextPolicy,
     _pad_left,
     _pad_right,
@@ -123,50 +121,19 @@ class VLMPolicy(TextPolicy):
         slot when log-probs are recomputed); they are masked out of the recomputed distribution too."""
 
     # ------------------------------------------------------------------ building
-    @classmethod
-    def from_pretrained(  # type: ignore[override]
-        cls,
-        name_or_path: str,
-        *,
-        dtype: str = "float32",
-        lora: LoraConfig | None = None,
-        gradient_checkpointing: bool = False,
-        attn_implementation: str | None = None,
-        trust_remote_code: bool = False,
-        need_reference: bool = False,
-        **kwargs: Any,
-    ) -> VLMPolicy:
-        """Load processor and model with `from_pretrained`; wrap LoRA (language model only) if enabled."""
+    # `TextPolicy.from_pretrained` builds a VLMPolicy through these two hooks.
+    @staticmethod
+    def _load_pretrained(name_or_path: str, load_kwargs: dict[str, Any]) -> tuple[Any, torch.nn.Module]:
+        """(processor, model) through `AutoProcessor` and `AutoModelForImageTextToText`."""
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        load_kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "trust_remote_code": trust_remote_code}
-        if attn_implementation:
-            load_kwargs["attn_implementation"] = attn_implementation
-        try:
-            processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-            model = AutoModelForImageTextToText.from_pretrained(name_or_path, **load_kwargs)
-        except OSError as e:
-            raise OSError(
-                f"cannot load the model {name_or_path!r} (config key model.name_or_path): {e}"
-            ) from e
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-            model.config.use_cache = False
-        use_lora = bool(lora and lora.enabled)
-        if use_lora:
-            from peft import LoraConfig as PeftLoraConfig
-            from peft import get_peft_model
+        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=load_kwargs["trust_remote_code"])
+        return processor, AutoModelForImageTextToText.from_pretrained(name_or_path, **load_kwargs)
 
-            assert lora is not None
-            peft_cfg = PeftLoraConfig(
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=language_model_lora_targets(lora.target_modules),
-                task_type="CAUSAL_LM",
-            )
-            model = get_peft_model(model, peft_cfg)
-        return cls(model, processor, need_reference=need_reference, lora=use_lora, **kwargs)
+    @staticmethod
+    def _lora_targets(target_modules: list[str] | str) -> list[str] | str:
+        """LoRA on the language model's linear layers only: the vision tower gets no adapters."""
+        return language_model_lora_targets(target_modules)
 
     # ------------------------------------------------------------------ prompts
     def format_vlm_prompt(self, prompt: str, num_images: int, has_video: bool) -> str:
