@@ -224,3 +224,16 @@ def test_accuracy_rises_on_the_tiny_vlm_task(tiny_vlm_dir: Path, tmp_path: Path)
     n = max(1, len(acc) // 10)
     first, last = sum(acc[:n]) / n, sum(acc[-n:]) / n
     assert last > first + 0.2, (first, last)
+
+
+def test_video_frames_and_images_in_one_batch(random_vlm_dir: Path) -> None:
+    """Video as a list of frames next to an image row: rollout works, and a reordered slice recomputes
+    the same log-probs (per-sample video tensors are sliced and re-joined consistently)."""
+    pol = VLMPolicy.from_pretrained(str(random_vlm_dir), max_new_tokens=5, min_pixels=3136, max_pixels=3136)
+    frames = pictures(4)
+    rows = [{"prompt": "What happens?", "video": frames}, {"prompt": "Colour?", "images": [frames[0]]}]
+    torch.manual_seed(0)
+    ro = pol.rollout(rows, 2, compute_logp=True)
+    assert ro.payload["video_grid_thw"][0] is not None and ro.payload["video_grid_thw"][2] is None
+    assert torch.allclose(pol.evaluate(ro[[3, 0]]).logp.detach(), ro.logp_old[[3, 0]], atol=1e-5)
+    assert not ro.mask[ro.mask.sum(1) == 0].any()
