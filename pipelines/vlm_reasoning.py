@@ -52,14 +52,17 @@ def vlm_options(cfg: Config) -> VLMOptions:
     raise TypeError(f"{cfg.source}: options were not validated as VLMOptions (config built by hand?)")
 
 
-def _paths(value: Any, key: str, where: str) -> list[str]:
+def _paths(value: Any, key: str, where: str) -> list[Any]:
+    """Paths (str) or in-memory PIL images (as `datasets` image columns give them), as a list."""
+    from PIL import Image
+
     if value is None:
         return []
-    if isinstance(value, str):
+    if isinstance(value, str | Image.Image):
         return [value]
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+    if isinstance(value, list) and all(isinstance(v, str | Image.Image) for v in value):
         return list(value)
-    raise DataError(f"{where}: column {key!r} must be a path or a list of paths, got {value!r}")
+    raise DataError(f"{where}: column {key!r} must be a path, an image or a list of them, got {str(value)[:80]}")
 
 
 def resolve_row(row: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -75,6 +78,9 @@ def resolve_row(row: dict[str, Any], root: Path) -> dict[str, Any]:
             continue
         resolved = []
         for p in paths:
+            if not isinstance(p, str):  # an image already in memory (Hugging Face datasets)
+                resolved.append(p)
+                continue
             full = Path(p) if Path(p).is_absolute() else root / p
             if not full.is_file():
                 raise DataError(f"{where}: image file not found: {full}")
@@ -86,7 +92,10 @@ def resolve_row(row: dict[str, Any], root: Path) -> dict[str, Any]:
 
 def load_vlm_rows(source: str, template: str, opts: VLMOptions, max_rows: int | None = None) -> list[dict[str, Any]]:
     """Rows of `source` with resolved image paths; bad rows raise or are skipped per ``opts.on_bad_row``."""
-    root = Path(opts.image_root) if opts.image_root else Path(source).resolve().parent
+    if opts.image_root:
+        root = Path(opts.image_root)
+    else:  # next to a JSONL file; the working directory for hf: sources
+        root = Path.cwd() if source.startswith("hf:") else Path(source).resolve().parent
     try:
         rows = load_rows(source, template, max_rows)
     except DataError:

@@ -237,3 +237,25 @@ def test_video_frames_and_images_in_one_batch(random_vlm_dir: Path) -> None:
     assert ro.payload["video_grid_thw"][0] is not None and ro.payload["video_grid_thw"][2] is None
     assert torch.allclose(pol.evaluate(ro[[3, 0]]).logp.detach(), ro.logp_old[[3, 0]], atol=1e-5)
     assert not ro.mask[ro.mask.sum(1) == 0].any()
+
+
+def test_hf_dataset_with_in_memory_images_feeds_the_policy(random_vlm_dir: Path, tmp_path: Path) -> None:
+    """A `datasets` source whose image column holds PIL images (as hub datasets do)."""
+    datasets = pytest.importorskip("datasets")
+    from pipelines.vlm_reasoning import VLMOptions, load_vlm_rows
+
+    pics = pictures(2)
+    ds = datasets.Dataset.from_dict(
+        {"images": [[pics[0]], [pics[1]]], "question": ["Colour?", "Which colour?"], "answer": ["red", "green"]},
+        features=datasets.Features({
+            "images": datasets.Sequence(datasets.Image()), "question": datasets.Value("string"),
+            "answer": datasets.Value("string"),
+        }),
+    )
+    ds.save_to_disk(str(tmp_path / "vqa"))
+    rows = load_vlm_rows(f"hf:{tmp_path / 'vqa'}:train", "{question}", VLMOptions())
+    assert len(rows) == 2 and rows[1]["prompt"] == "Which colour?" and rows[1]["answer"] == "green"
+    assert rows[0]["images"][0].size == pics[0].size
+    pol = VLMPolicy.from_pretrained(str(random_vlm_dir), max_new_tokens=3, min_pixels=3136, max_pixels=3136)
+    ro = pol.rollout(rows, 2, compute_logp=True)
+    assert len(ro) == 4 and ro.columns["answer"] == ["red", "red", "green", "green"]
