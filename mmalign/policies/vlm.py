@@ -298,17 +298,64 @@ class VLMPolicy(TextPolicy):
         if not vision:  # text-only rows: 1-D positions that skip the left padding
             kwargs["position_ids"] = (attention.cumsum(dim=1) - 1).clamp(min=0)
         with torch.set_grad_enabled(grad):
-            out = model(
-                input_ids=input_ids, attention_mask=attention, mm_token_type_ids=token_types, logits_to_keep=t + 1,
-                use_cache=False, **vision, **kwargs,
-            )
-            logits = out.logits[:, -t - 1 : -1, :]
+            rope = _rope_index_fn(model) if self.shared_prefix and vision and not self._gradient_checkpointing() else None
+            if rope is not None:
+                logits = self._shared_prefix_vlm_logits(
+                    model, rope, rollout, input_ids, attention, token_types, prompt_ids.shape[1], t
+                )
+            else:
+                out = model(
+                    input_ids=input_ids, attention_mask=attention, mm_token_type_ids=token_types,
+                    logits_to_keep=t + 1, use_cache=False, **vision, **kwargs,
+                )
+                logits = out.logits[:, -t - 1 : -1, :]
             if self.suppressed_ids:  # the distribution that was sampled: no vision placeholders
                 logits = logits.index_fill(-1, torch.tensor(self.suppressed_ids, device=dev), float("-inf"))
             if self.temperature != 1.0:
                 logits = logits / self.temperature
             logp = selective_log_softmax(logits, completion_ids)
         return logp.masked_fill(~mask, 0.0)
+
+    def _shared_prefix_vlm_logits(
+        self, model: torch.nn.Module, rope: Any, rollout: Rollout, input_ids: Tensor, attention: Tensor,
+        token_types: Tensor, p: int, t: int,
+    ) -> Tensor:
+        """Shared-prefix forward for VLMs: each group's prompt, image tokens included, is encoded once
+        (the vision tower runs once per group too) and its KV cache is gathered for the completions.
+
+        Qwen2-VL's 3-D M-RoPE positions are computed for the full prompt + completion sequences first
+        and split between the two passes, so log-probs and gradients equal the plain forward."""
+        from transformers import DynamicCache
+
+        dev = input_ids.device
+        p_load = rollout.payload
+        vision_all = {
+            k: v.to(dev)
+            for k, v in _cat_vision([{k: p_load[k][i] for k in _VISION_KEYS} for i in range(len(rollout))]).items()
+        }
+        positions, _ = rope(
+            input_ids, mm_token_type_ids=token_types, image_grid_thw=vision_all.get("image_grid_thw"),
+            video_grid_thw=vision_all.get("video_grid_thw"), attention_mask=attention,
+        )
+        group = rollout.group.to(dev)
+        uniq, inverse = torch.unique(group, return_inverse=True)
+        first = torch.full((uniq.numel(),), group.numel(), dtype=torch.long, device=dev)
+        first = first.scatter_reduce(0, inverse, torch.arange(group.numel(), device=dev), reduce="amin")
+        firsts = first.tolist()
+        vision = {k: v.to(dev) for k, v in _cat_vision([{k: p_load[k][i] for k in _VISION_KEYS} for i in firsts]).items()}
+        cache = DynamicCache()
+        prefix_model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        out_p = prefix_model(
+            input_ids=input_ids[first, :p], attention_mask=attention[first, :p], mm_token_type_ids=token_types[first, :p],
+            position_ids=positions[:, first, :p], past_key_values=cache, use_cache=True, logits_to_keep=1, **vision,
+        )
+        cache = out_p.past_key_values
+        cache.batch_select_indices(inverse)
+        out_c = model(
+            input_ids=input_ids[:, p:], attention_mask=attention, mm_token_type_ids=token_types[:, p:],
+            position_ids=positions[:, :, p:], past_key_values=cache, use_cache=True,
+        )
+        return torch.cat([out_p.logits[:, -1:, :][inverse], out_c.logits[:, :-1, :]], dim=1)
 
     # ------------------------------------------------------------------ weights
     def save(self, path: str | Path) -> None:
@@ -335,6 +382,15 @@ def set_pixel_range(processor: Any, min_pixels: int | None, max_pixels: int | No
             if hasattr(ip, "max_pixels"):
                 ip.max_pixels = int(max_pixels)
         ip.size = size
+
+
+def _rope_index_fn(model: torch.nn.Module) -> Any:
+    """The model's M-RoPE index function (`get_rope_index`), through peft/DDP wrappers; None if absent."""
+    for module in model.modules():
+        fn = getattr(module, "get_rope_index", None)
+        if callable(fn):
+            return fn
+    return None
 
 
 def _cat_vision(items: list[dict[str, Tensor | None]]) -> dict[str, Tensor]:
