@@ -1,7 +1,7 @@
 """The `mmalign` command.
 
     mmalign train CONFIG.yaml [key.sub=value ...] [--resume]
-    mmalign list [pipelines|rewards|estimators|losses|filters|samplers]
+    mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps]
 """
 
 from __future__ import annotations
@@ -120,6 +120,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         from mmalign import samplers
 
         _list_section("prompt samplers (data.sampler)", [(n, samplers.SAMPLERS.describe(n)) for n in samplers.names()])
+    if what in ("steps", "all"):
+        from mmalign import sde
+
+        _list_section("denoising steps (mmalign.sde.step)", [(n, sde.STEPS.describe(n)) for n in sde.names()])
     if what in ("filters", "all"):
         from mmalign import filters
 
@@ -140,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="show what is registered")
     ls.add_argument(
-        "what", nargs="?", default="all", choices=["pipelines", "rewards", "estimators", "losses", "filters", "samplers", "all"]
+        "what", nargs="?", default="all", choices=["pipelines", "rewards", "estimators", "losses", "filters", "samplers", "steps", "all"]
     )
     ls.set_defaults(func=cmd_list)
     return p

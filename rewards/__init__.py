@@ -21,10 +21,28 @@ from .base import (
     names,
     register_reward,
 )
+from .image import (
+    PALETTE,
+    AestheticScore,
+    ClipScore,
+    JpegCompressibility,
+    JpegIncompressibility,
+    PreferenceScore,
+    ShapesCompositional,
+    render_scene,
+)
 from .multimodal import BMAS, BoxIoU, MixedAccuracy, MultipleChoice
 from .text import AnswerAccuracy, FormatReward, OverlongPenalty
 
 __all__ = [
+    "PALETTE",
+    "AestheticScore",
+    "ClipScore",
+    "JpegCompressibility",
+    "JpegIncompressibility",
+    "PreferenceScore",
+    "ShapesCompositional",
+    "render_scene",
     "ENTRY_POINT_GROUP",
     "REGISTRY",
     "BMAS",

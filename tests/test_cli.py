@@ -13,7 +13,7 @@ import yaml
 import pipelines
 import pipelines.text_reasoning
 import rewards
-from mmalign import advantages, filters, losses, samplers
+from mmalign import advantages, filters, losses, samplers, sde
 from mmalign.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +26,7 @@ SECTIONS = {
     "losses": ["losses", "loss aggregations (algorithm.loss_agg)", "KL estimators (algorithm.kl_estimator)"],
     "filters": ["filters (algorithm.filter)"],
     "samplers": ["prompt samplers (data.sampler)"],
+    "steps": ["denoising steps (mmalign.sde.step)"],
 }
 
 
@@ -40,6 +41,7 @@ def registered() -> dict[str, list[str]]:
         "KL estimators (algorithm.kl_estimator)": losses.kl_names(),
         "filters (algorithm.filter)": filters.names(),
         "prompt samplers (data.sampler)": samplers.names(),
+        "denoising steps (mmalign.sde.step)": sde.names(),
     }
 
 
@@ -113,6 +115,7 @@ _UndocumentedReward.__doc__ = None
         (losses.KL_ESTIMATORS, "KL estimators (algorithm.kl_estimator)", _undocumented),
         (filters.FILTERS, "filters (algorithm.filter)", _undocumented),
         (samplers.SAMPLERS, "prompt samplers (data.sampler)", _undocumented),
+        (sde.STEPS, "denoising steps (mmalign.sde.step)", _undocumented),
         (rewards.REGISTRY, "rewards", _UndocumentedReward),
         (pipelines.REGISTRY, "pipelines", _undocumented),
     ],
