@@ -1,0 +1,635 @@
+"""Image rewards: `jpeg_compressibility`, `jpeg_incompressibility`, `shapes_compositional`,
+`clip_score`, `aesthetic`, `preference`.
+
+- ``jpeg_compressibility`` / ``jpeg_incompressibility`` (DDPO): minus / plus the JPEG size in kB.
+- ``shapes_compositional``: a verifiable reward for a synthetic "shapes world" measured from the
+  pixels (colour present, number of objects, where they are). `render_scene` draws such scenes.
+- ``clip_score``: CLIP image-text cosine similarity (x100 by default).
+- ``aesthetic``: an MLP on normalised CLIP image embeddings (LAION-aesthetic style).
+- ``preference``: PickScore / HPS style, ``logit_scale * cos(image, prompt)`` with a CLIP model.
+
+Every reward reads ``batch.outputs["images"]``, Float[B,3,H,W] in [0, 1]. Models load once, at
+construction, from a local folder / file; a missing local path is a `FileNotFoundError` naming the
+path that was looked for. Nothing is downloaded unless a hub id (not a path) is given explicitly.
+The helpers `jpeg_size_kb`, `colour_mask`, `connected_components`, `render_scene` and
+`CLIPEmbedder` are public so pipelines and tests can use them on their own.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+from torch import Tensor
+
+from .base import Reward, RewardBatch, register_reward
+
+__all__ = [
+    "PALETTE",
+    "POSITIONS",
+    "AestheticScore",
+    "CLIPEmbedder",
+    "ClipScore",
+    "JpegCompressibility",
+    "JpegIncompressibility",
+    "PreferenceScore",
+    "ShapesCompositional",
+    "aesthetic_mlp",
+    "colour_mask",
+    "connected_components",
+    "jpeg_size_kb",
+    "render_scene",
+    "to_pil",
+]
+
+
+def _images(reward: Reward, batch: RewardBatch) -> Tensor:
+    if "images" not in batch.outputs:
+        raise KeyError(
+            f"reward {reward.name!r} needs outputs['images'] (Float[B,3,H,W] in [0,1]); "
+            f"outputs: {sorted(batch.outputs) or 'none'}"
+        )
+    images = batch.outputs["images"]
+    if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] != 3:
+        shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
+        raise ValueError(f"reward {reward.name!r}: images must be Float[B,3,H,W], got {shape}")
+    return images
+
+
+def to_pil(image: Tensor) -> Image.Image:
+    """Float[3,H,W] in [0,1] -> an RGB PIL image (values are clamped, then rounded to uint8)."""
+    arr = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    return Image.fromarray(np.ascontiguousarray(arr), mode="RGB")
+
+
+# =========================================================================== JPEG (DDPO)
+def jpeg_size_kb(image: Tensor, quality: int = 95) -> float:
+    """Size in kB (1000 bytes, as in DDPO) of `image` (Float[3,H,W] in [0,1]) saved as JPEG at `quality`."""
+    buf = io.BytesIO()
+    to_pil(image).save(buf, format="JPEG", quality=quality)
+    return buf.tell() / 1000.0
+
+
+class _JpegSize(Reward):
+    needs = {"images"}
+    sign = 1.0
+
+    def __init__(self, *, quality: int = 95, scale: float = 1.0, device: str | None = None) -> None:
+        if not 1 <= int(quality) <= 100:
+            raise ValueError(f"reward {self.name!r}: quality must be in [1, 100], got {quality}")
+        self.quality = int(quality)
+        self.scale = float(scale)
+        self.device = device  # JPEG encoding runs on the CPU; kept for a uniform option set
+
+    def __call__(self, batch: RewardBatch) -> Tensor:
+        images = _images(self, batch)
+        with torch.no_grad():
+            sizes = [jpeg_size_kb(img, self.quality) for img in images.detach().cpu()]
+        return self.sign * self.scale * torch.tensor(sizes, dtype=torch.float32)
+
+
+@register_reward("jpeg_compressibility")
+class JpegCompressibility(_JpegSize):
+    """DDPO compressibility: minus the JPEG size of the image in kB (times `scale`)."""
+
+    sign = -1.0
+
+
+@register_reward("jpeg_incompressibility")
+class JpegIncompressibility(_JpegSize):
+    """DDPO incompressibility: the JPEG size of the image in kB (times `scale`)."""
+
+    sign = 1.0
+
+
+# =========================================================================== shapes world
+PALETTE: dict[str, tuple[int, int, int]] = {
+    "red": (230, 30, 30),
+    "green": (30, 180, 40),
+    "blue": (30, 70, 230),
+    "yellow": (240, 220, 30),
+}
+"""The colours of the shapes world, RGB 0-255."""
+
+POSITIONS = ("left", "right", "top", "bottom", "center")
+
+# where `render_scene` puts the objects (x0, y0, x1, y1 as fractions of the image)
+_REGIONS: dict[str | None, tuple[float, float, float, float]] = {
+    "left": (0.04, 0.1, 0.30, 0.9),
+    "right": (0.70, 0.1, 0.96, 0.9),
+    "top": (0.1, 0.04, 0.9, 0.30),
+    "bottom": (0.1, 0.70, 0.9, 0.96),
+    "center": (0.36, 0.36, 0.64, 0.64),
+    None: (0.05, 0.05, 0.95, 0.95),
+}
+
+
+def _check_colour(colour: str) -> tuple[int, int, int]:
+    if colour not in PALETTE:
+        raise ValueError(f"unknown colour {colour!r}; the palette: {', '.join(PALETTE)}")
+    return PALETTE[colour]
+
+
+def render_scene(
+    colour: str,
+    count: int = 1,
+    position: str | None = None,
+    size: int = 64,
+    *,
+    shape: str = "square",
+    background: tuple[int, int, int] = (255, 255, 255),
+    as_pil: bool = False,
+) -> Tensor | Image.Image:
+    """Draw `count` objects of palette `colour` inside the `position` region of a `size`x`size` image.
+
+    The objects sit on a grid (no overlaps, no anti-aliasing), so `shapes_compositional` scores the
+    scene 1 for the same (colour, count, position). ``position=None`` uses the whole image. Returns
+    Float[3,size,size] in [0,1], or the PIL image with ``as_pil=True``.
+    """
+    rgb = _check_colour(colour)
+    if position not in _REGIONS:
+        raise ValueError(f"unknown position {position!r}; one of {', '.join(POSITIONS)} or None")
+    if shape not in ("square", "circle"):
+        raise ValueError(f"unknown shape {shape!r}; 'square' or 'circle'")
+    count = int(count)
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    img = Image.new("RGB", (size, size), background)
+    draw = ImageDraw.Draw(img)
+    if count:
+        fx0, fy0, fx1, fy1 = _REGIONS[position]
+        x0, y0, x1, y1 = fx0 * size, fy0 * size, fx1 * size, fy1 * size
+        w, h = x1 - x0, y1 - y0
+        # the grid: as square-ish cells as the region allows
+        cols = max(1, min(count, round(math.sqrt(count * w / h))))
+        rows = math.ceil(count / cols)
+        cw, ch = w / cols, h / rows
+        side = max(2.0, 0.6 * min(cw, ch))
+        if side >= min(cw, ch):
+            raise ValueError(
+                f"{count} objects do not fit in the {position or 'whole'} region of a {size}px image"
+            )
+        for k in range(count):
+            r, c = divmod(k, cols)
+            n_in_row = min(cols, count - r * cols)  # centre a short last row
+            off = (cols - n_in_row) * cw / 2
+            cx, cy = x0 + off + (c + 0.5) * cw, y0 + (r + 0.5) * ch
+            box = [
+                round(cx - side / 2),
+                round(cy - side / 2),
+                round(cx + side / 2) - 1,
+                round(cy + side / 2) - 1,
+            ]
+            if shape == "square":
+                draw.rectangle(box, fill=rgb)
+            else:
+                draw.ellipse(box, fill=rgb)
+    if as_pil:
+        return img
+    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float() / 255.0
+
+
+def colour_mask(images: Tensor, colour: str | Sequence[float], threshold: float = 0.25) -> Tensor:
+    """Bool[B,H,W]: pixels within Euclidean distance `threshold` (RGB in [0,1]) of `colour`."""
+    rgb = _check_colour(colour) if isinstance(colour, str) else colour
+    c = torch.tensor(rgb, dtype=torch.float32, device=images.device)
+    if c.max() > 1:
+        c = c / 255.0
+    return (images.float() - c.view(1, 3, 1, 1)).norm(dim=1) < threshold
+
+
+def connected_components(mask: Tensor, min_pixels: int = 1) -> tuple[Tensor, list[int]]:
+    """4-connected components of Bool[B,H,W]: (labels Long[B,H,W], -1 off the mask; count per image).
+
+    Min-label propagation with pointer jumping, batched in torch (no scipy). Components smaller than
+    `min_pixels` are dropped (label -1, not counted).
+    """
+    b, h, w = mask.shape
+    n = b * h * w
+    big = n  # larger than every index
+    idx = torch.arange(n, device=mask.device).view(b, h, w)
+    lab = torch.where(mask, idx, torch.full_like(idx, big))
+    while True:
+        new = lab.clone()
+        new[:, 1:, :] = torch.minimum(new[:, 1:, :], lab[:, :-1, :])
+        new[:, :-1, :] = torch.minimum(new[:, :-1, :], lab[:, 1:, :])
+        new[:, :, 1:] = torch.minimum(new[:, :, 1:], lab[:, :, :-1])
+        new[:, :, :-1] = torch.minimum(new[:, :, :-1], lab[:, :, 1:])
+        new = torch.where(mask, new, torch.full_like(new, big))
+        flat = new.flatten()
+        on = flat < big
+        flat[on] = flat[flat[on]]  # pointer jumping: a label's own label is never larger
+        new = flat.view(b, h, w)
+        if torch.equal(new, lab):
+            break
+        lab = new
+    labels = torch.full_like(lab, -1)
+    counts = []
+    for i in range(b):
+        ids, sizes = torch.unique(lab[i][mask[i]], return_counts=True)
+        keep = ids[sizes >= min_pixels]
+        counts.append(int(keep.numel()))
+        labels[i] = torch.where(torch.isin(lab[i], keep) & mask[i], lab[i], labels[i])
+    return labels, counts
+
+
+def _position_ok(position: str, cx: float, cy: float) -> bool:
+    lo, hi = 1 / 3, 2 / 3
+    return {
+        "left": cx < lo,
+        "right": cx > hi,
+        "top": cy < lo,
+        "bottom": cy > hi,
+        "center": lo <= cx <= hi and lo <= cy <= hi,
+    }[position]
+
+
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v)) or v == ""
+
+
+@register_reward("shapes_compositional")
+class ShapesCompositional(Reward):
+    """Shapes world: the weighted fraction of the colour / count / position checks the pixels satisfy."""
+
+    needs = {"images"}
+
+    def __init__(
+        self,
+        *,
+        colour_column: str = "colour",
+        count_column: str = "count",
+        position_column: str = "position",
+        weights: Mapping[str, float] | None = None,
+        threshold: float = 0.25,
+        min_pixels: int = 4,
+        device: str | None = None,
+    ) -> None:
+        self.columns = {"colour": colour_column, "count": count_column, "position": position_column}
+        self.weights = {"colour": 1.0, "count": 1.0, "position": 1.0}
+        unknown = sorted(set(weights or {}) - set(self.weights))
+        if unknown:
+            raise ValueError(
+                f"reward {self.name!r}: unknown weight key(s) {unknown}; keys: colour, count, position"
+            )
+        self.weights.update({k: float(v) for k, v in (weights or {}).items()})
+        self.threshold = float(threshold)
+        self.min_pixels = int(min_pixels)
+        self.device = device
+
+    def _col(self, batch: RewardBatch, key: str, required: bool) -> list[Any]:
+        name = self.columns[key]
+        if name in batch.columns:
+            return batch.columns[name]
+        if required:
+            raise KeyError(
+                f"reward {self.name!r}: {key} column {name!r} is not in the dataset; "
+                f"available columns: {sorted(batch.columns) or 'none'}"
+            )
+        return [None] * len(batch)
+
+    def __call__(self, batch: RewardBatch) -> Tensor:
+        images = _images(self, batch).detach().float()
+        if self.device is not None:
+            images = images.to(self.device)
+        colours = self._col(batch, "colour", True)
+        counts = self._col(batch, "count", False)
+        positions = self._col(batch, "position", False)
+        out = torch.full((len(batch),), math.nan)
+        with torch.no_grad():
+            for name in {c for c in colours if not _missing(c)}:
+                rows = [i for i, c in enumerate(colours) if c == name]
+                mask = colour_mask(images[rows], name, self.threshold)
+                labels, found = connected_components(mask, self.min_pixels)
+                h, w = mask.shape[1:]
+                for j, i in enumerate(rows):
+                    want_n = None if _missing(counts[i]) else int(counts[i])
+                    want_pos = None if _missing(positions[i]) else str(positions[i])
+                    if want_pos is not None and want_pos not in POSITIONS:
+                        raise ValueError(
+                            f"reward {self.name!r}: row {i}: unknown position {want_pos!r}; one of {POSITIONS}"
+                        )
+                    checks: list[tuple[str, bool]] = []
+                    present = found[j] > 0
+                    checks.append(("colour", present if want_n != 0 else not present))
+                    if want_n is not None:
+                        checks.append(("count", found[j] == want_n))
+                    if want_pos is not None and want_n != 0:
+                        ok = False
+                        if present:
+                            ys, xs = torch.nonzero(labels[j] >= 0, as_tuple=True)
+                            cx, cy = (
+                                (xs.float().mean().item() + 0.5) / w,
+                                (ys.float().mean().item() + 0.5) / h,
+                            )
+                            ok = _position_ok(want_pos, cx, cy)
+                        checks.append(("position", ok))
+                    total = sum(self.weights[k] for k, _ in checks)
+                    if total > 0:
+                        out[i] = sum(self.weights[k] for k, ok in checks if ok) / total
+        return out
+
+
+# =========================================================================== CLIP
+_OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def _looks_local(path: str) -> bool:
+    """A filesystem path rather than a hub id ("org/name"): absolute, ./, ../, ~ or with a file suffix."""
+    return (
+        Path(path).is_absolute()
+        or path.startswith((".", "~"))
+        or path.count("/") > 1
+        or "\\" in path
+        or Path(path).suffix in (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
+    )
+
+
+def _local_path(path: str | Path, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"{what}: no such file or folder: {p.resolve()}")
+    return p
+
+
+class CLIPEmbedder:
+    """A CLIP model loaded once; `encode_images` / `encode_texts` give L2-normalised embeddings.
+
+    Backends:
+
+    - ``"hf"``: `path` is a local folder (or, explicitly, a hub id) holding a `CLIPModel` and its
+      tokenizer; the image mean / std come from the folder's image processor when it has one.
+    - ``"open_clip"``: ``open_clip.create_model_and_transforms(arch, pretrained=path)`` with `path`
+      a local checkpoint file, and ``open_clip.get_tokenizer(arch)``.
+
+    Images (Float[B,3,H,W] in [0,1]) are preprocessed in torch, batched: bicubic resize of the
+    shorter side to the model's input size, centre crop, normalisation.
+    """
+
+    def __init__(
+        self, path: str | Path, *, backend: str = "hf", arch: str | None = None, device: str | None = None
+    ) -> None:
+        if backend not in ("hf", "open_clip"):
+            raise ValueError(f"unknown CLIP backend {backend!r}; 'hf' or 'open_clip'")
+        self.backend = backend
+        self.device = torch.device(device or "cpu")
+        path = str(path)
+        self.path = path
+        mean, std = _OPENAI_MEAN, _OPENAI_STD
+        if backend == "hf":
+            from transformers import AutoTokenizer, CLIPModel
+
+            source: str = path
+            if Path(path).expanduser().exists() or _looks_local(path):
+                source = str(_local_path(path, "CLIP model folder"))
+            try:
+                self.model = CLIPModel.from_pretrained(source)
+                self.tokenizer = AutoTokenizer.from_pretrained(source)
+            except OSError as e:
+                if source != path:  # a local folder that exists but is not a CLIP model: the error as is
+                    raise
+                raise FileNotFoundError(
+                    f"CLIP model {path!r}: no such local folder ({Path(path).resolve()}) "
+                    f"and it could not be loaded as a hub id: {e}"
+                ) from e
+            try:
+                from transformers import AutoImageProcessor
+
+                proc = AutoImageProcessor.from_pretrained(source)
+                mean, std = tuple(proc.image_mean), tuple(proc.image_std)
+            except Exception:  # no preprocessor_config.json: the OpenAI CLIP statistics
+                pass
+            size = self.model.config.vision_config.image_size
+            self.context_length = self.model.config.text_config.max_position_embeddings
+        else:
+            import open_clip
+
+            if arch is None:
+                raise ValueError("the open_clip backend needs `arch` (e.g. 'ViT-B-32')")
+            ckpt = _local_path(path, f"open_clip checkpoint for {arch}")
+            self.model, _, _ = open_clip.create_model_and_transforms(arch, pretrained=str(ckpt))
+            self.tokenizer = open_clip.get_tokenizer(arch)
+            cfg = getattr(self.model.visual, "preprocess_cfg", None) or {}
+            mean = tuple(cfg.get("mean", getattr(self.model.visual, "image_mean", None) or mean))
+            std = tuple(cfg.get("std", getattr(self.model.visual, "image_std", None) or std))
+            size = self.model.visual.image_size
+        self.image_size = (size, size) if isinstance(size, int) else tuple(size)
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+        self.model.eval().requires_grad_(False).to(self.device)
+
+    @property
+    def logit_scale(self) -> float:
+        return float(self.model.logit_scale.exp().item())
+
+    def preprocess(self, images: Tensor) -> Tensor:
+        """Float[B,3,H,W] in [0,1] -> normalised Float[B,3,h,w] at the model's input size."""
+        x = images.detach().float().to(self.device)
+        th, tw = self.image_size
+        h, w = x.shape[-2:]
+        if (h, w) != (th, tw):
+            s = max(th / h, tw / w)
+            nh, nw = max(th, round(h * s)), max(tw, round(w * s))
+            x = torch.nn.functional.interpolate(
+                x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True
+            )
+            top, left = (nh - th) // 2, (nw - tw) // 2
+            x = x[..., top : top + th, left : left + tw].clamp(0, 1)
+        return (x - self.mean.to(self.device)) / self.std.to(self.device)
+
+    @staticmethod
+    def _features(out: Any) -> Tensor:
+        return out if isinstance(out, Tensor) else out.pooler_output
+
+    def encode_images(self, images: Tensor) -> Tensor:
+        """L2-normalised image embeddings Float[B,D]."""
+        with torch.no_grad():
+            x = self.preprocess(images)
+            if self.backend == "hf":
+                f = self._features(self.model.get_image_features(pixel_values=x))
+            else:
+                f = self.model.encode_image(x)
+            return torch.nn.functional.normalize(f.float(), dim=-1)
+
+    def encode_texts(self, texts: Sequence[str]) -> Tensor:
+        """L2-normalised text embeddings Float[B,D]."""
+        with torch.no_grad():
+            if self.backend == "hf":
+                tok = self.tokenizer(
+                    list(texts),
+                    padding=True,
+                    truncation=True,
+                    max_length=self.context_length,
+                    return_tensors="pt",
+                ).to(self.device)
+                f = self._features(
+                    self.model.get_text_features(
+                        input_ids=tok["input_ids"], attention_mask=tok.get("attention_mask")
+                    )
+                )
+            else:
+                f = self.model.encode_text(self.tokenizer(list(texts)).to(self.device))
+            return torch.nn.functional.normalize(f.float(), dim=-1)
+
+
+def _prompts(reward: Reward, batch: RewardBatch, column: str | None) -> list[str]:
+    if column is None:
+        return [str(p) for p in batch.prompts]
+    if column not in batch.columns:
+        raise KeyError(
+            f"reward {reward.name!r}: text column {column!r} is not in the dataset; "
+            f"available columns: {sorted(batch.columns) or 'none'}"
+        )
+    return [str(p) for p in batch.columns[column]]
+
+
+@register_reward("clip_score")
+class ClipScore(Reward):
+    """CLIP image-text similarity: cosine(image, prompt), times 100 unless ``raw=True`` (CLIPScore: max(0, .))."""
+
+    needs = {"images", "prompts"}
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        backend: str = "hf",
+        arch: str | None = None,
+        raw: bool = False,
+        clamp: bool = False,
+        text_column: str | None = None,
+        batch_size: int = 64,
+        device: str | None = None,
+    ) -> None:
+        self.clip = CLIPEmbedder(path, backend=backend, arch=arch, device=device)
+        self.raw, self.clamp = bool(raw), bool(clamp)
+        self.text_column = text_column
+        self.batch_size = int(batch_size)
+
+    def cosine(self, images: Tensor, texts: Sequence[str]) -> Tensor:
+        outs = []
+        for s in range(0, len(texts), self.batch_size):
+            im = self.clip.encode_images(images[s : s + self.batch_size])
+            tx = self.clip.encode_texts(texts[s : s + self.batch_size])
+            outs.append((im * tx).sum(-1))
+        return torch.cat(outs).cpu() if outs else torch.zeros(0)
+
+    def __call__(self, batch: RewardBatch) -> Tensor:
+        cos = self.cosine(_images(self, batch), _prompts(self, batch, self.text_column))
+        if self.clamp:
+            cos = cos.clamp_min(0)
+        return cos if self.raw else 100.0 * cos
+
+
+@register_reward("preference")
+class PreferenceScore(ClipScore):
+    """PickScore / HPS style preference: logit_scale * cosine(image, prompt) with a CLIP model by path."""
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        backend: str = "hf",
+        arch: str | None = None,
+        text_column: str | None = None,
+        batch_size: int = 64,
+        device: str | None = None,
+    ) -> None:
+        super().__init__(
+            path=path,
+            backend=backend,
+            arch=arch,
+            raw=True,
+            text_column=text_column,
+            batch_size=batch_size,
+            device=device,
+        )
+
+    def __call__(self, batch: RewardBatch) -> Tensor:
+        return self.clip.logit_scale * self.cosine(
+            _images(self, batch), _prompts(self, batch, self.text_column)
+        )
+
+
+# =========================================================================== aesthetic
+def aesthetic_mlp(
+    dim: int, hidden: Sequence[int] = (1024, 128, 64, 16), dropout: float = 0.0
+) -> torch.nn.Sequential:
+    """Linear layers dim -> *hidden -> 1, a Dropout after each hidden layer but the last (LAION's layout:
+    its checkpoint's keys ``layers.0``, ``layers.2``, ``layers.4``, ``layers.6``, ``layers.7`` load as is)."""
+    layers: list[torch.nn.Module] = []
+    d = dim
+    for k, hsz in enumerate(hidden):
+        layers.append(torch.nn.Linear(d, hsz))
+        if k < len(hidden) - 1:
+            layers.append(torch.nn.Dropout(dropout))
+        d = hsz
+    layers.append(torch.nn.Linear(d, 1))
+    return torch.nn.Sequential(*layers)
+
+
+@register_reward("aesthetic")
+class AestheticScore(Reward):
+    """LAION-aesthetic style score: a Linear MLP on the L2-normalised CLIP image embedding."""
+
+    needs = {"images"}
+
+    def __init__(
+        self,
+        *,
+        mlp_path: str,
+        path: str,
+        backend: str = "hf",
+        arch: str | None = None,
+        hidden: Sequence[int] = (1024, 128, 64, 16),
+        prefix: str = "",
+        scale: float = 1.0,
+        batch_size: int = 64,
+        device: str | None = None,
+    ) -> None:
+        wpath = _local_path(mlp_path, f"reward {self.name!r}: aesthetic MLP weights")
+        self.clip = CLIPEmbedder(path, backend=backend, arch=arch, device=device)
+        if wpath.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(wpath))
+        else:
+            state = torch.load(str(wpath), map_location="cpu", weights_only=True)
+            if isinstance(state, torch.nn.Module):
+                state = state.state_dict()
+        if prefix:
+            state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        # LAION's checkpoint names the layers "layers.0", "layers.2", ...
+        state = {k.removeprefix("layers."): v for k, v in state.items()}
+        if "0.weight" not in state:
+            raise ValueError(
+                f"reward {self.name!r}: {wpath} has no first Linear layer '0.weight' (keys: {sorted(state)[:6]})"
+            )
+        dim = state["0.weight"].shape[1]
+        self.mlp = aesthetic_mlp(dim, list(hidden))
+        try:
+            self.mlp.load_state_dict(state)
+        except RuntimeError as e:
+            raise ValueError(
+                f"reward {self.name!r}: {wpath} does not match the MLP {dim} -> {list(hidden)} -> 1 "
+                f"(set `hidden`): {e}"
+            ) from e
+        self.mlp.eval().requires_grad_(False).to(self.clip.device)
+        self.scale = float(scale)
+        self.batch_size = int(batch_size)
+
+    def __call__(self, batch: RewardBatch) -> Tensor:
+        images = _images(self, batch)
+        outs = []
+        with torch.no_grad():
+            for s in range(0, images.shape[0], self.batch_size):
+                emb = self.clip.encode_images(images[s : s + self.batch_size])
+                outs.append(self.mlp(emb).squeeze(-1).float().cpu())
+        return self.scale * (torch.cat(outs) if outs else torch.zeros(0))
