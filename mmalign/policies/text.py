@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -205,19 +206,7 @@ class TextPolicy:
 
         if self.engine is not None:
             return self._rollout_with_engine(rows, group_size, prompts, group, columns)
-        chunk = self.generation_batch_size or len(prompts)
-        was_training = self.model.training
-        self.model.eval()
-        parts: list[tuple[Tensor, Tensor, Tensor]] = []
-        bar = tqdm(total=len(prompts), desc="rollout", leave=False, disable=len(prompts) <= chunk)
-        for start in range(0, len(prompts), chunk):
-            part = prompts[start : start + chunk]
-            parts.append(self._generate(part))
-            bar.update(len(part))
-        bar.close()
-        if was_training:
-            self.model.train()
-
+        parts = self._generate_in_chunks(prompts, self._generate)
         p_width = max(p[0].shape[1] for p in parts)
         c_width = max(p[2].shape[1] for p in parts)
         pad = self.tokenizer.pad_token_id
@@ -253,9 +242,9 @@ class TextPolicy:
 
     def _finish_rollout(
         self, prompts: list[str], group: Tensor, columns: dict[str, list[Any]], prompt_ids: Tensor,
-        prompt_mask: Tensor, completion_ids: Tensor, compute_logp: bool,
+        prompt_mask: Tensor, completion_ids: Tensor, compute_logp: bool, extra_payload: dict[str, Any] | None = None,
     ) -> Rollout:
-        """Masks, texts and (optionally) log-probs of sampled completions."""
+        """Masks, texts and (optionally) log-probs of sampled completions (`extra_payload` joins the payload)."""
         pad = self.tokenizer.pad_token_id
         stop_lengths = self._stop_lengths(completion_ids) if self.stop_strings else None
         mask = completion_mask(completion_ids, self.eos_ids, stop_lengths)
@@ -276,15 +265,15 @@ class TextPolicy:
             prompts=prompts,
             columns=columns,
             outputs={"texts": texts, "num_tokens": num_tokens, "truncated": ~stopped},
-            payload={"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids},
+            payload={"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+                     **(extra_payload or {})},
         )
         if compute_logp:
             rollout.logp_old = self._logprobs(self.model, rollout, grad=False)
         return rollout
 
-    def _generate(self, prompts: list[str]) -> tuple[Tensor, Tensor, Tensor]:
-        ids, att = self._encode_prompts(prompts)
-        ids, att = ids.to(self.device), att.to(self.device)
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        """`generate` arguments for sampling (temperature, top-p/k, length, EOS, stop strings)."""
         kwargs: dict[str, Any] = {
             "do_sample": True,
             "temperature": self.temperature,
@@ -297,6 +286,30 @@ class TextPolicy:
         if self.stop_strings:
             kwargs["stop_strings"] = self.stop_strings
             kwargs["tokenizer"] = self.tokenizer
+        return kwargs
+
+    def _generate_in_chunks(self, items: list[Any], generate: Callable[[list[Any]], Any]) -> list[Any]:
+        """`generate` over chunks of at most `generation_batch_size` items, in eval mode, with a progress bar."""
+        chunk = self.generation_batch_size or len(items)
+        was_training = self.model.training
+        self.model.eval()
+        parts: list[Any] = []
+        bar = tqdm(total=len(items), desc="rollout", leave=False, disable=len(items) <= chunk)
+        try:
+            for start in range(0, len(items), chunk):
+                part = items[start : start + chunk]
+                parts.append(generate(part))
+                bar.update(len(part))
+        finally:
+            bar.close()
+            if was_training:
+                self.model.train()
+        return parts
+
+    def _generate(self, prompts: list[str]) -> tuple[Tensor, Tensor, Tensor]:
+        ids, att = self._encode_prompts(prompts)
+        ids, att = ids.to(self.device), att.to(self.device)
+        kwargs = self._sampling_kwargs()
         if self.shared_prefix and ids.shape[1] > 1:
             kwargs["past_key_values"] = self._prefill(prompts, ids, att)
         out = self.model.generate(input_ids=ids, attention_mask=att, **kwargs)

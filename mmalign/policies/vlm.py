@@ -35,14 +35,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from mmalign.batch import Rollout
 from mmalign.policies.text import (
     TextPolicy,
     _pad_left,
     _pad_right,
-    completion_mask,
     selective_log_softmax,
 )
 
@@ -209,75 +207,26 @@ class VLMPolicy(TextPolicy):
         }
         columns.update(sizes)
 
-        chunk = self.generation_batch_size or len(encs)
-        was_training = self.model.training
-        self.model.eval()
-        parts: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
-        bar = tqdm(total=len(encs), desc="rollout", leave=False, disable=len(encs) <= chunk)
-        for start in range(0, len(encs), chunk):
-            part = encs[start : start + chunk]
-            parts.append(self._generate_vlm(part))
-            bar.update(len(part))
-        bar.close()
-        if was_training:
-            self.model.train()
-
+        parts = self._generate_in_chunks(encs, self._generate_vlm)
         p_width = max(p[0].shape[1] for p in parts)
         c_width = max(p[3].shape[1] for p in parts)
         pad = self.tokenizer.pad_token_id
-        prompt_ids = torch.cat([_pad_left(p[0], p_width, pad) for p in parts])
-        prompt_mask = torch.cat([_pad_left(p[1], p_width, 0) for p in parts])
-        token_types = torch.cat([_pad_left(p[2], p_width, 0) for p in parts])
-        completion_ids = torch.cat([_pad_right(p[3], c_width, pad) for p in parts])
-        stop_lengths = self._stop_lengths(completion_ids) if self.stop_strings else None
-        mask = completion_mask(completion_ids, self.eos_ids, stop_lengths)
-        completion_ids = completion_ids.masked_fill(~mask, pad)
-        num_tokens = mask.sum(dim=1)
-        ends_with_eos = torch.zeros(len(encs), dtype=torch.bool)
-        if self.eos_ids:
-            last = completion_ids.gather(1, (num_tokens - 1).clamp(min=0)[:, None]).squeeze(1)
-            ends_with_eos = torch.isin(last, torch.tensor(self.eos_ids)) & (num_tokens > 0)
-        stopped = ends_with_eos if stop_lengths is None else ends_with_eos | (stop_lengths <= num_tokens)
-        texts = self.tokenizer.batch_decode(
-            [ids[:n].tolist() for ids, n in zip(completion_ids, num_tokens.tolist(), strict=True)],
-            skip_special_tokens=True,
-        )
-        payload: dict[str, Any] = {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "mm_token_type_ids": token_types,
-            "completion_ids": completion_ids,
-        }
+        extra: dict[str, Any] = {"mm_token_type_ids": torch.cat([_pad_left(p[2], p_width, 0) for p in parts])}
         for key in _VISION_KEYS:
-            payload[key] = [e[key] for e in encs]  # per-sample list: slices with the batch
-        rollout = Rollout(
-            group=group,
-            mask=mask,
-            prompts=prompts,
-            columns=columns,
-            outputs={"texts": texts, "num_tokens": num_tokens, "truncated": ~stopped},
-            payload=payload,
+            extra[key] = [e[key] for e in encs]  # per-sample list: slices with the batch
+        return self._finish_rollout(
+            prompts, group, columns,
+            torch.cat([_pad_left(p[0], p_width, pad) for p in parts]),
+            torch.cat([_pad_left(p[1], p_width, 0) for p in parts]),
+            torch.cat([_pad_right(p[3], c_width, pad) for p in parts]),
+            compute_logp, extra_payload=extra,
         )
-        if compute_logp:
-            rollout.logp_old = self._logprobs(self.model, rollout, grad=False)
-        return rollout
 
     def _generate_vlm(self, encs: list[dict[str, Any]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         inputs = {k: v.to(self.device) for k, v in self.batch_inputs(encs).items()}
-        kwargs: dict[str, Any] = {
-            "do_sample": True,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_new_tokens": self.max_new_tokens,
-            "pad_token_id": self.tokenizer.pad_token_id,
-            "eos_token_id": self.eos_ids or None,
-        }
+        kwargs = self._sampling_kwargs()
         if self.suppressed_ids:
             kwargs["suppress_tokens"] = self.suppressed_ids
-        if self.stop_strings:
-            kwargs["stop_strings"] = self.stop_strings
-            kwargs["tokenizer"] = self.tokenizer
         ids = inputs["input_ids"]
         out = self.model.generate(**inputs, **kwargs)
         return ids.cpu(), inputs["attention_mask"].cpu(), inputs["mm_token_type_ids"].cpu(), out[:, ids.shape[1] :].cpu()
