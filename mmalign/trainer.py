@@ -254,6 +254,8 @@ class GroupTrainer:
         rollout.group = rollout.group + offset
         self._round += 1
         t0 = time.perf_counter()
+        if "images" in self.reward_set.needs and "images" not in rollout.outputs and hasattr(self.policy, "decode"):
+            self.policy.decode(rollout)  # pixels only when some reward needs them
         rewards = self.reward_set(rollout).to(rollout.group.device)
         self._timers["reward"] += time.perf_counter() - t0
         rollout.rewards = rewards
@@ -371,7 +373,7 @@ class GroupTrainer:
         """num_iterations passes over `batch`, one optimizer step per minibatch."""
         cfg, acc = self.cfg, self.accelerator
         a, t, r_cfg = cfg.algorithm, cfg.trainer, cfg.rollout
-        if a.kl_coef > 0:
+        if a.kl_coef > 0 and not getattr(self.policy, "kl_in_evaluate", False):
             batch.logp_ref = self.policy.reference_logprobs(batch).detach()
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, float] = defaultdict(float)

@@ -73,6 +73,8 @@ class FlowPolicy:
         if window_size is not None and not 1 <= window_size <= num_steps:
             raise ValueError(f"window_size must be in [1, num_steps={num_steps}], got {window_size}")
         self.model = transformer
+        self.kl_in_evaluate = need_reference
+        """`evaluate` returns the KL on step means itself (the trainer then skips reference log-probs)."""
         self.forward_model = transformer
         """What `evaluate` runs (the trainer may swap in a DDP-wrapped model; sampling uses `model`)."""
         self.vae = vae.eval().requires_grad_(False)
