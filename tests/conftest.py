@@ -32,3 +32,30 @@ def random_text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def check_shared_prefix_matches_plain():
+    """Callable(policy, rollout): the shared-prefix forward gives the plain forward's per-token log-probs
+    AND parameter gradients (to fp32 tolerance) for `rollout` under a random weighting of the tokens."""
+    import torch
+
+    def check(pol, ro) -> None:
+        weights = torch.randn(ro.mask.shape)
+
+        def run(shared: bool):
+            pol.shared_prefix = shared
+            pol.model.zero_grad(set_to_none=True)
+            logp = pol.evaluate(ro).logp
+            (logp * weights).sum().backward()
+            grads = {n: q.grad.clone() for n, q in pol.model.named_parameters() if q.requires_grad and q.grad is not None}
+            return logp.detach(), grads
+
+        plain_logp, plain_grads = run(False)
+        shared_logp, shared_grads = run(True)
+        assert torch.allclose(shared_logp, plain_logp, atol=1e-5), (shared_logp - plain_logp).abs().max()
+        assert plain_grads.keys() == shared_grads.keys() and len(plain_grads) > 0
+        for name, g in plain_grads.items():
+            assert torch.allclose(shared_grads[name], g, atol=1e-5, rtol=1e-4), name
+
+    return check

@@ -192,7 +192,9 @@ def test_trainable_state_round_trip(random_text_model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_shared_prefix_logprobs_and_gradients_equal_plain_forward(random_text_model_dir: Path, lora: bool) -> None:
+def test_shared_prefix_logprobs_and_gradients_equal_plain_forward(
+    random_text_model_dir: Path, lora: bool, check_shared_prefix_matches_plain
+) -> None:
     """Prefix Grouper: same per-token log-probs AND parameter gradients as the plain forward, with
     prompts of different lengths (left padding), completions of different lengths (right padding)
     and groups scattered over the batch (as after minibatch shuffling)."""
@@ -202,22 +204,7 @@ def test_shared_prefix_logprobs_and_gradients_equal_plain_forward(random_text_mo
     ro = pol.rollout(_rows(PROMPTS), 3, compute_logp=False)
     ro.mask[0, 4:] = False  # force some right padding
     ro = ro[torch.randperm(len(ro), generator=torch.Generator().manual_seed(1))]
-    weights = torch.randn(ro.mask.shape)
-
-    def run(shared: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        pol.shared_prefix = shared
-        pol.model.zero_grad(set_to_none=True)
-        logp = pol.evaluate(ro).logp
-        (logp * weights).sum().backward()
-        grads = {n: p.grad.clone() for n, p in pol.model.named_parameters() if p.requires_grad and p.grad is not None}
-        return logp.detach(), grads
-
-    plain_logp, plain_grads = run(False)
-    shared_logp, shared_grads = run(True)
-    assert torch.allclose(shared_logp, plain_logp, atol=1e-5), (shared_logp - plain_logp).abs().max()
-    assert plain_grads.keys() == shared_grads.keys() and len(plain_grads) > 0
-    for name, g in plain_grads.items():
-        assert torch.allclose(shared_grads[name], g, atol=1e-5, rtol=1e-4), name
+    check_shared_prefix_matches_plain(pol, ro)
 
 
 def test_prefilled_generation_samples_the_same_tokens(random_text_model_dir: Path) -> None:

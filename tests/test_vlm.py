@@ -262,7 +262,9 @@ def test_hf_dataset_with_in_memory_images_feeds_the_policy(random_vlm_dir: Path,
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_vlm_shared_prefix_equals_plain_forward(random_vlm_dir: Path, lora: bool) -> None:
+def test_vlm_shared_prefix_equals_plain_forward(
+    random_vlm_dir: Path, lora: bool, check_shared_prefix_matches_plain
+) -> None:
     """Prompt + image tokens encoded once per group: the same log-probs AND parameter gradients as the
     plain forward, for prompts with different numbers/sizes of images and scattered groups."""
     kw = {"lora": LoraConfig(enabled=True, r=4, alpha=8)} if lora else {}
@@ -270,19 +272,4 @@ def test_vlm_shared_prefix_equals_plain_forward(random_vlm_dir: Path, lora: bool
     torch.manual_seed(0)
     ro = pol.rollout(mixed_rows(), 3, compute_logp=False)
     ro = ro[torch.randperm(len(ro), generator=torch.Generator().manual_seed(1))]
-    weights = torch.randn(ro.mask.shape)
-
-    def run(shared: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        pol.shared_prefix = shared
-        pol.model.zero_grad(set_to_none=True)
-        logp = pol.evaluate(ro).logp
-        (logp * weights).sum().backward()
-        grads = {n: q.grad.clone() for n, q in pol.model.named_parameters() if q.requires_grad and q.grad is not None}
-        return logp.detach(), grads
-
-    plain_logp, plain_grads = run(False)
-    shared_logp, shared_grads = run(True)
-    assert torch.allclose(shared_logp, plain_logp, atol=1e-5), (shared_logp - plain_logp).abs().max()
-    assert plain_grads.keys() == shared_grads.keys() and len(plain_grads) > 0
-    for name, g in plain_grads.items():
-        assert torch.allclose(shared_grads[name], g, atol=1e-5, rtol=1e-4), name
+    check_shared_prefix_matches_plain(pol, ro)
