@@ -1,6 +1,8 @@
 """The `mmalign` command.
 
     mmalign train CONFIG.yaml [key.sub=value ...] [--resume]
+    mmalign sample CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--prompt TEXT ...] [-n N]
+    mmalign eval CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--no-base]
     mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps]
 """
 
@@ -12,6 +14,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -61,11 +64,11 @@ def _check_names(cfg: Config) -> None:
             raise ConfigError(f"{cfg.source}: key '{key}': {e}") from None
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace) -> tuple[Config, object]:
+    """The config (with overrides) and the components its pipeline builds."""
     import pipelines
     from mmalign.config import ConfigError, load_config
     from mmalign.registry import RegistryError
-    from mmalign.trainer import GroupTrainer
 
     cfg = load_config(args.config, args.overrides)
     try:
@@ -73,7 +76,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     except RegistryError as e:
         raise ConfigError(f"{cfg.source}: key 'pipeline': {e}") from None
     _check_names(cfg)
-    components = build(cfg)
+    return cfg, build(cfg)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from mmalign.trainer import GroupTrainer
+
+    cfg, components = _load(args)
     trainer = GroupTrainer(cfg, components, resume=args.resume)
     history = trainer.train()
     trainer.accelerator.end_training()  # closes the process group of a multi-process run cleanly
@@ -84,6 +93,86 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"done: steps {first['step']}..{last['step']}, reward/mean {first.get('reward/mean', float('nan')):.3f} "
             f"-> {last.get('reward/mean', float('nan')):.3f}; run directory {cfg.output_dir}"
         )
+    return 0
+
+
+def _weights(cfg: Config, components: object, spec: str) -> Path | None:
+    """Load the checkpoint `spec` names into the policy; returns its folder (None: the base model)."""
+    from mmalign.evaluation import load_weights, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(cfg.output_dir, spec)
+    if ckpt is None and spec == "latest":
+        print(f"no checkpoint in {cfg.output_dir}/checkpoints: using the base model", file=sys.stderr)
+    if ckpt is not None:
+        load_weights(components.policy, ckpt)  # type: ignore[attr-defined]
+    return ckpt
+
+
+def _sample_rows(args: argparse.Namespace, cfg: Config, components: object) -> list[dict]:
+    from mmalign.data import load_prompt_rows
+    from mmalign.evaluation import eval_rows
+
+    if args.prompt:
+        return [{"prompt": p} for p in args.prompt]
+    if args.prompts:
+        return load_prompt_rows(args.prompts, cfg.data.prompt_template)
+    return eval_rows(cfg, components)[: args.max_prompts]
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """Generate `n` samples per prompt from a checkpoint: a PNG grid (images) or a JSONL (texts)."""
+    import json
+
+    from mmalign.evaluation import generate, save_grid
+
+    cfg, components = _load(args)
+    ckpt = _weights(cfg, components, args.checkpoint)
+    rows = _sample_rows(args, cfg, components)
+    seed = cfg.eval.seed if args.seed is None else args.seed
+    r = generate(components.policy, rows, args.n, seed=seed, prompts_per_batch=cfg.eval.prompts_per_batch)  # type: ignore[attr-defined]
+    out = Path(args.out) if args.out else Path(cfg.output_dir) / "samples_cli" / (ckpt.name if ckpt else "base")
+    out.mkdir(parents=True, exist_ok=True)
+    images = r.outputs.get("images")
+    texts = r.outputs.get("texts")
+    with (out / "samples.jsonl").open("w") as f:
+        for i in range(len(r)):
+            row = {"prompt": r.prompts[i], "sample": i % args.n}
+            if images is not None:
+                from PIL import Image
+
+                name = f"{i // args.n:03d}_{i % args.n:02d}.png"
+                arr = (images[i].clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+                (out / "images").mkdir(exist_ok=True)
+                Image.fromarray(arr).save(out / "images" / name)
+                row["image"] = f"images/{name}"
+            if texts is not None:
+                row["output"] = texts[i]
+            f.write(json.dumps(row) + "\n")
+    what = f"{len(rows)} prompts x {args.n} samples ({'checkpoint ' + str(ckpt) if ckpt else 'base model'})"
+    if images is not None:
+        grid = save_grid(images, out / "grid.png", ncols=args.n)
+        print(f"{what}: grid {grid} (a row per prompt), images and samples.jsonl in {out}")
+    else:
+        print(f"{what}: {out / 'samples.jsonl'}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Before/after report: the base model and a checkpoint scored on the evaluation prompts."""
+    import json
+
+    from mmalign.evaluation import evaluate_run, format_report, resolve_checkpoint
+
+    cfg, components = _load(args)
+    ckpt = resolve_checkpoint(cfg.output_dir, args.checkpoint)
+    if ckpt is None and args.checkpoint == "latest":
+        print(f"no checkpoint in {cfg.output_dir}/checkpoints: scoring the base model only", file=sys.stderr)
+    report = evaluate_run(cfg, components, checkpoint=ckpt, compare_base=not args.no_base)
+    out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(format_report(report))
+    print(f"report: {out}")
     return 0
 
 
@@ -141,6 +230,30 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5 output_dir=runs/x")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     t.set_defaults(func=cmd_train)
+
+    def checkpoint_arg(q: argparse.ArgumentParser) -> None:
+        q.add_argument("config", help="path to a YAML config (see configs/)")
+        q.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.group_size=8")
+        q.add_argument(
+            "--checkpoint", default="latest",
+            help="'latest' (newest checkpoint in output_dir; the base model if none), 'base', or a checkpoint folder",
+        )
+
+    sm = sub.add_parser("sample", help="generate samples for prompts from a checkpoint (a PNG grid for images)")
+    checkpoint_arg(sm)
+    sm.add_argument("--prompt", action="append", help="a prompt (repeatable); default: the eval prompts")
+    sm.add_argument("--prompts", help="a .txt (one prompt per line) or .jsonl file of prompts")
+    sm.add_argument("-n", type=int, default=4, help="samples per prompt (default 4)")
+    sm.add_argument("--max-prompts", type=int, default=8, help="prompts taken from the eval data (default 8)")
+    sm.add_argument("--seed", type=int, default=None, help="sampling seed (default eval.seed)")
+    sm.add_argument("--out", help="output folder (default OUTPUT_DIR/samples_cli/<checkpoint>)")
+    sm.set_defaults(func=cmd_sample)
+
+    ev = sub.add_parser("eval", help="score the base model and a checkpoint on the eval prompts (before/after)")
+    checkpoint_arg(ev)
+    ev.add_argument("--no-base", action="store_true", help="score only the checkpoint")
+    ev.add_argument("--out", help="report file (default OUTPUT_DIR/eval.json)")
+    ev.set_defaults(func=cmd_eval)
 
     ls = sub.add_parser("list", help="show what is registered")
     ls.add_argument(

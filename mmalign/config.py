@@ -154,6 +154,25 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """`mmalign eval` and `mmalign sample`: what is generated and how it is scored (no training)."""
+
+    rewards: list[RewardConfig] = field(default_factory=list)
+    """Scores used only in evaluation (e.g. a safety classifier whose mean is the flagged share, a
+    CLIP score), reported beside the training rewards; same format as the top-level `rewards`."""
+    group_size: int = 4
+    """Samples per evaluation prompt."""
+    split_column: str | None = None
+    """Report every score per value of this data column too (e.g. `category`: safe / unsafe)."""
+    max_rows: int | None = None
+    """Evaluate at most this many prompts (None: all of `data.eval`, else of `data.train`)."""
+    prompts_per_batch: int = 8
+    """Prompts per generation call."""
+    seed: int = 1234
+    """Seeds the sampling noise; the same for every checkpoint, so before/after samples are paired."""
+
+
+@dataclass
 class Config:
     pipeline: str = ""
     output_dir: str = ""
@@ -166,6 +185,7 @@ class Config:
     rewards: list[RewardConfig] = field(default_factory=list)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     options: Any = None
     """Pipeline-specific section, typed by the pipeline (see `register_options`)."""
     source: str = field(default="<dict>", compare=False)
@@ -593,6 +613,10 @@ def validate(cfg: Config, src: _Source | str | None = None) -> None:
     need(r.top_k >= 0, "rollout.top_k", "must be >= 0 (0: no top-k)")
     need(r.batch_size is None or r.batch_size >= 1, "rollout.batch_size", "must be >= 1 or null")
     need(t.steps >= 1, "trainer.steps", "must be >= 1")
+    e = cfg.eval
+    need(e.group_size >= 1, "eval.group_size", "must be >= 1")
+    need(e.max_rows is None or e.max_rows >= 1, "eval.max_rows", "must be >= 1 or null")
+    need(e.prompts_per_batch >= 1, "eval.prompts_per_batch", "must be >= 1")
     need(_finite(t.lr) and t.lr >= 0, "trainer.lr", "must be a finite number >= 0")
     need(_finite(t.weight_decay) and t.weight_decay >= 0, "trainer.weight_decay", "must be a finite number >= 0")
     need(len(t.betas) == 2, "trainer.betas", "must be two numbers")

@@ -127,8 +127,49 @@ def add_prompts(rows: list[dict[str, Any]], template: str) -> list[dict[str, Any
     return rows
 
 
+def load_text_prompts(path: str | Path, max_rows: int | None = None) -> list[dict[str, Any]]:
+    """A plain-text prompt list, one prompt per line -> rows ``{"prompt": line}``. Blank lines and lines
+    starting with ``#`` are skipped; a line that is not UTF-8 is a DataError naming `path:line`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"prompt file not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
+    rows: list[dict[str, Any]] = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
+            if not line or line.startswith("#"):
+                continue
+            rows.append({"prompt": line, "_source": f"{path}:{lineno}"})
+            if max_rows is not None and len(rows) >= max_rows:
+                break
+    if not rows:
+        raise DataError(f"{path}: no prompts (the file is empty or only comments)")
+    return rows
+
+
 def load_rows(source: str, template: str = "{question}", max_rows: int | None = None) -> list[dict[str, Any]]:
-    rows = load_hf_dataset(source, max_rows) if source.startswith("hf:") else load_jsonl(source, max_rows)
+    """Rows with a ``prompt`` from `source`: a JSONL file, ``hf:<dataset>[:split[:config]]``, or a ``.txt``
+    file with one prompt per line (used as is: its rows have only a ``prompt`` column)."""
+    if source.startswith("hf:"):
+        rows = load_hf_dataset(source, max_rows)
+    elif source.endswith(".txt"):
+        return load_text_prompts(source, max_rows)
+    else:
+        rows = load_jsonl(source, max_rows)
+    return add_prompts(rows, template)
+
+
+def load_prompt_rows(source: str, template: str = "{question}") -> list[dict[str, Any]]:
+    """`load_rows` for ad-hoc prompt files (`mmalign sample --prompts`): a JSONL row with a ``prompt``
+    column keeps it whatever the template."""
+    if source.endswith(".txt") or source.startswith("hf:"):
+        return load_rows(source, template)
+    rows = load_jsonl(source)
+    if all("prompt" in r for r in rows):
+        return rows
     return add_prompts(rows, template)
 
 

@@ -396,23 +396,27 @@ class RewardSet:
     """
 
     def __init__(
-        self, specs: Sequence[RewardSpec | str | Mapping[str, Any] | Any], source: str | None = None
+        self,
+        specs: Sequence[RewardSpec | str | Mapping[str, Any] | Any],
+        source: str | None = None,
+        key: str = "rewards",
     ) -> None:
         """Build every reward of `specs`. With `source` (the config file), a bad entry raises
-        `mmalign.config.ConfigError` naming the file and the key (``rewards[i].name`` / ``.kwargs``)."""
+        `mmalign.config.ConfigError` naming the file and the key (``rewards[i].name`` / ``.kwargs``;
+        `key` is the list's key in the config, e.g. ``eval.rewards``)."""
         self.specs = [RewardSpec.coerce(s) for s in specs]
         seen: dict[str, int] = {}
         for i, s in enumerate(self.specs):
             if not isinstance(s.weight, int | float) or not math.isfinite(s.weight):
                 raise self._config_error(
-                    source, f"rewards[{i}].weight", ValueError(f"rewards[{i}] ({s.name!r}): weight must be a finite number, got {s.weight!r}")
+                    source, f"{key}[{i}].weight", ValueError(f"{key}[{i}] ({s.name!r}): weight must be a finite number, got {s.weight!r}")
                 )
             if s.column in seen:
                 raise self._config_error(
                     source,
-                    f"rewards[{i}].alias",
+                    f"{key}[{i}].alias",
                     ValueError(
-                        f"rewards[{i}] and rewards[{seen[s.column]}] are both named {s.column!r}; "
+                        f"{key}[{i}] and {key}[{seen[s.column]}] are both named {s.column!r}; "
                         f"give one of them an alias"
                     ),
                 )
@@ -422,9 +426,9 @@ class RewardSet:
             try:
                 self.rewards.append(load_reward(s.name, **dict(s.kwargs)))
             except TypeError as e:
-                raise self._config_error(source, f"rewards[{i}].kwargs", e) from e
+                raise self._config_error(source, f"{key}[{i}].kwargs", e) from e
             except (KeyError, ImportError, AttributeError) as e:
-                raise self._config_error(source, f"rewards[{i}].name", e) from e
+                raise self._config_error(source, f"{key}[{i}].name", e) from e
 
     @staticmethod
     def _config_error(source: str | None, key: str, err: Exception) -> Exception:
