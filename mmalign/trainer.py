@@ -10,7 +10,9 @@ split), rewards are gathered from all processes before advantages are computed, 
 give the same advantages as one. Loss normalisers (token counts, sequence counts) are global.
 
 Run directory (``output_dir``): ``config.yaml``, ``metrics.jsonl`` (one JSON object per step),
-``samples/step_XXXXXX.jsonl`` (prompts, outputs, each reward, advantage), ``checkpoints/step_XXXXXX/``
+``samples/step_XXXXXX.jsonl`` (prompts, outputs, each reward, advantage; with images also
+``samples/step_XXXXXX/*.png``, each row's ``image`` the PNG's path relative to ``samples/``),
+``checkpoints/step_XXXXXX/``
 (trainable weights, optimizer, scheduler, RNG of each process, sampler and filter state) and
 ``final/`` (the trained model or adapter, `from_pretrained`-loadable).
 """
@@ -248,6 +250,8 @@ class GroupTrainer:
         round_base = self._round * pps
         mine = idx[self.rank * self.local_prompts : (self.rank + 1) * self.local_prompts]
         rows = [self.rows[i] for i in mine]
+        if hasattr(self.policy, "on_train_step"):  # schedules of the policy (e.g. a sliding window); resume-safe
+            self.policy.on_train_step(self.step)
         rollout = self.policy.rollout(rows, self.samples_per_group, compute_logp=self.need_logp_old)
         # global group ids: position of the prompt in this step's global list, offset per round
         offset = self._round * self.cfg.rollout.prompts_per_step + self.rank * self.local_prompts
@@ -538,6 +542,7 @@ class GroupTrainer:
         if not len(batch):
             return
         texts = batch.outputs.get("texts") or [None] * len(batch)
+        image_paths = self._save_sample_images(batch)
         rows = []
         adv = batch.advantages
         for i in range(len(batch)):
@@ -548,6 +553,8 @@ class GroupTrainer:
                 "advantage": float(adv[i].mean()) if adv is not None else None,
                 "rewards": {n: _num(batch.rewards[i, k]) for k, n in enumerate(batch.reward_names)},
             }
+            if image_paths is not None:
+                row["image"] = image_paths[i]
             for key in ("answer", "solution", "label"):
                 if key in batch.columns:
                     row[key] = batch.columns[key][i]
@@ -560,6 +567,28 @@ class GroupTrainer:
             with (d / f"step_{self.step:06d}.jsonl").open("w") as f:
                 for row in rows:
                     f.write(json.dumps(_jsonable(row)) + "\n")
+
+    def _save_sample_images(self, batch: Rollout) -> list[str] | None:
+        """Write ``outputs["images"]`` (Float[B,3,H,W] in [0, 1]) of this process's samples as PNGs in
+        ``samples/step_XXXXXX/`` (``IIII.png``; with several processes ``rR_IIII.png``, R the rank, so every
+        process writes its own files) and return their paths relative to ``samples/``; None without images."""
+        images = batch.outputs.get("images")
+        if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[0] != len(batch):
+            return None
+        from PIL import Image
+
+        rel = f"step_{self.step:06d}"
+        d = self.out / "samples" / rel
+        d.mkdir(parents=True, exist_ok=True)
+        prefix = f"r{self.rank}_" if self.world > 1 else ""
+        pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+        paths = []
+        for i in range(len(batch)):
+            arr = pixels[i].permute(1, 2, 0).numpy()
+            name = f"{prefix}{i:04d}.png"
+            Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr).save(d / name)
+            paths.append(f"{rel}/{name}")
+        return paths
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:

@@ -164,3 +164,189 @@ def test_group_trainer_runs_the_flow_policy(pipe_dir, tmp_path):
     assert history[0]["kl"] == pytest.approx(0.0, abs=1e-8) and history[1]["kl"] > 0
     after = pol.trainable_state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+# ---------------------------------------------------------------------------- step kinds
+
+
+@pytest.mark.parametrize("kind", ["flow_sde", "cps", "dance"])
+def test_step_kinds_ratio_one(pipe_dir, kind):
+    pol = make(pipe_dir, sde_kind=kind, noise_level=0.5, need_reference=True)
+    r = pol.rollout(ROWS, 2, compute_logp=True)
+    assert torch.isfinite(r.logp_old).all() and torch.isfinite(r.outputs["latents"]).all()
+    # CPS's final step to sigma' = 0 has std 0: an ODE step, never trained
+    expected = [0, 1, 2] if kind == "cps" else [0, 1, 2, 3]
+    assert pol.stochastic_steps == expected and (r.payload["step_index"] == torch.tensor(expected)).all()
+    stats = pol.evaluate(r)
+    torch.testing.assert_close(torch.exp(stats.logp - r.logp_old), torch.ones_like(r.logp_old), atol=1e-5, rtol=0)
+    torch.testing.assert_close(stats.kl.detach(), torch.zeros_like(stats.kl), atol=1e-8, rtol=0)
+
+
+def test_step_kind_options_are_validated(pipe_dir):
+    with pytest.raises(ValueError, match="flow_sde, cps, dance"):
+        make(pipe_dir, sde_kind="ddim")
+    with pytest.raises(ValueError, match=r"noise level a of cps.*\(0, 1\]"):
+        make(pipe_dir, sde_kind="cps", noise_level=1.5)
+    with pytest.raises(ValueError, match="eta of dance"):
+        make(pipe_dir, sde_kind="dance", noise_level=0.0)
+    with pytest.raises(ValueError, match=r"window_size must be in \[1, 3\].*std 0"):
+        make(pipe_dir, sde_kind="cps", window_size=4)
+    with pytest.raises(ValueError, match="sliding' needs window_size"):
+        make(pipe_dir, window_mode="sliding")
+    with pytest.raises(ValueError, match="window_mode"):
+        make(pipe_dir, window_size=2, window_mode="forward")
+
+
+def test_cps_windows_and_subsets_avoid_the_zero_std_step(pipe_dir):
+    pol = make(pipe_dir, sde_kind="cps", window_size=1)
+    starts = {int(pol.rollout(ROWS[:1], 1).payload["step_index"][0, 0]) for _ in range(8)}
+    assert starts <= {0, 1, 2} and len(starts) > 1
+    pol = make(pipe_dir, sde_kind="cps", train_fraction=0.5)
+    r = pol.rollout(ROWS, 3)
+    assert r.payload["step_index"].shape == (6, 2) and int(r.payload["step_index"].max()) <= 2
+
+
+# ---------------------------------------------------------------------------- MixGRPO sliding window
+
+
+def test_sliding_window_trains_the_scheduled_steps(pipe_dir):
+    from mmalign.schedules import SlidingWindow
+
+    pol = make(pipe_dir, num_steps=5, window_size=2, window_mode="sliding", window_shift_every=2)
+    sched = SlidingWindow(num_steps=5, window_size=2, shift_every=2)
+    assert pol.window_schedule is not None and pol.window_schedule.positions == sched.positions == [0, 1, 2, 3]
+    for step in (0, 1, 2, 5, 7, 8):
+        pol.on_train_step(step)
+        r = pol.rollout(ROWS, 2)
+        assert (r.payload["step_index"] == torch.tensor(sched.steps_at(step))).all(), step
+    assert sched.steps_at(8) == [0, 1]  # wrapped after the last start (3)
+    pol.on_train_step(4)
+    r = pol.rollout(ROWS, 2)
+    assert r.payload["step_index"][0].tolist() == [2, 3]
+    ratio = torch.exp(pol.evaluate(r).logp - r.logp_old)
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
+    # window_range bounds the slide; the stride moves it by more than one step
+    pol = make(pipe_dir, num_steps=6, window_size=2, window_range=(1, 3), window_mode="sliding",
+               window_shift_every=1, window_stride=2)
+    starts = []
+    for step in range(3):
+        pol.on_train_step(step)
+        starts.append(int(pol.rollout(ROWS[:1], 1).payload["step_index"][0, 0]))
+    assert starts == [1, 3, 1]
+
+
+# ---------------------------------------------------------------------------- CFG-free training
+
+
+def test_cfg_free_training_scores_the_conditional_branch(pipe_dir):
+    cfg = make(pipe_dir, guidance_scale=4.0, need_reference=True)
+    free = make(pipe_dir, guidance_scale=4.0, need_reference=True, train_guidance=False)
+    r_cfg = cfg.rollout(ROWS, 2)
+    r_free = free.rollout(ROWS, 2)
+    # the same seed draws the same CFG samples; only the recorded log-probs differ (conditional branch)
+    torch.testing.assert_close(r_free.payload["next_latents"], r_cfg.payload["next_latents"], atol=1e-6, rtol=0)
+    assert not torch.allclose(r_free.logp_old, r_cfg.logp_old, atol=1e-4)
+    stats = free.evaluate(r_free)
+    torch.testing.assert_close(torch.exp(stats.logp - r_free.logp_old), torch.ones(4, 4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(stats.kl.detach(), torch.zeros(4, 4), atol=1e-8, rtol=0)
+    # scoring the CFG rollout's transitions conditionally gives the CFG-free rollout's log-probs
+    torch.testing.assert_close(free.evaluate(r_cfg).logp.detach(), r_free.logp_old, atol=1e-5, rtol=0)
+    # ... and a guidance-free policy (guidance_scale 1) scores them the same way
+    plain = make(pipe_dir)
+    torch.testing.assert_close(plain.evaluate(r_cfg).logp.detach(), r_free.logp_old, atol=1e-5, rtol=0)
+    stats.logp.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in free.trainable_parameters())
+
+
+# ---------------------------------------------------------------------------- SD3 layout: 2 CLIPs + T5
+
+
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory: pytest.TempPathFactory):
+    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3_3enc") / "sd3", text_encoders=3)
+
+
+def _diffusers_pipe(c, **override):
+    from diffusers import StableDiffusion3Pipeline
+
+    parts = {k: getattr(c, k) for k in (
+        "transformer", "scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
+        "text_encoder_3", "tokenizer_3",
+    )}
+    return StableDiffusion3Pipeline(**{**parts, **override})
+
+
+def test_three_encoder_prompt_embeds_match_diffusers(sd3_dir):
+    c = load_sd3_components(sd3_dir)
+    assert c.is_sd3_layout and c.text_encoder_3 is not None and c.tokenizer_3 is not None
+    tr = c.transformer.config
+    assert c.text_encoder_3.config.d_model == tr.joint_attention_dim
+    assert c.text_encoder.config.projection_dim + c.text_encoder_2.config.projection_dim == tr.pooled_projection_dim
+    prompts = ["a red cat", "", "Two blue dogs, left!"]
+    for max_len, pipe, comps in [
+        (256, _diffusers_pipe(c), c),
+        (32, _diffusers_pipe(c), c),
+        (256, _diffusers_pipe(c, text_encoder_3=None, tokenizer_3=None), load_sd3_components(sd3_dir, load_t5=False)),
+    ]:
+        with torch.no_grad():  # (T5's attention kernel differs in grad mode by ~1e-6)
+            pe, _, po, _ = pipe.encode_prompt(
+                prompts, prompts, prompts, device="cpu", do_classifier_free_guidance=False, max_sequence_length=max_len
+            )
+            ours_pe, ours_po = comps.encode_prompt(prompts, max_sequence_length=max_len)
+        assert ours_pe.shape == (3, 16 + max_len, tr.joint_attention_dim) and ours_po.shape == (3, tr.pooled_projection_dim)
+        assert torch.equal(ours_pe, pe) and torch.equal(ours_po, po)
+
+
+def test_flow_policy_on_the_three_encoder_folder(sd3_dir, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    pol = FlowPolicy.from_pretrained(sd3_dir, num_steps=3, seed=0, max_sequence_length=8, guidance_scale=2.0)
+    pe, po = pol.encode_prompt(["a red cat"])
+    assert pe.shape == (1, 16 + 8, 32) and po.shape == (1, 16)
+    r = pol.rollout(ROWS, 2)
+    ratio = torch.exp(pol.evaluate(r).logp - r.logp_old)
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
+    pol.save(tmp_path / "out")
+    for sub in ("transformer", "vae", "scheduler", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
+                "text_encoder_3", "tokenizer_3", "model_index.json"):
+        assert (tmp_path / "out" / sub).exists(), sub
+    again = FlowPolicy.from_pretrained(tmp_path / "out", num_steps=3, max_sequence_length=8, guidance_scale=2.0)
+    torch.testing.assert_close(again.evaluate(r).logp.detach(), r.logp_old, atol=1e-5, rtol=0)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "out")  # the layout diffusers reads
+    assert pipe.text_encoder_3 is not None and pipe.tokenizer_3 is not None
+
+
+# ---------------------------------------------------------------------------- trainer: window and images
+
+
+def test_group_trainer_drives_the_window_and_saves_images(pipe_dir, tmp_path):
+    import json
+
+    from PIL import Image
+
+    from mmalign.config import config_from_dict
+    from mmalign.trainer import GroupTrainer
+    from pipelines import Components
+    from rewards import RewardSet
+
+    cfg = config_from_dict(
+        {
+            "pipeline": "flow_test",
+            "output_dir": str(tmp_path / "run"),
+            "rollout": {"group_size": 2, "prompts_per_step": 2},
+            "rewards": [{"name": "jpeg_compressibility"}],
+            "trainer": {"steps": 2, "lr": 1e-3, "progress_bar": False, "sample_every": 1, "save_every": 10},
+        },
+        "test",
+    )
+    pol = make(pipe_dir, num_steps=4, window_size=2, window_mode="sliding", window_shift_every=1)
+    rows = [{"prompt": "a red square"}, {"prompt": "two blue circles"}]
+    trainer = GroupTrainer(cfg, Components(policy=pol, rewards=RewardSet(cfg.rewards), data=rows))
+    trainer.train()
+    assert pol.train_step == 1 and trainer._last_batch.payload["step_index"][0].tolist() == [1, 2]
+    samples = tmp_path / "run" / "samples"
+    for step in (1, 2):
+        lines = [json.loads(x) for x in (samples / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert [row["image"] for row in lines] == [f"step_{step:06d}/{i:04d}.png" for i in range(4)]
+        with Image.open(samples / lines[0]["image"]) as im:
+            assert im.size == (pol.latent_size, pol.latent_size) and im.mode == "RGB"

@@ -1,13 +1,43 @@
-"""Flow-matching diffusion policy (SD3-style): one action = one stochastic denoising step.
+"""Flow-matching diffusion policy (SD3 / SD3.5-style): one action = one stochastic denoising step.
 
 - `rollout` encodes each distinct prompt once, draws initial latents (optionally the same noise for
   every member of a group), and integrates from sigma = 1 to 0 over the scheduler's `num_steps`
-  sigmas. Trained steps are Flow-GRPO SDE steps (`mmalign.sde.step("flow_sde", ...)`, `noise_level`
-  a); untrained steps are either SDE steps too (`train_fraction` < 1: a random subset per sample is
-  trained, the rest still explore) or deterministic Euler ODE steps x + v dt outside a window of
-  `window_size` consecutive SDE steps whose start is random in `window_range` (Flow-GRPO-Fast).
-- Classifier-free guidance with `guidance_scale` > 1 (negative prompt = empty prompt), the same
-  in sampling and in `evaluate`, so the log-probs agree.
+  sigmas.
+- **Step kinds** (``sde_kind``, dispatched through `mmalign.sde.step`): ``flow_sde`` (Flow-GRPO, the
+  default), ``cps`` (coefficients-preserving sampling) and ``dance`` (DanceGRPO). ``noise_level`` is
+  each kind's noise knob: the noise level a of ``flow_sde`` (a > 0) and ``cps`` (a in (0, 1]), the eta
+  of ``dance`` (eta > 0).
+- **Zero-std steps.** A step whose std is 0 has no log-density (`mmalign.sde` raises on it): CPS's final
+  step to sigma' = 0 (std = sigma' sin(a pi / 2) = 0). Such steps always run as deterministic Euler ODE
+  steps x + v dt (for CPS the same as its mean at sigma' = 0, x - sigma v = x0_hat) and are never trained:
+  they are left out of the trainable set of every mode below (`stochastic_steps` lists the others; a
+  window must fit inside them). ``flow_sde`` and ``dance`` have std > 0 on every step.
+- **Trained steps** (the T actions of a sample), one of:
+  - ``train_fraction`` < 1: a random subset per sample of ceil(train_fraction * S) of the S stochastic
+    steps is trained; the other stochastic steps still run as SDE steps (they explore, untrained).
+  - ``window_size`` with ``window_mode="random"`` (Flow-GRPO-Fast): a window of ``window_size``
+    consecutive SDE steps whose start is drawn uniformly in ``window_range`` (default: every start that
+    fits) at each rollout, the same for the whole batch; deterministic Euler ODE steps outside it.
+  - ``window_size`` with ``window_mode="sliding"`` (MixGRPO): the same window, but its start follows
+    `mmalign.schedules.SlidingWindow`: it begins at ``window_range[0]`` (default 0, high noise), moves by
+    ``window_stride`` toward low noise every ``window_shift_every`` training steps up to
+    ``window_range[1]`` (default the last start that fits) and restarts at the first position after the
+    last. The trainer tells the policy the step with `on_train_step` before each rollout (the step is
+    restored from checkpoints, so this is resume-safe).
+  - otherwise every stochastic step is trained.
+- **Classifier-free guidance** with ``guidance_scale`` > 1 (negative prompt = empty prompt) in sampling.
+  ``train_guidance=True`` (default): `evaluate`, the reference and the recorded ``logp_old`` all use the
+  same CFG velocity v_u + w (v_c - v_u), so the log-probs are those of the sampling policy.
+  ``train_guidance=False`` (**"CFG-free training"**, our design): samples are still drawn with the CFG
+  mean, but every log-prob -- ``logp_old`` recorded in `rollout`, `evaluate`, the reference and its KL --
+  uses the *conditional* velocity v_c alone: log N(x_{t+1}; mu(v_c), std^2) of the stored transition.
+  In `rollout` v_c is the conditional half of the very forward pass that gave the CFG velocity (no extra
+  forward), so with unchanged weights exp(logp - logp_old) = 1 at init, as for every other mode. This
+  trains the conditional network directly (inference then needs no CFG, or less); the "ratio" is a ratio
+  of conditional-branch densities of samples drawn by the CFG policy, i.e. an off-policy surrogate. The
+  conditional density of a CFG sample is low (the CFG shift mu_cfg - mu_c enters its quadratic term), so
+  the log-probs are far below those of ``train_guidance=True``. With ``guidance_scale`` <= 1 the option
+  has no effect.
 - The payload stores, for each trained step j of each sample, x_t (``latents``), x_{t+1}
   (``next_latents``), sigma and sigma' and the step index, plus the prompt embeddings; `evaluate`
   re-scores the stored transitions with grad (``prev_sample`` = stored x_{t+1}) so with unchanged
@@ -15,8 +45,19 @@
 - KL (optional, ``need_reference``): per step ||mu_theta - mu_ref||^2 / (2 std_t^2) averaged over
   the latent dims (std_t the step's full std). The reference is the same transformer with its LoRA
   adapter disabled under LoRA (``lora.enabled``), else a frozen copy.
-- `seed` seeds a CPU generator for initial noise and (on CPU) the SDE noise; on an accelerator the
-  SDE noise uses the global RNG.
+- Text encoders: `mmalign.tiny_flow.SD3Components` -- the real SD3 / SD3.5 layout (two CLIPs + optional
+  T5, prompt embeddings exactly as diffusers' ``StableDiffusion3Pipeline``; ``max_sequence_length`` is
+  the T5 length, default 256) or the tiny single-CLIP layout. `save` writes every component.
+- `seed` seeds a CPU generator for initial noise, random windows / subsets and (on CPU) the SDE noise;
+  on an accelerator the SDE noise uses the global RNG.
+
+Flux (not served by this class): FLUX.1 needs (1) ``FluxTransformer2DModel``'s packed latents (2x2
+patches -> [B, HW/4, 4C]) with ``img_ids``/``txt_ids`` position ids around the velocity call, (2) its
+prompt encoding (T5 states + the pooled CLIP-L embedding only), (3) its distilled ``guidance`` embedding
+instead of two-branch CFG (dev), and (4) the scheduler's resolution-dependent shift (``mu`` passed to
+``set_timesteps``, ``use_dynamic_shifting``). The step kinds, trained-step selection, payload and
+scoring here are model-agnostic and would be shared by a Flux policy overriding `_forward`,
+`encode_prompt`, `_initial_noise`/`decode` and `sigmas`.
 """
 
 from __future__ import annotations
@@ -36,9 +77,15 @@ from mmalign import sde
 from mmalign.batch import Rollout
 from mmalign.config import LoraConfig
 from mmalign.policies.base import ActionStats
+from mmalign.schedules import SlidingWindow
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 """Attention projections of SD3 joint blocks (the usual Flow-GRPO LoRA targets)."""
+
+SDE_KINDS = ("flow_sde", "cps", "dance")
+"""Step kinds a FlowPolicy samples with (`mmalign.sde` functions of the flow-matching convention)."""
+
+WINDOW_MODES = ("random", "sliding")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,13 +112,33 @@ class FlowPolicy:
         seed: int | None = None,
         need_reference: bool = False,
         lora: bool = False,
+        sde_kind: str = "flow_sde",
+        window_mode: str = "random",
+        window_shift_every: int = 25,
+        window_stride: int = 1,
+        train_guidance: bool = True,
+        text_encoder_2: torch.nn.Module | None = None,
+        tokenizer_2: Any = None,
+        text_encoder_3: torch.nn.Module | None = None,
+        tokenizer_3: Any = None,
+        max_sequence_length: int = 256,
     ) -> None:
+        from mmalign.tiny_flow import SD3Components
+
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         if not 0 < train_fraction <= 1:
             raise ValueError(f"train_fraction must be in (0, 1], got {train_fraction}")
-        if window_size is not None and not 1 <= window_size <= num_steps:
-            raise ValueError(f"window_size must be in [1, num_steps={num_steps}], got {window_size}")
+        if sde_kind not in SDE_KINDS:
+            raise ValueError(f"sde_kind must be one of {', '.join(SDE_KINDS)}; got {sde_kind!r}")
+        if not noise_level > 0 or (sde_kind == "cps" and noise_level > 1):
+            allowed = "(0, 1]" if sde_kind == "cps" else "> 0"
+            name = "eta" if sde_kind == "dance" else "noise level a"
+            raise ValueError(f"noise_level ({name} of {sde_kind}) must be {allowed}, got {noise_level}")
+        if window_mode not in WINDOW_MODES:
+            raise ValueError(f"window_mode must be one of {', '.join(WINDOW_MODES)}; got {window_mode!r}")
+        if window_mode == "sliding" and window_size is None:
+            raise ValueError("window_mode='sliding' needs window_size")
         self.model = transformer
         self.kl_in_evaluate = need_reference
         """`evaluate` returns the KL on step means itself (the trainer then skips reference log-probs)."""
@@ -79,20 +146,58 @@ class FlowPolicy:
         """What `evaluate` runs (the trainer may swap in a DDP-wrapped model; sampling uses `model`)."""
         self.vae = vae.eval().requires_grad_(False)
         self.scheduler = scheduler
-        self.text_encoder = text_encoder.eval().requires_grad_(False)
+        self.components = SD3Components(
+            transformer, self.vae, scheduler, text_encoder, tokenizer,
+            text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+            text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+        )
+        for enc in self.components.text_encoders():
+            enc.eval().requires_grad_(False)
+        self.text_encoder = text_encoder
         self.tokenizer = tokenizer
+        self.max_sequence_length = max_sequence_length
         self.num_steps = num_steps
         self.noise_level = noise_level
+        self.sde_kind = sde_kind
         self.guidance_scale = guidance_scale
+        self.train_guidance = train_guidance
         self.latent_size = latent_size or int(transformer.config.sample_size)
         self.same_initial_noise = same_initial_noise
         self.train_fraction = train_fraction
         self.window_size = window_size
         self.window_range = window_range
+        self.window_mode = window_mode
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.lora = lora
         self.need_reference = need_reference
         self.ref_model: torch.nn.Module | None = None
+        self.train_step = 0
+        """The trainer's step, set by `on_train_step` (drives the sliding window)."""
+
+        self.stochastic_steps = self._stochastic_steps(self.sigmas())
+        """Step indices whose std is > 0 (the only ones that can be trained), ascending."""
+        n_sto = len(self.stochastic_steps)
+        if n_sto == 0:
+            raise ValueError(f"{sde_kind} with num_steps={num_steps} has no stochastic step to train")
+        if self.stochastic_steps != list(range(n_sto)):  # windows index into a contiguous prefix
+            raise ValueError(f"the stochastic steps of {sde_kind} are not a prefix: {self.stochastic_steps}")
+        self.window_schedule: SlidingWindow | None = None
+        if window_size is not None:
+            if not 1 <= window_size <= n_sto:
+                why = "" if n_sto == num_steps else f" ({num_steps - n_sto} final step(s) of {sde_kind} have std 0)"
+                raise ValueError(f"window_size must be in [1, {n_sto}] (the stochastic steps{why}), got {window_size}")
+            lo, hi = window_range or (0, n_sto - window_size)
+            hi = min(hi, n_sto - window_size)
+            if not 0 <= lo <= hi:
+                raise ValueError(
+                    f"window_range {window_range} leaves no window start in [0, {n_sto - window_size}] "
+                    f"for window_size={window_size}"
+                )
+            self._window_bounds = (lo, hi)
+            if window_mode == "sliding":
+                self.window_schedule = SlidingWindow(
+                    n_sto, window_size, window_shift_every, stride=window_stride, start=lo, end=hi
+                )
         if need_reference and not lora:
             self.ref_model = copy.deepcopy(transformer).eval().requires_grad_(False)
         self._embed_cache: dict[str, tuple[Tensor, Tensor]] = {}
@@ -100,14 +205,21 @@ class FlowPolicy:
     # ------------------------------------------------------------------ building
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | Path, *, dtype: str = "float32", lora: LoraConfig | None = None, **kwargs: Any
+        cls,
+        name_or_path: str | Path,
+        *,
+        dtype: str = "float32",
+        lora: LoraConfig | None = None,
+        load_t5: bool = True,
+        **kwargs: Any,
     ) -> FlowPolicy:
-        """Load an SD3-style pipeline folder (see `mmalign.tiny_flow.load_sd3_components`); with
-        ``lora.enabled`` the transformer gets a peft LoRA adapter (diffusers ``add_adapter``) and only
-        the adapter trains; the reference is then the same transformer with the adapter disabled."""
+        """Load an SD3-style pipeline folder (see `mmalign.tiny_flow.load_sd3_components`; ``load_t5=False``
+        skips an SD3 folder's T5, whose prompt states are then zeros); with ``lora.enabled`` the transformer
+        gets a peft LoRA adapter (diffusers ``add_adapter``) and only the adapter trains; the reference is
+        then the same transformer with the adapter disabled. Other kwargs go to the constructor."""
         from mmalign.tiny_flow import load_sd3_components
 
-        c = load_sd3_components(name_or_path, dtype=_DTYPES[dtype])
+        c = load_sd3_components(name_or_path, dtype=_DTYPES[dtype], load_t5=load_t5)
         use_lora = bool(lora and lora.enabled)
         if use_lora:
             from peft import LoraConfig as PeftLoraConfig
@@ -120,26 +232,36 @@ class FlowPolicy:
             c.transformer.add_adapter(
                 PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
             )
-        return cls(c.transformer, c.vae, c.scheduler, c.text_encoder, c.tokenizer, lora=use_lora, **kwargs)
+        return cls(
+            c.transformer, c.vae, c.scheduler, c.text_encoder, c.tokenizer, lora=use_lora,
+            text_encoder_2=c.text_encoder_2, tokenizer_2=c.tokenizer_2,
+            text_encoder_3=c.text_encoder_3, tokenizer_3=c.tokenizer_3, **kwargs,
+        )
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    # ------------------------------------------------------------------ training progress
+    def on_train_step(self, step: int) -> None:
+        """Called by the trainer before each rollout with its step (finished training steps)."""
+        self.train_step = int(step)
+
     # ------------------------------------------------------------------ prompts and sigmas
+    def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        return self.components.encode_prompt(prompts, self.device, max_sequence_length=self.max_sequence_length)
+
     def encode_prompt(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         """(prompt_embeds [B,L,D], pooled [B,P]) in fp32 on the policy's device; each distinct prompt once."""
-        from mmalign.tiny_flow import encode_prompt
-
         missing = list(dict.fromkeys(p for p in prompts if p not in self._embed_cache))
         if missing:
-            pe, po = encode_prompt(self.text_encoder, self.tokenizer, missing, device=self.device)
+            pe, po = self._encode(missing)
             for i, p in enumerate(missing):
                 if len(self._embed_cache) < 10_000:
                     self._embed_cache[p] = (pe[i].float(), po[i].float())
         pairs = [self._embed_cache[p] if p in self._embed_cache else None for p in prompts]
         if any(x is None for x in pairs):  # cache full: encode directly
-            pe, po = encode_prompt(self.text_encoder, self.tokenizer, prompts, device=self.device)
+            pe, po = self._encode(prompts)
             return pe.float(), po.float()
         return torch.stack([x[0] for x in pairs]), torch.stack([x[1] for x in pairs])  # type: ignore[index]
 
@@ -148,13 +270,22 @@ class FlowPolicy:
         self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / self.num_steps, self.num_steps).tolist())
         return self.scheduler.sigmas.detach().to("cpu", torch.float32)
 
+    def _stochastic_steps(self, sig: Tensor) -> list[int]:
+        """Step indices whose std is > 0 under `sde_kind` (CPS: std = sigma' sin(a pi/2) is 0 at sigma' = 0;
+        flow_sde and dance: std > 0 whenever sigma' < sigma)."""
+        if self.sde_kind == "cps":
+            return [i for i in range(self.num_steps) if float(sig[i + 1]) > 0]
+        return list(range(self.num_steps))
+
     def _trained_steps(self, batch: int) -> Tensor:
         """Long[B, T]: the (sorted) step indices whose transitions are trained, per sample."""
-        n = self.num_steps
+        n = len(self.stochastic_steps)  # the stochastic steps are 0 .. n-1
         if self.window_size is not None:
-            lo, hi = self.window_range or (0, n - self.window_size)
-            hi = min(hi, n - self.window_size)
-            start = int(torch.randint(lo, hi + 1, (1,), generator=self.generator))
+            if self.window_schedule is not None:
+                start = self.window_schedule.start_at(self.train_step)
+            else:
+                lo, hi = self._window_bounds
+                start = int(torch.randint(lo, hi + 1, (1,), generator=self.generator))
             return torch.arange(start, start + self.window_size).expand(batch, -1).clone()
         t = max(1, math.ceil(self.train_fraction * n))
         if t == n:
@@ -163,11 +294,15 @@ class FlowPolicy:
         return perm.sort(dim=1).values
 
     # ------------------------------------------------------------------ model
-    def _velocity(self, model: torch.nn.Module, x: Tensor, sigma: Tensor, pe: Tensor, po: Tensor) -> Tensor:
-        """Model velocity (fp32) at latents x [B,...] and per-sample sigma [B], with CFG when enabled."""
+    def _forward(self, model: torch.nn.Module, x: Tensor, sigma: Tensor, pe: Tensor, po: Tensor, *, cfg: bool
+                 ) -> tuple[Tensor, Tensor]:
+        """(velocity, conditional velocity), fp32, at latents x [B,...] and per-sample sigma [B]. With
+        ``cfg`` and ``guidance_scale`` > 1 one batched forward of both branches gives the CFG velocity
+        v_u + w (v_c - v_u) and v_c; otherwise one conditional forward gives v_c twice."""
         dtype = next(model.parameters()).dtype
         t = sigma * float(self.scheduler.config.num_train_timesteps)
-        if self.guidance_scale > 1.0:
+        use_cfg = cfg and self.guidance_scale > 1.0
+        if use_cfg:
             npe, npo = self.encode_prompt([""])
             b = x.shape[0]
             pe = torch.cat([npe.expand(b, -1, -1), pe])
@@ -179,10 +314,24 @@ class FlowPolicy:
             hidden_states=x_in.to(dtype), encoder_hidden_states=pe.to(dtype), pooled_projections=po.to(dtype),
             timestep=t.to(dtype), return_dict=False,
         )[0].float()
-        if self.guidance_scale > 1.0:
+        if use_cfg:
             v_u, v_c = v.chunk(2)
-            v = v_u + self.guidance_scale * (v_c - v_u)
-        return v
+            return v_u + self.guidance_scale * (v_c - v_u), v_c
+        return v, v
+
+    def _velocity(self, model: torch.nn.Module, x: Tensor, sigma: Tensor, pe: Tensor, po: Tensor) -> Tensor:
+        """The velocity log-probs are scored with: CFG if enabled and ``train_guidance``, else conditional."""
+        return self._forward(model, x, sigma, pe, po, cfg=self.train_guidance)[0]
+
+    def _step(self, v: Tensor, x: Tensor, s: Tensor, sn: Tensor, fallback: float | Tensor, **kw: Any) -> sde.StepOutput:
+        """One `sde.step` of ``sde_kind`` with ``noise_level`` mapped to the kind's option."""
+        if self.sde_kind == "flow_sde":
+            opts: dict[str, Any] = {"noise_level": self.noise_level, "sigma_max_fallback": fallback}
+        elif self.sde_kind == "cps":
+            opts = {"noise_level": self.noise_level}
+        else:  # dance
+            opts = {"eta": self.noise_level}
+        return sde.step(self.sde_kind, v, x, s, sn, **opts, **kw)
 
     def _initial_noise(self, group: Tensor) -> Tensor:
         c = int(self.model.config.in_channels)
@@ -207,7 +356,8 @@ class FlowPolicy:
         fallback = float(sig[1]) if self.num_steps > 1 else 0.5
         steps = self._trained_steps(b).to(self.device)
         t = steps.shape[1]
-        window = set(steps[0].tolist()) if self.window_size is not None else None
+        sde_steps = set(steps[0].tolist()) if self.window_size is not None else set(self.stochastic_steps)
+        cond_logp = compute_logp and not self.train_guidance and self.guidance_scale > 1.0
 
         x = self._initial_noise(group)
         lat = torch.zeros((b, t, *x.shape[1:]), device=self.device)
@@ -218,21 +368,19 @@ class FlowPolicy:
         for i in range(self.num_steps):
             s = sig[i].expand(b)
             sn = sig[i + 1].expand(b)
-            v = self._velocity(self.model, x, s, pe, po)
-            if window is not None and i not in window:
+            v, v_c = self._forward(self.model, x, s, pe, po, cfg=True)
+            if i not in sde_steps:  # outside the window, or a zero-std step: deterministic Euler ODE step
                 x_new = x + v * (sn - s).view(-1, *([1] * (x.ndim - 1)))
             else:
-                out = sde.step(
-                    "flow_sde", v, x, s, sn, noise_level=self.noise_level, sigma_max_fallback=fallback,
-                    generator=self.generator if self.device.type == "cpu" else None,
-                )
+                out = self._step(v, x, s, sn, fallback, generator=self.generator if self.device.type == "cpu" else None)
                 x_new = out.sample
                 hit = steps == i
                 rows_hit = hit.any(dim=1)
                 if bool(rows_hit.any()):
                     lat[hit] = x[rows_hit]
                     nxt[hit] = x_new[rows_hit]
-                    logp[hit] = out.log_prob[rows_hit]
+                    lp = self._step(v_c, x, s, sn, fallback, prev_sample=x_new).log_prob if cond_logp else out.log_prob
+                    logp[hit] = lp[rows_hit]
             x = x_new
         if was_training:
             self.model.train()
@@ -274,17 +422,13 @@ class FlowPolicy:
             x, s, sn = p["latents"][:, j], p["sigmas"][:, j], p["sigmas_next"][:, j]
             with torch.set_grad_enabled(grad):
                 v = self._velocity(model, x, s, p["prompt_embeds"], p["pooled_embeds"])
-                out = sde.step(
-                    "flow_sde", v, x, s, sn, noise_level=self.noise_level,
-                    sigma_max_fallback=p["sigma_max_fallback"], prev_sample=p["next_latents"][:, j],
-                )
+                out = self._step(v, x, s, sn, p["sigma_max_fallback"], prev_sample=p["next_latents"][:, j])
             logps.append(out.log_prob)
             if with_kl:
                 with torch.no_grad(), self._reference() as ref:
                     v_ref = self._velocity(ref, x, s, p["prompt_embeds"], p["pooled_embeds"])
-                    ref_mean = sde.step(
-                        "flow_sde", v_ref, x, s, sn, noise_level=self.noise_level,
-                        sigma_max_fallback=p["sigma_max_fallback"], prev_sample=p["next_latents"][:, j],
+                    ref_mean = self._step(
+                        v_ref, x, s, sn, p["sigma_max_fallback"], prev_sample=p["next_latents"][:, j]
                     ).mean
                 diff = (out.mean - ref_mean) ** 2
                 std2 = (out.std**2).reshape(-1) if out.std.ndim else out.std**2
@@ -330,7 +474,8 @@ class FlowPolicy:
         self.model.load_state_dict(state, strict=False)
 
     def save(self, path: str | Path) -> None:
-        """Write the whole pipeline folder (loadable by `FlowPolicy.from_pretrained` / per-component).
+        """Write the whole pipeline folder, every component (loadable by `FlowPolicy.from_pretrained` /
+        per-component; the SD3 layout also by diffusers' ``StableDiffusion3Pipeline.from_pretrained``).
         Under LoRA the adapter is merged into a copy of the transformer, and also saved on its own in
         ``transformer_lora/`` (diffusers ``save_lora_adapter``)."""
         path = Path(path)
@@ -339,10 +484,6 @@ class FlowPolicy:
             merged = copy.deepcopy(self.model)
             merged.fuse_lora()
             merged.unload_lora()
-            merged.save_pretrained(path / "transformer")
+            self.components.save_pretrained(path, transformer=merged)
         else:
-            self.model.save_pretrained(path / "transformer")
-        self.vae.save_pretrained(path / "vae")
-        self.scheduler.save_pretrained(path / "scheduler")
-        self.text_encoder.save_pretrained(path / "text_encoder")
-        self.tokenizer.save_pretrained(path / "tokenizer")
+            self.components.save_pretrained(path, transformer=self.model)
