@@ -193,5 +193,6 @@ def build_text_reasoning(
             "p_correct": p_correct, "max_operand": max_operand}
     (path / "mmalign_tiny.json").write_text(json.dumps(meta))
 
-from mmalign import tiny_flow as _tiny_flow  # noqa: E402,F401  (registers the flow_sd3_tiny builder)
+from mmalign import tiny_ddim as _tiny_ddim  # noqa: E402,F401  (registers the ddim_sd15_tiny builder)
+from mmalign import tiny_flow as _tiny_flow  # noqa: E402,F401  (registers the flow_sd3_tiny builders)
 from mmalign import tiny_vlm as _tiny_vlm  # noqa: E402,F401  (registers the vlm_* builders)
