@@ -91,9 +91,29 @@ def tiny_causal_lm(tokenizer: Any, **overrides: Any) -> torch.nn.Module:
     return model
 
 
+BUILDER_MODULES = (
+    "mmalign.tiny_flow",
+    "mmalign.tiny_ddim",
+    "mmalign.tiny_vlm",
+    "mmalign.tiny_shapes",
+    "mmalign.tiny_clip",
+)
+"""Modules that register more builders, imported on first use (not at import: they import this module)."""
+
+
+def load_builders() -> list[str]:
+    """Import every module of `BUILDER_MODULES` (registering its builders); returns the builder names."""
+    import importlib
+
+    for module in BUILDER_MODULES:
+        importlib.import_module(module)
+    return BUILDERS.names()
+
+
 def build(name: str, path: str | Path) -> Path:
     """Run the tiny builder `name`, writing a `from_pretrained`-loadable folder at `path`."""
     path = Path(path)
+    load_builders()
     builder = BUILDERS.get(name)
     tmp = path.with_name(path.name + ".building")
     if tmp.exists():
@@ -192,7 +212,3 @@ def build_text_reasoning(
     meta = {"builder": "text_reasoning", "sharp_steps": sharp_steps, "blur_steps": blur_steps, "seed": seed,
             "p_correct": p_correct, "max_operand": max_operand}
     (path / "mmalign_tiny.json").write_text(json.dumps(meta))
-
-from mmalign import tiny_ddim as _tiny_ddim  # noqa: E402,F401  (registers the ddim_sd15_tiny builder)
-from mmalign import tiny_flow as _tiny_flow  # noqa: E402,F401  (registers the flow_sd3_tiny builders)
-from mmalign import tiny_vlm as _tiny_vlm  # noqa: E402,F401  (registers the vlm_* builders)

@@ -260,6 +260,7 @@ class GroupTrainer:
         t0 = time.perf_counter()
         if "images" in self.reward_set.needs and "images" not in rollout.outputs and hasattr(self.policy, "decode"):
             self.policy.decode(rollout)  # pixels only when some reward needs them
+            self._timers["decode"] += time.perf_counter() - t0
         rewards = self.reward_set(rollout).to(rollout.group.device)
         self._timers["reward"] += time.perf_counter() - t0
         rollout.rewards = rewards
@@ -485,6 +486,8 @@ class GroupTrainer:
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         metrics["time/rollout_s"] = self._timers["rollout"] - self._timers["reward"]
         metrics["time/reward_s"] = self._timers["reward"]
+        if self._timers["decode"]:
+            metrics["time/decode_s"] = self._timers["decode"]  # part of time/reward_s: latents -> pixels
         metrics["time/update_s"] = t2 - t1
         metrics["time/step_s"] = t2 - t0
         self._last_batch = batch
