@@ -32,6 +32,7 @@ from .image import (
     render_scene,
 )
 from .multimodal import BMAS, BoxIoU, MixedAccuracy, MultipleChoice
+from .safety import ClassifierFlag, ClipConceptFlag, ClipSteering, ColourPresent
 from .text import AnswerAccuracy, FormatReward, OverlongPenalty
 
 __all__ = [
@@ -43,6 +44,10 @@ __all__ = [
     "PreferenceScore",
     "ShapesCompositional",
     "render_scene",
+    "ClassifierFlag",
+    "ClipConceptFlag",
+    "ClipSteering",
+    "ColourPresent",
     "ENTRY_POINT_GROUP",
     "REGISTRY",
     "BMAS",

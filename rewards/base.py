@@ -425,7 +425,7 @@ class RewardSet:
         for i, s in enumerate(self.specs):
             try:
                 self.rewards.append(load_reward(s.name, **dict(s.kwargs)))
-            except TypeError as e:
+            except (TypeError, ValueError) as e:
                 raise self._config_error(source, f"{key}[{i}].kwargs", e) from e
             except (KeyError, ImportError, AttributeError) as e:
                 raise self._config_error(source, f"{key}[{i}].name", e) from e
