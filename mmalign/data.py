@@ -113,9 +113,15 @@ def add_prompts(rows: list[dict[str, Any]], template: str) -> list[dict[str, Any
             continue
         missing = sorted({c for c in columns if c not in row})
         if missing:
+            have = sorted(k for k in row if not k.startswith("_"))
+            if default:
+                raise DataError(
+                    f"{row.get('_source', '?')}: the row has no 'prompt' column (nor 'question', which the default "
+                    f"data.prompt_template formats; row has: {have}); add one or set data.prompt_template"
+                )
             raise DataError(
                 f"{row.get('_source', '?')}: column(s) {missing} used by data.prompt_template are missing "
-                f"(row has: {sorted(k for k in row if not k.startswith('_'))})"
+                f"(row has: {have})"
             )
         try:
             row["prompt"] = template.format(**row)

@@ -30,7 +30,7 @@ def test_config_is_valid(path: Path) -> None:
     assert a.loss_agg in losses.aggregation_names() and a.kl_estimator in losses.kl_names()
     assert a.filter in filters.names()
     for key, specs in (("rewards", cfg.rewards), ("eval.rewards", cfg.eval.rewards)):
-        for i, spec in enumerate(specs):
+        for spec in specs:
             cls = rewards_base._resolve(spec.name)
             if _needs_model_files(spec.kwargs):
                 # models named by hub id or built by a tiny builder at run time: check the options only
