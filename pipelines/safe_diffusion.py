@@ -1,0 +1,138 @@
+"""Safe diffusion (SafeDiffusion-R1): GRPO with a CLIP steering reward removes an unsafe concept from a
+text-to-image model without paired data, while safe prompts keep their quality.
+
+The reward (``clip_steering``, rewards/safety.py) scores every image, for safe and unsafe prompts alike,
+by its CLIP similarity to the prompt pushed along v_safe = normalize(mean z(safe anchors) - mean z(unsafe
+anchors)). Training mixes safe and unsafe prompts; `mmalign eval` reports, per category, the mean
+steering score, the share of images a configurable classifier flags (an ``eval.rewards`` entry such as
+``clip_concept_flag``, ``classifier_flag`` or, in the synthetic shapes world, ``colour_present``) and the
+CLIP score / compositional accuracy of safe prompts.
+
+Policy: the DDIM policy (Stable Diffusion 1.x/2.x UNets, ``options.policy: ddim``) or the flow-matching
+policy (SD3-style, ``options.policy: flow``).
+
+Data: ``options.safe_prompts`` and ``options.unsafe_prompts`` (lists of ``.txt`` files, one prompt per
+line, or JSONL files with a ``prompt`` column / ``data.prompt_template``), and/or ``data.train``, a JSONL
+file whose rows carry the category column themselves. Rows from the option lists get
+``category: safe`` / ``category: unsafe`` (the column ``options.category_column``). Evaluation prompts
+likewise: ``options.eval_safe_prompts`` / ``options.eval_unsafe_prompts`` and/or ``data.eval``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mmalign.config import Config, ConfigError, register_options
+from mmalign.data import load_rows
+from mmalign.tiny import ensure_model
+from pipelines import Components, register_pipeline
+from rewards import RewardSet
+
+CATEGORIES = ("safe", "unsafe")
+
+
+@dataclass
+class SafeDiffusionOptions:
+    policy: Literal["ddim", "flow"] = "ddim"
+    """`ddim`: a UNet (SD 1.x/2.x) folder, DDIM steps with eta > 0; `flow`: an SD3-style flow-matching folder."""
+    num_steps: int = 20
+    """Sampling steps (every stochastic step is trained unless a window or fraction is set)."""
+    eta: float = 1.0
+    """DDIM noise (policy ddim): 1 is DDPM-like sampling; must be > 0 to have log-probs."""
+    noise_level: float = 0.7
+    """Flow-GRPO SDE noise level a (policy flow)."""
+    guidance_scale: float = 5.0
+    """Classifier-free guidance (empty negative prompt), the same in sampling and training; 1 turns it off."""
+    latent_size: int | None = None
+    """Latent side (None: the denoiser's sample_size; the image is this times the VAE's factor)."""
+    same_initial_noise: bool = False
+    """All samples of a group start from the same noise (groups then differ only by the SDE noise)."""
+    train_fraction: float = 1.0
+    """Train a random fraction of the steps per sample (the others still sample stochastically)."""
+    window_size: int | None = None
+    """Train only a window of this many consecutive steps (deterministic steps outside it)."""
+    safe_prompts: list[str] = field(default_factory=list)
+    """Training prompt files whose rows are safe (.txt or .jsonl)."""
+    unsafe_prompts: list[str] = field(default_factory=list)
+    """Training prompt files whose rows are unsafe."""
+    eval_safe_prompts: list[str] = field(default_factory=list)
+    eval_unsafe_prompts: list[str] = field(default_factory=list)
+    category_column: str = "category"
+    """The data column holding safe / unsafe (set on rows from the option lists; read from data files)."""
+    reward_models: dict[str, str] = field(default_factory=dict)
+    """Offline runs: reward-model folders to build if missing, path -> tiny builder (e.g. a tiny CLIP)."""
+
+
+register_options("safe_diffusion", SafeDiffusionOptions)
+
+
+def safe_options(cfg: Config) -> SafeDiffusionOptions:
+    if isinstance(cfg.options, SafeDiffusionOptions):
+        return cfg.options
+    if cfg.options is None:
+        return SafeDiffusionOptions()
+    raise TypeError(f"{cfg.source}: options were not validated as SafeDiffusionOptions (config built by hand?)")
+
+
+def _rows(cfg: Config, o: SafeDiffusionOptions, files: dict[str, list[str]], data_file: str | None, what: str
+          ) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for category, paths in files.items():
+        for path in paths:
+            for row in load_rows(path, cfg.data.prompt_template):
+                row[o.category_column] = category
+                rows.append(row)
+    if data_file:
+        for row in load_rows(data_file, cfg.data.prompt_template):
+            value = row.get(o.category_column)
+            if value not in CATEGORIES:
+                raise ConfigError(
+                    f"{row.get('_source', data_file)}: column {o.category_column!r} must be 'safe' or 'unsafe' "
+                    f"(options.category_column), got {value!r}"
+                )
+            rows.append(row)
+    if what == "train":
+        if not rows:
+            raise ConfigError(
+                f"{cfg.source}: no training prompts: give options.safe_prompts / options.unsafe_prompts or data.train"
+            )
+        present = {r[o.category_column] for r in rows}
+        if present != set(CATEGORIES):
+            missing = sorted(set(CATEGORIES) - present)
+            raise ConfigError(
+                f"{cfg.source}: the training prompts have no {missing[0]} rows; SafeDiffusion-R1 trains on both "
+                "safe and unsafe prompts (safe ones keep the quality from collapsing)"
+            )
+    return rows
+
+
+def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
+    """The DDIM or flow policy of `cfg.model` with the sampling options of `o`."""
+    m = cfg.model
+    path = ensure_model(m.name_or_path, m.tiny_builder)
+    common: dict[str, Any] = dict(
+        dtype=m.dtype, lora=m.lora, num_steps=o.num_steps, guidance_scale=o.guidance_scale,
+        latent_size=o.latent_size, same_initial_noise=o.same_initial_noise, train_fraction=o.train_fraction,
+        window_size=o.window_size, seed=cfg.seed, need_reference=cfg.algorithm.kl_coef > 0,
+    )
+    if o.policy == "ddim":
+        from mmalign.policies.ddim import DDIMPolicy
+
+        return DDIMPolicy.from_pretrained(path, eta=o.eta, **common)
+    from mmalign.policies.flow import FlowPolicy
+
+    return FlowPolicy.from_pretrained(path, noise_level=o.noise_level, **common)
+
+
+@register_pipeline("safe_diffusion")
+def build(cfg: Config) -> Any:
+    """SafeDiffusion-R1: CLIP steering reward on mixed safe/unsafe prompts (DDIM or flow policy)."""
+    o = safe_options(cfg)
+    for path, builder in o.reward_models.items():
+        ensure_model(path, builder)
+    train = _rows(cfg, o, {"safe": o.safe_prompts, "unsafe": o.unsafe_prompts}, cfg.data.train or None, "train")
+    evals = _rows(cfg, o, {"safe": o.eval_safe_prompts, "unsafe": o.eval_unsafe_prompts}, cfg.data.eval, "eval")
+    rewards = RewardSet(cfg.rewards, source=cfg.source)
+    policy = build_policy(cfg, o)
+    return Components(policy=policy, rewards=rewards, data=train, eval_data=evals or None)
