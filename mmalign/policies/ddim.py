@@ -34,9 +34,6 @@ one action = one stochastic DDIM step (eta > 0).
 from __future__ import annotations
 
 import copy
-import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +43,7 @@ from torch import Tensor
 from mmalign import sde
 from mmalign.batch import Rollout
 from mmalign.config import LoraConfig
-from mmalign.policies.base import ActionStats
+from mmalign.policies.denoising import DenoisingPolicy, mean_kl
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 """Attention projections of the UNet's transformer blocks (the usual DDPO LoRA targets)."""
@@ -61,7 +58,7 @@ def _bshape(t: Tensor, ref: Tensor) -> Tensor:
     return t.to(device=ref.device, dtype=torch.float32).view(-1, *([1] * (ref.ndim - 1)))
 
 
-class DDIMPolicy:
+class DDIMPolicy(DenoisingPolicy):
     """A Stable Diffusion 1.x/2.x UNet with DDIM sampling as a GRPO policy. See the module docstring."""
 
     def __init__(
@@ -185,10 +182,6 @@ class DDIMPolicy:
             )
         return cls(c.unet, c.vae, c.scheduler, c.text_encoder, c.tokenizer, lora=use_lora, **kwargs)
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     # ------------------------------------------------------------------ prompts and schedule
     def encode_prompt(self, prompts: list[str]) -> Tensor:
         """Prompt embeddings [B,L,D] in fp32 on the policy's device; each distinct prompt encoded once."""
@@ -217,20 +210,8 @@ class DDIMPolicy:
         ab_prev = torch.where(prev >= 0, acp[prev.clamp_min(0)], final)
         return timesteps, ab, ab_prev
 
-    def _trained_steps(self, batch: int) -> Tensor:
-        """Long[B, T]: the (sorted) step indices whose transitions are trained, per sample."""
-        n = self.num_sde_steps
-        if self.window_size is not None:
-            lo, hi = self.window_range or (0, n - self.window_size)
-            hi = min(hi, n - self.window_size)
-            lo = min(max(lo, 0), hi)
-            start = int(torch.randint(lo, hi + 1, (1,), generator=self.generator))
-            return torch.arange(start, start + self.window_size).expand(batch, -1).clone()
-        t = max(1, math.ceil(self.train_fraction * n))
-        if t == n:
-            return torch.arange(n).expand(batch, -1).clone()
-        perm = torch.stack([torch.randperm(n, generator=self.generator)[:t] for _ in range(batch)])
-        return perm.sort(dim=1).values
+    def _num_trainable_steps(self) -> int:
+        return self.num_sde_steps
 
     # ------------------------------------------------------------------ model
     def _eps(self, model: torch.nn.Module, x: Tensor, t: Tensor, ab: Tensor, pe: Tensor) -> Tensor:
@@ -263,16 +244,6 @@ class DDIMPolicy:
         a, ap = _bshape(ab, x), _bshape(ab_prev, x)
         x0 = (x.float() - torch.sqrt(1 - a) * eps) / torch.sqrt(a)
         return torch.sqrt(ap) * x0 + torch.sqrt(1 - ap) * eps
-
-    def _initial_noise(self, group: Tensor) -> Tensor:
-        c = int(self.model.config.in_channels)
-        shape = (c, self.latent_size, self.latent_size)
-        if self.same_initial_noise:
-            n_groups = int(group.max()) + 1
-            noise = torch.randn((n_groups, *shape), generator=self.generator)[group]
-        else:
-            noise = torch.randn((group.shape[0], *shape), generator=self.generator)
-        return noise.to(self.device)  # init_noise_sigma is 1 for DDIM
 
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()
@@ -333,17 +304,6 @@ class DDIMPolicy:
             rollout.logp_old = logp.cpu()
         return rollout
 
-    @torch.no_grad()
-    def decode(self, rollout: Rollout) -> Tensor:
-        """Images Float[B,3,H,W] in [0, 1] from ``outputs["latents"]`` (also put in ``outputs["images"]``)."""
-        z = rollout.outputs["latents"].to(self.device)
-        cfg = self.vae.config
-        z = z / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
-        img = self.vae.decode(z.to(next(self.vae.parameters()).dtype), return_dict=False)[0].float()
-        img = (img / 2 + 0.5).clamp(0, 1).cpu()
-        rollout.outputs["images"] = img
-        return img
-
     # ------------------------------------------------------------------ log-probs
     def _score(self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, with_kl: bool = False
                ) -> tuple[Tensor, Tensor | None]:
@@ -364,63 +324,17 @@ class DDIMPolicy:
                     ref_mean = sde.step(
                         "ddim", eps_ref, x, ab, abp, eta=self.eta, prev_sample=p["next_latents"][:, j]
                     ).mean
-                diff = (out.mean - ref_mean) ** 2
-                std2 = (out.std**2).reshape(-1) if out.std.ndim else out.std**2
-                kls.append(diff.mean(dim=tuple(range(1, diff.ndim))) / (2 * std2))
+                kls.append(mean_kl(out.mean, ref_mean, out.std))
         logp = torch.stack(logps, dim=1)
         kl = torch.stack(kls, dim=1) if with_kl else None
         return logp, kl
-
-    @contextmanager
-    def _reference(self) -> Iterator[torch.nn.Module]:
-        """The reference network: the adapter-disabled UNet under LoRA, else the frozen copy."""
-        if self.lora:
-            self.model.disable_adapters()
-            try:
-                yield self.model
-            finally:
-                self.model.enable_adapters()
-        else:
-            if self.ref_model is None:
-                raise RuntimeError("no reference model: build the policy with need_reference=True")
-            yield self.ref_model
-
-    def evaluate(self, rollout: Rollout) -> ActionStats:
-        """Recompute per-step log-probs with grad (and the mean-difference KL when a reference is used)."""
-        logp, kl = self._score(self.forward_model, rollout, grad=True, with_kl=self.need_reference)
-        return ActionStats(logp=logp, kl=kl)
-
-    def reference_logprobs(self, rollout: Rollout) -> Tensor:
-        """Per-step log-probs of the stored transitions under the reference UNet (no grad)."""
-        with self._reference() as ref:
-            return self._score(ref, rollout, grad=False)[0]
-
-    # ------------------------------------------------------------------ parameters
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def trainable_state_dict(self) -> dict[str, Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-
-    def load_trainable_state_dict(self, state: dict[str, Tensor]) -> None:
-        missing = set(state) - {n for n, _ in self.model.named_parameters()}
-        if missing:
-            raise KeyError(f"unknown parameters in the state dict: {sorted(missing)[:5]}")
-        self.model.load_state_dict(state, strict=False)
 
     def save(self, path: str | Path) -> None:
         """Write the whole pipeline folder (loadable by `DDIMPolicy.from_pretrained` / per-component).
         Under LoRA the adapter is merged into a copy of the UNet, and also saved on its own in
         ``unet_lora/`` (diffusers ``save_lora_adapter``)."""
         path = Path(path)
-        if self.lora:
-            self.model.save_lora_adapter(str(path / "unet_lora"))
-            merged = copy.deepcopy(self.model)
-            merged.fuse_lora()
-            merged.unload_lora()
-            merged.save_pretrained(path / "unet")
-        else:
-            self.model.save_pretrained(path / "unet")
+        self._denoiser_to_save(path, "unet").save_pretrained(path / "unet")
         self.vae.save_pretrained(path / "vae")
         self.scheduler.save_pretrained(path / "scheduler")
         self.text_encoder.save_pretrained(path / "text_encoder")

@@ -63,9 +63,6 @@ scoring here are model-agnostic and would be shared by a Flux policy overriding 
 from __future__ import annotations
 
 import copy
-import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +73,7 @@ from torch import Tensor
 from mmalign import sde
 from mmalign.batch import Rollout
 from mmalign.config import LoraConfig
-from mmalign.policies.base import ActionStats
+from mmalign.policies.denoising import DenoisingPolicy, mean_kl
 from mmalign.schedules import SlidingWindow
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
@@ -90,7 +87,7 @@ WINDOW_MODES = ("random", "sliding")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class FlowPolicy:
+class FlowPolicy(DenoisingPolicy):
     """An SD3-style flow-matching transformer as a GRPO policy. See the module docstring."""
 
     def __init__(
@@ -238,10 +235,6 @@ class FlowPolicy:
             text_encoder_3=c.text_encoder_3, tokenizer_3=c.tokenizer_3, **kwargs,
         )
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     # ------------------------------------------------------------------ training progress
     def on_train_step(self, step: int) -> None:
         """Called by the trainer before each rollout with its step (finished training steps)."""
@@ -277,21 +270,14 @@ class FlowPolicy:
             return [i for i in range(self.num_steps) if float(sig[i + 1]) > 0]
         return list(range(self.num_steps))
 
-    def _trained_steps(self, batch: int) -> Tensor:
-        """Long[B, T]: the (sorted) step indices whose transitions are trained, per sample."""
-        n = len(self.stochastic_steps)  # the stochastic steps are 0 .. n-1
-        if self.window_size is not None:
-            if self.window_schedule is not None:
-                start = self.window_schedule.start_at(self.train_step)
-            else:
-                lo, hi = self._window_bounds
-                start = int(torch.randint(lo, hi + 1, (1,), generator=self.generator))
-            return torch.arange(start, start + self.window_size).expand(batch, -1).clone()
-        t = max(1, math.ceil(self.train_fraction * n))
-        if t == n:
-            return torch.arange(n).expand(batch, -1).clone()
-        perm = torch.stack([torch.randperm(n, generator=self.generator)[:t] for _ in range(batch)])
-        return perm.sort(dim=1).values
+    def _num_trainable_steps(self) -> int:
+        return len(self.stochastic_steps)  # the stochastic steps are 0 .. n-1
+
+    def _window_start(self, n: int) -> int:
+        if self.window_schedule is not None:
+            return self.window_schedule.start_at(self.train_step)
+        lo, hi = self._window_bounds
+        return int(torch.randint(lo, hi + 1, (1,), generator=self.generator))
 
     # ------------------------------------------------------------------ model
     def _forward(self, model: torch.nn.Module, x: Tensor, sigma: Tensor, pe: Tensor, po: Tensor, *, cfg: bool
@@ -332,16 +318,6 @@ class FlowPolicy:
         else:  # dance
             opts = {"eta": self.noise_level}
         return sde.step(self.sde_kind, v, x, s, sn, **opts, **kw)
-
-    def _initial_noise(self, group: Tensor) -> Tensor:
-        c = int(self.model.config.in_channels)
-        shape = (c, self.latent_size, self.latent_size)
-        if self.same_initial_noise:
-            n_groups = int(group.max()) + 1
-            noise = torch.randn((n_groups, *shape), generator=self.generator)[group]
-        else:
-            noise = torch.randn((group.shape[0], *shape), generator=self.generator)
-        return noise.to(self.device)
 
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()
@@ -401,17 +377,6 @@ class FlowPolicy:
             rollout.logp_old = logp.cpu()
         return rollout
 
-    @torch.no_grad()
-    def decode(self, rollout: Rollout) -> Tensor:
-        """Images Float[B,3,H,W] in [0, 1] from ``outputs["latents"]`` (also stored as ``outputs["images"]``)."""
-        z = rollout.outputs["latents"].to(self.device)
-        cfg = self.vae.config
-        z = z / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        img = self.vae.decode(z.to(next(self.vae.parameters()).dtype), return_dict=False)[0].float()
-        img = (img / 2 + 0.5).clamp(0, 1).cpu()
-        rollout.outputs["images"] = img
-        return img
-
     # ------------------------------------------------------------------ log-probs
     def _score(self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, with_kl: bool = False
                ) -> tuple[Tensor, Tensor | None]:
@@ -430,48 +395,10 @@ class FlowPolicy:
                     ref_mean = self._step(
                         v_ref, x, s, sn, p["sigma_max_fallback"], prev_sample=p["next_latents"][:, j]
                     ).mean
-                diff = (out.mean - ref_mean) ** 2
-                std2 = (out.std**2).reshape(-1) if out.std.ndim else out.std**2
-                kls.append(diff.mean(dim=tuple(range(1, diff.ndim))) / (2 * std2))
+                kls.append(mean_kl(out.mean, ref_mean, out.std))
         logp = torch.stack(logps, dim=1)
         kl = torch.stack(kls, dim=1) if with_kl else None
         return logp, kl
-
-    @contextmanager
-    def _reference(self) -> Iterator[torch.nn.Module]:
-        """The reference network: the adapter-disabled transformer under LoRA, else the frozen copy."""
-        if self.lora:
-            self.model.disable_adapters()
-            try:
-                yield self.model
-            finally:
-                self.model.enable_adapters()
-        else:
-            if self.ref_model is None:
-                raise RuntimeError("no reference model: build the policy with need_reference=True")
-            yield self.ref_model
-
-    def evaluate(self, rollout: Rollout) -> ActionStats:
-        """Recompute per-step log-probs with grad (and the mean-difference KL when a reference is used)."""
-        logp, kl = self._score(self.forward_model, rollout, grad=True, with_kl=self.need_reference)
-        return ActionStats(logp=logp, kl=kl)
-
-    def reference_logprobs(self, rollout: Rollout) -> Tensor:
-        with self._reference() as ref:
-            return self._score(ref, rollout, grad=False)[0]
-
-    # ------------------------------------------------------------------ parameters
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def trainable_state_dict(self) -> dict[str, Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-
-    def load_trainable_state_dict(self, state: dict[str, Tensor]) -> None:
-        missing = set(state) - {n for n, _ in self.model.named_parameters()}
-        if missing:
-            raise KeyError(f"unknown parameters in the state dict: {sorted(missing)[:5]}")
-        self.model.load_state_dict(state, strict=False)
 
     def save(self, path: str | Path) -> None:
         """Write the whole pipeline folder, every component (loadable by `FlowPolicy.from_pretrained` /
@@ -479,11 +406,4 @@ class FlowPolicy:
         Under LoRA the adapter is merged into a copy of the transformer, and also saved on its own in
         ``transformer_lora/`` (diffusers ``save_lora_adapter``)."""
         path = Path(path)
-        if self.lora:
-            self.model.save_lora_adapter(str(path / "transformer_lora"))
-            merged = copy.deepcopy(self.model)
-            merged.fuse_lora()
-            merged.unload_lora()
-            self.components.save_pretrained(path, transformer=merged)
-        else:
-            self.components.save_pretrained(path, transformer=self.model)
+        self.components.save_pretrained(path, transformer=self._denoiser_to_save(path, "transformer"))
