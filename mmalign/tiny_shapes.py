@@ -505,7 +505,7 @@ def build_text_to_image(
 def build_safe_diffusion(
     path: Path,
     *,
-    vae_steps: int = 300,
+    vae_steps: int = 800,
     steps: int = 1500,
     lr: float = 1e-3,
     batch_size: int = 32,
@@ -518,7 +518,10 @@ def build_safe_diffusion(
     """A tiny SD 1.5-style (DDIM, epsilon prediction) model that draws the shapes world well, the base
     model of the offline safe-diffusion pipeline (which teaches it not to draw the "unsafe" colour red).
 
-    1. A VAE (`tiny_shapes_vae`, `vae_steps` of `train_vae_on_shapes`), then frozen.
+    1. A VAE (`tiny_shapes_vae`, `vae_steps` of `train_vae_on_shapes`), then frozen. 800 steps, not the
+       300 of the text-to-image builder: after 300 the VAE decodes red as orange-brown (0.73, 0.32, 0.12),
+       so the base model never drew the concept the pipeline is meant to remove; after 800 red decodes
+       as red (0.90, 0.12, 0.12).
     2. A `UNet2DConditionModel` (latents 4 x 16 x 16, one level per entry of `block_out_channels`, each
        halving the resolution but the last, cross-attention on all levels but the first; the coarsest
        level sees the whole image, which is where the model learns positions) and a tiny `CLIPTextModel` whose last hidden states condition it, trained together

@@ -193,7 +193,7 @@ def test_default_template_keeps_an_existing_prompt_column():
 def test_default_template_without_question_or_prompt_names_the_row():
     rows = [{"prompt": "P1", "_source": "f:1"}, {"text": "T", "_source": "f:2"}]
     msg = data_error(add_prompts, rows, "{question}")
-    assert msg.startswith("f:2: ") and "['question']" in msg
+    assert msg.startswith("f:2: the row has no 'prompt' column (nor 'question'") and "['text']" in msg
 
 
 def test_custom_template_replaces_a_prompt_column():
