@@ -93,6 +93,7 @@ def tiny_causal_lm(tokenizer: Any, **overrides: Any) -> torch.nn.Module:
 
 BUILDER_MODULES = (
     "mmalign.tiny_flow",
+    "mmalign.tiny_flux",
     "mmalign.tiny_ddim",
     "mmalign.tiny_vlm",
     "mmalign.tiny_shapes",

@@ -17,6 +17,16 @@ Data (``data.train``; ``data.eval`` likewise, kept as evaluation rows):
   empty prompt is a `DataError` naming file:line.
 
 The sampler is configured in the typed ``options:`` section (`FlowOptions`).
+
+FLUX.1 (dev / schnell) is served by `mmalign.policies.flux.FluxPolicy` instead: `build_flow_policy`
+picks it when the model folder's ``transformer/config.json`` names ``FluxTransformer2DModel``, or, for a
+name that is not a local folder (a hub id; nothing is fetched to decide), when the name contains "flux"
+(case-insensitive). The same options are passed, with these differences for Flux: ``guidance_scale`` is
+the distilled guidance fed to FLUX.1-dev's guidance embedding (one forward, no two-branch CFG; ignored by
+schnell, which has no guidance embedding), so ``train_guidance`` has no effect; ``load_t5`` is ignored
+(Flux's prompt states are T5's, it is always loaded); ``max_sequence_length`` is the T5 length (default
+512, as diffusers; FLUX.1-schnell was trained with 256);
+``resolution`` must give an even latent side (resolution / the VAE's factor; 2x2 packing).
 """
 
 from __future__ import annotations
@@ -67,8 +77,9 @@ class FlowOptions:
     train_guidance: bool = True
     """Apply CFG in the training forward too (false: train the conditional branch only, half the compute;
     the log-probs of a CFG rollout are then off-policy, so keep ratios near 1 with small clip ranges)."""
-    max_sequence_length: int = 256
-    """Tokens of the T5 encoder's prompt states (SD3/SD3.5; CLIP encoders always use 77)."""
+    max_sequence_length: int | None = None
+    """Tokens of the T5 encoder's prompt states (CLIP encoders always use 77); null: the policy's default,
+    256 for SD3/SD3.5 (as diffusers) and 512 for Flux (as diffusers; FLUX.1-schnell was trained with 256)."""
     load_t5: bool = True
     """Load an SD3 folder's T5 encoder (false: skip it, its prompt states become zeros; saves ~9 GB)."""
     resolution: int | None = None
@@ -115,7 +126,7 @@ class FlowOptions:
             raise ValueError(
                 f"window_shift_every and window_stride must be >= 1, got {self.window_shift_every}, {self.window_stride}"
             )
-        if self.max_sequence_length < 1:
+        if self.max_sequence_length is not None and self.max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
         if self.resolution is not None and self.resolution < 1:
             raise ValueError(f"resolution must be >= 1 or null, got {self.resolution}")
@@ -153,11 +164,16 @@ def load_prompts(source: str, template: str = "{question}", max_rows: int | None
 
 
 def build_flow_policy(cfg: Config) -> FlowPolicy:
-    """The `FlowPolicy` described by `cfg.model` and the `options:` section (`FlowOptions`)."""
+    """The `FlowPolicy` described by `cfg.model` and the `options:` section (`FlowOptions`): a `FluxPolicy`
+    for a FLUX.1 model (see the module docstring for how it is detected and which options it ignores)."""
+    from mmalign.policies.flux import FluxPolicy
+    from mmalign.tiny_flux import is_flux_folder
+
     opts = flow_options(cfg)
     path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
     seed = None if opts.seed is None else opts.seed + int(os.environ.get("RANK", "0"))
-    policy = FlowPolicy.from_pretrained(
+    policy_cls = FluxPolicy if is_flux_folder(path) else FlowPolicy
+    policy = policy_cls.from_pretrained(
         path,
         dtype=cfg.model.dtype,
         lora=cfg.model.lora,
@@ -173,13 +189,18 @@ def build_flow_policy(cfg: Config) -> FlowPolicy:
         window_stride=opts.window_stride,
         sde_kind=opts.sde_kind,
         train_guidance=opts.train_guidance,
-        max_sequence_length=opts.max_sequence_length,
+        **({} if opts.max_sequence_length is None else {"max_sequence_length": opts.max_sequence_length}),
         load_t5=opts.load_t5,
         seed=seed,
         need_reference=cfg.algorithm.kl_coef > 0,
     )
     if opts.resolution is not None:
         policy.latent_size = latent_size_for(policy, opts.resolution, cfg.source)
+        if isinstance(policy, FluxPolicy) and policy.latent_size % 2:
+            raise ValueError(
+                f"{cfg.source}: key 'options.resolution' ({opts.resolution}) gives {policy.latent_size} latents, "
+                "but Flux packs 2x2 latent patches: the latent side must be even"
+            )
     return policy
 
 

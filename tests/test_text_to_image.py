@@ -164,6 +164,7 @@ def test_sampler_options_reach_the_policy(quick_model: Path, tmp_path: Path) -> 
     )
     pol = pipelines.get("text_to_image")(cfg).policy
     assert pol.sde_kind == "cps" and pol.noise_level == 0.5 and not pol.train_guidance
+    assert pol.max_sequence_length == 256  # options.max_sequence_length null: the SD3 default
     assert pol.window_schedule is not None
     # 2-step window moving 2 steps every 3 training steps: starts 0, 0, 0, 2, 2, 2, 4, ...
     assert [pol.window_schedule.start_at(step) for step in (0, 2, 3, 6)] == [0, 0, 2, 4]

@@ -51,13 +51,12 @@
 - `seed` seeds a CPU generator for initial noise, random windows / subsets and (on CPU) the SDE noise;
   on an accelerator the SDE noise uses the global RNG.
 
-Flux (not served by this class): FLUX.1 needs (1) ``FluxTransformer2DModel``'s packed latents (2x2
-patches -> [B, HW/4, 4C]) with ``img_ids``/``txt_ids`` position ids around the velocity call, (2) its
-prompt encoding (T5 states + the pooled CLIP-L embedding only), (3) its distilled ``guidance`` embedding
-instead of two-branch CFG (dev), and (4) the scheduler's resolution-dependent shift (``mu`` passed to
-``set_timesteps``, ``use_dynamic_shifting``). The step kinds, trained-step selection, payload and
-scoring here are model-agnostic and would be shared by a Flux policy overriding `_forward`,
-`encode_prompt`, `_initial_noise`/`decode` and `sigmas`.
+Flux: FLUX.1 (dev / schnell) is served by `mmalign.policies.flux.FluxPolicy`, a subclass that keeps the
+step kinds, trained-step selection, payload, scoring, KL and LoRA of this class and overrides only what
+Flux changes: the velocity call `_forward` (2x2-packed latents with ``img_ids``/``txt_ids``, timestep as
+sigma, FLUX.1-dev's distilled ``guidance`` embedding instead of two-branch CFG), the prompt encoding (T5
+states + pooled CLIP), the initial noise (``in_channels / 4`` channels), the resolution-dependent sigma
+shift (``mu``) and loading / saving of the Flux folder layout.
 """
 
 from __future__ import annotations
