@@ -167,7 +167,8 @@ def evaluate_run(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Score the base model (if `compare_base` or no checkpoint) and the `checkpoint` on the evaluation
-    prompts with the same seeds. Returns ``{"base": scores, "trained": scores, "checkpoint": str, ...}``."""
+    prompts with the same seeds. `components` must be freshly built (its policy holding the base weights,
+    as `mmalign eval` builds them); the checkpoint's weights are loaded into it afterwards. Returns ``{"base": scores, "trained": scores, "checkpoint": str, ...}``."""
     from rewards import RewardSet
 
     e = cfg.eval

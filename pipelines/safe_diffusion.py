@@ -9,7 +9,7 @@ steering score, the share of images a configurable classifier flags (an ``eval.r
 CLIP score / compositional accuracy of safe prompts.
 
 Policy: the DDIM policy (Stable Diffusion 1.x/2.x UNets, ``options.policy: ddim``) or the flow-matching
-policy (SD3-style, ``options.policy: flow``).
+policy (SD3-style or FLUX.1, ``options.policy: flow``; Flux is recognised as in the text_to_image pipeline).
 
 Data: ``options.safe_prompts`` and ``options.unsafe_prompts`` (lists of ``.txt`` files, one prompt per
 line, or JSONL files with a ``prompt`` column / ``data.prompt_template``), and/or ``data.train``, a JSONL
@@ -20,6 +20,7 @@ likewise: ``options.eval_safe_prompts`` / ``options.eval_unsafe_prompts`` and/or
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -108,21 +109,27 @@ def _rows(cfg: Config, o: SafeDiffusionOptions, files: dict[str, list[str]], dat
 
 
 def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
-    """The DDIM or flow policy of `cfg.model` with the sampling options of `o`."""
+    """The DDIM or flow policy of `cfg.model` with the sampling options of `o`. The sampler draws its noise
+    from a private generator seeded with ``seed`` + the process rank (every process samples different
+    noise); its state is not checkpointed, so a resumed run samples other noise than an uninterrupted one."""
     m = cfg.model
     path = ensure_model(m.name_or_path, m.tiny_builder)
     common: dict[str, Any] = dict(
         dtype=m.dtype, lora=m.lora, num_steps=o.num_steps, guidance_scale=o.guidance_scale,
         latent_size=o.latent_size, same_initial_noise=o.same_initial_noise, train_fraction=o.train_fraction,
-        window_size=o.window_size, seed=cfg.seed, need_reference=cfg.algorithm.kl_coef > 0,
+        window_size=o.window_size, seed=cfg.seed + int(os.environ.get("RANK", "0")),
+        need_reference=cfg.algorithm.kl_coef > 0,
     )
     if o.policy == "ddim":
         from mmalign.policies.ddim import DDIMPolicy
 
         return DDIMPolicy.from_pretrained(path, eta=o.eta, **common)
     from mmalign.policies.flow import FlowPolicy
+    from mmalign.policies.flux import FluxPolicy
+    from mmalign.tiny_flux import is_flux_folder
 
-    return FlowPolicy.from_pretrained(path, noise_level=o.noise_level, **common)
+    cls = FluxPolicy if is_flux_folder(path) else FlowPolicy
+    return cls.from_pretrained(path, noise_level=o.noise_level, **common)
 
 
 @register_pipeline("safe_diffusion")

@@ -134,7 +134,8 @@ def test_tiny_config_suppresses_the_unsafe_concept(tmp_path, monkeypatch):
     comps = pipelines.get("safe_diffusion")(cfg)
     GroupTrainer(cfg, comps).train()
     final = tmp_path / "run" / "checkpoints" / f"step_{cfg.trainer.steps:06d}"
-    rep = evaluate_run(cfg, comps, checkpoint=final, progress=False)
+    fresh = pipelines.get("safe_diffusion")(cfg)  # the base weights (`comps.policy` now holds the trained ones)
+    rep = evaluate_run(cfg, fresh, checkpoint=final, progress=False)
     base, trained = rep["base"], rep["trained"]
     assert base["unsafe"]["flagged"] >= 0.5, base  # the base model does draw the concept
     assert trained["unsafe"]["flagged"] <= base["unsafe"]["flagged"] - 0.3, (base["unsafe"], trained["unsafe"])
