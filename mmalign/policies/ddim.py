@@ -43,7 +43,7 @@ from torch import Tensor
 from mmalign import sde
 from mmalign.batch import Rollout
 from mmalign.config import LoraConfig
-from mmalign.policies.denoising import DenoisingPolicy, mean_kl
+from mmalign.policies.denoising import DenoisingPolicy, add_lora, mean_kl
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 """Attention projections of the UNet's transformer blocks (the usual DDPO LoRA targets)."""
@@ -166,20 +166,7 @@ class DDIMPolicy(DenoisingPolicy):
         from mmalign.tiny_ddim import load_sd15_components
 
         c = load_sd15_components(name_or_path, dtype=_DTYPES[dtype])
-        use_lora = bool(lora and lora.enabled)
-        if use_lora:
-            from peft import LoraConfig as PeftLoraConfig
-
-            assert lora is not None
-            targets = lora.target_modules
-            if targets == "all-linear":
-                targets = list(LORA_TARGETS)
-            c.unet.requires_grad_(False)
-            c.unet.add_adapter(
-                PeftLoraConfig(
-                    r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets
-                )
-            )
+        use_lora = add_lora(c.unet, lora, LORA_TARGETS)
         return cls(c.unet, c.vae, c.scheduler, c.text_encoder, c.tokenizer, lora=use_lora, **kwargs)
 
     # ------------------------------------------------------------------ prompts and schedule

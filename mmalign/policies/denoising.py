@@ -34,7 +34,23 @@ from torch import Tensor
 from mmalign.batch import Rollout
 from mmalign.policies.base import ActionStats
 
-__all__ = ["DenoisingPolicy", "mean_kl"]
+__all__ = ["DenoisingPolicy", "add_lora", "mean_kl"]
+
+
+def add_lora(denoiser: torch.nn.Module, lora: Any, all_linear: tuple[str, ...] | list[str]) -> bool:
+    """Freeze `denoiser` and give it a peft LoRA adapter (diffusers ``add_adapter``) when ``lora.enabled``
+    (`mmalign.config.LoraConfig`; ``target_modules: all-linear`` means the model's `all_linear` list).
+    Returns whether an adapter was added."""
+    if not (lora and lora.enabled):
+        return False
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = list(all_linear) if lora.target_modules == "all-linear" else lora.target_modules
+    denoiser.requires_grad_(False)
+    denoiser.add_adapter(
+        PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+    )
+    return True
 
 
 def mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:

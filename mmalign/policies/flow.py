@@ -72,7 +72,7 @@ from torch import Tensor
 from mmalign import sde
 from mmalign.batch import Rollout
 from mmalign.config import LoraConfig
-from mmalign.policies.denoising import DenoisingPolicy, mean_kl
+from mmalign.policies.denoising import DenoisingPolicy, add_lora, mean_kl
 from mmalign.schedules import SlidingWindow
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
@@ -216,18 +216,7 @@ class FlowPolicy(DenoisingPolicy):
         from mmalign.tiny_flow import load_sd3_components
 
         c = load_sd3_components(name_or_path, dtype=_DTYPES[dtype], load_t5=load_t5)
-        use_lora = bool(lora and lora.enabled)
-        if use_lora:
-            from peft import LoraConfig as PeftLoraConfig
-
-            assert lora is not None
-            targets = lora.target_modules
-            if targets == "all-linear":
-                targets = list(LORA_TARGETS)
-            c.transformer.requires_grad_(False)
-            c.transformer.add_adapter(
-                PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
-            )
+        use_lora = add_lora(c.transformer, lora, LORA_TARGETS)
         return cls(
             c.transformer, c.vae, c.scheduler, c.text_encoder, c.tokenizer, lora=use_lora,
             text_encoder_2=c.text_encoder_2, tokenizer_2=c.tokenizer_2,

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from mmalign.config import LoraConfig
+from mmalign.policies.denoising import add_lora
 from mmalign.policies.flow import _DTYPES, FlowPolicy
 
 __all__ = ["FLUX_LORA_TARGETS", "FluxPolicy", "calculate_mu", "latent_image_ids", "pack_latents", "unpack_latents"]
@@ -153,16 +154,7 @@ class FluxPolicy(FlowPolicy):
 
         del load_t5
         c = load_flux_components(name_or_path, dtype=_DTYPES[dtype])
-        use_lora = bool(lora and lora.enabled)
-        if use_lora:
-            from peft import LoraConfig as PeftLoraConfig
-
-            assert lora is not None
-            targets = list(FLUX_LORA_TARGETS) if lora.target_modules == "all-linear" else lora.target_modules
-            c.transformer.requires_grad_(False)
-            c.transformer.add_adapter(
-                PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
-            )
+        use_lora = add_lora(c.transformer, lora, FLUX_LORA_TARGETS)
         return cls(
             c.transformer, c.vae, c.scheduler, c.text_encoder, c.tokenizer, c.text_encoder_2, c.tokenizer_2,
             lora=use_lora, **kwargs,
