@@ -33,7 +33,6 @@ one action = one stochastic DDIM step (eta > 0).
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +91,6 @@ class DDIMPolicy(DenoisingPolicy):
             raise ValueError(
                 f"eta must be in (0, 1] (eta = 0 is deterministic DDIM, nothing to train), got {eta}"
             )
-        if not 0 < train_fraction <= 1:
-            raise ValueError(f"train_fraction must be in (0, 1], got {train_fraction}")
         cfg = scheduler.config
         if cfg.prediction_type not in PREDICTION_TYPES:
             raise ValueError(
@@ -106,27 +103,17 @@ class DDIMPolicy(DenoisingPolicy):
                 "assumes an unclipped x0 prediction); load the scheduler with clip_sample=False, "
                 "thresholding=False (Stable Diffusion's own configs have both off)"
             )
-        self.model = unet
-        self.kl_in_evaluate = need_reference
-        """`evaluate` returns the KL on step means itself (the trainer then skips reference log-probs)."""
-        self.forward_model = unet
-        """What `evaluate` runs (the trainer may swap in a DDP-wrapped model; sampling uses `model`)."""
-        self.vae = vae.eval().requires_grad_(False)
+        self._init_denoising(
+            unet, vae, latent_size=latent_size, same_initial_noise=same_initial_noise,
+            train_fraction=train_fraction, window_size=window_size, window_range=window_range, seed=seed,
+            need_reference=need_reference, lora=lora,
+        )
         self.scheduler = scheduler
         self.text_encoder = text_encoder.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.num_steps = num_steps
         self.eta = float(eta)
         self.guidance_scale = guidance_scale
-        self.latent_size = latent_size or int(unet.config.sample_size)
-        self.same_initial_noise = same_initial_noise
-        self.train_fraction = train_fraction
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.lora = lora
-        self.need_reference = need_reference
-        self.ref_model: torch.nn.Module | None = None
-        if need_reference and not lora:
-            self.ref_model = copy.deepcopy(unet).eval().requires_grad_(False)
         self._embed_cache: dict[str, Tensor] = {}
 
         timesteps, ab, ab_prev = self.schedule()
@@ -147,8 +134,6 @@ class DDIMPolicy(DenoisingPolicy):
                 f"num_steps={num_steps}), "
                 f"got {window_size}"
             )
-        self.window_size = window_size
-        self.window_range = window_range
 
     # ------------------------------------------------------------------ building
     @classmethod

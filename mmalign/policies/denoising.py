@@ -13,10 +13,10 @@ kind (`rollout`, `_score`, `save`); this base holds the parts that do not depend
   and the KL on step means (`mean_kl`);
 - the trainer-facing methods `evaluate`, `reference_logprobs` and the trainable-parameter accessors.
 
-Attributes a subclass sets: ``model`` (the denoiser), ``forward_model`` (what `evaluate` runs; the
-trainer may swap in a DDP wrapper), ``ref_model`` (frozen copy or None), ``lora``, ``need_reference``,
-``vae``, ``generator`` (a torch.Generator or None), ``latent_size``, ``same_initial_noise``,
-``train_fraction``, ``window_size``, ``window_range``.
+A subclass's constructor calls `_init_denoising`, which sets the shared attributes: ``model`` (the
+denoiser), ``forward_model`` (what `evaluate` runs; the trainer may swap in a DDP wrapper), ``ref_model``
+(frozen copy or None), ``lora``, ``need_reference``, ``vae`` (frozen), ``generator`` (a torch.Generator
+or None), ``latent_size``, ``same_initial_noise``, ``train_fraction``, ``window_size``, ``window_range``.
 """
 
 from __future__ import annotations
@@ -77,6 +77,41 @@ class DenoisingPolicy:
     train_fraction: float
     window_size: int | None
     window_range: tuple[int, int] | None
+
+    def _init_denoising(
+        self,
+        model: torch.nn.Module,
+        vae: torch.nn.Module,
+        *,
+        latent_size: int | None,
+        same_initial_noise: bool,
+        train_fraction: float,
+        window_size: int | None,
+        window_range: tuple[int, int] | None,
+        seed: int | None,
+        need_reference: bool,
+        lora: bool,
+    ) -> None:
+        """Set the shared attributes (see the module docstring); the VAE is frozen, a frozen copy of `model`
+        is the reference when one is needed without LoRA. Subclasses validate the window against their
+        trainable steps."""
+        if not 0 < train_fraction <= 1:
+            raise ValueError(f"train_fraction must be in (0, 1], got {train_fraction}")
+        self.model = model
+        self.forward_model = model
+        """What `evaluate` runs (the trainer may swap in a DDP-wrapped model; sampling uses `model`)."""
+        self.kl_in_evaluate = need_reference
+        """`evaluate` returns the KL on step means itself (the trainer then skips reference log-probs)."""
+        self.vae = vae.eval().requires_grad_(False)
+        self.latent_size = latent_size or int(model.config.sample_size)
+        self.same_initial_noise = same_initial_noise
+        self.train_fraction = train_fraction
+        self.window_size = window_size
+        self.window_range = window_range
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.lora = lora
+        self.need_reference = need_reference
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if need_reference and not lora else None
 
     @property
     def device(self) -> torch.device:

@@ -61,7 +61,6 @@ shift (``mu``) and loading / saving of the Flux folder layout.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +122,6 @@ class FlowPolicy(DenoisingPolicy):
 
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        if not 0 < train_fraction <= 1:
-            raise ValueError(f"train_fraction must be in (0, 1], got {train_fraction}")
         if sde_kind not in SDE_KINDS:
             raise ValueError(f"sde_kind must be one of {', '.join(SDE_KINDS)}; got {sde_kind!r}")
         if not noise_level > 0 or (sde_kind == "cps" and noise_level > 1):
@@ -135,12 +132,11 @@ class FlowPolicy(DenoisingPolicy):
             raise ValueError(f"window_mode must be one of {', '.join(WINDOW_MODES)}; got {window_mode!r}")
         if window_mode == "sliding" and window_size is None:
             raise ValueError("window_mode='sliding' needs window_size")
-        self.model = transformer
-        self.kl_in_evaluate = need_reference
-        """`evaluate` returns the KL on step means itself (the trainer then skips reference log-probs)."""
-        self.forward_model = transformer
-        """What `evaluate` runs (the trainer may swap in a DDP-wrapped model; sampling uses `model`)."""
-        self.vae = vae.eval().requires_grad_(False)
+        self._init_denoising(
+            transformer, vae, latent_size=latent_size, same_initial_noise=same_initial_noise,
+            train_fraction=train_fraction, window_size=window_size, window_range=window_range, seed=seed,
+            need_reference=need_reference, lora=lora,
+        )
         self.scheduler = scheduler
         self.components = SD3Components(
             transformer, self.vae, scheduler, text_encoder, tokenizer,
@@ -157,16 +153,7 @@ class FlowPolicy(DenoisingPolicy):
         self.sde_kind = sde_kind
         self.guidance_scale = guidance_scale
         self.train_guidance = train_guidance
-        self.latent_size = latent_size or int(transformer.config.sample_size)
-        self.same_initial_noise = same_initial_noise
-        self.train_fraction = train_fraction
-        self.window_size = window_size
-        self.window_range = window_range
         self.window_mode = window_mode
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.lora = lora
-        self.need_reference = need_reference
-        self.ref_model: torch.nn.Module | None = None
         self.train_step = 0
         """The trainer's step, set by `on_train_step` (drives the sliding window)."""
 
@@ -194,8 +181,6 @@ class FlowPolicy(DenoisingPolicy):
                 self.window_schedule = SlidingWindow(
                     n_sto, window_size, window_shift_every, stride=window_stride, start=lo, end=hi
                 )
-        if need_reference and not lora:
-            self.ref_model = copy.deepcopy(transformer).eval().requires_grad_(False)
         self._embed_cache: dict[str, tuple[Tensor, Tensor]] = {}
 
     # ------------------------------------------------------------------ building
