@@ -124,12 +124,9 @@ def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
         from mmalign.policies.ddim import DDIMPolicy
 
         return DDIMPolicy.from_pretrained(path, eta=o.eta, **common)
-    from mmalign.policies.flow import FlowPolicy
-    from mmalign.policies.flux import FluxPolicy
-    from mmalign.tiny_flux import is_flux_folder
+    from mmalign.policies.flux import flow_policy_class
 
-    cls = FluxPolicy if is_flux_folder(path) else FlowPolicy
-    return cls.from_pretrained(path, noise_level=o.noise_level, **common)
+    return flow_policy_class(path).from_pretrained(path, noise_level=o.noise_level, **common)
 
 
 @register_pipeline("safe_diffusion")

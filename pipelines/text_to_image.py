@@ -166,14 +166,12 @@ def load_prompts(source: str, template: str = "{question}", max_rows: int | None
 def build_flow_policy(cfg: Config) -> FlowPolicy:
     """The `FlowPolicy` described by `cfg.model` and the `options:` section (`FlowOptions`): a `FluxPolicy`
     for a FLUX.1 model (see the module docstring for how it is detected and which options it ignores)."""
-    from mmalign.policies.flux import FluxPolicy
-    from mmalign.tiny_flux import is_flux_folder
+    from mmalign.policies.flux import FluxPolicy, flow_policy_class
 
     opts = flow_options(cfg)
     path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
     seed = None if opts.seed is None else opts.seed + int(os.environ.get("RANK", "0"))
-    policy_cls = FluxPolicy if is_flux_folder(path) else FlowPolicy
-    policy = policy_cls.from_pretrained(
+    policy = flow_policy_class(path).from_pretrained(
         path,
         dtype=cfg.model.dtype,
         lora=cfg.model.lora,

@@ -54,7 +54,7 @@ from mmalign.config import LoraConfig
 from mmalign.policies.denoising import add_lora
 from mmalign.policies.flow import _DTYPES, FlowPolicy
 
-__all__ = ["FLUX_LORA_TARGETS", "FluxPolicy", "calculate_mu", "latent_image_ids", "pack_latents", "unpack_latents"]
+__all__ = ["FLUX_LORA_TARGETS", "FluxPolicy", "flow_policy_class", "calculate_mu", "latent_image_ids", "pack_latents", "unpack_latents"]
 
 FLUX_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 """Attention projections of Flux's transformer blocks (the LoRA targets of ``target_modules: all-linear``)."""
@@ -220,3 +220,11 @@ class FluxPolicy(FlowPolicy):
         and also saved on its own in ``transformer_lora/``."""
         path = Path(path)
         self.components.save_pretrained(path, transformer=self._denoiser_to_save(path, "transformer"))
+
+
+def flow_policy_class(name_or_path: str | Path) -> type[FlowPolicy]:
+    """The flow-matching policy class for a model: `FluxPolicy` for a FLUX.1 folder (or a hub id naming
+    Flux; `mmalign.tiny_flux.is_flux_folder`), else `FlowPolicy` (SD3 / SD3.5)."""
+    from mmalign.tiny_flux import is_flux_folder
+
+    return FluxPolicy if is_flux_folder(name_or_path) else FlowPolicy
