@@ -14,6 +14,16 @@ inside (whatever their dtype: bf16, fp16, fp64) and every output is fp32. Each r
   Gradients flow through ``mean`` and ``std`` only.
 * ``mean`` has the shape of ``x``; ``std`` broadcasts against it (0-d for scalar coefficients,
   ``[B, 1, ..., 1]`` for per-batch ones).
+* ``kl_std`` is the step's noise scale *without* the sqrt(|dt|) factor of the SDE discretisation: the
+  sigma_t that the KL on step means, ||mu - mu_ref||^2 / (2 sigma_t^2), divides by (ALGORITHMS.md; as
+  Flow-GRPO's training script). ``flow_sde``: s_t = a sqrt(sigma / (1 - sigma)) (``std`` = s_t sqrt(|dt|));
+  ``dance``: eta (``std`` = eta sqrt(sigma - sigma')); ``cps`` and ``ddim``: their std (no dt factor).
+
+The log-density of ``cps`` is, by default, Flow-GRPO's ``-mean((x' - mu)^2)`` (``log_prob_form=
+"squared_error"``: no 1/(2 s_t^2) factor and no constants); ``log_prob_form="gaussian"`` gives the full
+Gaussian log-density like the other steps. The two differ by the factor 1/(2 s_t^2) and constants, so the
+clip range of the policy loss means something else under each (the squared error keeps the ratio
+well-scaled when s_t is tiny near the end of sampling).
 
 Scalar coefficients (sigmas, noise levels, alpha-bars, eta) are Python numbers, 0-d tensors, or per-batch
 tensors of shape [B] (reshaped to [B, 1, ..., 1] to broadcast over non-batch dims). Latents may be images
@@ -38,22 +48,26 @@ import torch
 
 from mmalign.registry import Registry, option_checked
 
-__all__ = ["STEPS", "StepOutput", "cps", "dance", "ddim", "flow_sde", "get", "gaussian_log_prob", "names", "step"]
+__all__ = ["LOG_PROB_FORMS", "STEPS", "StepOutput", "cps", "dance", "ddim", "flow_sde", "get", "gaussian_log_prob", "names", "squared_error_log_prob", "step"]
 
 STEPS: Registry[Any] = Registry("sde step")
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 Scalar = float | torch.Tensor
+LOG_PROB_FORMS = ("squared_error", "gaussian")
+"""How `cps` scores a transition: Flow-GRPO's ``-mean((x' - mu)^2)`` (default) or the full Gaussian."""
 
 
 @dataclass
 class StepOutput:
-    """One denoising transition: ``sample`` (x'), ``log_prob`` Float[B], ``mean`` (mu) and ``std``, all fp32."""
+    """One denoising transition, all fp32: ``sample`` (x'), ``log_prob`` Float[B], ``mean`` (mu), ``std`` (of
+    x' given x) and ``kl_std`` (the noise scale without the sqrt(|dt|) factor, for the KL on step means)."""
 
     sample: torch.Tensor
     log_prob: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
+    kl_std: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -95,6 +109,13 @@ def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tenso
     return lp.mean(dim=tuple(range(1, lp.ndim))) if lp.ndim > 1 else lp
 
 
+def squared_error_log_prob(sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Flow-GRPO's CPS score ``-(sample - mean)^2`` averaged over all non-batch dims -> Float[B] (fp32;
+    ``sample`` detached): the Gaussian log-density without its 1/(2 std^2) factor and constants."""
+    lp = -((sample.detach().to(torch.float32) - mean) ** 2)
+    return lp.mean(dim=tuple(range(1, lp.ndim))) if lp.ndim > 1 else lp
+
+
 def _finish(
     mean: torch.Tensor,
     std: torch.Tensor,
@@ -102,6 +123,8 @@ def _finish(
     prev_sample: torch.Tensor | None,
     noise: torch.Tensor | None,
     generator: torch.Generator | None,
+    kl_std: torch.Tensor | None = None,
+    log_prob_form: str = "gaussian",
 ) -> StepOutput:
     _check(
         std > 0,
@@ -124,7 +147,11 @@ def _finish(
         else:
             eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
         sample = mean + std * eps
-    return StepOutput(sample=sample, log_prob=gaussian_log_prob(sample, mean, std), mean=mean, std=std)
+    if log_prob_form == "squared_error":
+        log_prob = squared_error_log_prob(sample, mean)
+    else:
+        log_prob = gaussian_log_prob(sample, mean, std)
+    return StepOutput(sample=sample, log_prob=log_prob, mean=mean, std=std, kl_std=std if kl_std is None else kl_std)
 
 
 def _flow_sigmas(sigma: Scalar, sigma_next: Scalar, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +204,7 @@ def flow_sde(
     dt = sn - s
     mean = x32 + (v32 + std_t**2 / (2 * s) * (x32 + (1 - s) * v32)) * dt
     std = std_t * torch.sqrt(-dt)
-    return _finish(mean, std, prev_sample=prev_sample, noise=noise, generator=generator)
+    return _finish(mean, std, prev_sample=prev_sample, noise=noise, generator=generator, kl_std=std_t)
 
 
 @STEPS.register("cps")
@@ -188,6 +215,7 @@ def cps(
     sigma_next: Scalar,
     *,
     noise_level: Scalar,
+    log_prob_form: str = "squared_error",
     prev_sample: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -196,7 +224,11 @@ def cps(
 
     s_t = sigma' sin(a pi / 2) with a = ``noise_level`` in (0, 1]; x0_hat = x - sigma v,
     x1_hat = x + (1 - sigma) v. sigma_next must be > 0 (at sigma' = 0 the std is 0).
+    ``log_prob_form``: ``"squared_error"`` (default, Flow-GRPO): log p = -mean((x' - mu)^2);
+    ``"gaussian"``: the full Gaussian log-density, as the other steps.
     """
+    if log_prob_form not in LOG_PROB_FORMS:
+        raise ValueError(f"log_prob_form must be one of {', '.join(LOG_PROB_FORMS)}; got {log_prob_form!r}")
     v32, x32 = _latent(v, "v"), _latent(x, "x")
     s, sn = _flow_sigmas(sigma, sigma_next, x32)
     a = _coef(noise_level, x32, "noise_level")
@@ -205,7 +237,9 @@ def cps(
     x0 = x32 - s * v32
     x1 = x32 + (1 - s) * v32
     mean = (1 - sn) * x0 + torch.sqrt((sn**2 - std_t**2).clamp_min(0)) * x1
-    return _finish(mean, std_t, prev_sample=prev_sample, noise=noise, generator=generator)
+    return _finish(
+        mean, std_t, prev_sample=prev_sample, noise=noise, generator=generator, log_prob_form=log_prob_form
+    )
 
 
 @STEPS.register("dance")
@@ -234,7 +268,7 @@ def dance(
     score = -(x32 - (1 - s) * x0) / s**2
     mean = x32 + dsigma * v32 - 0.5 * e**2 * score * dsigma
     std = e * torch.sqrt(s - sn)
-    return _finish(mean, std, prev_sample=prev_sample, noise=noise, generator=generator)
+    return _finish(mean, std, prev_sample=prev_sample, noise=noise, generator=generator, kl_std=e.expand_as(std))
 
 
 @STEPS.register("ddim")
@@ -286,7 +320,7 @@ def names() -> list[str]:
 
 
 def step(kind: str, *args: Any, **kwargs: Any) -> StepOutput:
-    """Run the step ``kind`` (one of ``names()``) -> StepOutput(sample, log_prob, mean, std).
+    """Run the step ``kind`` (one of ``names()``) -> StepOutput(sample, log_prob, mean, std, kl_std).
 
     Unknown kinds raise ``RegistryError`` listing the registered ones; unknown options a TypeError.
     """

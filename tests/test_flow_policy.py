@@ -109,6 +109,43 @@ def test_kl_zero_at_start_and_state_dict(pipe_dir, tmp_path):
         assert torch.equal(p, q), n
 
 
+@pytest.mark.parametrize("kind,level", [("flow_sde", 0.7), ("dance", 0.3), ("cps", 0.5)])
+def test_kl_divides_by_sigma_t_without_sqrt_dt(pipe_dir, kind, level):
+    """evaluate's KL equals ||mu - mu_ref||^2 / (2 sigma_t^2), sigma_t written here from the formula:
+    flow_sde a sqrt(sigma / (1 - sigma)), dance eta, cps sigma' sin(a pi / 2) (Flow-GRPO's std_dev_t)."""
+    import math
+
+    from mmalign import sde
+
+    pol = make(pipe_dir, need_reference=True, sde_kind=kind, noise_level=level)
+    r = pol.rollout(ROWS, 2, compute_logp=True)
+    with torch.no_grad():
+        for p in pol.trainable_parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        kl = pol.evaluate(r).kl
+        pay = r.payload
+        fallback = float(pay["sigma_max_fallback"][0])
+        for j in range(r.num_actions):
+            x, s, sn = pay["latents"][:, j], pay["sigmas"][:, j], pay["sigmas_next"][:, j]
+            opts = {"noise_level": level, "sigma_max_fallback": fallback} if kind == "flow_sde" else (
+                {"eta": level} if kind == "dance" else {"noise_level": level})
+            v = pol._velocity(pol.model, x, s, pay["prompt_embeds"], pay["pooled_embeds"])
+            v_ref = pol._velocity(pol.ref_model, x, s, pay["prompt_embeds"], pay["pooled_embeds"])
+            mu = sde.step(kind, v, x, s, sn, **opts).mean
+            mu_ref = sde.step(kind, v_ref, x, s, sn, **opts).mean
+            for i in range(len(r)):
+                sig, sig_n = float(s[i]), float(sn[i])
+                if kind == "flow_sde":
+                    sigma_t = level * math.sqrt(sig / (1 - (fallback if sig == 1 else sig)))
+                elif kind == "dance":
+                    sigma_t = level
+                else:
+                    sigma_t = sig_n * math.sin(level * math.pi / 2)
+                expected = float(((mu[i] - mu_ref[i]) ** 2).mean()) / (2 * sigma_t**2)
+                assert float(kl[i, j]) == pytest.approx(expected, rel=1e-4), (i, j)
+    assert float(kl.max()) > 0
+
+
 def test_lora_reference_is_disabled_adapter(pipe_dir, tmp_path):
     from mmalign.config import LoraConfig
 
@@ -164,6 +201,41 @@ def test_group_trainer_runs_the_flow_policy(pipe_dir, tmp_path):
     assert history[0]["kl"] == pytest.approx(0.0, abs=1e-8) and history[1]["kl"] > 0
     after = pol.trainable_state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_policy_generator_round_trips_through_checkpoints(pipe_dir, tmp_path):
+    """A seeded policy draws its noise from a private generator: its state is saved per process in each
+    checkpoint and restored on resume, so the next rollout after a resume is the uninterrupted one's."""
+    from mmalign.config import config_from_dict
+    from mmalign.trainer import GroupTrainer
+    from pipelines import Components
+    from rewards import RewardSet
+
+    cfg = config_from_dict(
+        {
+            "pipeline": "flow_test", "output_dir": str(tmp_path / "run"),
+            "rollout": {"group_size": 2, "prompts_per_step": 1},
+            "rewards": [{"name": "jpeg_incompressibility"}],
+            "trainer": {"steps": 1, "lr": 1e-3, "progress_bar": False, "save_every": 1},
+        },
+        "test",
+    )
+    rows = [{"prompt": "a red square"}]
+
+    def trainer(resume: bool) -> GroupTrainer:
+        pol = make(pipe_dir, num_steps=3, seed=123)
+        return GroupTrainer(cfg, Components(policy=pol, rewards=RewardSet(cfg.rewards), data=rows), resume=resume)
+
+    first = trainer(False)
+    first.train()
+    assert "policy" in torch.load(tmp_path / "run" / "checkpoints" / "step_000001" / "rng_0.pt", weights_only=False)
+    state = first.policy.generator.get_state()
+    expected = first.policy.rollout(rows, 2).outputs["latents"]
+    resumed = trainer(True)
+    assert resumed.step == 1
+    assert torch.equal(resumed.policy.generator.get_state(), state)  # not the freshly seeded state
+    assert not torch.equal(resumed.policy.generator.get_state(), torch.Generator().manual_seed(123).get_state())
+    torch.testing.assert_close(resumed.policy.rollout(rows, 2).outputs["latents"], expected, atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------------------- step kinds
@@ -314,6 +386,39 @@ def test_flow_policy_on_the_three_encoder_folder(sd3_dir, tmp_path):
     torch.testing.assert_close(again.evaluate(r).logp.detach(), r.logp_old, atol=1e-5, rtol=0)
     pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "out")  # the layout diffusers reads
     assert pipe.text_encoder_3 is not None and pipe.tokenizer_3 is not None
+
+
+@pytest.mark.parametrize("shift", [None, 3.0])
+def test_sd3_sigmas_are_the_sd3_pipelines(sd3_dir, shift):
+    """FlowPolicy's schedule for an SD3 folder is the one diffusers' StableDiffusion3Pipeline runs: the
+    timesteps its transformer is called with, for 10 steps (and with SD3.5's shift 3)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    c = load_sd3_components(sd3_dir)
+    if shift is not None:
+        c.scheduler = FlowMatchEulerDiscreteScheduler.from_config(c.scheduler.config, shift=shift)
+    pol = FlowPolicy(
+        c.transformer, c.vae, c.scheduler, c.text_encoder, c.tokenizer, num_steps=10, text_encoder_2=c.text_encoder_2,
+        tokenizer_2=c.tokenizer_2, text_encoder_3=c.text_encoder_3, tokenizer_3=c.tokenizer_3,
+    )
+    ours = pol.sigmas()
+    seen: list[torch.Tensor] = []
+    hook = c.transformer.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(kwargs["timestep"][0].clone()), with_kwargs=True
+    )
+    sched = FlowMatchEulerDiscreteScheduler.from_config(c.scheduler.config)
+    pipe = _diffusers_pipe(c, scheduler=sched)
+    try:
+        side = pol.latent_size * pipe.vae_scale_factor
+        pipe("a red cat", num_inference_steps=10, guidance_scale=1.0, height=side, width=side, max_sequence_length=8,
+             output_type="latent")
+    finally:
+        hook.remove()
+    assert len(seen) == 10
+    torch.testing.assert_close(torch.stack(seen).float() / 1000, ours[:-1], atol=1e-6, rtol=0)
+    assert float(ours[0]) == 1.0 and float(ours[-1]) == 0.0
+    if shift == 3.0:  # the numbers of the issue: the last stochastic step runs 0.0089 -> 0, not 0.25 -> 0
+        assert float(ours[-2]) == pytest.approx(0.008929, abs=2e-6)
 
 
 # ---------------------------------------------------------------------------- trainer: window and images

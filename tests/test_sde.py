@@ -46,7 +46,7 @@ def ref_log_normal(y, mean, std):
 # (kind, kwargs besides the two latents, reference, reference scalar args)
 CASES = [
     ("flow_sde", dict(sigma=0.7, sigma_next=0.55, noise_level=0.7), ref_flow, (0.7, 0.55, 0.7)),
-    ("cps", dict(sigma=0.7, sigma_next=0.55, noise_level=0.5), ref_cps, (0.7, 0.55, 0.5)),
+    ("cps", dict(sigma=0.7, sigma_next=0.55, noise_level=0.5, log_prob_form="gaussian"), ref_cps, (0.7, 0.55, 0.5)),
     ("dance", dict(sigma=0.7, sigma_next=0.55, eta=0.3), ref_dance, (0.7, 0.55, 0.3)),
     ("ddim", dict(alpha_bar_t=0.64, alpha_bar_prev=0.81, eta=1.0), ref_ddim, (0.64, 0.81, 1.0)),
 ]
@@ -88,6 +88,64 @@ def test_hand_worked_numbers():
     # mu = .9*.875 + sqrt(.19 - .1107682)*.5 = .7875 + .1407407 = .9282407
     out = sde.ddim(0.5 * one, one, 0.64, 0.81, eta=1.0, noise=torch.zeros(1, 1))
     assert (out.mean.item(), out.std.item()) == pytest.approx((0.9282407, 0.3328185), abs=1e-6)
+
+
+def test_kl_std_leaves_out_the_sqrt_dt_factor():
+    """kl_std is the sigma_t the KL on step means divides by (Flow-GRPO's std_dev_t), not the step's std."""
+    one = torch.ones(1, 1)
+    # flow_sde, sigma=.5, a=.7: s_t = .7 * sqrt(.5 / .5) = .7 (std = .7 * sqrt(.1) = .2213594)
+    assert sde.flow_sde(0.5 * one, one, 0.5, 0.4, noise_level=0.7).kl_std.item() == pytest.approx(0.7, abs=1e-7)
+    # dance: eta = .3 (std = .3 * sqrt(.1))
+    assert sde.dance(0.5 * one, one, 0.5, 0.4, eta=0.3).kl_std.item() == pytest.approx(0.3, abs=1e-7)
+    # cps and ddim have no dt factor: kl_std = std (.4 sin(pi/4) = .2828427; .3328185 as above)
+    assert sde.cps(0.5 * one, one, 0.5, 0.4, noise_level=0.5).kl_std.item() == pytest.approx(0.2828427, abs=1e-6)
+    assert sde.ddim(0.5 * one, one, 0.64, 0.81, eta=1.0).kl_std.item() == pytest.approx(0.3328185, abs=1e-6)
+
+
+def test_flow_kl_on_step_means_hand_worked():
+    """KL of two flow_sde steps from the same x with velocities .5 and .3 (sigma .5 -> .4, a = .7).
+
+    The mean's velocity coefficient is (1 + s_t^2 (1 - sigma) / (2 sigma)) dt = (1 + .49 * .5) * (-.1) = -.1245,
+    so mu1 - mu2 = -.1245 * .2 = -.0249 and KL = .0249^2 / (2 * .7^2) = .00062001 / .98 = 6.32663e-4
+    (dividing by the step's full variance .049 instead would give 10x that: 1 / |dt|).
+    """
+    from mmalign.policies.denoising import mean_kl
+
+    one = torch.ones(1, 1)
+    a = sde.flow_sde(0.5 * one, one, 0.5, 0.4, noise_level=0.7)
+    b = sde.flow_sde(0.3 * one, one, 0.5, 0.4, noise_level=0.7)
+    assert (a.mean - b.mean).item() == pytest.approx(-0.0249, abs=1e-7)
+    assert mean_kl(a.mean, b.mean, a.kl_std).item() == pytest.approx(6.32663e-4, rel=1e-5)
+    # per-sample sigma_t ([B]-shaped coefficient): the same number for each sample
+    two = torch.ones(2, 3)
+    a2 = sde.flow_sde(0.5 * two, two, torch.tensor([0.5, 0.5]), torch.tensor([0.4, 0.4]), noise_level=0.7)
+    b2 = sde.flow_sde(0.3 * two, two, torch.tensor([0.5, 0.5]), torch.tensor([0.4, 0.4]), noise_level=0.7)
+    torch.testing.assert_close(mean_kl(a2.mean, b2.mean, a2.kl_std), torch.full((2,), 6.32663e-4), rtol=1e-5, atol=0)
+
+
+def test_cps_default_log_prob_is_flow_grpo_squared_error():
+    """Flow-GRPO scores a CPS step with -mean((x' - mu)^2): no 1/(2 s_t^2) factor, no constants."""
+    one = torch.ones(1, 1)
+    # mu = .8035534 (hand-worked above); x' = mu + .1 -> log p = -.01
+    out = sde.cps(0.5 * one, one, 0.5, 0.4, noise_level=0.5, prev_sample=torch.full((1, 1), 0.9035534))
+    assert out.log_prob.item() == pytest.approx(-0.01, abs=1e-6)
+    # the Gaussian option on the same transition: -.01 / (2 * .08) - log(.2828427) - .5 log(2 pi) = .2565
+    gauss = sde.cps(
+        0.5 * one, one, 0.5, 0.4, noise_level=0.5, prev_sample=torch.full((1, 1), 0.9035534), log_prob_form="gaussian"
+    )
+    assert gauss.log_prob.item() == pytest.approx(-0.0625 + 1.2628643 - 0.9189385, abs=1e-5)
+    # plain loop over elements on random inputs
+    a, b = _inputs((2, 3, 2, 2), seed=5)
+    noise = torch.randn((2, 3, 2, 2), generator=torch.Generator().manual_seed(6))
+    out = sde.cps(a, b, 0.7, 0.55, noise_level=0.5, noise=noise)
+    for i in range(2):
+        sq = []
+        for j in range(a[i].numel()):
+            mean_r, _ = ref_cps(a[i].flatten()[j].item(), b[i].flatten()[j].item(), 0.7, 0.55, 0.5)
+            sq.append((out.sample[i].flatten()[j].item() - mean_r) ** 2)
+        assert out.log_prob[i].item() == pytest.approx(-sum(sq) / len(sq), rel=1e-5, abs=1e-7)
+    with pytest.raises(ValueError, match="log_prob_form must be one of squared_error, gaussian"):
+        sde.cps(a, b, 0.7, 0.55, noise_level=0.5, log_prob_form="full")
 
 
 # ------------------------------------------------------------------------------- against the references

@@ -296,7 +296,7 @@ class DDIMPolicy(DenoisingPolicy):
                     ref_mean = sde.step(
                         "ddim", eps_ref, x, ab, abp, eta=self.eta, prev_sample=p["next_latents"][:, j]
                     ).mean
-                kls.append(mean_kl(out.mean, ref_mean, out.std))
+                kls.append(mean_kl(out.mean, ref_mean, out.kl_std))
         logp = torch.stack(logps, dim=1)
         kl = torch.stack(kls, dim=1) if with_kl else None
         return logp, kl

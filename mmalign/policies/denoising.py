@@ -53,12 +53,14 @@ def add_lora(denoiser: torch.nn.Module, lora: Any, all_linear: tuple[str, ...] |
     return True
 
 
-def mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
-    """Float[B]: KL between two Gaussian steps of equal std, ``||mu - mu_ref||^2 / (2 std^2)`` with the
-    squared distance averaged over the non-batch dims (ALGORITHMS.md, KL on step means). `std` is a
-    scalar or one value per sample."""
+def mean_kl(mean: Tensor, ref_mean: Tensor, kl_std: Tensor) -> Tensor:
+    """Float[B]: the KL on step means, ``||mu - mu_ref||^2 / (2 sigma_t^2)`` with the squared distance
+    averaged over the non-batch dims (ALGORITHMS.md; Flow-GRPO's training script). ``kl_std`` is the step's
+    noise scale sigma_t *without* the sqrt(|dt|) factor of the discretisation -- `mmalign.sde.StepOutput.kl_std`,
+    not ``.std`` -- so ``kl_coef`` values of the Flow-GRPO recipes mean the same here. A scalar or one value
+    per sample (any shape that broadcasts as [B, 1, ..., 1])."""
     diff = (mean - ref_mean) ** 2
-    std2 = (std**2).reshape(-1) if std.ndim else std**2
+    std2 = (kl_std**2).reshape(-1) if kl_std.ndim else kl_std**2
     return diff.mean(dim=tuple(range(1, diff.ndim))) / (2 * std2)
 
 
@@ -116,6 +118,22 @@ class DenoisingPolicy:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    # ------------------------------------------------------------------ checkpointed randomness
+    def rng_state(self) -> dict[str, Tensor]:
+        """The state of the policy's private generator (``seed``), which the trainer writes into every
+        checkpoint (per process) so that a resumed run draws the same noise as an uninterrupted one."""
+        return {"generator": self.generator.get_state()} if self.generator is not None else {}
+
+    def load_rng_state(self, state: dict[str, Tensor]) -> None:
+        """Restore `rng_state`; a checkpoint of a policy without a private generator restores nothing."""
+        if self.generator is not None and "generator" in state:
+            self.generator.set_state(state["generator"])
+        elif self.generator is not None:
+            raise ValueError(
+                "the checkpoint holds no state of the policy's seeded generator (written by a run without a "
+                "policy seed?); resume with the same configuration it was written with"
+            )
 
     # ------------------------------------------------------------------ trained steps
     def _num_trainable_steps(self) -> int:

@@ -3,10 +3,16 @@
 - `rollout` encodes each distinct prompt once, draws initial latents (optionally the same noise for
   every member of a group), and integrates from sigma = 1 to 0 over the scheduler's `num_steps`
   sigmas.
+- **Sigma schedule** (`sigmas`): SD3 / SD3.5 use the schedule of diffusers' ``StableDiffusion3Pipeline``
+  (and Flow-GRPO): ``scheduler.set_timesteps(num_steps)`` with no explicit sigmas, i.e. timesteps evenly
+  spaced between the scheduler's sigma_max and sigma_min, then shifted. At 10 steps and shift 3 the
+  last stochastic step runs 0.0089 -> 0. (`FluxPolicy` overrides this with Flux's
+  shift(linspace(1, 1/n, n)) and its resolution-dependent shift.)
 - **Step kinds** (``sde_kind``, dispatched through `mmalign.sde.step`): ``flow_sde`` (Flow-GRPO, the
   default), ``cps`` (coefficients-preserving sampling) and ``dance`` (DanceGRPO). ``noise_level`` is
   each kind's noise knob: the noise level a of ``flow_sde`` (a > 0) and ``cps`` (a in (0, 1]), the eta
-  of ``dance`` (eta > 0).
+  of ``dance`` (eta > 0). ``cps_log_prob`` chooses how a CPS step is scored: ``squared_error`` (default,
+  Flow-GRPO's -mean((x' - mu)^2)) or ``gaussian`` (the full log-density; see `mmalign.sde`).
 - **Zero-std steps.** A step whose std is 0 has no log-density (`mmalign.sde` raises on it): CPS's final
   step to sigma' = 0 (std = sigma' sin(a pi / 2) = 0). Such steps always run as deterministic Euler ODE
   steps x + v dt (for CPS the same as its mean at sigma' = 0, x - sigma v = x0_hat) and are never trained:
@@ -42,8 +48,9 @@
   (``next_latents``), sigma and sigma' and the step index, plus the prompt embeddings; `evaluate`
   re-scores the stored transitions with grad (``prev_sample`` = stored x_{t+1}) so with unchanged
   weights exp(logp - logp_old) = 1.
-- KL (optional, ``need_reference``): per step ||mu_theta - mu_ref||^2 / (2 std_t^2) averaged over
-  the latent dims (std_t the step's full std). The reference is the same transformer with its LoRA
+- KL (optional, ``need_reference``): per step ||mu_theta - mu_ref||^2 / (2 sigma_t^2) averaged over
+  the latent dims, sigma_t the step's noise scale without the sqrt(|dt|) factor (`StepOutput.kl_std`), as
+  Flow-GRPO computes it. The reference is the same transformer with its LoRA
   adapter disabled under LoRA (``lora.enabled``), else a frozen copy.
 - Text encoders: `mmalign.tiny_flow.SD3Components` -- the real SD3 / SD3.5 layout (two CLIPs + optional
   T5, prompt embeddings exactly as diffusers' ``StableDiffusion3Pipeline``; ``max_sequence_length`` is
@@ -64,7 +71,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -80,7 +86,22 @@ LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", 
 SDE_KINDS = ("flow_sde", "cps", "dance")
 """Step kinds a FlowPolicy samples with (`mmalign.sde` functions of the flow-matching convention)."""
 
+CPS_LOG_PROBS = sde.LOG_PROB_FORMS
+"""How a ``cps`` step is scored: ``squared_error`` (Flow-GRPO, default) or ``gaussian``."""
+
 WINDOW_MODES = ("random", "sliding")
+
+def calculate_mu(image_seq_len: int, scheduler_config: Any, *, default_max_shift: float = 1.15) -> float:
+    """The dynamic-shift parameter mu for `image_seq_len` latent tokens: linear in the token count through
+    (``base_image_seq_len``, ``base_shift``) and (``max_image_seq_len``, ``max_shift``) of the scheduler
+    config, with diffusers' defaults 256 -> 0.5 and 4096 -> `default_max_shift` where a key is missing
+    (FluxPipeline: 1.15, StableDiffusion3Pipeline: 1.16)."""
+    get = scheduler_config.get
+    n0, n1 = get("base_image_seq_len", 256), get("max_image_seq_len", 4096)
+    s0, s1 = get("base_shift", 0.5), get("max_shift", default_max_shift)
+    slope = (s1 - s0) / (n1 - n0)
+    return image_seq_len * slope + (s0 - slope * n0)  # (this operation order matches the pipelines' bitwise)
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -117,9 +138,13 @@ class FlowPolicy(DenoisingPolicy):
         text_encoder_3: torch.nn.Module | None = None,
         tokenizer_3: Any = None,
         max_sequence_length: int = 256,
+        cps_log_prob: str = "squared_error",
     ) -> None:
         from mmalign.tiny_flow import SD3Components
 
+        if cps_log_prob not in CPS_LOG_PROBS:
+            raise ValueError(f"cps_log_prob must be one of {', '.join(CPS_LOG_PROBS)}; got {cps_log_prob!r}")
+        self.cps_log_prob = cps_log_prob
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         if sde_kind not in SDE_KINDS:
@@ -232,8 +257,14 @@ class FlowPolicy(DenoisingPolicy):
         return torch.stack([x[0] for x in pairs]), torch.stack([x[1] for x in pairs])  # type: ignore[index]
 
     def sigmas(self) -> Tensor:
-        """Float[num_steps + 1]: the scheduler's (shifted) sigmas from 1 down to 0, fp32 on CPU."""
-        self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / self.num_steps, self.num_steps).tolist())
+        """Float[num_steps + 1]: the scheduler's (shifted) sigmas from 1 down to 0, fp32 on CPU, as diffusers'
+        ``StableDiffusion3Pipeline`` sets them: ``set_timesteps(num_steps)`` without explicit sigmas."""
+        if self.scheduler.config.get("use_dynamic_shifting", False):  # as the SD3 pipeline: mu from the token count
+            patch = int(getattr(self.model.config, "patch_size", 1) or 1)
+            mu = calculate_mu((self.latent_size // patch) ** 2, self.scheduler.config, default_max_shift=1.16)
+            self.scheduler.set_timesteps(self.num_steps, mu=mu)
+        else:
+            self.scheduler.set_timesteps(self.num_steps)
         return self.scheduler.sigmas.detach().to("cpu", torch.float32)
 
     def _stochastic_steps(self, sig: Tensor) -> list[int]:
@@ -287,7 +318,7 @@ class FlowPolicy(DenoisingPolicy):
         if self.sde_kind == "flow_sde":
             opts: dict[str, Any] = {"noise_level": self.noise_level, "sigma_max_fallback": fallback}
         elif self.sde_kind == "cps":
-            opts = {"noise_level": self.noise_level}
+            opts = {"noise_level": self.noise_level, "log_prob_form": self.cps_log_prob}
         else:  # dance
             opts = {"eta": self.noise_level}
         return sde.step(self.sde_kind, v, x, s, sn, **opts, **kw)
@@ -368,7 +399,7 @@ class FlowPolicy(DenoisingPolicy):
                     ref_mean = self._step(
                         v_ref, x, s, sn, p["sigma_max_fallback"], prev_sample=p["next_latents"][:, j]
                     ).mean
-                kls.append(mean_kl(out.mean, ref_mean, out.std))
+                kls.append(mean_kl(out.mean, ref_mean, out.kl_std))
         logp = torch.stack(logps, dim=1)
         kl = torch.stack(kls, dim=1) if with_kl else None
         return logp, kl

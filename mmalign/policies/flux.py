@@ -52,7 +52,7 @@ from torch import Tensor
 
 from mmalign.config import LoraConfig
 from mmalign.policies.denoising import add_lora
-from mmalign.policies.flow import _DTYPES, FlowPolicy
+from mmalign.policies.flow import _DTYPES, FlowPolicy, calculate_mu
 
 __all__ = ["FLUX_LORA_TARGETS", "FluxPolicy", "flow_policy_class", "calculate_mu", "latent_image_ids", "pack_latents", "unpack_latents"]
 
@@ -80,17 +80,6 @@ def latent_image_ids(rows: int, cols: int, device: torch.device | str = "cpu", d
     r = torch.arange(rows).repeat_interleave(cols)
     c = torch.arange(cols).repeat(rows)
     return torch.stack([torch.zeros_like(r), r, c], dim=1).to(device=device, dtype=dtype)
-
-
-def calculate_mu(image_seq_len: int, scheduler_config: Any) -> float:
-    """The dynamic-shift parameter mu for `image_seq_len` packed tokens: linear in the token count through
-    (``base_image_seq_len``, ``base_shift``) and (``max_image_seq_len``, ``max_shift``) of the scheduler
-    config (Flux's defaults 256 -> 0.5 and 4096 -> 1.15 where a key is missing)."""
-    get = scheduler_config.get
-    n0, n1 = get("base_image_seq_len", 256), get("max_image_seq_len", 4096)
-    s0, s1 = get("base_shift", 0.5), get("max_shift", 1.15)
-    slope = (s1 - s0) / (n1 - n0)
-    return image_seq_len * slope + (s0 - slope * n0)  # (this operation order matches FluxPipeline's bitwise)
 
 
 class FluxPolicy(FlowPolicy):
