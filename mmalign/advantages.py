@@ -22,6 +22,13 @@ Conventions shared by all estimators:
 - Options are keyword-only. An unknown option raises ``TypeError`` naming the estimator and the
   option; a bad value raises ``ValueError``.
 
+Per-sample action counts: an estimator that takes the keyword ``num_actions`` (Long/Float[B], each
+sample's number of valid actions: response tokens for text, trained denoising steps for diffusion)
+gets it from the trainer (``num_actions = rollout.mask.sum(1)`` of the same, global, batch).
+:func:`accepts_num_actions` tells which estimators take it (only ``reinforce_pp``, which uses it
+with ``whiten_over="tokens"``); it is a per-batch input, not a config option, so :func:`options`
+does not list it.
+
 Registry metadata: ``extra_samples`` (how many samples per prompt the rollout must draw on top of
 G, read with :func:`extra_samples`) and ``loss_sample_mask`` (a function with the estimator's
 signature returning Bool[B], False for samples that must not enter the loss; read with
@@ -44,6 +51,12 @@ Estimator = Callable[..., Tensor]
 Weights = Sequence[float] | Tensor | None
 
 REGISTRY: Registry[Estimator] = Registry("advantage estimator")
+
+# Keyword inputs an estimator may take that are per-batch data supplied by the trainer, not config options.
+_BATCH_INPUTS = frozenset({"num_actions"})
+
+# reinforce_pp: what the batch whitening runs over
+_WHITEN_OVER = ("samples", "tokens")
 
 # |A| at or below this counts as zero when mc_grpo rescales the non-zero advantages of a group
 # (the reference implementation uses torch.isclose(A, 0, atol=1e-6)).
@@ -92,10 +105,26 @@ def describe(name: str) -> str:
 
 
 def options(name: str) -> dict[str, Any]:
-    """The options an estimator accepts, with their defaults (for config validation)."""
+    """The options an estimator accepts, with their defaults (for config validation).
+
+    Per-batch inputs the trainer supplies (``num_actions``) are not config options and are not listed.
+    """
     fn = inspect.unwrap(REGISTRY.get(name))
     params = list(inspect.signature(fn).parameters.values())[2:]
-    return {p.name: p.default for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return {
+        p.name: p.default
+        for p in params
+        if p.kind is not inspect.Parameter.VAR_KEYWORD and p.name not in _BATCH_INPUTS
+    }
+
+
+def accepts_num_actions(name: str) -> bool:
+    """True when the estimator registered under ``name`` takes the keyword ``num_actions``.
+
+    The trainer passes ``num_actions`` (each sample's number of valid actions) only to these
+    estimators, and with the same options to :func:`loss_sample_mask`.
+    """
+    return "num_actions" in _options_of(REGISTRY.get(name))
 
 
 def extra_samples(name: str) -> int:
@@ -229,13 +258,26 @@ def _safe_div(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
-def _whiten(x: Tensor, sel: Tensor, eps: float) -> Tensor:
-    """(x - mean) / (std + eps) over the selected entries (unbiased std); 0 elsewhere or if < 2 selected."""
+def _whiten(x: Tensor, sel: Tensor, eps: float, count: Tensor | None = None) -> Tensor:
+    """(x - mean) / (std + eps) over the selected entries (unbiased std); 0 elsewhere or if < 2 selected.
+
+    With ``count`` (Float[B], >= 0) entry i counts ``count_i`` times, as if repeated once per action:
+    N = sum_sel count_i, mean = sum_sel count_i x_i / N, var = sum_sel count_i (x_i - mean)^2 / (N - 1);
+    entries with count 0 get 0, and everything is 0 when N < 2.
+    """
     zero = torch.zeros_like(x)
-    cnt = sel.sum().to(x.dtype)
-    mu = torch.where(sel, x, zero).sum() / cnt.clamp(min=1)
-    dev = torch.where(sel, x - mu, zero)
-    sd = ((dev * dev).sum() / (cnt - 1).clamp(min=1)).sqrt()
+    if count is None:
+        cnt = sel.sum().to(x.dtype)
+        mu = torch.where(sel, x, zero).sum() / cnt.clamp(min=1)
+        dev = torch.where(sel, x - mu, zero)
+        sd = ((dev * dev).sum() / (cnt - 1).clamp(min=1)).sqrt()
+    else:
+        w = torch.where(sel, count, zero)
+        sel = sel & (w > 0)
+        cnt = w.sum()
+        mu = (w * x).sum() / cnt.clamp(min=1)
+        dev = torch.where(sel, x - mu, zero)
+        sd = ((w * dev * dev).sum() / (cnt - 1).clamp(min=1)).sqrt()
     out = _safe_div(x - mu, (sd + eps).expand_as(x))
     return torch.where(sel & (cnt >= 2), out, zero)
 
@@ -255,6 +297,26 @@ def _group_lower_median(x: Tensor, sel: Tensor, gid: Tensor, n_groups: int) -> t
     pos = start + (n - 1).clamp(min=0) // 2
     med = key[order][pos]
     return torch.where(n > 0, med, torch.zeros_like(med)), n
+
+
+def _num_actions(name: str, num_actions: Tensor | Sequence[float], like: Tensor) -> Tensor:
+    """Validated per-sample action counts as Float[B] in ``like``'s dtype and device."""
+    n = torch.as_tensor(num_actions, device=like.device)
+    if n.dtype == torch.bool or n.dtype.is_complex:
+        raise ValueError(f"{name}: num_actions must be a Long or Float tensor of counts, got {n.dtype}")
+    if n.dim() != 1 or n.shape[0] != like.shape[0]:
+        raise ValueError(
+            f"{name}: num_actions must be Long/Float[B] with B={like.shape[0]} (one count per sample), "
+            f"got shape {tuple(n.shape)}"
+        )
+    n = n.to(like.dtype)
+    if not torch.isfinite(n).all():
+        raise ValueError(f"{name}: num_actions must be finite")
+    if (n < 0).any():
+        raise ValueError(
+            f"{name}: num_actions must be >= 0 (counts of valid actions), got {n.min().item()!r}"
+        )
+    return n
 
 
 def _check_eps(name: str, eps: float) -> float:
@@ -314,18 +376,56 @@ def rloo(rewards: Tensor, group: Tensor, *, weights: Weights = None) -> Tensor:
 
 
 @register("reinforce_pp")
-def reinforce_pp(rewards: Tensor, group: Tensor, *, weights: Weights = None, eps: float = 1e-4) -> Tensor:
+def reinforce_pp(
+    rewards: Tensor,
+    group: Tensor,
+    *,
+    weights: Weights = None,
+    eps: float = 1e-4,
+    whiten_over: str = "samples",
+    num_actions: Tensor | None = None,
+) -> Tensor:
     """REINFORCE++ (baseline): whiten over the batch the group-centred rewards r_i - mean_g r.
 
-    Whitening = (x - mean) / (std + eps) with the unbiased std, taken over the samples that are
-    valid and whose group has >= 2 valid samples; every other sample gets 0.
+    x_i = r_i - mean_g r for the eligible samples E: valid reward and >= 2 valid samples in the group
+    (mean_g over the group's valid samples). Every other sample gets 0. Then, over E:
+
+    - ``whiten_over="samples"`` (default): each sample counts once. With M = |E|,
+      mu = sum_E x_i / M, var = sum_E (x_i - mu)^2 / (M - 1), A_i = (x_i - mu) / (sqrt(var) + eps);
+      all 0 when M < 2.
+    - ``whiten_over="tokens"`` (verl's REINFORCE++-baseline): each sample counts once per valid
+      action, so longer answers weigh more in the mean and the variance. Needs ``num_actions``
+      (Long/Float[B], n_i >= 0; the trainer passes it). With N = sum_E n_i,
+      mu = sum_E n_i x_i / N, var = sum_E n_i (x_i - mu)^2 / (N - 1) (Bessel over the action
+      count), A_i = (x_i - mu) / (sqrt(var) + eps); samples with n_i = 0 get 0 (they still enter
+      their group's mean), and all are 0 when N < 2. The result is still Float[B]: A_i is the
+      constant advantage of every action of sample i, as in verl's per-token tensor.
+
+    Differences from verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage``: the
+    division is by sqrt(var) + eps (the convention of every estimator here) instead of
+    rsqrt(var + 1e-8), and singleton / NaN-reward samples get 0 and stay out of the statistics
+    (verl keeps a singleton group's raw score and counts its tokens). With all n_i = n the two modes
+    differ only in the Bessel factor: for eps = 0, A_tokens = A_samples * sqrt((n M - 1) / (n (M - 1))).
+
+    ``num_actions`` is validated (shape [B], finite, >= 0) whenever given, and ignored by
+    ``whiten_over="samples"``.
     """
     eps = _check_eps("reinforce_pp", eps)
+    if whiten_over not in _WHITEN_OVER:
+        raise ValueError(
+            f"reinforce_pp: whiten_over must be {' or '.join(map(repr, _WHITEN_OVER))}, got {whiten_over!r}"
+        )
     r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    count = None if num_actions is None else _num_actions("reinforce_pp", num_actions, r)
+    if whiten_over == "tokens" and count is None:
+        raise ValueError(
+            "reinforce_pp with whiten_over='tokens' needs num_actions (each sample's number of valid "
+            "actions); the trainer passes it"
+        )
     n, mean, _ = _group_stats(r, valid, gid, n_groups)
     eligible = valid & (n[gid] >= 2)
     x = torch.where(eligible, r - mean[gid], torch.zeros_like(r))
-    return _whiten(x, eligible, eps)
+    return _whiten(x, eligible, eps, count if whiten_over == "tokens" else None)
 
 
 @register("gdpo")

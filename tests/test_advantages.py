@@ -96,7 +96,8 @@ def ref_rloo(rows, gids, weights):
     return out
 
 
-def ref_reinforce_pp(rows, gids, weights, eps=1e-4):
+def ref_centred(rows, gids, weights):
+    """(x, selected): x_i = r_i - group mean for samples of groups with >= 2 valid samples."""
     r = ref_totals(rows, weights)
     x = [0.0] * len(r)
     selected = []
@@ -108,7 +109,51 @@ def ref_reinforce_pp(rows, gids, weights, eps=1e-4):
         for i in members:
             x[i] = r[i] - mean
             selected.append(i)
-    return ref_whiten(x, sorted(selected), eps)
+    return x, sorted(selected)
+
+
+def ref_reinforce_pp(rows, gids, weights, eps=1e-4, whiten_over="samples"):
+    assert whiten_over == "samples"
+    x, selected = ref_centred(rows, gids, weights)
+    return ref_whiten(x, selected, eps)
+
+
+def ref_reinforce_pp_tokens(rows, gids, weights, counts, eps=1e-4):
+    """Weighted plain loop from the formula: sample i counts counts[i] times (N = sum, Bessel N - 1)."""
+    x, selected = ref_centred(rows, gids, weights)
+    out = [0.0] * len(x)
+    total = 0.0
+    for i in selected:
+        total += counts[i]
+    if total < 2:
+        return out
+    mu = 0.0
+    for i in selected:
+        mu += counts[i] * x[i]
+    mu /= total
+    ss = 0.0
+    for i in selected:
+        ss += counts[i] * (x[i] - mu) ** 2
+    sd = math.sqrt(ss / (total - 1))
+    for i in selected:
+        if counts[i] > 0 and sd + eps > 0:
+            out[i] = (x[i] - mu) / (sd + eps)
+    return out
+
+
+def ref_reinforce_pp_verl_tokens(rows, gids, weights, counts, eps=1e-4):
+    """verl's construction for integer counts: broadcast x_i to each of its counts[i] tokens, whiten the
+    flat token list (statistics.stdev = Bessel over the token count), read back one value per sample."""
+    x, selected = ref_centred(rows, gids, weights)
+    tokens = [x[i] for i in selected for _ in range(counts[i])]
+    out = [0.0] * len(x)
+    if len(tokens) < 2:
+        return out
+    mu, sd = statistics.fmean(tokens), statistics.stdev(tokens)
+    for i in selected:
+        if counts[i] > 0 and sd + eps > 0:
+            out[i] = (x[i] - mu) / (sd + eps)
+    return out
 
 
 def ref_gdpo(rows, gids, weights, eps=1e-4):
@@ -231,7 +276,7 @@ OPTION_SETS = {
     "grpo": [{}, {"std": "batch"}, {"std": "none"}, {"eps": 0.0}],
     "dr_grpo": [{}],
     "rloo": [{}],
-    "reinforce_pp": [{}, {"eps": 1e-2}],
+    "reinforce_pp": [{}, {"eps": 1e-2}, {"whiten_over": "samples"}],
     "gdpo": [{}, {"eps": 1e-3}],
     "mc_grpo": [{}, {"mad_eps": 0.05}],
     "ngrpo": [{}, {"k": 2, "r_max": 2.0}, {"k": 0}],
@@ -376,6 +421,28 @@ def test_reinforce_pp_hand_worked():
     torch.testing.assert_close(a, torch.tensor([1.224446, -1.224446, 0.0, 0.0]), atol=1e-5, rtol=0)
 
 
+def test_reinforce_pp_tokens_hand_worked():
+    # groups [1, 0] and [3, 1] with lengths [1, 3, 2, 2]: centred x = [0.5, -0.5, 1, -1]
+    # N = 1 + 3 + 2 + 2 = 8; token mean mu = (0.5*1 - 0.5*3 + 1*2 - 1*2) / 8 = -1/8 = -0.125
+    # x - mu = [0.625, -0.375, 1.125, -0.875]; squares [0.390625, 0.140625, 1.265625, 0.765625]
+    # sum n (x - mu)^2 = 0.390625 + 3*0.140625 + 2*1.265625 + 2*0.765625 = 4.875
+    # var = 4.875 / (8 - 1) = 0.6964285714, std = 0.8345229603
+    # A = (x - mu) / (0.8345229603 + 1e-4) = [0.7488, -0.4493, 1.3479, -1.0484]
+    r, g = torch.tensor([1.0, 0.0, 3.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    n = torch.tensor([1, 3, 2, 2])
+    sd = math.sqrt(4.875 / 7)
+    assert abs(sd - 0.8345229603) < 1e-9
+    want = torch.tensor([0.625, -0.375, 1.125, -0.875]) / (sd + 1e-4)
+    torch.testing.assert_close(want, torch.tensor([0.74883, -0.44930, 1.34790, -1.04836]), atol=1e-4, rtol=0)
+    a = adv.reinforce_pp(r, g, whiten_over="tokens", num_actions=n)
+    torch.testing.assert_close(a, want, atol=1e-6, rtol=0)
+    # the same batch whitened over samples: mu = 0, var = (0.25 + 0.25 + 1 + 1) / 3 = 5/6, std 0.9128709
+    # A = [0.5, -0.5, 1, -1] / (0.9128709 + 1e-4) = [0.54766, -0.54766, 1.09533, -1.09533]
+    s = adv.reinforce_pp(r, g, num_actions=n)  # num_actions is ignored by the default "samples"
+    torch.testing.assert_close(s, torch.tensor([0.54766, -0.54766, 1.09533, -1.09533]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(adv.reinforce_pp(r, g), s, atol=0, rtol=0)
+
+
 def test_gdpo_hand_worked():
     # one group, comp1 [1,0,0], comp2 [0,0,1]: each has mean 1/3, unbiased std 0.57735;
     # A_hat1 = [0.6667, -0.3333, -0.3333] / 0.57745 = [1.15450, -0.57725, -0.57725], A_hat2 mirrored;
@@ -451,6 +518,156 @@ def test_a_grae_hand_worked():
     want = [0.22496] * 3 + [-0.74985] + [-0.74985] * 3 + [2.02460]
     torch.testing.assert_close(a, torch.tensor(want), atol=1e-4, rtol=0)
     assert "our design" in adv.describe("a_grae")
+
+
+# =========================================================================== reinforce_pp whiten_over="tokens"
+
+
+def _random_counts(rng: random.Random, b: int) -> list[int]:
+    return [rng.choice([0, 1, 2, 5, 17, 40]) if rng.random() < 0.15 else rng.randint(1, 60) for _ in range(b)]
+
+
+def test_reinforce_pp_tokens_matches_plain_python_references():
+    rng = random.Random(21)
+    for case_idx, (rows, gids, weights, _k) in enumerate(random_cases(seed=23, n=60)):
+        counts = _random_counts(rng, len(gids))
+        r, g = to_tensors(rows, gids, k_dim=True)
+        for eps in (1e-4, 1e-2, 0.0):
+            n = torch.tensor(counts, dtype=torch.long if case_idx % 2 else torch.float64)
+            got = adv.reinforce_pp(r, g, weights=weights, eps=eps, whiten_over="tokens", num_actions=n)
+            want = ref_reinforce_pp_tokens(rows, gids, weights, counts, eps=eps)
+            verl = ref_reinforce_pp_verl_tokens(rows, gids, weights, counts, eps=eps)
+            assert got.dtype == torch.float64 and torch.isfinite(got).all()
+            torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(got, torch.tensor(verl, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+            # samples mode ignores num_actions and matches its own reference
+            got_s = adv.reinforce_pp(r, g, weights=weights, eps=eps, whiten_over="samples", num_actions=n)
+            want_s = ref_reinforce_pp(rows, gids, weights, eps=eps)
+            torch.testing.assert_close(got_s, torch.tensor(want_s, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+
+
+def test_reinforce_pp_tokens_nan_reward_singleton_group_and_zero_counts():
+    # group 7: [1, NaN, 0, 1] (NaN excluded); group 3: singleton [5] (ineligible); group 2: [2, 0] where
+    # the 0-reward sample has no actions: it still sets the group mean (1) but gets 0 and no weight.
+    rows = [[1.0], [NAN], [0.0], [1.0], [5.0], [2.0], [0.0]]
+    gids = [7, 7, 7, 7, 3, 2, 2]
+    counts = [4, 9, 1, 6, 30, 3, 0]
+    r, g = to_tensors(rows, gids, k_dim=False)
+    for eps in (1e-4, 0.0):
+        a = adv.reinforce_pp(r, g, eps=eps, whiten_over="tokens", num_actions=torch.tensor(counts))
+        want = ref_reinforce_pp_tokens(rows, gids, [1.0], counts, eps=eps)
+        verl = ref_reinforce_pp_verl_tokens(rows, gids, [1.0], counts, eps=eps)
+        assert all(abs(u - v) < 1e-12 for u, v in zip(want, verl, strict=True))
+        torch.testing.assert_close(a, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+        assert a[1] == 0 and a[4] == 0 and a[6] == 0 and (a[[0, 2, 3, 5]] != 0).all()
+    # float32 input: float32 output, close to the float64 reference
+    a32 = adv.reinforce_pp(r.float(), g, whiten_over="tokens", num_actions=torch.tensor(counts))
+    assert a32.dtype == torch.float32
+    torch.testing.assert_close(
+        a32, torch.tensor(ref_reinforce_pp_tokens(rows, gids, [1.0], counts), dtype=torch.float32)
+    )
+    # fewer than 2 actions in the eligible samples (N < 2): all 0; one eligible sample with actions: 0
+    two = torch.tensor([1.0, 0.0])
+    zero2 = torch.zeros(2)
+    assert torch.equal(
+        adv.reinforce_pp(two, torch.tensor([0, 0]), whiten_over="tokens", num_actions=[1, 0]), zero2
+    )
+    assert torch.equal(
+        adv.reinforce_pp(two, torch.tensor([0, 0]), whiten_over="tokens", num_actions=[5, 0]), zero2
+    )
+    assert torch.equal(
+        adv.reinforce_pp(two, torch.tensor([0, 0]), whiten_over="tokens", num_actions=[0, 0]), zero2
+    )
+    # an empty batch
+    e = adv.reinforce_pp(
+        torch.zeros(0), torch.zeros(0, dtype=torch.long), whiten_over="tokens", num_actions=[]
+    )
+    assert e.shape == (0,)
+
+
+def test_reinforce_pp_tokens_with_equal_counts_vs_samples():
+    """All n_i = n, M eligible samples: same mean; var_tokens = n * S / (n M - 1), var_samples = S / (M - 1)
+    with S = sum (x_i - mu)^2. So n = 1 gives exactly the samples result (any eps), and for eps = 0
+    A_tokens = A_samples * sqrt((n M - 1) / (n (M - 1))), which tends to sqrt(M / (M - 1)) (whitening by
+    the population std) as n grows."""
+    rng = random.Random(5)
+    for rows, gids, weights, _k in random_cases(seed=31, n=30):
+        r, g = to_tensors(rows, gids, k_dim=True)
+        _x, selected = ref_centred(rows, gids, weights)
+        m = len(selected)
+        for eps in (1e-4, 0.0):
+            samples = adv.reinforce_pp(r, g, weights=weights, eps=eps)
+            ones = adv.reinforce_pp(
+                r, g, weights=weights, eps=eps, whiten_over="tokens", num_actions=torch.ones(len(gids))
+            )
+            torch.testing.assert_close(ones, samples, rtol=1e-12, atol=1e-12)
+        if m < 2:
+            continue
+        n = rng.randint(2, 50)
+        samples = adv.reinforce_pp(r, g, weights=weights, eps=0.0)
+        tokens = adv.reinforce_pp(
+            r, g, weights=weights, eps=0.0, whiten_over="tokens", num_actions=torch.full((len(gids),), n)
+        )
+        factor = math.sqrt((n * m - 1) / (n * (m - 1)))
+        assert factor > 1
+        torch.testing.assert_close(tokens, samples * factor, rtol=1e-9, atol=1e-9)
+
+
+def test_reinforce_pp_tokens_permutation_equivariant():
+    rng = random.Random(8)
+    rows, gids, weights = random_batch(rng, 2, discrete=False, nan_frac=0.1)
+    counts = torch.tensor(_random_counts(rng, len(gids)))
+    r, g = to_tensors(rows, gids, k_dim=True)
+    base = adv.reinforce_pp(r, g, weights=weights, whiten_over="tokens", num_actions=counts)
+    perm = torch.randperm(len(gids), generator=torch.Generator().manual_seed(1))
+    got = adv.reinforce_pp(r[perm], g[perm], weights=weights, whiten_over="tokens", num_actions=counts[perm])
+    torch.testing.assert_close(got, base[perm])
+
+
+def test_reinforce_pp_whiten_over_errors():
+    r, g = torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 0])
+    with pytest.raises(ValueError, match=r"whiten_over must be 'samples' or 'tokens', got 'token'"):
+        adv.reinforce_pp(r, g, whiten_over="token")
+    with pytest.raises(
+        ValueError,
+        match=r"reinforce_pp with whiten_over='tokens' needs num_actions \(each sample's number of valid "
+        r"actions\); the trainer passes it",
+    ):
+        adv.reinforce_pp(r, g, whiten_over="tokens")
+    with pytest.raises(ValueError, match=r"num_actions must be Long/Float\[B\] with B=3.*\(2,\)"):
+        adv.reinforce_pp(r, g, whiten_over="tokens", num_actions=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"num_actions must be Long/Float\[B\].*\(3, 1\)"):
+        adv.reinforce_pp(r, g, whiten_over="tokens", num_actions=torch.ones(3, 1))
+    with pytest.raises(ValueError, match="num_actions must be >= 0"):
+        adv.reinforce_pp(r, g, whiten_over="tokens", num_actions=torch.tensor([3, -1, 2]))
+    with pytest.raises(ValueError, match="num_actions must be finite"):
+        adv.reinforce_pp(r, g, whiten_over="tokens", num_actions=torch.tensor([3.0, NAN, 2.0]))
+    with pytest.raises(ValueError, match="num_actions must be a Long or Float"):
+        adv.reinforce_pp(r, g, whiten_over="tokens", num_actions=torch.tensor([True, False, True]))
+    # num_actions is validated even when whiten_over="samples" ignores it
+    with pytest.raises(ValueError, match="num_actions must be >= 0"):
+        adv.reinforce_pp(r, g, num_actions=torch.tensor([3, -1, 2]))
+
+
+def test_accepts_num_actions_and_trainer_call_paths():
+    assert adv.accepts_num_actions("reinforce_pp") is True
+    assert adv.accepts_num_actions("grpo") is False
+    assert {name for name in ALL_ESTIMATORS if adv.accepts_num_actions(name)} == {"reinforce_pp"}
+    with pytest.raises(RegistryError):
+        adv.accepts_num_actions("grpoo")
+    # num_actions is a per-batch input, not a config option
+    assert adv.options("reinforce_pp") == {"weights": None, "eps": 1e-4, "whiten_over": "samples"}
+    # the trainer's calls: estimator(rewards, group, **opts) and loss_sample_mask(name, rewards, group, **opts)
+    r, g = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]), torch.tensor([0, 0, 0])
+    opts = {"weights": [1.0, 2.0], "whiten_over": "tokens", "num_actions": torch.tensor([3, 1, 2])}
+    assert adv.get("reinforce_pp")(r, g, **opts).shape == (3,)
+    keep = adv.loss_sample_mask("reinforce_pp", r, g, **opts)
+    assert keep.dtype == torch.bool and keep.all()
+    # estimators that do not take it reject it (so the trainer must ask accepts_num_actions first)
+    with pytest.raises(TypeError, match="grpo.*num_actions"):
+        adv.get("grpo")(r, g, num_actions=torch.tensor([3, 1, 2]))
+    with pytest.raises(TypeError, match="mc_grpo.*num_actions"):
+        adv.loss_sample_mask("mc_grpo", r, g, num_actions=torch.tensor([3, 1, 2]))
 
 
 # =========================================================================== API, errors, invariants
