@@ -13,7 +13,8 @@ Run directory (``output_dir``): ``config.yaml``, ``metrics.jsonl`` (one JSON obj
 ``samples/step_XXXXXX.jsonl`` (prompts, outputs, each reward, advantage; with images also
 ``samples/step_XXXXXX/*.png``, each row's ``image`` the PNG's path relative to ``samples/``),
 ``checkpoints/step_XXXXXX/``
-(trainable weights, optimizer, scheduler, RNG of each process, sampler and filter state) and
+(trainable weights, optimizer, scheduler, RNG of each process -- the global ones and the policy's own
+generators -- sampler and filter state) and
 ``final/`` (the trained model or adapter, `from_pretrained`-loadable).
 """
 
@@ -70,13 +71,20 @@ def set_seed(seed: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The global RNGs of this process: Python, NumPy, torch's CPU generator and (when CUDA is in use) every
+    CUDA device's generator."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -121,6 +129,8 @@ class GroupTrainer:
                 f"the number of processes ({self.world})"
             )
         self.estimator = adv_lib.get(a.estimator)
+        self.estimator_takes_lengths = adv_lib.accepts_num_actions(a.estimator)
+        """The estimator weighs samples by their number of actions (e.g. reinforce_pp over tokens)."""
         self.extra_samples = adv_lib.extra_samples(a.estimator)
         self.loss_fn = loss_lib.get(a.loss)
         try:
@@ -243,8 +253,9 @@ class GroupTrainer:
     def _gather(self, x: Tensor) -> Tensor:
         return self.accelerator.gather(x.contiguous()) if self.world > 1 else x
 
-    def _generate_round(self) -> tuple[Rollout, Tensor, Tensor]:
-        """One round of sampling on this process; returns (local rollout, global rewards, global groups)."""
+    def _generate_round(self) -> tuple[Rollout, Tensor, Tensor, Tensor]:
+        """One round of sampling on this process; returns (local rollout, global rewards, global groups, global
+        numbers of valid actions per sample)."""
         pps = self.cfg.rollout.prompts_per_step
         idx = self.sampler.next_indices(pps)
         round_base = self._round * pps
@@ -266,19 +277,25 @@ class GroupTrainer:
         rollout.rewards = rewards
         rollout.reward_names = list(self.reward_set.names)
         g_rewards, g_group = self._gather(rewards), self._gather(rollout.group)
+        g_actions = self._gather(rollout.mask.sum(dim=1).to(rollout.group.device))
         # feedback for adaptive prompt samplers, from the GLOBAL batch so every rank's sampler agrees
         total = adv_lib.combine_rewards(g_rewards, self.reward_set.weights.tolist())
         ids, rates, counts = sampler_lib.group_successes(total, g_group, self.cfg.data.success_threshold)
         self.sampler.observe([idx[int(g) - round_base] for g in ids], rates, counts)
-        return rollout, g_rewards, g_group
+        return rollout, g_rewards, g_group, g_actions
 
-    def compute_advantages(self, rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
-        """Advantages and loss-sample mask of the GLOBAL batch (identical on every process)."""
+    def compute_advantages(
+        self, rewards: Tensor, group: Tensor, num_actions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Advantages and loss-sample mask of the GLOBAL batch (identical on every process). `num_actions`
+        (Long[B], valid actions per sample) reaches estimators that take it (`accepts_num_actions`)."""
         a = self.cfg.algorithm
         weights = self.reward_set.weights.tolist()
         opts = dict(a.estimator_kwargs)
         if rewards.dim() == 2:
             opts.setdefault("weights", weights)
+        if self.estimator_takes_lengths and num_actions is not None:
+            opts["num_actions"] = num_actions
         try:
             adv = self.estimator(rewards, group, **opts)
             keep = adv_lib.loss_sample_mask(a.estimator, rewards, group, **opts)
@@ -303,9 +320,9 @@ class GroupTrainer:
         all_rewards, all_groups, all_prompts = [], [], []
         for _ in range(rounds):
             t0 = time.perf_counter()
-            rollout, g_rewards, g_group = self._generate_round()
+            rollout, g_rewards, g_group, g_actions = self._generate_round()
             self._timers["rollout"] += time.perf_counter() - t0
-            adv, keep = self.compute_advantages(g_rewards, g_group)
+            adv, keep = self.compute_advantages(g_rewards, g_group, g_actions)
             n_local = len(rollout)
             rollout.advantages = self._local_slice(adv, n_local).to(rollout.mask.device)
             keep_local = self._local_slice(keep, n_local)
@@ -606,9 +623,10 @@ class GroupTrainer:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        torch.save(
-            {"rng": rng_state(), "shuffle_gen": self.shuffle_gen.get_state()}, tmp / f"rng_{self.rank}.pt"
-        )
+        rng = {"rng": rng_state(), "shuffle_gen": self.shuffle_gen.get_state()}
+        if hasattr(self.policy, "rng_state"):  # a policy's private generators (e.g. a seeded sampler's noise)
+            rng["policy"] = self.policy.rng_state()
+        torch.save(rng, tmp / f"rng_{self.rank}.pt")
         if self.is_main:
             state = self.policy.trainable_state_dict()
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "trainable.safetensors"))
@@ -660,6 +678,8 @@ class GroupTrainer:
         rng = torch.load(path / f"rng_{self.rank}.pt", weights_only=False)
         set_rng_state(rng["rng"])
         self.shuffle_gen.set_state(rng["shuffle_gen"])
+        if "policy" in rng and hasattr(self.policy, "load_rng_state"):
+            self.policy.load_rng_state(rng["policy"])
 
 
 class _nullcontext:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from mmalign.config import Config, ConfigError, register_options
 from mmalign.data import load_rows
+from mmalign.rundir import check_reward_specs
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
 from rewards import RewardSet
@@ -111,7 +112,8 @@ def _rows(cfg: Config, o: SafeDiffusionOptions, files: dict[str, list[str]], dat
 def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
     """The DDIM or flow policy of `cfg.model` with the sampling options of `o`. The sampler draws its noise
     from a private generator seeded with ``seed`` + the process rank (every process samples different
-    noise); its state is not checkpointed, so a resumed run samples other noise than an uninterrupted one."""
+    noise); the trainer saves its state in every checkpoint, so a resumed run draws the same noise as an
+    uninterrupted one."""
     m = cfg.model
     path = ensure_model(m.name_or_path, m.tiny_builder)
     common: dict[str, Any] = dict(
@@ -133,10 +135,12 @@ def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
 def build(cfg: Config) -> Any:
     """SafeDiffusion-R1: CLIP steering reward on mixed safe/unsafe prompts (DDIM or flow policy)."""
     o = safe_options(cfg)
-    for path, builder in o.reward_models.items():
-        ensure_model(path, builder)
+    # cheapest first: the prompt files and the reward entries are checked before any model is built
     train = _rows(cfg, o, {"safe": o.safe_prompts, "unsafe": o.unsafe_prompts}, cfg.data.train or None, "train")
     evals = _rows(cfg, o, {"safe": o.eval_safe_prompts, "unsafe": o.eval_unsafe_prompts}, cfg.data.eval, "eval")
+    check_reward_specs(cfg.rewards, cfg.source)
+    for path, builder in o.reward_models.items():
+        ensure_model(path, builder)
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_policy(cfg, o)
     return Components(policy=policy, rewards=rewards, data=train, eval_data=evals or None)

@@ -89,7 +89,7 @@ class FlowOptions:
     """null (default): the initial and SDE noise come from torch's global RNG, which the trainer seeds
     from the top-level ``seed`` (offset per process) and saves in checkpoints, so a run is reproducible
     and resumes exactly. An int: a private generator for the sampler (reproducible independently of any
-    other random draw; its state is not checkpointed, and every process gets seed + its rank)."""
+    other random draw; every process gets seed + its rank, and its state is saved in checkpoints too)."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:

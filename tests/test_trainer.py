@@ -291,6 +291,37 @@ def test_algorithm_variants_train(random_text_model_dir: Path, tmp_path: Path, a
     assert trainer2.group_filter.state_dict().keys() == trainer.group_filter.state_dict().keys()
 
 
+def test_reinforce_pp_over_tokens_gets_the_completion_lengths(random_text_model_dir: Path, tmp_path: Path) -> None:
+    """With whiten_over=tokens the trainer hands each sample's number of valid tokens to the estimator:
+    the advantages equal a plain loop of verl's token-weighted whitening over the rollout's mask lengths."""
+    import math
+
+    from mmalign.advantages import combine_rewards
+
+    cfg = make_cfg(
+        random_text_model_dir, tmp_path / "run", rewards=VARIED,
+        algorithm={"estimator": "reinforce_pp", "estimator_kwargs": {"whiten_over": "tokens"}},
+        rollout={"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8, "stop_strings": [" ", "1", "2", "+"]},
+        trainer={"steps": 1, "lr": 1e-3, "progress_bar": False, "save_every": 100},
+    )
+    trainer = make_trainer(cfg)
+    trainer.train()
+    batch = trainer._last_batch
+    r = combine_rewards(batch.rewards, [1.0, 1.0]).tolist()
+    n = batch.mask.sum(dim=1).tolist()
+    groups = batch.group.tolist()
+    x = []
+    for i, g in enumerate(groups):
+        members = [r[j] for j in range(len(r)) if groups[j] == g]
+        x.append(r[i] - sum(members) / len(members))
+    total = sum(n)
+    mean = sum(ni * xi for ni, xi in zip(n, x)) / total
+    std = math.sqrt(sum(ni * (xi - mean) ** 2 for ni, xi in zip(n, x)) / (total - 1))
+    expected = [(xi - mean) / (std + 1e-4) for xi in x]
+    assert len(set(n)) > 1  # lengths differ, so token weighting matters
+    assert batch.advantages.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
 def test_vade_sampler_trains_and_resumes_exactly(random_text_model_dir: Path, tmp_path: Path) -> None:
     data = {"train": str(TRAIN_JSONL), "prompt_template": "Q: {question} = ?\nA:", "sampler": "vade",
             "sampler_kwargs": {"explore": 0.25}, "success_threshold": 0.5}
