@@ -254,6 +254,25 @@ def test_step_kinds_ratio_one(pipe_dir, kind):
     torch.testing.assert_close(stats.kl.detach(), torch.zeros_like(stats.kl), atol=1e-8, rtol=0)
 
 
+def test_cps_log_prob_option(pipe_dir):
+    """cps_log_prob: squared_error (default, Flow-GRPO) vs gaussian on the same transitions (same seed):
+    gaussian = squared_error / (2 sigma_t^2) - log sigma_t - log sqrt(2 pi), sigma_t = sigma' sin(a pi / 2)."""
+    import math
+
+    sq = make(pipe_dir, sde_kind="cps", noise_level=0.5).rollout(ROWS, 2)
+    gauss_pol = make(pipe_dir, sde_kind="cps", noise_level=0.5, cps_log_prob="gaussian")
+    gauss = gauss_pol.rollout(ROWS, 2)
+    assert torch.equal(sq.payload["next_latents"], gauss.payload["next_latents"])
+    sigma_t = sq.payload["sigmas_next"] * math.sin(0.5 * math.pi / 2)
+    expected = sq.logp_old / (2 * sigma_t**2) - torch.log(sigma_t) - 0.5 * math.log(2 * math.pi)
+    torch.testing.assert_close(gauss.logp_old, expected, rtol=1e-4, atol=1e-4)
+    assert bool((sq.logp_old <= 0).all())  # -mean((x' - mu)^2)
+    ratio = torch.exp(gauss_pol.evaluate(gauss).logp - gauss.logp_old)
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="cps_log_prob must be one of squared_error, gaussian"):
+        make(pipe_dir, sde_kind="cps", noise_level=0.5, cps_log_prob="full")
+
+
 def test_step_kind_options_are_validated(pipe_dir):
     with pytest.raises(ValueError, match="flow_sde, cps, dance"):
         make(pipe_dir, sde_kind="ddim")
