@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators (see ALGORITHMS.md, "Advantage estimators").
+"""Group-relative advantage estimators (see docs/algorithms.md, "Advantage estimators").
 
 Every estimator is a plain, vectorised tensor function registered by name::
 

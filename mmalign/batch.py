@@ -1,6 +1,6 @@
 """`Rollout`: the batch-first bundle of tensors that flows through the training loop.
 
-Every stage reads and extends one Rollout (see DESIGN.md, "What flows"):
+Every stage reads and extends one Rollout (see docs/architecture.md, "What flows"):
 
 - ``group``       Long[B]     which prompt each sample came from (one group = one prompt)
 - ``logp_old``    Float[B,T]  behaviour log-probs of the T actions (None until needed)

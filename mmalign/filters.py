@@ -1,6 +1,6 @@
-"""Group filters: which groups of a scored rollout take part in the update (ALGORITHMS.md).
+"""Group filters: which groups of a scored rollout take part in the update (docs/algorithms.md).
 
-A group filter runs after rewards and advantages were computed (see DESIGN.md, "The loop")::
+A group filter runs after rewards and advantages were computed (see docs/architecture.md, "The loop")::
 
     flt = build_filter("dynamic_sampling", max_rounds=3)
     rollout = flt(rollout, scores)          # scores: Float[B], the combined scalar reward

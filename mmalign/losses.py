@@ -1,4 +1,4 @@
-"""Policy losses, aggregation modes and KL estimators (see ALGORITHMS.md, "Policy losses").
+"""Policy losses, aggregation modes and KL estimators (see docs/algorithms.md, "Policy losses").
 
 Three registries:
 
@@ -252,7 +252,7 @@ def cispo(
 ) -> PolicyLossOutput:
     """CISPO: -sg(min(rho, eps_max)) * A * logp; the IS weight is capped and detached, no token is dropped.
 
-    ``eps_max`` caps the ratio itself (ALGORITHMS.md writes min(rho, eps_max), i.e. the MiniMax-M1
+    ``eps_max`` caps the ratio itself (docs/algorithms.md writes min(rho, eps_max), i.e. the MiniMax-M1
     upper bound 1 + eps_high^IS); there is no lower bound, as in MiniMax-M1, which does not publish
     its eps_high^IS. The default 4.0 follows ScaleRL / Tinker's CISPO default (NeMo-RL's recipe uses
     6, Trinity-RFT 1.28). The gradient w.r.t. logp is exactly -sg(min(rho, eps_max)) * A.
@@ -415,7 +415,7 @@ def kl_k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
 
 def kl(logp: Tensor, logp_ref: Tensor, estimator: str = "k3", *, mask: Tensor | None = None) -> Tensor:
-    """Per-action KL(pi || pi_ref) estimate Float[B, T] with estimator k1, k2 or k3 (ALGORITHMS.md).
+    """Per-action KL(pi || pi_ref) estimate Float[B, T] with estimator k1, k2 or k3 (docs/algorithms.md).
 
     ``logp_ref`` is detached. With ``mask``, masked-out positions are 0 (and their log-probs,
     even NaN/-inf padding, never enter the arithmetic).

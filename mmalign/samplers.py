@@ -1,4 +1,4 @@
-"""Prompt samplers: which dataset rows the trainer rolls out next (ALGORITHMS.md, "Group filters and samplers").
+"""Prompt samplers: which dataset rows the trainer rolls out next (docs/algorithms.md, "Group filters and samplers").
 
 A prompt sampler picks row indices each round and may learn from how those prompts went::
 
@@ -305,7 +305,7 @@ class UniformSampler(PromptSamplerBase):
 
 @SAMPLERS.register("vade")
 class VadeSampler(PromptSamplerBase):
-    """VADE-style sampler — our design from the paper's description (ALGORITHMS.md).
+    """VADE-style sampler — our design from the paper's description (docs/algorithms.md).
 
     State per prompt i: evidence counts a_i, b_i >= 0 (start 0); the posterior on its success rate
     is Beta(α_i, β_i) with α_i = alpha0 + a_i, β_i = beta0 + b_i.

@@ -1,4 +1,4 @@
-"""Things that change with training progress (see DESIGN.md): pure functions of the trainer's step.
+"""Things that change with training progress (see docs/architecture.md): pure functions of the trainer's step.
 
 Every schedule here is a function of the *training step* only (``GroupTrainer.step``: the number of
 finished training steps, 0 before the first one), so it needs no state of its own and is resume-safe:

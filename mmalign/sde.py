@@ -15,7 +15,7 @@ inside (whatever their dtype: bf16, fp16, fp64) and every output is fp32. Each r
 * ``mean`` has the shape of ``x``; ``std`` broadcasts against it (0-d for scalar coefficients,
   ``[B, 1, ..., 1]`` for per-batch ones).
 * ``kl_std`` is the step's noise scale *without* the sqrt(|dt|) factor of the SDE discretisation: the
-  sigma_t that the KL on step means, ||mu - mu_ref||^2 / (2 sigma_t^2), divides by (ALGORITHMS.md; as
+  sigma_t that the KL on step means, ||mu - mu_ref||^2 / (2 sigma_t^2), divides by (docs/algorithms.md; as
   Flow-GRPO's training script). ``flow_sde``: s_t = a sqrt(sigma / (1 - sigma)) (``std`` = s_t sqrt(|dt|));
   ``dance``: eta (``std`` = eta sqrt(sigma - sigma')); ``cps`` and ``ddim``: their std (no dt factor).
 
@@ -29,7 +29,7 @@ Scalar coefficients (sigmas, noise levels, alpha-bars, eta) are Python numbers, 
 tensors of shape [B] (reshaped to [B, 1, ..., 1] to broadcast over non-batch dims). Latents may be images
 [B, C, H, W], videos [B, F, C, H, W], or any [B, ...].
 
-Flow-matching convention (as in ALGORITHMS.md): ``sigma`` = sigmas[i] is the current noise level,
+Flow-matching convention (as in docs/algorithms.md): ``sigma`` = sigmas[i] is the current noise level,
 ``sigma_next`` = sigmas[i+1] < sigma the next one (sigma = 1 is pure noise, 0 is data), ``v`` the model
 velocity with x_sigma = (1 - sigma) x0 + sigma x1, so x0_hat = x - sigma v and x1_hat = x + (1 - sigma) v.
 A step whose std is 0 (noise level / eta 0, or the final CPS/DDIM step to a clean sample) has no

@@ -1,6 +1,6 @@
 """The reward plugin API: `Reward`, `RewardBatch`, loading by name / entry point / path, `RewardSet`.
 
-A reward is a class registered by name (see DESIGN.md, "Rewards")::
+A reward is a class registered by name (see docs/architecture.md, "Rewards")::
 
     @register_reward("my_reward")
     class MyReward(Reward):

@@ -1,6 +1,6 @@
 """Safety rewards and flaggers: `clip_steering`, `clip_concept_flag`, `colour_present`, `classifier_flag`.
 
-- ``clip_steering`` (SafeDiffusion-R1, ALGORITHMS.md "Safe diffusion"): the CLIP similarity of the
+- ``clip_steering`` (SafeDiffusion-R1, docs/algorithms.md "Safe diffusion"): the CLIP similarity of the
   image to the prompt pushed along a "safe" direction of text space,
   ``r = cos(z_image, normalize(z_prompt + alpha * v_safe))`` with
   ``v_safe = normalize(mean z(safe anchors) - mean z(unsafe anchors))`` (z: L2-normalised CLIP

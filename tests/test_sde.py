@@ -1,4 +1,4 @@
-"""mmalign.sde: each step against an independent plain-float reference of its ALGORITHMS.md formula."""
+"""mmalign.sde: each step against an independent plain-float reference of its docs/algorithms.md formula."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The interface every policy (model family) implements; see DESIGN.md, "Policies"."""
+"""The interface every policy (model family) implements; see docs/architecture.md, "Policies"."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def add_lora(denoiser: torch.nn.Module, lora: Any, all_linear: tuple[str, ...] |
 
 def mean_kl(mean: Tensor, ref_mean: Tensor, kl_std: Tensor) -> Tensor:
     """Float[B]: the KL on step means, ``||mu - mu_ref||^2 / (2 sigma_t^2)`` with the squared distance
-    averaged over the non-batch dims (ALGORITHMS.md; Flow-GRPO's training script). ``kl_std`` is the step's
+    averaged over the non-batch dims (docs/algorithms.md; Flow-GRPO's training script). ``kl_std`` is the step's
     noise scale sigma_t *without* the sqrt(|dt|) factor of the discretisation -- `mmalign.sde.StepOutput.kl_std`,
     not ``.std`` -- so ``kl_coef`` values of the Flow-GRPO recipes mean the same here. A scalar or one value
     per sample (any shape that broadcasts as [B, 1, ..., 1])."""
