@@ -74,6 +74,10 @@ class FlowOptions:
     sde_kind: str = "flow_sde"
     """The stochastic step (`mmalign.sde`): ``flow_sde`` (Flow-GRPO), ``cps`` (coefficients-preserving,
     noise_level in (0, 1]) or ``dance`` (DanceGRPO, noise_level is its eta). Zero-std steps run as ODE."""
+    cps_log_prob: str = "squared_error"
+    """How a ``cps`` step is scored: ``squared_error`` (Flow-GRPO: log p = -mean((x' - mu)^2), no 1/(2 sigma_t^2)
+    factor, so ratios stay well-scaled on the tiny-noise last steps) or ``gaussian`` (the full Gaussian
+    log-density; the clip range then means something else). Only used with ``sde_kind: cps``."""
     train_guidance: bool = True
     """Apply CFG in the training forward too (false: train the conditional branch only, half the compute;
     the log-probs of a CFG rollout are then off-policy, so keep ratios near 1 with small clip ranges)."""
@@ -116,6 +120,10 @@ class FlowOptions:
 
         if self.sde_kind not in SDE_KINDS:
             raise ValueError(f"sde_kind must be one of {', '.join(SDE_KINDS)}; got {self.sde_kind!r}")
+        from mmalign.policies.flow import CPS_LOG_PROBS
+
+        if self.cps_log_prob not in CPS_LOG_PROBS:
+            raise ValueError(f"cps_log_prob must be one of {', '.join(CPS_LOG_PROBS)}; got {self.cps_log_prob!r}")
         if self.sde_kind == "cps" and self.noise_level > 1:
             raise ValueError(f"noise_level must be in (0, 1] for sde_kind cps, got {self.noise_level}")
         if self.window_mode not in WINDOW_MODES:
@@ -186,6 +194,7 @@ def build_flow_policy(cfg: Config) -> FlowPolicy:
         window_shift_every=opts.window_shift_every,
         window_stride=opts.window_stride,
         sde_kind=opts.sde_kind,
+        cps_log_prob=opts.cps_log_prob,
         train_guidance=opts.train_guidance,
         **({} if opts.max_sequence_length is None else {"max_sequence_length": opts.max_sequence_length}),
         load_t5=opts.load_t5,
