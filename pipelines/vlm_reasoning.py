@@ -62,7 +62,9 @@ def _paths(value: Any, key: str, where: str) -> list[Any]:
         return [value]
     if isinstance(value, list) and all(isinstance(v, str | Image.Image) for v in value):
         return list(value)
-    raise DataError(f"{where}: column {key!r} must be a path, an image or a list of them, got {str(value)[:80]}")
+    raise DataError(
+        f"{where}: column {key!r} must be a path, an image or a list of them, got {str(value)[:80]}"
+    )
 
 
 def resolve_row(row: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -90,7 +92,9 @@ def resolve_row(row: dict[str, Any], root: Path) -> dict[str, Any]:
     return out
 
 
-def load_vlm_rows(source: str, template: str, opts: VLMOptions, max_rows: int | None = None) -> list[dict[str, Any]]:
+def load_vlm_rows(
+    source: str, template: str, opts: VLMOptions, max_rows: int | None = None
+) -> list[dict[str, Any]]:
     """Rows of `source` with resolved image paths; bad rows raise or are skipped per ``opts.on_bad_row``."""
     if opts.image_root:
         root = Path(opts.image_root)
@@ -113,7 +117,9 @@ def load_vlm_rows(source: str, template: str, opts: VLMOptions, max_rows: int | 
             log.warning("skipping a bad row: %s", e)
     skipped += getattr(rows, "skipped", 0)
     if skipped:
-        log.warning("%s: skipped %d bad row(s) of %d (options.on_bad_row: skip)", source, skipped, len(out) + skipped)
+        log.warning(
+            "%s: skipped %d bad row(s) of %d (options.on_bad_row: skip)", source, skipped, len(out) + skipped
+        )
     if not out:
         raise DataError(f"{source}: no usable rows")
     return out
@@ -152,7 +158,8 @@ def _load_skipping(source: str, template: str, max_rows: int | None) -> list[dic
 
 
 def build_vlm_policy(cfg: Config) -> VLMPolicy:
-    """The `VLMPolicy` described by `cfg.model`, `cfg.rollout` and the `options:` section."""
+    """The `VLMPolicy` described by `cfg.model`, `cfg.rollout` and the `options:` section
+    (``model.shared_prefix``: the shared-prefix log-prob forward where the model family supports it)."""
     opts = vlm_options(cfg)
     path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
     return VLMPolicy.from_pretrained(
@@ -160,6 +167,7 @@ def build_vlm_policy(cfg: Config) -> VLMPolicy:
         min_pixels=opts.min_pixels,
         max_pixels=opts.max_pixels,
         freeze_vision=opts.freeze_vision,
+        shared_prefix=cfg.model.shared_prefix,
         **policy_kwargs(cfg),
     )
 

@@ -25,7 +25,11 @@ def random_text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mmalign import tiny
 
     torch.manual_seed(0)
-    texts = [f"Q: {a} + {b} = ?\nA: <answer>{a + b}</answer> hello world, the end." for a in range(10) for b in range(10)]
+    texts = [
+        f"Q: {a} + {b} = ?\nA: <answer>{a + b}</answer> hello world, the end."
+        for a in range(10)
+        for b in range(10)
+    ]
     tok = tiny.train_bpe_tokenizer(texts, vocab_size=300)
     model = tiny.tiny_causal_lm(tok, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     path = tmp_path_factory.mktemp("models") / "random-tiny"
@@ -36,23 +40,36 @@ def random_text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def check_shared_prefix_matches_plain():
-    """Callable(policy, rollout): the shared-prefix forward gives the plain forward's per-token log-probs
-    AND parameter gradients (to fp32 tolerance) for `rollout` under a random weighting of the tokens."""
+    """Callable(policy, rollout, plain=None): the shared-prefix forward gives the plain forward's per-token
+    log-probs AND parameter gradients (to fp32 tolerance) for `rollout` under a random weighting of the tokens.
+
+    Without `plain` the check toggles ``policy.shared_prefix``; with `plain` (a policy with the same weights,
+    built with shared_prefix off) each policy runs the path it was built with and nothing is toggled."""
     import torch
 
-    def check(pol, ro) -> None:
+    def check(pol, ro, plain=None) -> None:
         weights = torch.randn(ro.mask.shape)
 
-        def run(shared: bool):
-            pol.shared_prefix = shared
-            pol.model.zero_grad(set_to_none=True)
-            logp = pol.evaluate(ro).logp
+        def run(p, shared=None):
+            if shared is not None:
+                p.shared_prefix = shared
+            p.model.zero_grad(set_to_none=True)
+            logp = p.evaluate(ro).logp
             (logp * weights).sum().backward()
-            grads = {n: q.grad.clone() for n, q in pol.model.named_parameters() if q.requires_grad and q.grad is not None}
+            grads = {
+                n: q.grad.clone()
+                for n, q in p.model.named_parameters()
+                if q.requires_grad and q.grad is not None
+            }
             return logp.detach(), grads
 
-        plain_logp, plain_grads = run(False)
-        shared_logp, shared_grads = run(True)
+        if plain is None:
+            plain_logp, plain_grads = run(pol, False)
+            shared_logp, shared_grads = run(pol, True)
+        else:
+            assert pol.shared_prefix and not plain.shared_prefix
+            plain_logp, plain_grads = run(plain)
+            shared_logp, shared_grads = run(pol)
         assert torch.allclose(shared_logp, plain_logp, atol=1e-5), (shared_logp - plain_logp).abs().max()
         assert plain_grads.keys() == shared_grads.keys() and len(plain_grads) > 0
         for name, g in plain_grads.items():

@@ -49,7 +49,10 @@ def mixed_rows() -> list[dict[str, Any]]:
     a, b, c, d = pictures(4)
     return [
         {"prompt": "What colour is the shape?", "images": [a], "answer": "red"},
-        {"prompt": "Two pictures. Which colour is in the second one? Answer briefly.", "images": [b, c.resize((112, 84))]},
+        {
+            "prompt": "Two pictures. Which colour is in the second one? Answer briefly.",
+            "images": [b, c.resize((112, 84))],
+        },
         {"prompt": "colour?", "images": [str(ASSETS / "images" / "000.png")]},
         {"prompt": "Three?", "images": [a, b, d]},
     ]
@@ -63,7 +66,11 @@ def test_round_trip_through_from_pretrained(random_vlm_dir: Path) -> None:
     assert type(processor).__name__ == "Qwen2VLProcessor"
     assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
     tok = processor.tokenizer
-    assert model.config.image_token_id == tok.convert_tokens_to_ids(tiny_vlm.IMAGE_PAD) == processor.image_token_id
+    assert (
+        model.config.image_token_id
+        == tok.convert_tokens_to_ids(tiny_vlm.IMAGE_PAD)
+        == processor.image_token_id
+    )
     assert model.config.vision_start_token_id == tok.convert_tokens_to_ids(tiny_vlm.VISION_START)
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
     text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -141,7 +148,9 @@ def test_freeze_vision_and_lora_targets(random_vlm_dir: Path) -> None:
     assert not any(VISION_MODULE.search(n) for n in frozen.trainable_state_dict())
 
     for targets in ("all-linear", ["q_proj", "v_proj", "gate_proj"]):
-        lora = VLMPolicy.from_pretrained(str(random_vlm_dir), lora=LoraConfig(enabled=True, r=2, target_modules=targets))
+        lora = VLMPolicy.from_pretrained(
+            str(random_vlm_dir), lora=LoraConfig(enabled=True, r=2, target_modules=targets)
+        )
         trainable = list(lora.trainable_state_dict())
         assert trainable and all("lora_" in n and "language_model.layers." in n for n in trainable)
         wrapped = [n for n, mod in lora.model.named_modules() if hasattr(mod, "lora_A")]
@@ -154,29 +163,38 @@ def test_freeze_vision_and_lora_targets(random_vlm_dir: Path) -> None:
 # ----------------------------------------------------------------------------- pipeline
 
 
-def vlm_cfg(model_dir: Path, out: Path, train: Path, **options: Any):
-    return config_from_dict({
-        "pipeline": "vlm_reasoning",
-        "output_dir": str(out),
-        "model": {"name_or_path": str(model_dir)},
-        "data": {"train": str(train)},
-        "options": {"image_root": str(ASSETS), **options},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8},
-        "rewards": [{"name": "answer_accuracy", "kwargs": {"extract": "tag", "mode": "exact"}},
-                    {"name": "format", "weight": 0.2, "kwargs": {"tags": ["answer"], "strict": True}}],
-        "trainer": {"steps": 2, "lr": 1e-3, "progress_bar": False, "save_every": 100, "sample_every": 1},
-    }, "test")
+def vlm_cfg(model_dir: Path, out: Path, train: Path, model: dict[str, Any] | None = None, **options: Any):
+    return config_from_dict(
+        {
+            "pipeline": "vlm_reasoning",
+            "output_dir": str(out),
+            "model": {"name_or_path": str(model_dir), **(model or {})},
+            "data": {"train": str(train)},
+            "options": {"image_root": str(ASSETS), **options},
+            "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8},
+            "rewards": [
+                {"name": "answer_accuracy", "kwargs": {"extract": "tag", "mode": "exact"}},
+                {"name": "format", "weight": 0.2, "kwargs": {"tags": ["answer"], "strict": True}},
+            ],
+            "trainer": {"steps": 2, "lr": 1e-3, "progress_bar": False, "save_every": 100, "sample_every": 1},
+        },
+        "test",
+    )
 
 
 def bad_jsonl(tmp_path: Path) -> Path:
     good = (ASSETS / "train.jsonl").read_text().splitlines()[:3]
-    missing = json.dumps({"images": ["images/nope.png"], "question": "What colour is the shape?", "answer": "red"})
+    missing = json.dumps(
+        {"images": ["images/nope.png"], "question": "What colour is the shape?", "answer": "red"}
+    )
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join([good[0], "{not json", good[1], missing, good[2]]) + "\n")
     return path
 
 
-def test_bad_rows_error_or_skip(random_vlm_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_bad_rows_error_or_skip(
+    random_vlm_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     pipelines.names()  # registers the options section
     path = bad_jsonl(tmp_path)
     with pytest.raises(DataError, match=rf"{path}:2: invalid JSON"):
@@ -186,7 +204,9 @@ def test_bad_rows_error_or_skip(random_vlm_dir: Path, tmp_path: Path, caplog: py
     with pytest.raises(DataError, match=rf"{missing}:2: image file not found: .*nope\.png"):
         pipelines.get("vlm_reasoning")(vlm_cfg(random_vlm_dir, tmp_path / "b", missing))
     with caplog.at_level(logging.WARNING):
-        comps = pipelines.get("vlm_reasoning")(vlm_cfg(random_vlm_dir, tmp_path / "c", path, on_bad_row="skip"))
+        comps = pipelines.get("vlm_reasoning")(
+            vlm_cfg(random_vlm_dir, tmp_path / "c", path, on_bad_row="skip")
+        )
     assert len(comps.data) == 3
     assert "skipped 2 bad row(s) of 5" in caplog.text
     assert all(Path(p).is_file() for row in comps.data for p in row["images"])
@@ -216,8 +236,14 @@ def test_accuracy_rises_on_the_tiny_vlm_task(tiny_vlm_dir: Path, tmp_path: Path)
     """The quickstart config (60 steps, ~1 min on 2 cores): last 10% of steps beat the first 10% clearly."""
     cfg = load_config(
         REPO / "configs" / "vlm_reasoning-tiny.yaml",
-        [f"model.name_or_path={tiny_vlm_dir}", f"output_dir={tmp_path / 'run'}", "trainer.progress_bar=false",
-         "trainer.save_every=1000", f"data.train={ASSETS / 'train.jsonl'}", f"options.image_root={ASSETS}"],
+        [
+            f"model.name_or_path={tiny_vlm_dir}",
+            f"output_dir={tmp_path / 'run'}",
+            "trainer.progress_bar=false",
+            "trainer.save_every=1000",
+            f"data.train={ASSETS / 'train.jsonl'}",
+            f"options.image_root={ASSETS}",
+        ],
     )
     history = GroupTrainer(cfg, pipelines.get(cfg.pipeline)(cfg)).train()
     acc = [m["reward/answer_accuracy/mean"] for m in history]
@@ -246,11 +272,18 @@ def test_hf_dataset_with_in_memory_images_feeds_the_policy(random_vlm_dir: Path,
 
     pics = pictures(2)
     ds = datasets.Dataset.from_dict(
-        {"images": [[pics[0]], [pics[1]]], "question": ["Colour?", "Which colour?"], "answer": ["red", "green"]},
-        features=datasets.Features({
-            "images": datasets.Sequence(datasets.Image()), "question": datasets.Value("string"),
-            "answer": datasets.Value("string"),
-        }),
+        {
+            "images": [[pics[0]], [pics[1]]],
+            "question": ["Colour?", "Which colour?"],
+            "answer": ["red", "green"],
+        },
+        features=datasets.Features(
+            {
+                "images": datasets.Sequence(datasets.Image()),
+                "question": datasets.Value("string"),
+                "answer": datasets.Value("string"),
+            }
+        ),
     )
     ds.save_to_disk(str(tmp_path / "vqa"))
     rows = load_vlm_rows(f"hf:{tmp_path / 'vqa'}:train", "{question}", VLMOptions())
@@ -261,15 +294,106 @@ def test_hf_dataset_with_in_memory_images_feeds_the_policy(random_vlm_dir: Path,
     assert len(ro) == 4 and ro.columns["answer"] == ["red", "red", "green", "green"]
 
 
+# ----------------------------------------------------------------------------- shared prefix
+
+
+def pipeline_policy(model_dir: Path, out: Path, **model: Any) -> VLMPolicy:
+    """The policy that `vlm_reasoning` builds from its config (`model:` keys as given), 56x56 images."""
+    pipelines.names()  # registers the options section
+    cfg = vlm_cfg(model_dir, out, ASSETS / "train.jsonl", model, min_pixels=3136, max_pixels=3136)
+    pol = pipelines.get("vlm_reasoning")(cfg).policy
+    assert isinstance(pol, VLMPolicy)
+    return pol
+
+
+def spy_shared_prefix(policy: VLMPolicy) -> list[int]:
+    """Record the batch size of every `_shared_prefix_vlm_logits` call of `policy`."""
+    calls: list[int] = []
+    original = policy._shared_prefix_vlm_logits
+
+    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(len(args[2]))  # the rollout
+        return original(*args, **kwargs)
+
+    policy._shared_prefix_vlm_logits = wrapped  # type: ignore[method-assign]
+    return calls
+
+
+def _vlm_log_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "mmalign.policies.vlm"]
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_vlm_shared_prefix_equals_plain_forward(
-    random_vlm_dir: Path, lora: bool, check_shared_prefix_matches_plain
+    random_vlm_dir: Path, tmp_path: Path, lora: bool, check_shared_prefix_matches_plain
 ) -> None:
     """Prompt + image tokens encoded once per group: the same log-probs AND parameter gradients as the
-    plain forward, for prompts with different numbers/sizes of images and scattered groups."""
-    kw = {"lora": LoraConfig(enabled=True, r=4, alpha=8)} if lora else {}
-    pol = VLMPolicy.from_pretrained(str(random_vlm_dir), max_new_tokens=6, min_pixels=3136, max_pixels=3136, **kw)
+    plain forward, for prompts with different numbers/sizes of images and scattered groups. Both policies
+    come from the `vlm_reasoning` pipeline (default config vs ``model.shared_prefix: false``)."""
+    kw: dict[str, Any] = {"lora": {"enabled": True, "r": 4, "alpha": 8}} if lora else {}
+    pol = pipeline_policy(random_vlm_dir, tmp_path / "shared", **kw)
+    plain = pipeline_policy(random_vlm_dir, tmp_path / "plain", shared_prefix=False, **kw)
+    if lora:  # lora_B starts at zero (no gradient into lora_A): move away from the identity adapter
+        with torch.no_grad():
+            for n, q in pol.model.named_parameters():
+                if "lora_B" in n:
+                    q.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(2))
+    plain.load_trainable_state_dict(pol.trainable_state_dict())
+    shared_calls, plain_calls = spy_shared_prefix(pol), spy_shared_prefix(plain)
     torch.manual_seed(0)
     ro = pol.rollout(mixed_rows(), 3, compute_logp=False)
     ro = ro[torch.randperm(len(ro), generator=torch.Generator().manual_seed(1))]
-    check_shared_prefix_matches_plain(pol, ro)
+    check_shared_prefix_matches_plain(pol, ro, plain=plain)
+    assert shared_calls == [len(ro)] and plain_calls == []  # each policy ran the path it was built with
+
+
+def test_vlm_reasoning_pipeline_uses_shared_prefix(
+    random_vlm_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default config turns the shared-prefix log-prob path on, says so once, and rollout log-probs
+    (no grad) and `evaluate` (with grad, a shuffled slice) both take it."""
+    with caplog.at_level(logging.INFO, logger="mmalign.policies.vlm"):
+        pol = pipeline_policy(random_vlm_dir, tmp_path / "run")
+    assert pol.shared_prefix
+    assert _vlm_log_lines(caplog) == [
+        "shared prefix: on (prompt + image tokens encoded once per group for log-probs)"
+    ]
+    calls = spy_shared_prefix(pol)
+    torch.manual_seed(0)
+    ro = pol.rollout(mixed_rows()[:2], 4, compute_logp=True)
+    stats = pol.evaluate(ro[[5, 0, 3]])
+    assert calls == [8, 3]
+    torch.testing.assert_close(stats.logp.detach(), ro.logp_old[[5, 0, 3]], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("why", ["config", "checkpointing", "no_rope_index"])
+def test_vlm_shared_prefix_off_says_why(
+    random_vlm_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    why: str,
+) -> None:
+    """Switched off in the config, under gradient checkpointing, or for a model without an M-RoPE index
+    function: one log line says it is off and why, and log-probs use the plain forward."""
+    model: dict[str, Any] = {}
+    if why == "config":
+        model["shared_prefix"] = False
+        level, reason = logging.INFO, "(model.shared_prefix: false)"
+    elif why == "checkpointing":
+        model["gradient_checkpointing"] = True
+        level, reason = logging.WARNING, "(gradient checkpointing is on"
+    else:
+        monkeypatch.setattr("mmalign.policies.vlm._rope_index_fn", lambda _model: None)
+        level, reason = logging.WARNING, "has no M-RoPE get_rope_index"
+    with caplog.at_level(logging.INFO, logger="mmalign.policies.vlm"):
+        pol = pipeline_policy(random_vlm_dir, tmp_path / "run", **model)
+    records = [r for r in caplog.records if r.name == "mmalign.policies.vlm"]
+    assert len(records) == 1 and records[0].levelno == level
+    assert records[0].getMessage().startswith("shared prefix: off (") and reason in records[0].getMessage()
+    assert not pol.shared_prefix
+    calls = spy_shared_prefix(pol)
+    ro = pol.rollout(mixed_rows()[:1], 2, compute_logp=True)
+    pol.model.train()
+    pol.evaluate(ro).logp.sum().backward()
+    assert calls == []

@@ -17,6 +17,11 @@ the text. Sampling, temperature-scaled log-probs and the action mask work as in 
 - log-probs are recomputed with grad from one forward over prompt + completion (M-RoPE positions
   are computed by the model from ``mm_token_type_ids`` and the grids); the action mask covers
   only completion tokens up to and including EOS, never a prompt or image token;
+- with ``shared_prefix`` (``model.shared_prefix``, on by default) and a model that has an M-RoPE
+  index function (``get_rope_index``: Qwen2-VL, Qwen2.5-VL) that recompute encodes each group's
+  prompt, image tokens and vision tower included, once (`_shared_prefix_vlm_logits`; same
+  log-probs and gradients); generation never shares a prefix (one batched ``generate``). One log
+  line at construction says whether it is on, or why it is off;
 - ``Rollout.columns`` gain ``image_width`` / ``image_height`` (the first image's original size),
   ``resized_width`` / ``resized_height`` (its size as the model sees it: grid x patch size) and
   ``image_sizes`` / ``resized_sizes`` (lists of (w, h) over all of a row's images), so box rewards
@@ -98,7 +103,6 @@ class VLMPolicy(TextPolicy):
         freeze_vision: bool = False,
         **kwargs: Any,
     ) -> None:
-        kwargs["shared_prefix"] = False  # the prefix cache path is text-only (1-D positions)
         kwargs.setdefault("use_chat_template", True)
         self.processor = processor
         if min_pixels is not None or max_pixels is not None:
@@ -112,11 +116,43 @@ class VLMPolicy(TextPolicy):
         ip = getattr(processor, "image_processor", None)
         self.patch_size = int(getattr(ip, "patch_size", 14) or 14)
         cfg = getattr(model, "config", None)
-        vision_ids = {getattr(cfg, k, None) for k in
-                      ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+        vision_ids = {
+            getattr(cfg, k, None)
+            for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        }
         self.suppressed_ids = sorted(i for i in vision_ids if isinstance(i, int) and i not in self.eos_ids)
         """Vision placeholder tokens are never sampled (a sampled <|image_pad|> would be read as an image
         slot when log-probs are recomputed); they are masked out of the recomputed distribution too."""
+        self.shared_prefix = self._resolve_shared_prefix(self.shared_prefix)
+
+    def _resolve_shared_prefix(self, requested: bool) -> bool:
+        """Whether log-probs use the shared-prefix forward (`_shared_prefix_vlm_logits`); logs one line.
+
+        In a VLM the flag only governs the log-prob recompute: generation (`_generate_vlm`) always
+        runs the plain batched `generate`, because `TextPolicy._prefill` builds its cache with 1-D
+        positions and no vision inputs. The shared forward needs the model's M-RoPE index function
+        (`get_rope_index`, Qwen2-VL / Qwen2.5-VL) to split the 3-D positions between prompt and
+        completions, and is not used under gradient checkpointing (as in `TextPolicy`)."""
+        if not requested:
+            log.info(
+                "shared prefix: off (model.shared_prefix: false); log-probs use the plain per-sample forward"
+            )
+            return False
+        if _rope_index_fn(self.model) is None:
+            log.warning(
+                "shared prefix: off (%s has no M-RoPE get_rope_index, so prompt and completion positions "
+                "cannot be split); log-probs use the plain per-sample forward",
+                type(_base_model(self.model)).__name__,
+            )
+            return False
+        if _checkpointing_enabled(self.model):
+            log.warning(
+                "shared prefix: off (gradient checkpointing is on: the model keeps no KV cache of the prompt "
+                "in training); log-probs use the plain per-sample forward"
+            )
+            return False
+        log.info("shared prefix: on (prompt + image tokens encoded once per group for log-probs)")
+        return True
 
     # ------------------------------------------------------------------ building
     # `TextPolicy.from_pretrained` builds a VLMPolicy through these two hooks.
@@ -125,7 +161,9 @@ class VLMPolicy(TextPolicy):
         """(processor, model) through `AutoProcessor` and `AutoModelForImageTextToText`."""
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=load_kwargs["trust_remote_code"])
+        processor = AutoProcessor.from_pretrained(
+            name_or_path, trust_remote_code=load_kwargs["trust_remote_code"]
+        )
         return processor, AutoModelForImageTextToText.from_pretrained(name_or_path, **load_kwargs)
 
     @staticmethod
@@ -158,7 +196,8 @@ class VLMPolicy(TextPolicy):
         enc = self.processor(**kwargs)
         out: dict[str, Any] = {
             "input_ids": enc["input_ids"][0],
-            "mm_token_type_ids": enc["mm_token_type_ids"][0] if "mm_token_type_ids" in enc
+            "mm_token_type_ids": enc["mm_token_type_ids"][0]
+            if "mm_token_type_ids" in enc
             else torch.zeros_like(enc["input_ids"][0]),
             "image_sizes": [(im.width, im.height) for im in images],
         }
@@ -166,7 +205,9 @@ class VLMPolicy(TextPolicy):
             out[key] = enc[key] if key in enc else None
         grid = out["image_grid_thw"]
         out["resized_sizes"] = (
-            [(int(w) * self.patch_size, int(h) * self.patch_size) for _, h, w in grid.tolist()] if grid is not None else []
+            [(int(w) * self.patch_size, int(h) * self.patch_size) for _, h, w in grid.tolist()]
+            if grid is not None
+            else []
         )
         return out
 
@@ -215,11 +256,14 @@ class VLMPolicy(TextPolicy):
         for key in _VISION_KEYS:
             extra[key] = [e[key] for e in encs]  # per-sample list: slices with the batch
         return self._finish_rollout(
-            prompts, group, columns,
+            prompts,
+            group,
+            columns,
             torch.cat([_pad_left(p[0], p_width, pad) for p in parts]),
             torch.cat([_pad_left(p[1], p_width, 0) for p in parts]),
             torch.cat([_pad_right(p[3], c_width, pad) for p in parts]),
-            compute_logp, extra_payload=extra,
+            compute_logp,
+            extra_payload=extra,
         )
 
     def _generate_vlm(self, encs: list[dict[str, Any]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -229,7 +273,12 @@ class VLMPolicy(TextPolicy):
             kwargs["suppress_tokens"] = self.suppressed_ids
         ids = inputs["input_ids"]
         out = self.model.generate(**inputs, **kwargs)
-        return ids.cpu(), inputs["attention_mask"].cpu(), inputs["mm_token_type_ids"].cpu(), out[:, ids.shape[1] :].cpu()
+        return (
+            ids.cpu(),
+            inputs["attention_mask"].cpu(),
+            inputs["mm_token_type_ids"].cpu(),
+            out[:, ids.shape[1] :].cpu(),
+        )
 
     # ------------------------------------------------------------------ log-probs
     def _logprobs(self, model: torch.nn.Module, rollout: Rollout, *, grad: bool) -> Tensor:
@@ -242,20 +291,32 @@ class VLMPolicy(TextPolicy):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention = torch.cat([prompt_mask, mask.long()], dim=1)
         token_types = torch.cat([p["mm_token_type_ids"].to(dev), torch.zeros_like(completion_ids)], dim=1)
-        vision = {k: v.to(dev) for k, v in _cat_vision([{k: p[k][i] for k in _VISION_KEYS} for i in range(len(rollout))]).items()}
+        vision = {
+            k: v.to(dev)
+            for k, v in _cat_vision([{k: p[k][i] for k in _VISION_KEYS} for i in range(len(rollout))]).items()
+        }
         kwargs: dict[str, Any] = {}
         if not vision:  # text-only rows: 1-D positions that skip the left padding
             kwargs["position_ids"] = (attention.cumsum(dim=1) - 1).clamp(min=0)
         with torch.set_grad_enabled(grad):
-            rope = _rope_index_fn(model) if self.shared_prefix and vision and not self._gradient_checkpointing() else None
+            rope = (
+                _rope_index_fn(model)
+                if self.shared_prefix and vision and not self._gradient_checkpointing()
+                else None
+            )
             if rope is not None:
                 logits = self._shared_prefix_vlm_logits(
                     model, rope, rollout, input_ids, attention, token_types, prompt_ids.shape[1], t
                 )
             else:
                 out = model(
-                    input_ids=input_ids, attention_mask=attention, mm_token_type_ids=token_types,
-                    logits_to_keep=t + 1, use_cache=False, **vision, **kwargs,
+                    input_ids=input_ids,
+                    attention_mask=attention,
+                    mm_token_type_ids=token_types,
+                    logits_to_keep=t + 1,
+                    use_cache=False,
+                    **vision,
+                    **kwargs,
                 )
                 logits = out.logits[:, -t - 1 : -1, :]
             if self.suppressed_ids:  # the distribution that was sampled: no vision placeholders
@@ -266,8 +327,15 @@ class VLMPolicy(TextPolicy):
         return logp.masked_fill(~mask, 0.0)
 
     def _shared_prefix_vlm_logits(
-        self, model: torch.nn.Module, rope: Any, rollout: Rollout, input_ids: Tensor, attention: Tensor,
-        token_types: Tensor, p: int, t: int,
+        self,
+        model: torch.nn.Module,
+        rope: Any,
+        rollout: Rollout,
+        input_ids: Tensor,
+        attention: Tensor,
+        token_types: Tensor,
+        p: int,
+        t: int,
     ) -> Tensor:
         """Shared-prefix forward for VLMs: each group's prompt, image tokens included, is encoded once
         (the vision tower runs once per group too) and its KV cache is gathered for the completions.
@@ -280,29 +348,47 @@ class VLMPolicy(TextPolicy):
         p_load = rollout.payload
         vision_all = {
             k: v.to(dev)
-            for k, v in _cat_vision([{k: p_load[k][i] for k in _VISION_KEYS} for i in range(len(rollout))]).items()
+            for k, v in _cat_vision(
+                [{k: p_load[k][i] for k in _VISION_KEYS} for i in range(len(rollout))]
+            ).items()
         }
         positions, _ = rope(
-            input_ids, mm_token_type_ids=token_types, image_grid_thw=vision_all.get("image_grid_thw"),
-            video_grid_thw=vision_all.get("video_grid_thw"), attention_mask=attention,
+            input_ids,
+            mm_token_type_ids=token_types,
+            image_grid_thw=vision_all.get("image_grid_thw"),
+            video_grid_thw=vision_all.get("video_grid_thw"),
+            attention_mask=attention,
         )
         group = rollout.group.to(dev)
         uniq, inverse = torch.unique(group, return_inverse=True)
         first = torch.full((uniq.numel(),), group.numel(), dtype=torch.long, device=dev)
         first = first.scatter_reduce(0, inverse, torch.arange(group.numel(), device=dev), reduce="amin")
         firsts = first.tolist()
-        vision = {k: v.to(dev) for k, v in _cat_vision([{k: p_load[k][i] for k in _VISION_KEYS} for i in firsts]).items()}
+        vision = {
+            k: v.to(dev)
+            for k, v in _cat_vision([{k: p_load[k][i] for k in _VISION_KEYS} for i in firsts]).items()
+        }
         cache = DynamicCache()
         prefix_model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         out_p = prefix_model(
-            input_ids=input_ids[first, :p], attention_mask=attention[first, :p], mm_token_type_ids=token_types[first, :p],
-            position_ids=positions[:, first, :p], past_key_values=cache, use_cache=True, logits_to_keep=1, **vision,
+            input_ids=input_ids[first, :p],
+            attention_mask=attention[first, :p],
+            mm_token_type_ids=token_types[first, :p],
+            position_ids=positions[:, first, :p],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **vision,
         )
         cache = out_p.past_key_values
         cache.batch_select_indices(inverse)
         out_c = model(
-            input_ids=input_ids[:, p:], attention_mask=attention, mm_token_type_ids=token_types[:, p:],
-            position_ids=positions[:, :, p:], past_key_values=cache, use_cache=True,
+            input_ids=input_ids[:, p:],
+            attention_mask=attention,
+            mm_token_type_ids=token_types[:, p:],
+            position_ids=positions[:, :, p:],
+            past_key_values=cache,
+            use_cache=True,
         )
         return torch.cat([out_p.logits[:, -1:, :][inverse], out_c.logits[:, :-1, :]], dim=1)
 
@@ -340,6 +426,21 @@ def _rope_index_fn(model: torch.nn.Module) -> Any:
         if callable(fn):
             return fn
     return None
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (the model itself otherwise)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def _checkpointing_enabled(model: torch.nn.Module) -> bool:
+    """Gradient (activation) checkpointing switched on, whether or not the model is in training mode."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers >= 5 name first
+        flag = getattr(model, name, None)
+        if flag is not None:
+            return bool(flag)
+    return False
 
 
 def _cat_vision(items: list[dict[str, Tensor | None]]) -> dict[str, Tensor]:
