@@ -4,6 +4,10 @@
     mmalign sample CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--prompt TEXT ...] [-n N]
     mmalign eval CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--no-base]
     mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps]
+
+Before any model is built or loaded, a command checks everything that needs none (`mmalign.rundir.preflight`:
+the output directory, the rewards, the model folders; then the pipeline reads its data files), so a wrong
+command fails in seconds with one `mmalign: error: ...` line and leaves an existing run as it was.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mmalign.config import Config
@@ -64,11 +68,16 @@ def _check_names(cfg: Config) -> None:
             raise ConfigError(f"{cfg.source}: key '{key}': {e}") from None
 
 
-def _load(args: argparse.Namespace) -> tuple[Config, object]:
-    """The config (with overrides) and the components its pipeline builds."""
+def _prepare(
+    args: argparse.Namespace, *, resume: bool | None = None, eval_rewards: bool = False
+) -> tuple[Config, Callable[[Config], Any]]:
+    """The config (with overrides), checked as far as it can be without a model (`mmalign.rundir.preflight`:
+    the output directory for `resume` not None, rewards, model folders), and its pipeline's ``build``.
+    ``build`` then reads the data files before it builds or loads the model."""
     import pipelines
     from mmalign.config import ConfigError, load_config
     from mmalign.registry import RegistryError
+    from mmalign.rundir import preflight
 
     cfg = load_config(args.config, args.overrides)
     try:
@@ -76,13 +85,22 @@ def _load(args: argparse.Namespace) -> tuple[Config, object]:
     except RegistryError as e:
         raise ConfigError(f"{cfg.source}: key 'pipeline': {e}") from None
     _check_names(cfg)
+    preflight(cfg, resume=resume, eval_rewards=eval_rewards)
+    return cfg, build
+
+
+def _load(
+    args: argparse.Namespace, *, resume: bool | None = None, eval_rewards: bool = False
+) -> tuple[Config, Any]:
+    """The checked config (`_prepare`) and the components its pipeline builds."""
+    cfg, build = _prepare(args, resume=resume, eval_rewards=eval_rewards)
     return cfg, build(cfg)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from mmalign.trainer import GroupTrainer
 
-    cfg, components = _load(args)
+    cfg, components = _load(args, resume=args.resume)
     trainer = GroupTrainer(cfg, components, resume=args.resume)
     history = trainer.train()
     trainer.accelerator.end_training()  # closes the process group of a multi-process run cleanly
@@ -96,41 +114,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _weights(cfg: Config, components: object, spec: str) -> Path | None:
-    """Load the checkpoint `spec` names into the policy; returns its folder (None: the base model)."""
-    from mmalign.evaluation import load_weights, resolve_checkpoint
+def _checkpoint(cfg: Config, spec: str, what: str) -> Path | None:
+    """The checkpoint folder `spec` names (None: the base model), resolved before any model is loaded."""
+    from mmalign.evaluation import resolve_checkpoint
 
     ckpt = resolve_checkpoint(cfg.output_dir, spec)
     if ckpt is None and spec == "latest":
-        print(f"no checkpoint in {cfg.output_dir}/checkpoints: using the base model", file=sys.stderr)
-    if ckpt is not None:
-        load_weights(components.policy, ckpt)  # type: ignore[attr-defined]
+        print(f"no checkpoint in {cfg.output_dir}/checkpoints: {what}", file=sys.stderr)
     return ckpt
 
 
-def _sample_rows(args: argparse.Namespace, cfg: Config, components: object) -> list[dict]:
+def _prompt_rows(args: argparse.Namespace, cfg: Config) -> list[dict] | None:
+    """The prompts of --prompt / --prompts (read before the model is loaded); None: the eval prompts."""
     from mmalign.data import load_prompt_rows
-    from mmalign.evaluation import eval_rows
 
     if args.prompt:
         return [{"prompt": p} for p in args.prompt]
     if args.prompts:
         return load_prompt_rows(args.prompts, cfg.data.prompt_template)
-    return eval_rows(cfg, components)[: args.max_prompts]
+    return None
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
     """Generate `n` samples per prompt from a checkpoint: a PNG grid (images) or a JSONL (texts)."""
     import json
 
-    from mmalign.evaluation import generate, save_grid
+    from mmalign.evaluation import eval_rows, generate, load_weights, save_grid
 
-    cfg, components = _load(args)
-    ckpt = _weights(cfg, components, args.checkpoint)
-    rows = _sample_rows(args, cfg, components)
+    cfg, build = _prepare(args)
+    ckpt = _checkpoint(cfg, args.checkpoint, "using the base model")
+    rows = _prompt_rows(args, cfg)
+    components = build(cfg)
+    if ckpt is not None:
+        load_weights(components.policy, ckpt)  # type: ignore[attr-defined]
+    if rows is None:
+        rows = eval_rows(cfg, components)[: args.max_prompts]
     seed = cfg.eval.seed if args.seed is None else args.seed
     r = generate(components.policy, rows, args.n, seed=seed, prompts_per_batch=cfg.eval.prompts_per_batch)  # type: ignore[attr-defined]
-    out = Path(args.out) if args.out else Path(cfg.output_dir) / "samples_cli" / (ckpt.name if ckpt else "base")
+    out = (
+        Path(args.out) if args.out else Path(cfg.output_dir) / "samples_cli" / (ckpt.name if ckpt else "base")
+    )
     out.mkdir(parents=True, exist_ok=True)
     images = r.outputs.get("images")
     texts = r.outputs.get("texts")
@@ -161,12 +184,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Before/after report: the base model and a checkpoint scored on the evaluation prompts."""
     import json
 
-    from mmalign.evaluation import evaluate_run, format_report, resolve_checkpoint
+    from mmalign.evaluation import evaluate_run, format_report
 
-    cfg, components = _load(args)
-    ckpt = resolve_checkpoint(cfg.output_dir, args.checkpoint)
-    if ckpt is None and args.checkpoint == "latest":
-        print(f"no checkpoint in {cfg.output_dir}/checkpoints: scoring the base model only", file=sys.stderr)
+    cfg, build = _prepare(args, eval_rewards=True)
+    ckpt = _checkpoint(cfg, args.checkpoint, "scoring the base model only")
+    components = build(cfg)
     report = evaluate_run(cfg, components, checkpoint=ckpt, compare_base=not args.no_base)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -203,12 +225,20 @@ def cmd_list(args: argparse.Namespace) -> int:
         from mmalign import losses
 
         _list_section("losses", [(n, losses.REGISTRY.describe(n)) for n in losses.names()])
-        _list_section("loss aggregations (algorithm.loss_agg)", [(n, losses.AGGREGATIONS.describe(n)) for n in losses.AGGREGATIONS.names()])
-        _list_section("KL estimators (algorithm.kl_estimator)", [(n, losses.KL_ESTIMATORS.describe(n)) for n in losses.KL_ESTIMATORS.names()])
+        _list_section(
+            "loss aggregations (algorithm.loss_agg)",
+            [(n, losses.AGGREGATIONS.describe(n)) for n in losses.AGGREGATIONS.names()],
+        )
+        _list_section(
+            "KL estimators (algorithm.kl_estimator)",
+            [(n, losses.KL_ESTIMATORS.describe(n)) for n in losses.KL_ESTIMATORS.names()],
+        )
     if what in ("samplers", "all"):
         from mmalign import samplers
 
-        _list_section("prompt samplers (data.sampler)", [(n, samplers.SAMPLERS.describe(n)) for n in samplers.names()])
+        _list_section(
+            "prompt samplers (data.sampler)", [(n, samplers.SAMPLERS.describe(n)) for n in samplers.names()]
+        )
     if what in ("steps", "all"):
         from mmalign import sde
 
@@ -216,12 +246,16 @@ def cmd_list(args: argparse.Namespace) -> int:
     if what in ("filters", "all"):
         from mmalign import filters
 
-        _list_section("filters (algorithm.filter)", [(n, filters.FILTERS.describe(n)) for n in filters.names()])
+        _list_section(
+            "filters (algorithm.filter)", [(n, filters.FILTERS.describe(n)) for n in filters.names()]
+        )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmalign", description="Group-relative RL for multimodal and generative models")
+    p = argparse.ArgumentParser(
+        prog="mmalign", description="Group-relative RL for multimodal and generative models"
+    )
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -235,11 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("config", help="path to a YAML config (see configs/)")
         q.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.group_size=8")
         q.add_argument(
-            "--checkpoint", default="latest",
+            "--checkpoint",
+            default="latest",
             help="'latest' (newest checkpoint in output_dir; the base model if none), 'base', or a checkpoint folder",
         )
 
-    sm = sub.add_parser("sample", help="generate samples for prompts from a checkpoint (a PNG grid for images)")
+    sm = sub.add_parser(
+        "sample", help="generate samples for prompts from a checkpoint (a PNG grid for images)"
+    )
     checkpoint_arg(sm)
     sm.add_argument("--prompt", action="append", help="a prompt (repeatable); default: the eval prompts")
     sm.add_argument("--prompts", help="a .txt (one prompt per line) or .jsonl file of prompts")
@@ -249,7 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--out", help="output folder (default OUTPUT_DIR/samples_cli/<checkpoint>)")
     sm.set_defaults(func=cmd_sample)
 
-    ev = sub.add_parser("eval", help="score the base model and a checkpoint on the eval prompts (before/after)")
+    ev = sub.add_parser(
+        "eval", help="score the base model and a checkpoint on the eval prompts (before/after)"
+    )
     checkpoint_arg(ev)
     ev.add_argument("--no-base", action="store_true", help="score only the checkpoint")
     ev.add_argument("--out", help="report file (default OUTPUT_DIR/eval.json)")
@@ -257,7 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="show what is registered")
     ls.add_argument(
-        "what", nargs="?", default="all", choices=["pipelines", "rewards", "estimators", "losses", "filters", "samplers", "steps", "all"]
+        "what",
+        nargs="?",
+        default="all",
+        choices=["pipelines", "rewards", "estimators", "losses", "filters", "samplers", "steps", "all"],
     )
     ls.set_defaults(func=cmd_list)
     return p

@@ -6,7 +6,9 @@ Nothing here downloads anything: tokenizers are byte-level BPEs trained in-proce
 hub ids use.
 
 `build(name, path)` runs a registered builder; `mmalign train` calls it when a config sets
-``model.tiny_builder`` and ``model.name_or_path`` does not exist yet.
+``model.tiny_builder`` and ``model.name_or_path`` does not exist yet. A build announces itself on stderr
+with a rough duration (the builder's ``minutes`` metadata, for 2 idle CPU cores) and every training
+loop of a builder shows a `progress_bar` (elapsed<remaining) named after the build and its phase.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Callable, Iterable
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +34,16 @@ BUILDERS: Registry[Callable[[Path], None]] = Registry("tiny model builder")
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
-QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, extra_special: list[str] | None = None) -> Any:
+def train_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int = 512, extra_special: list[str] | None = None
+) -> Any:
     """A byte-level BPE trained on `texts`, wrapped as a `PreTrainedTokenizerFast` (EOS, PAD, chat template)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -111,27 +117,111 @@ def load_builders() -> list[str]:
     return BUILDERS.names()
 
 
-def build(name: str, path: str | Path) -> Path:
-    """Run the tiny builder `name`, writing a `from_pretrained`-loadable folder at `path`."""
+# ----------------------------------------------------------------------------- progress
+
+
+@dataclass
+class _Build:
+    label: str
+    """What the bars are named after: the folder being built (e.g. ``safe_diffusion-tiny``)."""
+    phases: int
+    """Training loops the builder runs (its ``phases`` metadata); 0: unknown."""
+    started: int = 0
+
+
+_BUILD: _Build | None = None
+
+
+@contextmanager
+def _building(label: str, phases: int) -> Iterator[_Build]:
+    global _BUILD
+    outer, _BUILD = _BUILD, _Build(label, phases)
+    try:
+        yield _BUILD
+    finally:
+        _BUILD = outer
+
+
+def progress_bar(iterable: Iterable[Any], what: str, *, enabled: bool | None = True, **kwargs: Any) -> Any:
+    """A tqdm bar on stderr over a builder's training loop (tqdm shows elapsed<remaining).
+
+    Inside `build` the bar is named ``building tiny model LABEL: WHAT (i/n)``, i counting the builder's
+    loops, and stays on screen when done (a record of how long each phase took); outside it is called
+    `what` and disappears when done. `enabled`: True shows it, False hides it, None shows it only
+    inside `build` (for helpers that are quiet when called directly). Reporting only: the loop runs
+    the same either way. Where stderr is not a terminal (a log file) the bar is redrawn every 30 s."""
+    from tqdm.auto import tqdm
+
+    b = _BUILD
+    if b is not None:
+        b.started += 1
+        count = f"{b.started}/{max(b.phases, b.started)}" if b.phases else f"{b.started}"
+        desc = f"building tiny model {b.label}: {what} ({count})"
+    else:
+        desc = what
+    show = enabled if enabled is not None else b is not None
+    tty = getattr(sys.stderr, "isatty", lambda: False)()
+    kwargs.setdefault("leave", b is not None)
+    kwargs.setdefault("mininterval", 0.1 if tty else 30.0)
+    kwargs.setdefault("maxinterval", max(10.0, kwargs["mininterval"]))  # tqdm's monitor redraws no more often
+    kwargs.setdefault("dynamic_ncols", True)
+    return tqdm(iterable, desc=desc, disable=not show, file=sys.stderr, **kwargs)
+
+
+def estimate(name: str) -> str:
+    """The builder's rough duration on 2 idle CPU cores, as text ("about 4 min"), from its ``minutes``
+    metadata (a busy machine takes several times longer: the progress bars show the live estimate)."""
+    minutes = BUILDERS.meta(name).get("minutes")
+    if minutes is None:
+        return "duration unknown"
+    if minutes < 1:
+        return f"about {max(5, round(minutes * 60 / 5) * 5)} s"
+    return f"about {minutes:g} min"
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s:02d} s" if m else f"{s} s"
+
+
+def build(name: str, path: str | Path, *, announce: bool = True) -> Path:
+    """Run the tiny builder `name`, writing a `from_pretrained`-loadable folder at `path`.
+
+    With `announce`, one line on stderr says what is built where and roughly how long it takes, and
+    another how long it took; the builder's loops show `progress_bar`s either way."""
     path = Path(path)
     load_builders()
     builder = BUILDERS.get(name)
+    meta = BUILDERS.meta(name)
+    if announce:
+        print(
+            f"building tiny model {name!r} at {path} (first run only; {estimate(name)} on 2 idle CPU cores)",
+            file=sys.stderr,
+            flush=True,
+        )
+    t0 = time.perf_counter()
     tmp = path.with_name(path.name + ".building")
     if tmp.exists():
         import shutil
 
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    builder(tmp)
+    with _building(path.name, int(meta.get("phases", 0))):
+        builder(tmp)
     tmp.rename(path)  # appears whole or not at all
+    if announce:
+        print(
+            f"built tiny model {name!r} at {path} in {_duration(time.perf_counter() - t0)}",
+            file=sys.stderr,
+            flush=True,
+        )
     return path
 
 
 def ensure_model(name_or_path: str, builder: str | None) -> str:
     """Build the tiny model at `name_or_path` if a builder is named and the folder is missing."""
     if builder and not Path(name_or_path).exists():
-        log.info("building tiny model %r at %s", builder, name_or_path)
-        build(builder, name_or_path)
+        build(builder, name_or_path)  # announces itself on stderr
     return name_or_path
 
 
@@ -152,7 +242,7 @@ def _arith_completion(answer: int) -> str:
     return f" <answer>{answer}</answer>"
 
 
-@BUILDERS.register("text_reasoning")
+@BUILDERS.register("text_reasoning", minutes=0.5, phases=2)
 def build_text_reasoning(
     path: Path,
     sharp_steps: int = 800,
@@ -169,8 +259,6 @@ def build_text_reasoning(
     model therefore samples the right answer only about `p_correct` of the time at temperature 1,
     while its errors stay close to the truth: a sensible weak "base model" that GRPO can sharpen.
     """
-    from tqdm.auto import tqdm
-
     torch.manual_seed(seed)
     rng = random.Random(seed)
     rows = arithmetic_rows((max_operand + 1) ** 2, seed=1234, max_operand=max_operand)
@@ -201,7 +289,7 @@ def build_text_reasoning(
 
     for phase, steps, lr in (("sharp", sharp_steps, 3e-3), ("blur", blur_steps, 1e-3)):
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        for _ in tqdm(range(steps), desc=f"warm start, {phase} phase", leave=False):
+        for _ in progress_bar(range(steps), f"LM warm start, {phase} phase"):
             ids, att, labels = batch_of(noisy=phase == "blur")
             loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
             opt.zero_grad()
@@ -210,6 +298,12 @@ def build_text_reasoning(
     model.eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    meta = {"builder": "text_reasoning", "sharp_steps": sharp_steps, "blur_steps": blur_steps, "seed": seed,
-            "p_correct": p_correct, "max_operand": max_operand}
+    meta = {
+        "builder": "text_reasoning",
+        "sharp_steps": sharp_steps,
+        "blur_steps": blur_steps,
+        "seed": seed,
+        "p_correct": p_correct,
+        "max_operand": max_operand,
+    }
     (path / "mmalign_tiny.json").write_text(json.dumps(meta))

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.tiny import BUILDERS
+from mmalign.tiny import BUILDERS, progress_bar
 
 __all__ = [
     "CLIP_COUNTS",
@@ -185,7 +185,7 @@ def train_tiny_clip(
     same_colour_frac: float = 0.5,
     threads: int | None = 1,
     seed: int = 0,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> tuple[Any, Any, dict[str, Any]]:
     """Train a tiny `CLIPModel` on the shapes world; returns ``(model, tokenizer, info)``.
 
@@ -207,8 +207,6 @@ def train_tiny_clip(
     final loss, a loss curve (every 25 steps), the wall time and the held-out scenes. Seeded: the
     same arguments give the same weights.
     """
-    from tqdm.auto import tqdm
-
     from rewards.image import render_scene
 
     t0 = time.perf_counter()
@@ -275,10 +273,10 @@ def train_tiny_clip(
     if threads:
         torch.set_num_threads(threads)
     try:
-        bar = tqdm(range(steps), desc="tiny CLIP on shapes", disable=not progress, leave=False)
+        bar = progress_bar(range(steps), "CLIP on the shapes world", enabled=progress)
         for i in bar:
             loss = step()
-            bar.set_postfix(loss=f"{loss:.3f}")
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             if i % 25 == 0 or i == steps - 1:
                 curve.append(round(loss, 4))
     finally:
@@ -328,7 +326,7 @@ def build_clip_shapes_tiny(path: str | Path, **train_kwargs: Any) -> Path:
     return path
 
 
-@BUILDERS.register("clip_shapes_tiny")
+@BUILDERS.register("clip_shapes_tiny", minutes=0.75, phases=1)
 def _build_registered(path: Path) -> None:
     build_clip_shapes_tiny(path)
 

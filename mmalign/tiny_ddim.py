@@ -109,7 +109,7 @@ def build_tiny_sd15(
     return path
 
 
-@BUILDERS.register("ddim_sd15_tiny")
+@BUILDERS.register("ddim_sd15_tiny", minutes=0.05)
 def _build_registered(path: Path) -> None:
     build_tiny_sd15(path)
 

@@ -185,12 +185,12 @@ def build_tiny_sd3(
     return path
 
 
-@BUILDERS.register("flow_sd3_tiny")
+@BUILDERS.register("flow_sd3_tiny", minutes=0.05)
 def _build_registered(path: Path) -> None:
     build_tiny_sd3(path)
 
 
-@BUILDERS.register("flow_sd3_tiny_3enc")
+@BUILDERS.register("flow_sd3_tiny_3enc", minutes=0.05)
 def _build_registered_3enc(path: Path) -> None:
     build_tiny_sd3(path, text_encoders=3)
 

@@ -201,6 +201,6 @@ def build_tiny_flux(
     return path
 
 
-@BUILDERS.register("flux_tiny")
+@BUILDERS.register("flux_tiny", minutes=0.05)
 def _build_registered(path: Path) -> None:
     build_tiny_flux(path)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.tiny import BUILDERS
+from mmalign.tiny import BUILDERS, progress_bar
 
 __all__ = [
     "COLOURS",
@@ -132,15 +132,13 @@ def train_vae_on_shapes(
     afterwards ``vae.config.scaling_factor`` is set to 1/std of the latents of the training scenes, as
     diffusion models expect unit-variance latents.
     """
-    from tqdm.auto import tqdm
-
     g = torch.Generator().manual_seed(seed)
     rows = shapes_rows(None, counts=(1, 2, 3), positions=(*POSITIONS, None), seed=seed)
     images = shapes_images(rows, size) * 2 - 1
     opt = torch.optim.Adam(vae.parameters(), lr=lr)
     vae.train()
     loss = torch.tensor(0.0)
-    bar = tqdm(range(steps), desc="warm start: vae", disable=not progress, leave=False)
+    bar = progress_bar(range(steps), "VAE warm start", enabled=progress)
     for _ in bar:
         idx = torch.randint(0, len(images), (batch_size,), generator=g)
         x = images[idx]
@@ -150,7 +148,7 @@ def train_vae_on_shapes(
         opt.zero_grad()
         loss.backward()
         opt.step()
-        bar.set_postfix(mse=f"{loss.item():.4f}")
+        bar.set_postfix(mse=f"{loss.item():.4f}", refresh=False)
     vae.eval()
     with torch.no_grad():
         z = vae.encode(images[:256]).latent_dist.mean
@@ -326,7 +324,7 @@ def train_denoiser(
     check_every: int = 50,
     seed: int = 0,
     progress: bool = True,
-    desc: str = "warm start: denoiser",
+    desc: str = "denoiser warm start",
 ) -> tuple[float, int]:
     """Train `modules` (the denoiser and the text encoder) with `loss_fn` on `data` for up to `steps`
     steps: AdamW, learning rate `lr` cosine-decayed to `final_lr_fraction` of it at `steps`, gradients
@@ -334,8 +332,6 @@ def train_denoiser(
     replaces a caption by the empty prompt with probability `p_uncond` (so classifier-free guidance
     works). Every `check_every` steps ``stop(steps_done)`` (if given) may end training early.
     Deterministic for `seed`; returns (mean loss of the last 50 steps, steps done)."""
-    from tqdm.auto import tqdm
-
     g = torch.Generator().manual_seed(seed)
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -343,7 +339,7 @@ def train_denoiser(
         m.train()
     recent: list[float] = []
     done = 0
-    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
+    bar = progress_bar(range(steps), desc, enabled=progress)
     for step in bar:
         cosine = 0.5 * (1 + math.cos(math.pi * step / max(1, steps - 1)))
         for group in opt.param_groups:
@@ -358,7 +354,7 @@ def train_denoiser(
         opt.step()
         done = step + 1
         recent = (recent + [float(loss.detach())])[-50:]
-        bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
+        bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}", refresh=False)
         if stop is not None and done % check_every == 0 and done < steps:
             with torch.no_grad():
                 halt = stop(done)
@@ -413,7 +409,7 @@ def _save(path: Path, components: dict[str, Any], meta: dict[str, Any]) -> None:
     (path / "mmalign_tiny.json").write_text(json.dumps(meta))
 
 
-@BUILDERS.register("text_to_image")
+@BUILDERS.register("text_to_image", minutes=1.5, phases=2)
 def build_text_to_image(
     path: Path,
     *,
@@ -490,7 +486,7 @@ def build_text_to_image(
         [transformer, text_encoder], flow_matching_loss(transformer, text_encoder, shift=shift), data,
         steps=steps, lr=lr, batch_size=batch_size, p_uncond=p_uncond, seed=seed, progress=progress,
         stop=reached_target if target_reward is not None else None, check_every=check_every,
-        desc="warm start: transformer",
+        desc="transformer warm start" + (", may stop early" if target_reward is not None else ""),
     )
     meta.update(steps_done=done, final_loss=loss, reward_checks=checks)
     _save(
@@ -501,7 +497,7 @@ def build_text_to_image(
     )
 
 
-@BUILDERS.register("safe_diffusion")
+@BUILDERS.register("safe_diffusion", minutes=4, phases=2)
 def build_safe_diffusion(
     path: Path,
     *,
@@ -558,7 +554,7 @@ def build_safe_diffusion(
     scheduler = DDIMScheduler(**SD15_SCHEDULER)
     loss, done = train_denoiser(
         [unet, text_encoder], epsilon_loss(unet, text_encoder, scheduler), data, steps=steps, lr=lr,
-        batch_size=batch_size, p_uncond=p_uncond, seed=seed, progress=progress, desc="warm start: unet",
+        batch_size=batch_size, p_uncond=p_uncond, seed=seed, progress=progress, desc="UNet warm start",
     )
     meta.update(steps_done=done, final_loss=loss)
     _save(

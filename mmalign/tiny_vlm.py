@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mmalign.tiny import BUILDERS, EOS, train_bpe_tokenizer
+from mmalign.tiny import BUILDERS, EOS, progress_bar, train_bpe_tokenizer
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -123,7 +123,7 @@ def _save(path: Path, model: torch.nn.Module, processor: Any, meta: dict[str, An
     (path / "mmalign_tiny.json").write_text(json.dumps(meta))
 
 
-@BUILDERS.register("vlm_random")
+@BUILDERS.register("vlm_random", minutes=0.05)
 def build_vlm_random(path: Path, seed: int = 0) -> None:
     """Random-weight tiny Qwen2-VL + processor (instant; for tests of shapes and plumbing)."""
     torch.manual_seed(seed)
@@ -178,7 +178,7 @@ def write_dataset(folder: str | Path, n: int = 64, seed: int = 7) -> Path:
     return folder / "train.jsonl"
 
 
-@BUILDERS.register("vlm_reasoning")
+@BUILDERS.register("vlm_reasoning", minutes=0.25, phases=2)
 def build_vlm_reasoning(
     path: Path,
     sharp_steps: int = 300,
@@ -193,8 +193,6 @@ def build_vlm_reasoning(
     fine-tunes on noisy labels (right with probability `p_correct`, else another colour), so the
     base model samples the right colour only part of the time at temperature 1.
     """
-    from tqdm.auto import tqdm
-
     torch.manual_seed(seed)
     rng = random.Random(seed)
     processor = tiny_vlm_processor(_corpus())
@@ -239,7 +237,7 @@ def build_vlm_reasoning(
 
     for phase, steps, lr in (("sharp", sharp_steps, 3e-3), ("blur", blur_steps, 1e-3)):
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        for _ in tqdm(range(steps), desc=f"VLM warm start, {phase} phase", leave=False):
+        for _ in progress_bar(range(steps), f"VLM warm start, {phase} phase"):
             loss = model(**batch(noisy=phase == "blur")).loss
             opt.zero_grad()
             loss.backward()

@@ -206,7 +206,11 @@ def test_train_misspelled_key_subprocess(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
         [sys.executable, "-m", "mmalign.cli", "train", str(cfg)],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 1
     assert proc.stdout == ""
@@ -236,17 +240,28 @@ def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
 
 
 def test_train_malformed_data_line_leaves_output_dir_alone(capsys, tmp_path, no_model):
+    """Even with overwrite=true (without it the existing run is reported first), a data error deletes nothing:
+    the old run is replaced only once the model is loaded and the trainer starts."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "1 + 1", "answer": "2"}\n\n{"question": "2 + 2", "answer": 4\n')
     cfg, raw = tiny_config(tmp_path, data__train=str(data))
     out_dir = Path(raw["output_dir"])
     (out_dir / "samples").mkdir(parents=True)
-    (out_dir / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.7}\n')
+    (out_dir / "metrics.jsonl").write_text(
+        '{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.7}\n'
+    )
     (out_dir / "samples" / "step_1.jsonl").write_text("{}\n")
     before = snapshot(out_dir)
 
-    rc, out, err = run_main(capsys, "train", str(cfg), "trainer.steps=2", "rollout.prompts_per_step=2",
-                            "rollout.group_size=2")
+    rc, out, err = run_main(
+        capsys,
+        "train",
+        str(cfg),
+        "trainer.steps=2",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=2",
+        "overwrite=true",
+    )
     assert rc == 1 and out == ""
     assert_one_error_line(err, f"{data}:3:", "invalid JSON")
     assert snapshot(out_dir) == before
@@ -295,7 +310,9 @@ def test_train_prompt_template_override_with_braces(capsys, tmp_path, monkeypatc
         ("pipeline=text_reasonin", "pipeline"),
     ],
 )
-def test_train_unknown_registry_name_fails_before_the_model_is_built(capsys, tmp_path, no_model, override, key):
+def test_train_unknown_registry_name_fails_before_the_model_is_built(
+    capsys, tmp_path, no_model, override, key
+):
     cfg, _ = tiny_config(tmp_path)
     rc, _, err = run_main(capsys, "train", str(cfg), override)
     assert rc == 1
@@ -329,9 +346,7 @@ def test_debug_shows_traceback_for_user_errors(capsys, tmp_path, no_model):
     assert err.strip().splitlines()[-1].startswith("mmalign: error: ")
 
 
-@pytest.mark.parametrize(
-    "override", ["rewards.0.kwargs.extractt=tag", "rewards.0.name=accuracyy"]
-)
+@pytest.mark.parametrize("override", ["rewards.0.kwargs.extractt=tag", "rewards.0.name=accuracyy"])
 def test_train_bad_reward_entry_is_one_line_naming_the_key(capsys, tmp_path, no_model, override):
     cfg, _ = tiny_config(tmp_path)
     rc, _, err = run_main(capsys, "train", str(cfg), override)
