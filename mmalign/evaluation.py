@@ -35,7 +35,7 @@ def resolve_checkpoint(output_dir: str | Path, spec: str | None) -> Path | None:
     """The checkpoint folder `spec` names: ``base`` (None: no checkpoint), ``latest`` (the newest complete
     checkpoint in `output_dir`, None if there is none) or a path to a checkpoint folder (or to a run
     directory, whose newest checkpoint is used)."""
-    from mmalign.trainer import latest_checkpoint
+    from mmalign.rundir import latest_checkpoint
 
     if spec in (None, "", "base"):
         return None

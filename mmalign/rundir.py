@@ -5,8 +5,8 @@ A wrong command should fail in seconds, not after minutes of model building: `mm
 data files first and the model last).
 
 - `check_output_dir(cfg, resume)`: ``output_dir`` already holds a run (without ``--resume`` or
-  ``overwrite=true``), or ``--resume`` finds no checkpoint. The same `ConfigError` messages as
-  `GroupTrainer`, which makes the same checks again (and acts on them) once the model is loaded.
+  ``overwrite=true``), or ``--resume`` finds no checkpoint. `GroupTrainer` calls it again (and then
+  acts on the folder: loads the checkpoint, or clears it under ``overwrite``) once the model is loaded.
 - `check_model_source(...)` / `check_model_paths(cfg)`: ``model.name_or_path`` and the model folders
   that rewards name (``rewards[i].kwargs.path``) are local folders, folders a tiny builder will create,
   or hub ids that can be loaded (offline: ids already in the Hugging Face cache).

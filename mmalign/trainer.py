@@ -47,11 +47,9 @@ from mmalign import samplers as sampler_lib
 from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError
 from mmalign.registry import RegistryError
+from mmalign.rundir import CHECKPOINT_PREFIX, check_output_dir, latest_checkpoint
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_PREFIX = "step_"
-
 
 class TrainingError(RuntimeError):
     """Training stopped; the message says at which step and what was kept."""
@@ -85,17 +83,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder in `output_dir/checkpoints`, or None."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / "COMPLETE").exists()]
-    if not done:
-        return None
-    return max(done, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
 
 
 class GroupTrainer:
@@ -222,21 +209,14 @@ class GroupTrainer:
 
     def _prepare_output_dir(self, resume: bool) -> None:
         metrics = self.out / "metrics.jsonl"
+        check_output_dir(self.cfg, resume)  # (the CLI made the same check before building the model)
         if resume:
             ckpt = latest_checkpoint(self.out)
-            if ckpt is None:
-                raise ConfigError(
-                    f"--resume: no complete checkpoint in {self.out / 'checkpoints'}; run without --resume"
-                )
+            assert ckpt is not None
             self.load_checkpoint(ckpt)
             if self.is_main and metrics.exists():  # drop metrics of steps after the checkpoint
                 kept = [ln for ln in metrics.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
                 metrics.write_text("".join(ln + "\n" for ln in kept))
-        elif metrics.exists() and metrics.stat().st_size > 0 and not self.cfg.overwrite:
-            raise ConfigError(
-                f"output_dir {self.out} already holds a run (metrics.jsonl). Continue it with --resume, "
-                f"choose another output_dir=..., or pass overwrite=true to replace it"
-            )
         elif self.is_main and self.cfg.overwrite:
             for name in ("metrics.jsonl", "samples", "checkpoints", "final"):
                 p = self.out / name
