@@ -534,6 +534,17 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     return _from_dict(data, _Source(source))
 
 
+def _is_registered_pipeline(name: str) -> bool:
+    """Whether `name` is a registered pipeline (a pipeline registered elsewhere, e.g. in a test, keeps free
+    options)."""
+    try:
+        import pipelines
+
+        return name in pipelines.names()
+    except ImportError:  # pragma: no cover
+        return False
+
+
 def _from_dict(data: Any, src: _Source) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"{src.name}: the top level must be a mapping, got {type(data).__name__}")
@@ -552,6 +563,12 @@ def _from_dict(data: Any, src: _Source) -> Config:
     if options_cls is not None:
         cfg.options = _convert_checked({} if raw_options is None else raw_options, options_cls, "options", src)
     elif raw_options is not None:
+        if raw_options and _is_registered_pipeline(cfg.pipeline):
+            raise ConfigError(
+                f"{src.name}: key 'options': pipeline {cfg.pipeline!r} takes no options section (it declares no "
+                f"options class), got {sorted(raw_options) if isinstance(raw_options, dict) else raw_options!r}; "
+                "remove it"
+            )
         cfg.options = raw_options
     validate(cfg, src)
     return cfg

@@ -306,7 +306,6 @@ def test_empty_file_reports_the_first_required_key(tmp_path):
         ("algorithm.estimator_kwargs.eps=1e-6", lambda c: c.algorithm.estimator_kwargs, {"eps": 1e-6}),
         ("algorithm.filter_kwargs.a.b=3", lambda c: c.algorithm.filter_kwargs, {"a": {"b": 3}}),
         ("model.lora.r=4", lambda c: c.model.lora.r, 4),
-        ("options.foo.bar=[1, 2]", lambda c: c.options, {"foo": {"bar": [1, 2]}}),
         # a str key takes the text as typed (YAML would read these as a mapping / number / comment)
         ("data.prompt_template=Q: {question}", lambda c: c.data.prompt_template, "Q: {question}"),
         ("data.prompt_template={question}", lambda c: c.data.prompt_template, "{question}"),
@@ -568,8 +567,19 @@ def test_options_override_from_command_line(options_pipeline, tmp_path):
 
 def test_unregistered_pipeline_keeps_options_as_plain_data():
     data = tiny_data()
+    data["pipeline"] = "someone_elses_pipeline"
     data["options"] = {"anything": [1, {"x": 2}]}
     assert config_from_dict(data).options == {"anything": [1, {"x": 2}]}
+
+
+def test_registered_pipeline_without_options_rejects_an_options_section():
+    data = tiny_data()
+    assert data["pipeline"] == "text_reasoning"
+    data["options"] = {"bogus": 1}
+    msg = error_of(config_from_dict, data)
+    assert "key 'options': pipeline 'text_reasoning' takes no options section" in msg and "bogus" in msg
+    data["options"] = {}
+    assert config_from_dict(data).options == {}
 
 
 # ----------------------------------------------------------------------------- round trip
@@ -593,7 +603,6 @@ def test_to_dict_round_trip_through_yaml(tmp_path):
             "rewards.2.kwargs={max_len: 10, buffer: 4}",
             "algorithm.estimator_kwargs.eps=1e-6",
             "model.lora.target_modules=[q_proj]",
-            "options.extra=1",
         ],
     )
     d = cfg.to_dict()
