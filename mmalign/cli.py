@@ -92,8 +92,14 @@ def _prepare(
 def _load(
     args: argparse.Namespace, *, resume: bool | None = None, eval_rewards: bool = False
 ) -> tuple[Config, Any]:
-    """The checked config (`_prepare`) and the components its pipeline builds."""
+    """The checked config (`_prepare`) and the components its pipeline builds. The global RNGs are seeded
+    with ``seed`` first: torch seeds its default generator randomly in every new process, so without this
+    the random parts of model construction (a LoRA adapter's initial A matrices) would differ between two
+    runs of the same config, and a resumed run would not repeat an uninterrupted one."""
+    from mmalign.trainer import set_seed
+
     cfg, build = _prepare(args, resume=resume, eval_rewards=eval_rewards)
+    set_seed(cfg.seed)
     return cfg, build(cfg)
 
 

@@ -352,3 +352,24 @@ def test_train_bad_reward_entry_is_one_line_naming_the_key(capsys, tmp_path, no_
     rc, _, err = run_main(capsys, "train", str(cfg), override)
     assert rc == 1
     assert_one_error_line(err, "rewards[0]")
+
+
+def test_components_are_built_from_the_seed(tmp_path, random_text_model_dir):
+    """Model construction draws random numbers (a LoRA adapter's initial A); the CLI seeds the global RNGs
+    with `seed` before building, so two builds of one config agree whatever state the RNG was in (torch seeds
+    its default generator randomly in each new process)."""
+    import argparse
+
+    import torch
+
+    from mmalign import cli
+
+    cfg, _ = tiny_config(tmp_path, model__name_or_path=str(random_text_model_dir), model__tiny_builder=None)
+    overrides = ["model.lora.enabled=true", "model.lora.r=4"]
+    built = []
+    for rng in (1, 2):
+        torch.manual_seed(rng)
+        _, components = cli._load(argparse.Namespace(config=str(cfg), overrides=overrides), resume=False)
+        built.append({k: v.clone() for k, v in components.policy.trainable_state_dict().items()})
+    assert built[0].keys() == built[1].keys() and any("lora_A" in k for k in built[0])
+    assert all(torch.equal(built[0][k], built[1][k]) for k in built[0])
