@@ -242,7 +242,7 @@ def _arith_completion(answer: int) -> str:
     return f" <answer>{answer}</answer>"
 
 
-@BUILDERS.register("text_reasoning", minutes=0.5, phases=2)
+@BUILDERS.register("text_reasoning", minutes=1.5, phases=2)
 def build_text_reasoning(
     path: Path,
     sharp_steps: int = 800,

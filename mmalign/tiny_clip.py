@@ -326,7 +326,7 @@ def build_clip_shapes_tiny(path: str | Path, **train_kwargs: Any) -> Path:
     return path
 
 
-@BUILDERS.register("clip_shapes_tiny", minutes=0.75, phases=1)
+@BUILDERS.register("clip_shapes_tiny", minutes=1.5, phases=1)
 def _build_registered(path: Path) -> None:
     build_clip_shapes_tiny(path)
 

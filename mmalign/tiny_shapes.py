@@ -409,7 +409,7 @@ def _save(path: Path, components: dict[str, Any], meta: dict[str, Any]) -> None:
     (path / "mmalign_tiny.json").write_text(json.dumps(meta))
 
 
-@BUILDERS.register("text_to_image", minutes=1.5, phases=2)
+@BUILDERS.register("text_to_image", minutes=12, phases=2)
 def build_text_to_image(
     path: Path,
     *,
@@ -497,7 +497,7 @@ def build_text_to_image(
     )
 
 
-@BUILDERS.register("safe_diffusion", minutes=4, phases=2)
+@BUILDERS.register("safe_diffusion", minutes=20, phases=2)
 def build_safe_diffusion(
     path: Path,
     *,

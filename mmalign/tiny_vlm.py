@@ -178,7 +178,7 @@ def write_dataset(folder: str | Path, n: int = 64, seed: int = 7) -> Path:
     return folder / "train.jsonl"
 
 
-@BUILDERS.register("vlm_reasoning", minutes=0.25, phases=2)
+@BUILDERS.register("vlm_reasoning", minutes=1, phases=2)
 def build_vlm_reasoning(
     path: Path,
     sharp_steps: int = 300,
