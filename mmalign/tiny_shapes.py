@@ -497,7 +497,7 @@ def build_text_to_image(
     )
 
 
-@BUILDERS.register("safe_diffusion", minutes=20, phases=2)
+@BUILDERS.register("safe_diffusion", minutes=25, phases=2)
 def build_safe_diffusion(
     path: Path,
     *,
