@@ -76,3 +76,20 @@ def check_shared_prefix_matches_plain():
             assert torch.allclose(shared_grads[name], g, atol=1e-5, rtol=1e-4), name
 
     return check
+
+
+@pytest.fixture
+def run_mmalign():
+    """Run the real ``python -m mmalign.cli ARGS`` in `cwd` (warnings off) -> CompletedProcess (text)."""
+    import os
+    import subprocess
+    import sys
+
+    def run(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        return subprocess.run(
+            [sys.executable, "-m", "mmalign.cli", *args], capture_output=True, text=True, cwd=cwd, env=env,
+            timeout=timeout,
+        )
+
+    return run

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -200,18 +197,10 @@ def test_train_misspelled_override(capsys, tmp_path, no_model):
     assert_one_error_line(err, "command line", "rewards.0.wieght=2", "did you mean 'rewards[0].weight'?")
 
 
-def test_train_misspelled_key_subprocess(tmp_path):
+def test_train_misspelled_key_subprocess(tmp_path, run_mmalign):
     """The real process: exit status 1, one line on stderr, no traceback, nothing on stdout."""
     cfg, _ = tiny_config(tmp_path, rollout__group_sise=4)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mmalign.cli", "train", str(cfg)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-    )
+    proc = run_mmalign("train", str(cfg), cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stdout == ""
     assert_one_error_line(proc.stderr, str(cfg), "'rollout.group_sise'", "did you mean 'rollout.group_size'?")

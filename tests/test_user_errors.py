@@ -4,9 +4,6 @@ tiny models it builds, for about how long, and shows each builder's progress."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -360,19 +357,11 @@ def test_eval_checks_eval_rewards_and_checkpoint_before_any_model(capsys, tmp_pa
     assert snapshot(out) == before
 
 
-def test_real_command_fails_fast_and_keeps_the_run(tmp_path):
+def test_real_command_fails_fast_and_keeps_the_run(tmp_path, run_mmalign):
     """The installed entry point, as a user runs it: no model is built (no models folder appears)."""
     cfg, out = tiny_config(tmp_path, "safe_diffusion")
     before = old_run(out)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mmalign.cli", "train", str(cfg)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-    )
+    proc = run_mmalign("train", str(cfg), cwd=tmp_path)
     assert proc.returncode == 1 and proc.stdout == ""
     one_error_line(proc.stderr, "already holds a run")
     assert snapshot(out) == before
