@@ -110,24 +110,49 @@ def build_model(path: Path, args: argparse.Namespace) -> dict[str, int]:
     inner = args.heads * args.head_dim
     text_hidden, pooled = 64, 64
     transformer = SD3Transformer2DModel(
-        sample_size=latent, patch_size=2, in_channels=16, out_channels=16, num_layers=args.layers,
-        attention_head_dim=args.head_dim, num_attention_heads=args.heads, joint_attention_dim=text_hidden,
-        caption_projection_dim=inner, pooled_projection_dim=pooled, pos_embed_max_size=latent,
+        sample_size=latent,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=args.layers,
+        attention_head_dim=args.head_dim,
+        num_attention_heads=args.heads,
+        joint_attention_dim=text_hidden,
+        caption_projection_dim=inner,
+        pooled_projection_dim=pooled,
+        pos_embed_max_size=latent,
     )
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(32, 64, 64, 64), layers_per_block=1, latent_channels=16, norm_num_groups=16,
-        sample_size=args.size, scaling_factor=1.5305, shift_factor=0.0609,
-        use_quant_conv=False, use_post_quant_conv=False,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(32, 64, 64, 64),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=16,
+        sample_size=args.size,
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     tokenizer = clip_byte_tokenizer()
-    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=text_hidden, intermediate_size=2 * text_hidden, num_hidden_layers=2,
-        num_attention_heads=2, max_position_embeddings=TOKEN_LENGTH, projection_dim=pooled,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    ))
+    text_encoder = CLIPTextModelWithProjection(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=text_hidden,
+            intermediate_size=2 * text_hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=TOKEN_LENGTH,
+            projection_dim=pooled,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
     path.mkdir(parents=True, exist_ok=True)
     transformer.save_pretrained(path / "transformer")
     vae.save_pretrained(path / "vae")
@@ -138,8 +163,13 @@ def build_model(path: Path, args: argparse.Namespace) -> dict[str, int]:
     def count(m: torch.nn.Module) -> int:
         return sum(p.numel() for p in m.parameters())
 
-    return {"transformer": count(transformer), "vae": count(vae), "vae_decoder": count(vae.decoder),
-            "text_encoder": count(text_encoder), "latent_size": latent}
+    return {
+        "transformer": count(transformer),
+        "vae": count(vae),
+        "vae_decoder": count(vae.decoder),
+        "text_encoder": count(text_encoder),
+        "latent_size": latent,
+    }
 
 
 class Worker:
@@ -168,7 +198,9 @@ class Worker:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = inner_decode(rollout)
-            self.decode_s.append(time.perf_counter() - t0)  # decode copies the images to the CPU: synchronised
+            self.decode_s.append(
+                time.perf_counter() - t0
+            )  # decode copies the images to the CPU: synchronised
             return out
 
         pol.decode = timed_decode
@@ -179,13 +211,28 @@ class Worker:
                 "output_dir": self.run_dir.name,
                 "rollout": {"group_size": args.group, "prompts_per_step": args.prompts},
                 "rewards": [{"name": REWARD_NAMES[args.reward]}],
-                "trainer": {"steps": 10**6, "lr": 1e-4, "progress_bar": False, "save_every": 10**6,
-                            "sample_every": 10**6, "cpu": dev.type == "cpu"},
+                "trainer": {
+                    "steps": 10**6,
+                    "lr": 1e-4,
+                    "progress_bar": False,
+                    "save_every": 10**6,
+                    "sample_every": 10**6,
+                    "cpu": dev.type == "cpu",
+                },
             },
             "bench_flow_step",
         )
-        rows = [{"prompt": p} for p in ("a red square", "two blue circles", "a green triangle on grey",
-                                        "one yellow star", "three small dots", "a purple ring")]
+        rows = [
+            {"prompt": p}
+            for p in (
+                "a red square",
+                "two blue circles",
+                "a green triangle on grey",
+                "one yellow star",
+                "three small dots",
+                "a purple ring",
+            )
+        ]
         self.trainer = GroupTrainer(cfg, Components(policy=pol, rewards=RewardSet(cfg.rewards), data=rows))
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -208,11 +255,17 @@ class Worker:
         own = sum(os.times()[:2]) - own0
         other = max(0.0, (_busy_jiffies() - busy0) / tick - own)
         rec = {
-            "step_s": dt, "rollout_s": m["time/rollout_s"], "reward_s": m["time/reward_s"],
-            "decode_s": sum(self.decode_s[n_dec:]), "update_s": m["time/update_s"], "cpu_s": own,
+            "step_s": dt,
+            "rollout_s": m["time/rollout_s"],
+            "reward_s": m["time/reward_s"],
+            "decode_s": sum(self.decode_s[n_dec:]),
+            "update_s": m["time/update_s"],
+            "cpu_s": own,
             "other_cpu_frac": other / (dt * (os.cpu_count() or 1)),
-            "trained_steps": int(self.trainer._last_batch.num_actions), "loss": m["loss"],
-            "reward_mean": m["reward/mean"], "warmup": self.n < self.args.warmup,
+            "trained_steps": int(self.trainer._last_batch.num_actions),
+            "loss": m["loss"],
+            "reward_mean": m["reward/mean"],
+            "warmup": self.n < self.args.warmup,
         }
         self.n += 1
         if not rec["warmup"]:
@@ -221,11 +274,17 @@ class Worker:
 
     def result(self) -> dict:
         args, steps = self.args, self.steps
-        res = {"reward": args.reward, "trained": args.trained, "reward_name": REWARD_NAMES[args.reward],
-               "decoded": "images" in self.trainer._last_batch.outputs,
-               "trained_steps": steps[-1]["trained_steps"], "steps": steps,
-               "min_step_s": min(s["step_s"] for s in steps),
-               "other_cpu_frac": sum(s["other_cpu_frac"] * s["step_s"] for s in steps) / sum(s["step_s"] for s in steps)}
+        res = {
+            "reward": args.reward,
+            "trained": args.trained,
+            "reward_name": REWARD_NAMES[args.reward],
+            "decoded": "images" in self.trainer._last_batch.outputs,
+            "trained_steps": steps[-1]["trained_steps"],
+            "steps": steps,
+            "min_step_s": min(s["step_s"] for s in steps),
+            "other_cpu_frac": sum(s["other_cpu_frac"] * s["step_s"] for s in steps)
+            / sum(s["step_s"] for s in steps),
+        }
         for key in ("step_s", "rollout_s", "reward_s", "decode_s", "update_s", "cpu_s"):
             res[f"median_{key}"] = statistics.median(s[key] for s in steps)
             res[f"min_{key}"] = min(s[key] for s in steps)
@@ -261,8 +320,14 @@ class Proc:
     def __init__(self, spec: str, cmd: list[str], log_dir: Path) -> None:
         self.spec = spec
         self.log = log_dir / f"{spec}.stderr"
-        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log.open("w"),
-                                  text=True, bufsize=1)
+        self.p = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log.open("w"),
+            text=True,
+            bufsize=1,
+        )
 
     def read(self) -> str:
         assert self.p.stdout is not None
@@ -291,15 +356,30 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="torch threads per worker (default: all cores; on a machine shared with other jobs, "
-                        "1 avoids oversubscription, which made 2-thread steps 3-5x slower and erratic here)")
-    p.add_argument("--configs", default=",".join(f"{r}-{t}" for r, t in CONFIGS),
-                   help="comma-separated subset of pixel-full,pixel-window,latent-full,latent-window")
-    p.add_argument("--no-interleave", dest="interleave", action="store_false",
-                   help="run the configurations one after the other (default: all loaded, in lockstep)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="results JSON (default benchmarks/results/flow_step_<device>.json)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads per worker (default: all cores; on a machine shared with other jobs, "
+        "1 avoids oversubscription, which made 2-thread steps 3-5x slower and erratic here)",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(f"{r}-{t}" for r, t in CONFIGS),
+        help="comma-separated subset of pixel-full,pixel-window,latent-full,latent-window",
+    )
+    p.add_argument(
+        "--no-interleave",
+        dest="interleave",
+        action="store_false",
+        help="run the configurations one after the other (default: all loaded, in lockstep)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results JSON (default benchmarks/results/flow_step_<device>.json)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--reward", default="pixel", help=argparse.SUPPRESS)
     p.add_argument("--trained", default="full", help=argparse.SUPPRESS)
@@ -309,9 +389,17 @@ def main() -> None:
         worker_loop(args)
         return
     out = args.out or HERE / "results" / f"flow_step_{args.device}.json"
-    common = [f"--device={args.device}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--size={args.size}",
-              f"--prompts={args.prompts}", f"--group={args.group}", f"--num-steps={args.num_steps}",
-              f"--window={args.window}", f"--threads={args.threads}"]
+    common = [
+        f"--device={args.device}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--size={args.size}",
+        f"--prompts={args.prompts}",
+        f"--group={args.group}",
+        f"--num-steps={args.num_steps}",
+        f"--window={args.window}",
+        f"--threads={args.threads}",
+    ]
     t_start = time.perf_counter()
     specs = [s.strip() for s in args.configs.split(",")]
     n_rounds = args.warmup + args.steps
@@ -321,13 +409,27 @@ def main() -> None:
 
         def start(spec: str) -> Proc:
             reward, trained = spec.split("-")
-            return Proc(spec, [sys.executable, __file__, "--worker", f"--model-dir={model_dir}",
-                               f"--reward={reward}", f"--trained={trained}", *common], Path(tmp))
+            return Proc(
+                spec,
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    f"--model-dir={model_dir}",
+                    f"--reward={reward}",
+                    f"--trained={trained}",
+                    *common,
+                ],
+                Path(tmp),
+            )
 
         def show(spec: str, rec: dict) -> None:
             tag = "warm-up" if rec["warmup"] else "step"
-            print(f"  {spec:<13} {tag:<7} {rec['step_s']:7.3f} s  (other processes: "
-                  f"{100 * rec['other_cpu_frac']:.0f}% of the CPU)", flush=True)
+            print(
+                f"  {spec:<13} {tag:<7} {rec['step_s']:7.3f} s  (other processes: "
+                f"{100 * rec['other_cpu_frac']:.0f}% of the CPU)",
+                flush=True,
+            )
 
         results = []
         if args.interleave:  # every worker loaded; step i of each in turn (rotating order), one at a time
@@ -350,33 +452,51 @@ def main() -> None:
                 results.append(pr.ask("result"))
                 pr.p.wait()
     mem = "peak CUDA alloc" if args.device.startswith("cuda") else "peak RSS"
-    print(f"\n{args.prompts} prompts x {args.group} = {args.prompts * args.group} samples, {args.size}x{args.size} "
-          f"images ({sizes['latent_size']}x{sizes['latent_size']}x16 latents), {args.num_steps} sampling steps; "
-          f"transformer {sizes['transformer'] / 1e6:.2f} M, VAE {sizes['vae'] / 1e6:.2f} M parameters; "
-          f"{args.device}, {args.threads} threads; median of {args.steps} steps after {args.warmup} warm-up")
-    head = (f"{'reward':<7} {'trained':<8} {'T':>2} {'median (s)':>10} {'fastest':>7} {'CPU s':>6} {'rollout':>7} "
-            f"{'decode':>6} {'reward':>6} {'update':>6} {mem + ' (MiB)':>19} {'increase':>8} {'other CPU':>9}")
+    print(
+        f"\n{args.prompts} prompts x {args.group} = {args.prompts * args.group} samples, {args.size}x{args.size} "
+        f"images ({sizes['latent_size']}x{sizes['latent_size']}x16 latents), {args.num_steps} sampling steps; "
+        f"transformer {sizes['transformer'] / 1e6:.2f} M, VAE {sizes['vae'] / 1e6:.2f} M parameters; "
+        f"{args.device}, {args.threads} threads; median of {args.steps} steps after {args.warmup} warm-up"
+    )
+    head = (
+        f"{'reward':<7} {'trained':<8} {'T':>2} {'median (s)':>10} {'fastest':>7} {'CPU s':>6} {'rollout':>7} "
+        f"{'decode':>6} {'reward':>6} {'update':>6} {mem + ' (MiB)':>19} {'increase':>8} {'other CPU':>9}"
+    )
     print(head)
     for r in results:
-        print(f"{r['reward']:<7} {r['trained']:<8} {r['trained_steps']:>2} {r['median_step_s']:>10.3f} "
-              f"{r['min_step_s']:>7.3f} {r['median_cpu_s']:>6.2f} {r['median_rollout_s']:>7.3f} "
-              f"{r['median_decode_s']:>6.3f} {r['median_reward_s'] - r['median_decode_s']:>6.3f} "
-              f"{r['median_update_s']:>6.3f} {r['peak_mb']:>19.0f} {r['peak_increase_mb']:>8.0f} "
-              f"{100 * r['other_cpu_frac']:>8.0f}%")
+        print(
+            f"{r['reward']:<7} {r['trained']:<8} {r['trained_steps']:>2} {r['median_step_s']:>10.3f} "
+            f"{r['min_step_s']:>7.3f} {r['median_cpu_s']:>6.2f} {r['median_rollout_s']:>7.3f} "
+            f"{r['median_decode_s']:>6.3f} {r['median_reward_s'] - r['median_decode_s']:>6.3f} "
+            f"{r['median_update_s']:>6.3f} {r['peak_mb']:>19.0f} {r['peak_increase_mb']:>8.0f} "
+            f"{100 * r['other_cpu_frac']:>8.0f}%"
+        )
     print("fastest of each phase over the timed steps (s; the least disturbed by other processes):")
     print(f"{'reward':<7} {'trained':<8} {'rollout':>7} {'decode':>6} {'reward':>6} {'update':>6} {'sum':>6}")
     for r in results:
         rew = max(0.0, r["min_reward_s"] - r["min_decode_s"])
         total = r["min_rollout_s"] + r["min_reward_s"] + r["min_update_s"]
-        print(f"{r['reward']:<7} {r['trained']:<8} {r['min_rollout_s']:>7.3f} {r['min_decode_s']:>6.3f} {rew:>6.3f} "
-              f"{r['min_update_s']:>6.3f} {total:>6.3f}")
+        print(
+            f"{r['reward']:<7} {r['trained']:<8} {r['min_rollout_s']:>7.3f} {r['min_decode_s']:>6.3f} {rew:>6.3f} "
+            f"{r['min_update_s']:>6.3f} {total:>6.3f}"
+        )
     busy = [f"{r['reward']}-{r['trained']}" for r in results if r["other_cpu_frac"] > 0.05]
     if busy:
-        print(f"warning: other processes used more than 5% of the CPU during {', '.join(busy)}: times are noisy")
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                if k not in ("worker", "reward", "trained", "model_dir")}
-    machine = {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
-               "python": platform.python_version(), "torch": torch.__version__}
+        print(
+            f"warning: other processes used more than 5% of the CPU during {', '.join(busy)}: times are noisy"
+        )
+    settings = {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if k not in ("worker", "reward", "trained", "model_dir")
+    }
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
     try:
         import diffusers
 
@@ -386,14 +506,25 @@ def main() -> None:
     if args.device.startswith("cuda") and torch.cuda.is_available():
         machine["gpu"] = torch.cuda.get_device_name()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "settings": settings, "model": sizes, "machine": machine, "total_wall_s": time.perf_counter() - t_start,
-        "memory": ("CUDA: torch.cuda.max_memory_allocated over warm-up + timed steps; increase over "
-                   "memory_allocated before the first step" if args.device.startswith("cuda") else
-                   "CPU: ru_maxrss of the worker process after all steps; increase over its VmRSS just before "
-                   "the first (warm-up) step (trainer built, model loaded)"),
-        "results": results,
-    }, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "settings": settings,
+                "model": sizes,
+                "machine": machine,
+                "total_wall_s": time.perf_counter() - t_start,
+                "memory": (
+                    "CUDA: torch.cuda.max_memory_allocated over warm-up + timed steps; increase over "
+                    "memory_allocated before the first step"
+                    if args.device.startswith("cuda")
+                    else "CPU: ru_maxrss of the worker process after all steps; increase over its VmRSS just before "
+                    "the first (warm-up) step (trainer built, model loaded)"
+                ),
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out} ({time.perf_counter() - t_start:.0f} s)")
 
 

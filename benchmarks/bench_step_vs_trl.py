@@ -71,8 +71,36 @@ def char_reward(completions: list[str], **kwargs: Any) -> list[float]:
 
 # ----------------------------------------------------------------------------- data and model
 _SYLLABLES = [
-    "ka", "to", "ri", "mu", "se", "la", "po", "ne", "di", "fa", "gu", "ho", "be", "zi", "wa",
-    "qu", "ex", "an", "or", "il", "um", "st", "th", "ch", "sh", "pr", "tr", "gr", "en", "on",
+    "ka",
+    "to",
+    "ri",
+    "mu",
+    "se",
+    "la",
+    "po",
+    "ne",
+    "di",
+    "fa",
+    "gu",
+    "ho",
+    "be",
+    "zi",
+    "wa",
+    "qu",
+    "ex",
+    "an",
+    "or",
+    "il",
+    "um",
+    "st",
+    "th",
+    "ch",
+    "sh",
+    "pr",
+    "tr",
+    "gr",
+    "en",
+    "on",
 ]
 
 
@@ -286,9 +314,12 @@ def run_mmalign(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]
             "output_dir": str(work / "mmalign_run"),
             "seed": spec["seed"],
             "overwrite": True,
-            "model": {"name_or_path": spec["model_dir"], "dtype": spec["dtype"],
-                      "gradient_checkpointing": spec["gradient_checkpointing"],
-                      "shared_prefix": spec.get("shared_prefix", True)},
+            "model": {
+                "name_or_path": spec["model_dir"],
+                "dtype": spec["dtype"],
+                "gradient_checkpointing": spec["gradient_checkpointing"],
+                "shared_prefix": spec.get("shared_prefix", True),
+            },
             "data": {"train": str(data), "prompt_template": "{prompt}", "shuffle": True},
             "rollout": {
                 "group_size": spec["group_size"],
@@ -443,7 +474,11 @@ def run_trl(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]:
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self.clock.begin(state.global_step)
             tr = self.trainer
-            self.marks = (tr._generate.total, tr._calculate_rewards.total, tr._generate_and_score_completions.total)
+            self.marks = (
+                tr._generate.total,
+                tr._calculate_rewards.total,
+                tr._generate_and_score_completions.total,
+            )
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self.clock.end(state.global_step - 1)
@@ -456,8 +491,13 @@ def run_trl(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]:
             lens = tr._metrics["train"].get("completions/mean_length") or [float("nan")]
             clipped = tr._metrics["train"].get("completions/clipped_ratio") or [float("nan")]
             self.rows.append(
-                {"generate_s": gen, "reward_s": rew, "score_total_s": score,
-                 "completion_len": float(lens[-1]), "clipped_ratio": float(clipped[-1])}
+                {
+                    "generate_s": gen,
+                    "reward_s": rew,
+                    "score_total_s": score,
+                    "completion_len": float(lens[-1]),
+                    "clipped_ratio": float(clipped[-1]),
+                }
             )
 
     timer = StepTimer()
@@ -542,8 +582,9 @@ def _readline(f: Any, timeout: float) -> str:
     return f.readline() if ready else "<timeout>"
 
 
-def _run_workers(frameworks: list[str], spec: dict[str, Any], work: Path, tag: str,
-                 timeout: float) -> dict[str, dict[str, Any]]:
+def _run_workers(
+    frameworks: list[str], spec: dict[str, Any], work: Path, tag: str, timeout: float
+) -> dict[str, dict[str, Any]]:
     """Start one worker process per framework and run their steps in lockstep.
 
     All workers load their model first; then step i of every framework runs in turn (order
@@ -570,8 +611,18 @@ def _run_workers(frameworks: list[str], spec: dict[str, Any], work: Path, tag: s
         for fw in frameworks:
             go_r, go_w = os.pipe()
             done_r, done_w = os.pipe()
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", fw, "--spec", str(spec_path),
-                   "--worker-out", str(work / f"result_{fw}{tag}.json"), "--gate", f"{go_r},{done_w}"]
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--worker",
+                fw,
+                "--spec",
+                str(spec_path),
+                "--worker-out",
+                str(work / f"result_{fw}{tag}.json"),
+                "--gate",
+                f"{go_r},{done_w}",
+            ]
             log = (work / f"{fw}{tag}.log").open("w")
             p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(go_r, done_w))
             log.close()
@@ -622,11 +673,17 @@ def _merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     out["step_times_s"] = [t for r in rounds for t in r["step_times_s"]]
     out["step_cpu_times_s"] = [t for r in rounds for t in r["step_cpu_times_s"]]
     out.update(_summary(out["step_times_s"]))
-    for key in ("completion_len_mean", "truncated_frac", "other_procs_cpu_frac", "other_procs_cpu_s",
-                "process_wall_s"):
+    for key in (
+        "completion_len_mean",
+        "truncated_frac",
+        "other_procs_cpu_frac",
+        "other_procs_cpu_s",
+        "process_wall_s",
+    ):
         out[key] = statistics.fmean(r[key] for r in rounds)
-    out["breakdown_mean_s"] = {k: statistics.fmean(r["breakdown_mean_s"][k] for r in rounds)
-                               for k in rounds[0]["breakdown_mean_s"]}
+    out["breakdown_mean_s"] = {
+        k: statistics.fmean(r["breakdown_mean_s"][k] for r in rounds) for k in rounds[0]["breakdown_mean_s"]
+    }
     for key in out:
         if key.endswith("_mb") and out[key] is not None:
             out[key] = max(r[key] for r in rounds)
@@ -638,17 +695,34 @@ def _merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def _fmt_table(results: dict[str, dict[str, Any]], device: str) -> str:
     mem_key = "cuda_peak_allocated_mb" if device == "cuda" else "peak_rss_mb"
     mem_name = "peak CUDA alloc (MiB)" if device == "cuda" else "peak RSS (MiB)"
-    head = ["framework", "median step (s)", "min step (s)", "median CPU (s)", "mean compl. len", mem_name,
-            "setup (MiB)", "train incr. (MiB)"]
+    head = [
+        "framework",
+        "median step (s)",
+        "min step (s)",
+        "median CPU (s)",
+        "mean compl. len",
+        mem_name,
+        "setup (MiB)",
+        "train incr. (MiB)",
+    ]
     lines = []
     for fw, r in results.items():
         if device == "cuda":
             setup, incr = r["cuda_after_setup_mb"], r["cuda_peak_allocated_mb"] - r["cuda_after_setup_mb"]
         else:
             setup, incr = r["rss_after_setup_mb"], r["peak_rss_increase_mb"]
-        lines.append([fw, f"{r['median_s']:.3f}", f"{r['min_s']:.3f}",
-                      f"{statistics.median(r['step_cpu_times_s']):.3f}", f"{r['completion_len_mean']:.1f}",
-                      f"{r[mem_key]:.0f}", f"{setup:.0f}", f"{incr:.0f}"])
+        lines.append(
+            [
+                fw,
+                f"{r['median_s']:.3f}",
+                f"{r['min_s']:.3f}",
+                f"{statistics.median(r['step_cpu_times_s']):.3f}",
+                f"{r['completion_len_mean']:.1f}",
+                f"{r[mem_key]:.0f}",
+                f"{setup:.0f}",
+                f"{incr:.0f}",
+            ]
+        )
     widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
     out = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
@@ -662,11 +736,15 @@ def _fmt_breakdown(results: dict[str, dict[str, Any]]) -> str:
     rows = [[k, *(f"{results[fw]['breakdown_mean_s'][k]:.3f}" for fw in results)] for k in keys]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths)), *(fmt.format(*r) for r in rows)])
+    return "\n".join(
+        [fmt.format(*head), fmt.format(*("-" * w for w in widths)), *(fmt.format(*r) for r in rows)]
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps per framework (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
@@ -677,26 +755,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=None, help="MLP size (default 3 x hidden)")
     p.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary size (default 1024)")
     p.add_argument("--prompt-words", type=int, default=12, help="made-up words per prompt (default 12)")
-    p.add_argument("--dataset-size", type=int, default=256, help="distinct prompts in the dataset (default 256)")
+    p.add_argument(
+        "--dataset-size", type=int, default=256, help="distinct prompts in the dataset (default 256)"
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights dtype (both)")
-    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
-                   help="autocast in both (mmalign trainer.mixed_precision, TRL bf16/fp16; default no)")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="enable it in both (default off in both)")
-    p.add_argument("--suppress-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="forbid EOS while sampling, in both, so every completion has max length (default on)")
-    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
-                   help="mmalign's shared-prefix log-prob forward (model.shared_prefix; default on, as in its configs)")
+    p.add_argument(
+        "--mixed-precision",
+        choices=["no", "bf16", "fp16"],
+        default="no",
+        help="autocast in both (mmalign trainer.mixed_precision, TRL bf16/fp16; default no)",
+    )
+    p.add_argument(
+        "--gradient-checkpointing", action="store_true", help="enable it in both (default off in both)"
+    )
+    p.add_argument(
+        "--suppress-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="forbid EOS while sampling, in both, so every completion has max length (default on)",
+    )
+    p.add_argument(
+        "--shared-prefix",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mmalign's shared-prefix log-prob forward (model.shared_prefix; default on, as in its configs)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch threads in both workers (default: all cores)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="start the workers this many times; timed steps are pooled (default 1)")
-    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
-                   help="run both workers at once, their steps in lockstep turns (default); --no-interleave:\n"
-                        "one framework after the other")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads in both workers (default: all cores)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="start the workers this many times; timed steps are pooled (default 1)",
+    )
+    p.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run both workers at once, their steps in lockstep turns (default); --no-interleave:\n"
+        "one framework after the other",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--frameworks", default="mmalign,trl", help="comma list, run in this order (default mmalign,trl)")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON.relative_to(ROOT)})")
+    p.add_argument(
+        "--frameworks", default="mmalign,trl", help="comma list, run in this order (default mmalign,trl)"
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=DEFAULT_JSON,
+        help=f"results file (default {DEFAULT_JSON.relative_to(ROOT)})",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per framework before giving up")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
@@ -729,8 +840,11 @@ def main(argv: list[str] | None = None) -> int:
     if "trl" in args.frameworks:
         missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
         if missing:
-            print(f"error: {', '.join(missing)} not installed; install the bench extra: pip install -e '.[bench]' "
-                  f"(or run --frameworks mmalign)", file=sys.stderr)
+            print(
+                f"error: {', '.join(missing)} not installed; install the bench extra: pip install -e '.[bench]' "
+                f"(or run --frameworks mmalign)",
+                file=sys.stderr,
+            )
             return 2
     if args.device == "cuda":
         import torch
@@ -746,9 +860,12 @@ def main(argv: list[str] | None = None) -> int:
         prompts = make_prompts(args.dataset_size, args.prompt_words, args.seed)
         t0 = time.perf_counter()
         model_info = build_model(work / "model", args, prompts)
-        print(f"model: Qwen2, {model_info['params'] / 1e6:.2f}M parameters, hidden {args.hidden}, "
-              f"{args.layers} layers, vocab {model_info['vocab_size']}, prompts ~{model_info['prompt_tokens_mean']:.1f} "
-              f"tokens (built in {time.perf_counter() - t0:.1f}s at {work / 'model'})", flush=True)
+        print(
+            f"model: Qwen2, {model_info['params'] / 1e6:.2f}M parameters, hidden {args.hidden}, "
+            f"{args.layers} layers, vocab {model_info['vocab_size']}, prompts ~{model_info['prompt_tokens_mean']:.1f} "
+            f"tokens (built in {time.perf_counter() - t0:.1f}s at {work / 'model'})",
+            flush=True,
+        )
         spec = {
             "model_dir": str(work / "model"),
             "workdir": str(work),
@@ -775,19 +892,27 @@ def main(argv: list[str] | None = None) -> int:
             for group in groups:
                 tag = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
                 how = " in lockstep" if len(group) > 1 else ""
-                print(f"running {' and '.join(group)}{how}{tag}: {args.warmup} warm-up + {args.steps} timed steps "
-                      f"each ...", flush=True)
+                print(
+                    f"running {' and '.join(group)}{how}{tag}: {args.warmup} warm-up + {args.steps} timed steps "
+                    f"each ...",
+                    flush=True,
+                )
                 for fw, r in _run_workers(group, spec, work, f"_{rnd}", args.timeout).items():
                     runs[fw].append(r)
-                    print(f"  {fw}: median {r['median_s']:.3f}s/step, steps {[round(t, 3) for t in r['step_times_s']]}, "
-                          f"other processes' CPU {100 * r['other_procs_cpu_frac']:.0f}%", flush=True)
+                    print(
+                        f"  {fw}: median {r['median_s']:.3f}s/step, steps {[round(t, 3) for t in r['step_times_s']]}, "
+                        f"other processes' CPU {100 * r['other_procs_cpu_frac']:.0f}%",
+                        flush=True,
+                    )
         results = {fw: _merge_rounds(rs) for fw, rs in runs.items()}
 
     print()
-    print(f"settings: {args.prompts} prompts x {args.group_size} completions = {args.prompts * args.group_size} "
-          f"samples/step, {args.max_new_tokens} new tokens, temperature 1.0, lr {args.lr:g}, no KL, "
-          f"1 optimizer step/step, {args.dtype} weights, autocast {args.mixed_precision}, device {args.device}, {threads} threads, "
-          f"EOS {'suppressed' if args.suppress_eos else 'allowed'}")
+    print(
+        f"settings: {args.prompts} prompts x {args.group_size} completions = {args.prompts * args.group_size} "
+        f"samples/step, {args.max_new_tokens} new tokens, temperature 1.0, lr {args.lr:g}, no KL, "
+        f"1 optimizer step/step, {args.dtype} weights, autocast {args.mixed_precision}, device {args.device}, {threads} threads, "
+        f"EOS {'suppressed' if args.suppress_eos else 'allowed'}"
+    )
     print(_fmt_table(results, args.device))
     print()
     print(_fmt_breakdown(results))
@@ -799,17 +924,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio TRL/mmalign (median step time): {ratio:.2f}x  ({verdict}; target >= 1.5x)")
         if args.interleave:
             # step i of both ran back to back: the per-step ratio cancels slow drifts in machine load
-            pairs = [t / m for t, m in zip(results["trl"]["step_times_s"], results["mmalign"]["step_times_s"])]
+            pairs = [
+                t / m for t, m in zip(results["trl"]["step_times_s"], results["mmalign"]["step_times_s"])
+            ]
             paired = statistics.median(pairs)
             print(f"ratio TRL/mmalign, median of the {len(pairs)} back-to-back step pairs: {paired:.2f}x")
         for key, name in (("peak_rss_mb", "peak RSS"), ("cuda_peak_allocated_mb", "peak CUDA memory")):
             if results["mmalign"].get(key) is not None:
                 a, b = results["mmalign"][key], results["trl"][key]
-                print(f"{name}: mmalign {a:.0f} MiB vs TRL {b:.0f} MiB ({'no more' if a <= b else 'MORE'} than TRL)")
+                print(
+                    f"{name}: mmalign {a:.0f} MiB vs TRL {b:.0f} MiB ({'no more' if a <= b else 'MORE'} than TRL)"
+                )
     busy = max(r["other_procs_cpu_frac"] for r in results.values())
     if args.device == "cpu" and busy > 0.05:
-        print(f"note: other processes used up to {100 * busy:.0f}% of the CPU during the timed steps; wall "
-              f"times are noisy (look at the CPU column, rerun on a quiet machine or use --rounds)", file=sys.stderr)
+        print(
+            f"note: other processes used up to {100 * busy:.0f}% of the CPU during the timed steps; wall "
+            f"times are noisy (look at the CPU column, rerun on a quiet machine or use --rounds)",
+            file=sys.stderr,
+        )
     for fw, r in results.items():
         if not r["params_changed"]:
             print(f"warning: {fw}: the probed parameter did not change during training", file=sys.stderr)
@@ -819,8 +951,12 @@ def main(argv: list[str] | None = None) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": _machine(args.device),
         "versions": _versions(),
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                     if k not in ("worker", "spec", "worker_out", "gate")} | {"threads": threads},
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("worker", "spec", "worker_out", "gate")
+        }
+        | {"threads": threads},
         "model": model_info,
         "results": results,
         "ratio_trl_over_mmalign": ratio,

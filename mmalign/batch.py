@@ -150,7 +150,9 @@ class Rollout:
         rows = [i for i, g in enumerate(self.group.tolist()) if g in keep_set]
         return self[rows]
 
-    def minibatches(self, size: int, shuffle: bool = False, generator: torch.Generator | None = None) -> Iterator[Rollout]:
+    def minibatches(
+        self, size: int, shuffle: bool = False, generator: torch.Generator | None = None
+    ) -> Iterator[Rollout]:
         """Consecutive slices of `size` samples (the last may be smaller)."""
         n = len(self)
         order = torch.randperm(n, generator=generator).tolist() if shuffle else list(range(n))
@@ -184,7 +186,9 @@ class Rollout:
                 return {k: move(x) for k, x in v.items()}
             return v
 
-        return dataclasses.replace(self, **{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        return dataclasses.replace(
+            self, **{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        )
 
     def reward_column(self, name: str) -> Tensor:
         if self.rewards is None:

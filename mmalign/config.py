@@ -224,7 +224,10 @@ class _Loader(yaml.SafeLoader):
                     continue
                 if first is not None:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark
+                        None,
+                        None,
+                        f"duplicate key {key!r} (first given on line {first + 1})",
+                        key_node.start_mark,
                     )
                 seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
@@ -430,7 +433,9 @@ def _convert_checked(value: Any, tp: Any, key: str, src: _Source | str) -> Any:
 
 def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source | str) -> Any:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not (cls is Config and f.name == "source")}
+    fields = {
+        f.name: f for f in dataclasses.fields(cls) if f.init and not (cls is Config and f.name == "source")
+    }
     dot = f"{prefix}." if prefix else ""
     kwargs: dict[str, Any] = {}
     for k, v in data.items():
@@ -443,8 +448,14 @@ def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source | str) -> 
             )
         kwargs[k] = _convert_checked(v, hints[k], full, src)
     for name, f in fields.items():
-        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{_where(src, dot + name)}: key '{dot}{name}' is required ({_type_name(hints[name])})")
+        if (
+            name not in kwargs
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ):
+            raise ConfigError(
+                f"{_where(src, dot + name)}: key '{dot}{name}' is required ({_type_name(hints[name])})"
+            )
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -561,7 +572,9 @@ def _from_dict(data: Any, src: _Source) -> Config:
             pass
     options_cls = _OPTIONS.get(cfg.pipeline)
     if options_cls is not None:
-        cfg.options = _convert_checked({} if raw_options is None else raw_options, options_cls, "options", src)
+        cfg.options = _convert_checked(
+            {} if raw_options is None else raw_options, options_cls, "options", src
+        )
     elif raw_options is not None:
         if raw_options and _is_registered_pipeline(cfg.pipeline):
             raise ConfigError(
@@ -578,7 +591,9 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """Read a YAML config and apply `key.sub=value` overrides; raise ConfigError on any problem."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
+        raise ConfigError(
+            f"config file not found: {path}" + (" (it is a directory)" if path.is_dir() else "")
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -635,7 +650,11 @@ def validate(cfg: Config, src: _Source | str | None = None) -> None:
     need(e.max_rows is None or e.max_rows >= 1, "eval.max_rows", "must be >= 1 or null")
     need(e.prompts_per_batch >= 1, "eval.prompts_per_batch", "must be >= 1")
     need(_finite(t.lr) and t.lr >= 0, "trainer.lr", "must be a finite number >= 0")
-    need(_finite(t.weight_decay) and t.weight_decay >= 0, "trainer.weight_decay", "must be a finite number >= 0")
+    need(
+        _finite(t.weight_decay) and t.weight_decay >= 0,
+        "trainer.weight_decay",
+        "must be a finite number >= 0",
+    )
     need(len(t.betas) == 2, "trainer.betas", "must be two numbers")
     need(all(0 <= b < 1 for b in t.betas), "trainer.betas", f"must be in [0, 1), got {t.betas}")
     need(_finite(t.adam_eps) and t.adam_eps > 0, "trainer.adam_eps", "must be a finite number > 0")

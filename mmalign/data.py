@@ -34,7 +34,9 @@ def load_jsonl(path: str | Path, max_rows: int | None = None) -> list[dict[str, 
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
+                raise DataError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -70,7 +72,11 @@ def load_hf_dataset(spec: str, max_rows: int | None = None) -> list[dict[str, An
     except ImportError as e:  # pragma: no cover - optional dependency
         raise DataError(f"{spec}: the `datasets` package is needed for hf: data sources") from e
     try:
-        ds = datasets.load_from_disk(name) if Path(name).is_dir() else datasets.load_dataset(name, config, split=split)
+        ds = (
+            datasets.load_from_disk(name)
+            if Path(name).is_dir()
+            else datasets.load_dataset(name, config, split=split)
+        )
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
                 raise DataError(f"{spec}: no split {split!r} (has {sorted(ds)})")
@@ -145,7 +151,9 @@ def load_text_prompts(path: str | Path, max_rows: int | None = None) -> list[dic
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
+                raise DataError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)"
+                ) from None
             if not line or line.startswith("#"):
                 continue
             rows.append({"prompt": line, "_source": f"{path}:{lineno}"})

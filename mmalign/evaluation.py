@@ -28,7 +28,15 @@ from mmalign.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["evaluate_run", "format_report", "generate", "load_weights", "resolve_checkpoint", "save_grid", "score"]
+__all__ = [
+    "evaluate_run",
+    "format_report",
+    "generate",
+    "load_weights",
+    "resolve_checkpoint",
+    "save_grid",
+    "score",
+]
 
 
 def resolve_checkpoint(output_dir: str | Path, spec: str | None) -> Path | None:
@@ -185,7 +193,9 @@ def evaluate_run(
     policy = components.policy
 
     def run() -> dict[str, dict[str, float]]:
-        r = generate(policy, rows, e.group_size, seed=e.seed, prompts_per_batch=e.prompts_per_batch, progress=progress)
+        r = generate(
+            policy, rows, e.group_size, seed=e.seed, prompts_per_batch=e.prompts_per_batch, progress=progress
+        )
         return score(r, sets, e.split_column)
 
     if compare_base or checkpoint is None:

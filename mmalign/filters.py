@@ -201,7 +201,9 @@ class GroupFilter:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         if not isinstance(state, dict):
-            raise TypeError(f"{type(self).__name__}.load_state_dict expects a dict, got {type(state).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}.load_state_dict expects a dict, got {type(state).__name__}"
+            )
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self._options().items())
@@ -376,7 +378,9 @@ class ReplayFilter(GroupFilter):
         if self.evict == "oldest":
             self._buffer.pop(0)
             return
-        worst = min(range(len(self._buffer)), key=lambda i: (self._buffer[i]["score"], self._buffer[i]["serial"]))
+        worst = min(
+            range(len(self._buffer)), key=lambda i: (self._buffer[i]["score"], self._buffer[i]["serial"])
+        )
         self._buffer.pop(worst)
 
     def _insert(self, rollout: Rollout, group: int, score: float) -> tuple[bool, int]:
@@ -415,9 +419,7 @@ class ReplayFilter(GroupFilter):
         st = _group_stats(scores, rollout.group)
         informative = st.std > 0
         abs_adv = _sample_advantage(rollout).to(st.std.device)
-        group_score = (
-            torch.zeros_like(st.std).index_add(0, st.index.to(st.std.device), abs_adv) * st.std
-        )
+        group_score = torch.zeros_like(st.std).index_add(0, st.index.to(st.std.device), abs_adv) * st.std
 
         kept_ids = st.ids[informative]
         n_zero = int((~informative).sum())
@@ -454,9 +456,7 @@ class ReplayFilter(GroupFilter):
                 "filter/buffer_size": float(len(self._buffer)),
                 "filter/buffer_added": float(added),
                 "filter/buffer_evicted": float(evicted),
-                "filter/replay_score_mean": (
-                    sum(e["score"] for e in drawn) / len(drawn) if drawn else 0.0
-                ),
+                "filter/replay_score_mean": (sum(e["score"] for e in drawn) / len(drawn) if drawn else 0.0),
             }
         )
         self._stats = stats

@@ -50,7 +50,9 @@ def log_ratio(logp_trainer_old: Tensor, logp_engine: Tensor, mask: Tensor) -> Te
     """Float[B,T] logp_trainer_old − logp_engine (at least fp32, detached), 0 where ``mask`` is False."""
     mask = mask.to(device=logp_trainer_old.device, dtype=torch.bool)
     dtype = torch.promote_types(torch.promote_types(logp_trainer_old.dtype, logp_engine.dtype), torch.float32)
-    diff = logp_trainer_old.detach().to(dtype) - logp_engine.detach().to(device=logp_trainer_old.device, dtype=dtype)
+    diff = logp_trainer_old.detach().to(dtype) - logp_engine.detach().to(
+        device=logp_trainer_old.device, dtype=dtype
+    )
     return torch.where(mask, diff, torch.zeros_like(diff))
 
 
@@ -117,7 +119,12 @@ def is_metrics(
     diff = log_ratio(logp_trainer_old, logp_engine, mask)
     n_tok = int(mask.sum())
     if n_tok == 0:
-        return {"is/weight_mean": 0.0, "is/capped_frac": 0.0, "is/abs_dlogp_mean": 0.0, "is/abs_dlogp_max": 0.0}
+        return {
+            "is/weight_mean": 0.0,
+            "is/capped_frac": 0.0,
+            "is/abs_dlogp_mean": 0.0,
+            "is/abs_dlogp_max": 0.0,
+        }
     log_cap = math.log(cap)
     if level == "token":
         capped_frac = float((diff > log_cap)[mask].float().mean())

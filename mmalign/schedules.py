@@ -46,7 +46,9 @@ class SlidingWindow:
         if self.num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
         if not 1 <= self.window_size <= self.num_steps:
-            raise ValueError(f"window_size must be in [1, num_steps={self.num_steps}], got {self.window_size}")
+            raise ValueError(
+                f"window_size must be in [1, num_steps={self.num_steps}], got {self.window_size}"
+            )
         if self.shift_every < 1:
             raise ValueError(f"shift_every must be >= 1, got {self.shift_every}")
         if self.stride < 1:

@@ -48,7 +48,20 @@ import torch
 
 from mmalign.registry import Registry, option_checked
 
-__all__ = ["LOG_PROB_FORMS", "STEPS", "StepOutput", "cps", "dance", "ddim", "flow_sde", "get", "gaussian_log_prob", "names", "squared_error_log_prob", "step"]
+__all__ = [
+    "LOG_PROB_FORMS",
+    "STEPS",
+    "StepOutput",
+    "cps",
+    "dance",
+    "ddim",
+    "flow_sde",
+    "get",
+    "gaussian_log_prob",
+    "names",
+    "squared_error_log_prob",
+    "step",
+]
 
 STEPS: Registry[Any] = Registry("sde step")
 
@@ -135,7 +148,9 @@ def _finish(
         if noise is not None:
             raise ValueError("give either prev_sample= (re-score a stored transition) or noise=, not both")
         if prev_sample.shape != mean.shape:
-            raise ValueError(f"prev_sample has shape {tuple(prev_sample.shape)}, expected {tuple(mean.shape)}")
+            raise ValueError(
+                f"prev_sample has shape {tuple(prev_sample.shape)}, expected {tuple(mean.shape)}"
+            )
         sample = prev_sample.to(torch.float32)
     else:
         if noise is not None:
@@ -151,7 +166,9 @@ def _finish(
         log_prob = squared_error_log_prob(sample, mean)
     else:
         log_prob = gaussian_log_prob(sample, mean, std)
-    return StepOutput(sample=sample, log_prob=log_prob, mean=mean, std=std, kl_std=std if kl_std is None else kl_std)
+    return StepOutput(
+        sample=sample, log_prob=log_prob, mean=mean, std=std, kl_std=std if kl_std is None else kl_std
+    )
 
 
 def _flow_sigmas(sigma: Scalar, sigma_next: Scalar, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +176,11 @@ def _flow_sigmas(sigma: Scalar, sigma_next: Scalar, x: torch.Tensor) -> tuple[to
     sn = _coef(sigma_next, x, "sigma_next")
     _check((s > 0) & (s <= 1), f"sigma must be in (0, 1], got {sigma}")
     _check(sn >= 0, f"sigma_next must be >= 0, got {sigma_next}")
-    _check(sn < s, f"sigma_next must be < sigma (denoising goes from sigma down to sigma_next), got "
-           f"sigma={sigma}, sigma_next={sigma_next}")
+    _check(
+        sn < s,
+        f"sigma_next must be < sigma (denoising goes from sigma down to sigma_next), got "
+        f"sigma={sigma}, sigma_next={sigma_next}",
+    )
     return s, sn
 
 
@@ -268,7 +288,9 @@ def dance(
     score = -(x32 - (1 - s) * x0) / s**2
     mean = x32 + dsigma * v32 - 0.5 * e**2 * score * dsigma
     std = e * torch.sqrt(s - sn)
-    return _finish(mean, std, prev_sample=prev_sample, noise=noise, generator=generator, kl_std=e.expand_as(std))
+    return _finish(
+        mean, std, prev_sample=prev_sample, noise=noise, generator=generator, kl_std=e.expand_as(std)
+    )
 
 
 @STEPS.register("ddim")
@@ -295,8 +317,11 @@ def ddim(
     ab_p = _coef(alpha_bar_prev, x32, "alpha_bar_prev")
     e = _coef(eta, x32, "eta")
     _check((ab_t > 0) & (ab_t < 1), f"alpha_bar_t must be in (0, 1), got {alpha_bar_t}")
-    _check((ab_p > ab_t) & (ab_p <= 1), f"alpha_bar_prev must be in (alpha_bar_t, 1], got "
-           f"alpha_bar_t={alpha_bar_t}, alpha_bar_prev={alpha_bar_prev}")
+    _check(
+        (ab_p > ab_t) & (ab_p <= 1),
+        f"alpha_bar_prev must be in (alpha_bar_t, 1], got "
+        f"alpha_bar_t={alpha_bar_t}, alpha_bar_prev={alpha_bar_prev}",
+    )
     _check(e >= 0, f"eta must be >= 0, got {eta}")
     std_t = e * torch.sqrt((1 - ab_p) / (1 - ab_t)) * torch.sqrt(1 - ab_t / ab_p)
     rad = 1 - ab_p - std_t**2

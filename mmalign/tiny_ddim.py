@@ -149,7 +149,10 @@ def encode_prompt(
     hidden states over ids padded/truncated to the tokenizer's max length (attention mask passed only
     when the text encoder's config asks for it)."""
     tok = tokenizer(
-        list(prompts), padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+        list(prompts),
+        padding="max_length",
+        max_length=tokenizer.model_max_length,
+        truncation=True,
         return_tensors="pt",
     )
     mask = None

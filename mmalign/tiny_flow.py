@@ -52,7 +52,11 @@ EXTRA_COMPONENTS = ("text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenize
 
 def _bytes_to_unicode() -> list[str]:
     """GPT-2/CLIP byte-to-unicode table (the 256 symbols of a byte-level BPE)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -167,7 +171,9 @@ def build_tiny_sd3(
     else:
         text_encoder = _tiny_clip(tokenizer, text_hidden // 4, pooled_dim // 2)
         extra["tokenizer_2"] = clip_byte_tokenizer()
-        extra["text_encoder_2"] = _tiny_clip(extra["tokenizer_2"], text_hidden // 2, pooled_dim - pooled_dim // 2)
+        extra["text_encoder_2"] = _tiny_clip(
+            extra["tokenizer_2"], text_hidden // 2, pooled_dim - pooled_dim // 2
+        )
     if text_encoders == 3:
         from transformers import T5Config, T5EncoderModel
 
@@ -175,8 +181,15 @@ def build_tiny_sd3(
         extra["tokenizer_3"] = tok3
         extra["text_encoder_3"] = T5EncoderModel(
             T5Config(
-                vocab_size=len(tok3), d_model=text_hidden, d_kv=8, d_ff=2 * text_hidden, num_layers=1, num_heads=2,
-                relative_attention_num_buckets=8, pad_token_id=tok3.pad_token_id, eos_token_id=tok3.eos_token_id,
+                vocab_size=len(tok3),
+                d_model=text_hidden,
+                d_kv=8,
+                d_ff=2 * text_hidden,
+                num_layers=1,
+                num_heads=2,
+                relative_attention_num_buckets=8,
+                pad_token_id=tok3.pad_token_id,
+                eos_token_id=tok3.eos_token_id,
                 decoder_start_token_id=tok3.pad_token_id,
             )
         )
@@ -220,7 +233,9 @@ class SD3Components:
         if (self.text_encoder_3 is None) != (self.tokenizer_3 is None):
             raise ValueError("text_encoder_3 and tokenizer_3 must be given together")
         if self.text_encoder_3 is not None and self.text_encoder_2 is None:
-            raise ValueError("a T5 text_encoder_3 needs the second CLIP (text_encoder_2) too (the SD3 layout)")
+            raise ValueError(
+                "a T5 text_encoder_3 needs the second CLIP (text_encoder_2) too (the SD3 layout)"
+            )
 
     @property
     def is_sd3_layout(self) -> bool:
@@ -232,13 +247,22 @@ class SD3Components:
         return [m for m in (self.text_encoder, self.text_encoder_2, self.text_encoder_3) if m is not None]
 
     def encode_prompt(
-        self, prompts: list[str], device: torch.device | str = "cpu", *, max_sequence_length: int = T5_MAX_LENGTH
+        self,
+        prompts: list[str],
+        device: torch.device | str = "cpu",
+        *,
+        max_sequence_length: int = T5_MAX_LENGTH,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt_embeds [B, L, D], pooled [B, P]) of `prompts`; see `encode_prompt`."""
         return encode_prompt(
-            self.text_encoder, self.tokenizer, prompts, device,
-            text_encoder_2=self.text_encoder_2, tokenizer_2=self.tokenizer_2,
-            text_encoder_3=self.text_encoder_3, tokenizer_3=self.tokenizer_3,
+            self.text_encoder,
+            self.tokenizer,
+            prompts,
+            device,
+            text_encoder_2=self.text_encoder_2,
+            tokenizer_2=self.tokenizer_2,
+            text_encoder_3=self.text_encoder_3,
+            tokenizer_3=self.tokenizer_3,
             max_sequence_length=max_sequence_length,
             joint_attention_dim=int(self.transformer.config.joint_attention_dim),
         )
@@ -261,9 +285,14 @@ class SD3Components:
         if self.is_sd3_layout:
             import diffusers
 
-            index: dict[str, Any] = {"_class_name": "StableDiffusion3Pipeline", "_diffusers_version": diffusers.__version__}
+            index: dict[str, Any] = {
+                "_class_name": "StableDiffusion3Pipeline",
+                "_diffusers_version": diffusers.__version__,
+            }
             for name in ("transformer", "vae", "scheduler", "text_encoder", "tokenizer", *EXTRA_COMPONENTS):
-                part = transformer if name == "transformer" and transformer is not None else getattr(self, name)
+                part = (
+                    transformer if name == "transformer" and transformer is not None else getattr(self, name)
+                )
                 if part is None:
                     index[name] = [None, None]
                 else:
@@ -280,7 +309,11 @@ def _present(path: str | Path) -> set[str]:
     from diffusers import DiffusionPipeline
 
     index = DiffusionPipeline.load_config(str(path))
-    return {k for k, v in index.items() if not k.startswith("_") and isinstance(v, list | tuple) and v[0] is not None}
+    return {
+        k
+        for k, v in index.items()
+        if not k.startswith("_") and isinstance(v, list | tuple) and v[0] is not None
+    }
 
 
 def load_sd3_components(
@@ -298,12 +331,16 @@ def load_sd3_components(
     path = str(path)
     extra: dict[str, Any] = {}
     if "text_encoder_2" in present:
-        extra["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2", dtype=dtype)
+        extra["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(
+            path, subfolder="text_encoder_2", dtype=dtype
+        )
         extra["tokenizer_2"] = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2")
         if load_t5 and "text_encoder_3" in present:
             from transformers import T5EncoderModel, T5TokenizerFast
 
-            extra["text_encoder_3"] = T5EncoderModel.from_pretrained(path, subfolder="text_encoder_3", dtype=dtype)
+            extra["text_encoder_3"] = T5EncoderModel.from_pretrained(
+                path, subfolder="text_encoder_3", dtype=dtype
+            )
             extra["tokenizer_3"] = T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_3")
     return SD3Components(
         transformer=SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype),
@@ -316,9 +353,15 @@ def load_sd3_components(
 
 
 def _clip_embeds(
-    text_encoder: torch.nn.Module, tokenizer: Any, prompts: list[str], max_length: int, device: torch.device | str
+    text_encoder: torch.nn.Module,
+    tokenizer: Any,
+    prompts: list[str],
+    max_length: int,
+    device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    tok = tokenizer(list(prompts), padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+    tok = tokenizer(
+        list(prompts), padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
+    )
     out = text_encoder(tok.input_ids.to(device), output_hidden_states=True)
     return out.hidden_states[-2], out.text_embeds
 
@@ -358,15 +401,23 @@ def encode_prompt(
     clip = torch.cat([h1.to(dtype), h2.to(dtype)], dim=-1)
     if text_encoder_3 is None:
         if joint_attention_dim is None:
-            raise ValueError("without a T5 text_encoder_3, encode_prompt needs joint_attention_dim (its zeros' width)")
+            raise ValueError(
+                "without a T5 text_encoder_3, encode_prompt needs joint_attention_dim (its zeros' width)"
+            )
         t5 = torch.zeros((len(prompts), max_sequence_length, joint_attention_dim), device=device, dtype=dtype)
     else:
         ids = tokenizer_3(
-            prompts, padding="max_length", max_length=max_sequence_length, truncation=True, add_special_tokens=True,
+            prompts,
+            padding="max_length",
+            max_length=max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
             return_tensors="pt",
         ).input_ids
         t5 = text_encoder_3(ids.to(device))[0].to(dtype=text_encoder_3.dtype, device=device)
     if clip.shape[-1] > t5.shape[-1]:
-        raise ValueError(f"the CLIP states ({clip.shape[-1]} wide) are wider than the T5 states ({t5.shape[-1]})")
+        raise ValueError(
+            f"the CLIP states ({clip.shape[-1]} wide) are wider than the T5 states ({t5.shape[-1]})"
+        )
     clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
     return torch.cat([clip, t5], dim=-2), torch.cat([pooled1, pooled2], dim=-1)

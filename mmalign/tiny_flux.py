@@ -32,7 +32,13 @@ import torch
 from mmalign.tiny import BUILDERS
 from mmalign.tiny_flow import TOKEN_LENGTH, clip_byte_tokenizer, t5_char_tokenizer
 
-__all__ = ["FLUX_T5_MAX_LENGTH", "FluxComponents", "build_tiny_flux", "is_flux_folder", "load_flux_components"]
+__all__ = [
+    "FLUX_T5_MAX_LENGTH",
+    "FluxComponents",
+    "build_tiny_flux",
+    "is_flux_folder",
+    "load_flux_components",
+]
 
 FLUX_T5_MAX_LENGTH = 512
 """diffusers' default ``max_sequence_length`` for Flux's T5 prompt states (FLUX.1-schnell was trained with 256)."""
@@ -59,7 +65,11 @@ class FluxComponents:
 
     @torch.no_grad()
     def encode_prompt(
-        self, prompts: list[str], device: torch.device | str = "cpu", *, max_sequence_length: int = FLUX_T5_MAX_LENGTH
+        self,
+        prompts: list[str],
+        device: torch.device | str = "cpu",
+        *,
+        max_sequence_length: int = FLUX_T5_MAX_LENGTH,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt_embeds [B, max_sequence_length, T5 width], pooled [B, CLIP width]) as diffusers'
         ``FluxPipeline.encode_prompt`` computes them (one prompt for both encoders, no attention masks):
@@ -68,12 +78,19 @@ class FluxComponents:
         ``model_max_length``. Each is cast to its encoder's dtype."""
         prompts = list(prompts)
         clip_ids = self.tokenizer(
-            prompts, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
+            prompts,
+            padding="max_length",
+            max_length=self.tokenizer.model_max_length,
+            truncation=True,
             return_tensors="pt",
         ).input_ids
         pooled = self.text_encoder(clip_ids.to(device), output_hidden_states=False).pooler_output
         t5_ids = self.tokenizer_2(
-            prompts, padding="max_length", max_length=max_sequence_length, truncation=True, return_tensors="pt"
+            prompts,
+            padding="max_length",
+            max_length=max_sequence_length,
+            truncation=True,
+            return_tensors="pt",
         ).input_ids
         states = self.text_encoder_2(t5_ids.to(device), output_hidden_states=False)[0]
         return (
@@ -145,7 +162,9 @@ def build_tiny_flux(
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     if image_size % 4:
-        raise ValueError(f"image_size must be a multiple of 4 (even latents after the 2x VAE), got {image_size}")
+        raise ValueError(
+            f"image_size must be a multiple of 4 (even latents after the 2x VAE), got {image_size}"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -177,27 +196,46 @@ def build_tiny_flux(
         use_post_quant_conv=False,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096,
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
     )
     tokenizer = clip_byte_tokenizer()
     text_encoder = CLIPTextModel(
         CLIPTextConfig(
-            vocab_size=len(tokenizer), hidden_size=clip_hidden, intermediate_size=2 * clip_hidden,
-            num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=TOKEN_LENGTH,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            vocab_size=len(tokenizer),
+            hidden_size=clip_hidden,
+            intermediate_size=2 * clip_hidden,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=TOKEN_LENGTH,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
     )
     tokenizer_2 = t5_char_tokenizer()
     text_encoder_2 = T5EncoderModel(
         T5Config(
-            vocab_size=len(tokenizer_2), d_model=t5_hidden, d_kv=8, d_ff=2 * t5_hidden, num_layers=1, num_heads=2,
-            relative_attention_num_buckets=8, pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id, decoder_start_token_id=tokenizer_2.pad_token_id,
+            vocab_size=len(tokenizer_2),
+            d_model=t5_hidden,
+            d_kv=8,
+            d_ff=2 * t5_hidden,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer_2.pad_token_id,
+            eos_token_id=tokenizer_2.eos_token_id,
+            decoder_start_token_id=tokenizer_2.pad_token_id,
         )
     )
-    FluxComponents(transformer, vae, scheduler, text_encoder, tokenizer, text_encoder_2, tokenizer_2).save_pretrained(path)
+    FluxComponents(
+        transformer, vae, scheduler, text_encoder, tokenizer, text_encoder_2, tokenizer_2
+    ).save_pretrained(path)
     return path
 
 

@@ -101,9 +101,7 @@ def shapes_rows(
     random.Random(seed).shuffle(combos)
     if n is not None:
         combos = [combos[i % len(combos)] for i in range(n)]
-    return [
-        {"prompt": shapes_caption(c, k, p), "colour": c, "count": k, "position": p} for c, k, p in combos
-    ]
+    return [{"prompt": shapes_caption(c, k, p), "colour": c, "count": k, "position": p} for c, k, p in combos]
 
 
 def shapes_images(rows: list[dict[str, Any]], size: int = 32) -> torch.Tensor:
@@ -228,7 +226,11 @@ class ShapesLatents:
 
 def _tokens(tokenizer: Any, texts: list[str]) -> Tensor:
     return tokenizer(
-        texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+        texts,
+        padding="max_length",
+        max_length=tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
     ).input_ids
 
 
@@ -257,7 +259,11 @@ DenoiserLoss = Callable[[Tensor, Tensor, torch.Generator], Tensor]
 
 
 def flow_matching_loss(
-    transformer: torch.nn.Module, text_encoder: torch.nn.Module, *, shift: float = 3.0, num_train_timesteps: int = 1000
+    transformer: torch.nn.Module,
+    text_encoder: torch.nn.Module,
+    *,
+    shift: float = 3.0,
+    num_train_timesteps: int = 1000,
 ) -> DenoiserLoss:
     """Rectified flow (SD3): x_sigma = (1 - sigma) x0 + sigma noise, target v = noise - x0, MSE.
 
@@ -273,8 +279,11 @@ def flow_matching_loss(
         noise = torch.randn(z0.shape, generator=g)
         s = sigma.view(-1, 1, 1, 1)
         v = transformer(
-            hidden_states=(1 - s) * z0 + s * noise, encoder_hidden_states=out.hidden_states[-2],
-            pooled_projections=out.text_embeds, timestep=sigma * num_train_timesteps, return_dict=False,
+            hidden_states=(1 - s) * z0 + s * noise,
+            encoder_hidden_states=out.hidden_states[-2],
+            pooled_projections=out.text_embeds,
+            timestep=sigma * num_train_timesteps,
+            return_dict=False,
         )[0]
         return torch.nn.functional.mse_loss(v, noise - z0)
 
@@ -388,14 +397,23 @@ def sampled_shapes_reward(
     from rewards import RewardSet
 
     policy = FlowPolicy(
-        transformer, vae, scheduler, text_encoder, tokenizer, num_steps=num_steps, noise_level=noise_level, seed=seed
+        transformer,
+        vae,
+        scheduler,
+        text_encoder,
+        tokenizer,
+        num_steps=num_steps,
+        noise_level=noise_level,
+        seed=seed,
     )
     rollout = policy.rollout(rows or shapes_rows(None), group_size, compute_logp=False)
     policy.decode(rollout)
     return float(RewardSet(["shapes_compositional"])(rollout)[:, 0].nanmean())
 
 
-def _shapes_vae_and_data(tokenizer: Any, *, vae_steps: int, seed: int, progress: bool) -> tuple[Any, ShapesLatents]:
+def _shapes_vae_and_data(
+    tokenizer: Any, *, vae_steps: int, seed: int, progress: bool
+) -> tuple[Any, ShapesLatents]:
     """The frozen tiny VAE fitted to the shapes world, and the latents of `shapes_rows`' 32 scenes."""
     vae = tiny_shapes_vae()
     train_vae_on_shapes(vae, size=IMAGE_SIZE, steps=vae_steps, seed=seed, progress=progress)
@@ -452,7 +470,10 @@ def build_text_to_image(
     layout of `mmalign.tiny_flow.load_sd3_components`) and ``mmalign_tiny.json`` (these arguments, the
     steps done and the reward checks).
     """
-    meta = {"builder": "text_to_image", **{k: v for k, v in locals().items() if k not in ("path", "progress")}}
+    meta = {
+        "builder": "text_to_image",
+        **{k: v for k, v in locals().items() if k not in ("path", "progress")},
+    }
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
     torch.manual_seed(seed)
@@ -479,20 +500,35 @@ def build_text_to_image(
     def reached_target(step: int) -> bool:
         if step < min_steps:
             return False
-        checks.append((step, sampled_shapes_reward(transformer, vae, scheduler, text_encoder, tokenizer, seed=seed)))
+        checks.append(
+            (step, sampled_shapes_reward(transformer, vae, scheduler, text_encoder, tokenizer, seed=seed))
+        )
         return target_reward is not None and checks[-1][1] >= target_reward
 
     loss, done = train_denoiser(
-        [transformer, text_encoder], flow_matching_loss(transformer, text_encoder, shift=shift), data,
-        steps=steps, lr=lr, batch_size=batch_size, p_uncond=p_uncond, seed=seed, progress=progress,
-        stop=reached_target if target_reward is not None else None, check_every=check_every,
+        [transformer, text_encoder],
+        flow_matching_loss(transformer, text_encoder, shift=shift),
+        data,
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        p_uncond=p_uncond,
+        seed=seed,
+        progress=progress,
+        stop=reached_target if target_reward is not None else None,
+        check_every=check_every,
         desc="transformer warm start" + (", may stop early" if target_reward is not None else ""),
     )
     meta.update(steps_done=done, final_loss=loss, reward_checks=checks)
     _save(
         Path(path),
-        {"transformer": transformer, "vae": vae, "scheduler": scheduler, "text_encoder": text_encoder,
-         "tokenizer": tokenizer},
+        {
+            "transformer": transformer,
+            "vae": vae,
+            "scheduler": scheduler,
+            "text_encoder": text_encoder,
+            "tokenizer": tokenizer,
+        },
         meta,
     )
 
@@ -529,7 +565,10 @@ def build_safe_diffusion(
     `mmalign.tiny_ddim.load_sd15_components` and `DDIMPolicy.from_pretrained`; the scheduler is a
     `DDIMScheduler` with SD 1.5's config) and ``mmalign_tiny.json`` (these arguments).
     """
-    meta = {"builder": "safe_diffusion", **{k: v for k, v in locals().items() if k not in ("path", "progress")}}
+    meta = {
+        "builder": "safe_diffusion",
+        **{k: v for k, v in locals().items() if k not in ("path", "progress")},
+    }
     from diffusers import DDIMScheduler, UNet2DConditionModel
 
     from mmalign.tiny_ddim import SD15_SCHEDULER
@@ -553,12 +592,26 @@ def build_safe_diffusion(
     )
     scheduler = DDIMScheduler(**SD15_SCHEDULER)
     loss, done = train_denoiser(
-        [unet, text_encoder], epsilon_loss(unet, text_encoder, scheduler), data, steps=steps, lr=lr,
-        batch_size=batch_size, p_uncond=p_uncond, seed=seed, progress=progress, desc="UNet warm start",
+        [unet, text_encoder],
+        epsilon_loss(unet, text_encoder, scheduler),
+        data,
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        p_uncond=p_uncond,
+        seed=seed,
+        progress=progress,
+        desc="UNet warm start",
     )
     meta.update(steps_done=done, final_loss=loss)
     _save(
         Path(path),
-        {"unet": unet, "vae": vae, "scheduler": scheduler, "text_encoder": text_encoder, "tokenizer": tokenizer},
+        {
+            "unet": unet,
+            "vae": vae,
+            "scheduler": scheduler,
+            "text_encoder": text_encoder,
+            "tokenizer": tokenizer,
+        },
         meta,
     )

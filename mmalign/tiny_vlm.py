@@ -67,7 +67,9 @@ def tiny_vlm_processor(texts: list[str], *, min_pixels: int = PIXELS, max_pixels
     image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels)
     video_processor = Qwen2VLVideoProcessor(min_pixels=min_pixels, max_pixels=max_pixels * 4)
     return Qwen2VLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
         chat_template=VLM_CHAT_TEMPLATE,
     )
 
@@ -91,8 +93,16 @@ def tiny_vlm(tokenizer: Any, **text_overrides: Any) -> torch.nn.Module:
         bos_token_id=None,
     )
     text.update(text_overrides)
-    vision = dict(depth=1, embed_dim=32, hidden_size=text["hidden_size"], num_heads=2, mlp_ratio=2,
-                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    vision = dict(
+        depth=1,
+        embed_dim=32,
+        hidden_size=text["hidden_size"],
+        num_heads=2,
+        mlp_ratio=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
     config = Qwen2VLConfig(
         text_config=text,
         vision_config=vision,
@@ -172,8 +182,18 @@ def write_dataset(folder: str | Path, n: int = 64, seed: int = 7) -> Path:
     for i, (img, colour, shape) in enumerate(shape_rows(n, seed)):
         rel = f"images/{i:03d}.png"
         img.save(folder / rel, optimize=True)
-        lines.append(json.dumps({"images": [rel], "question": QUESTION, "answer": colour, "shape": shape,
-                                 "image_width": img.width, "image_height": img.height}))
+        lines.append(
+            json.dumps(
+                {
+                    "images": [rel],
+                    "question": QUESTION,
+                    "answer": colour,
+                    "shape": shape,
+                    "image_width": img.width,
+                    "image_height": img.height,
+                }
+            )
+        )
     (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
     return folder / "train.jsonl"
 
@@ -202,7 +222,8 @@ def build_vlm_reasoning(
     data = shape_rows(num_images, seed=seed + 1000)
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
-        tokenize=False, add_generation_prompt=True,
+        tokenize=False,
+        add_generation_prompt=True,
     )
     enc = processor(images=[d[0] for d in data], text=[prompt] * len(data), return_tensors="pt")
     n_prompt = enc["input_ids"].shape[1]  # every prompt has the same length (one 56x56 picture)
@@ -231,9 +252,14 @@ def build_vlm_reasoning(
             att[j, n_prompt : n_prompt + len(c)] = 1
         ids = torch.cat([enc["input_ids"][idx], comp], dim=1)
         tt = torch.cat([enc["mm_token_type_ids"][idx], torch.zeros_like(comp)], dim=1)
-        return {"input_ids": ids, "attention_mask": att, "labels": labels, "mm_token_type_ids": tt,
-                "pixel_values": pixels[idx].reshape(-1, pixels.shape[-1]),
-                "image_grid_thw": enc["image_grid_thw"][idx]}
+        return {
+            "input_ids": ids,
+            "attention_mask": att,
+            "labels": labels,
+            "mm_token_type_ids": tt,
+            "pixel_values": pixels[idx].reshape(-1, pixels.shape[-1]),
+            "image_grid_thw": enc["image_grid_thw"][idx],
+        }
 
     for phase, steps, lr in (("sharp", sharp_steps, 3e-3), ("blur", blur_steps, 1e-3)):
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -243,8 +269,18 @@ def build_vlm_reasoning(
             loss.backward()
             opt.step()
     model.eval()
-    _save(path, model, processor, {"builder": "vlm_reasoning", "sharp_steps": sharp_steps,
-                                   "blur_steps": blur_steps, "p_correct": p_correct, "seed": seed})
+    _save(
+        path,
+        model,
+        processor,
+        {
+            "builder": "vlm_reasoning",
+            "sharp_steps": sharp_steps,
+            "blur_steps": blur_steps,
+            "p_correct": p_correct,
+            "seed": seed,
+        },
+    )
 
 
 if __name__ == "__main__":  # regenerate the bundled data set: python -m mmalign.tiny_vlm

@@ -51,6 +51,7 @@ from mmalign.rundir import CHECKPOINT_PREFIX, check_output_dir, latest_checkpoin
 
 log = logging.getLogger(__name__)
 
+
 class TrainingError(RuntimeError):
     """Training stopped; the message says at which step and what was kept."""
 
@@ -88,7 +89,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class GroupTrainer:
     """The training loop shared by every pipeline. See the module docstring."""
 
-    def __init__(self, cfg: Config, components: Any, *, resume: bool = False, accelerator: Any = None) -> None:
+    def __init__(
+        self, cfg: Config, components: Any, *, resume: bool = False, accelerator: Any = None
+    ) -> None:
         from accelerate import Accelerator
 
         self.cfg = cfg
@@ -96,7 +99,9 @@ class GroupTrainer:
         self.reward_set = components.rewards
         self.rows = components.data
         self.callbacks = list(components.callbacks)
-        self.accelerator = accelerator or Accelerator(cpu=cfg.trainer.cpu, mixed_precision=cfg.trainer.mixed_precision)
+        self.accelerator = accelerator or Accelerator(
+            cpu=cfg.trainer.cpu, mixed_precision=cfg.trainer.mixed_precision
+        )
         acc = self.accelerator
         self.world = acc.num_processes
         self.rank = acc.process_index
@@ -131,11 +136,15 @@ class GroupTrainer:
         self.minibatch = (t.minibatch_size // self.world) if t.minibatch_size else None
         self.microbatch = t.microbatch_size or self.minibatch or local_batch
         if t.minibatch_size and t.minibatch_size % self.world:
-            raise ConfigError(f"{cfg.source}: key 'trainer.minibatch_size' must be divisible by the number of processes")
+            raise ConfigError(
+                f"{cfg.source}: key 'trainer.minibatch_size' must be divisible by the number of processes"
+            )
         updates_per_pass = math.ceil(local_batch / self.minibatch) if self.minibatch else 1
         # logp_old is needed when the weights change between updates on one rollout, and with an engine
         # (whose own log-probs only enter the importance-sampling correction)
-        self.need_logp_old = t.num_iterations > 1 or updates_per_pass > 1 or a.filter == "replay" or r.engine != "hf"
+        self.need_logp_old = (
+            t.num_iterations > 1 or updates_per_pass > 1 or a.filter == "replay" or r.engine != "hf"
+        )
         self.engine = self._build_engine()
         self._engine_dirty = self.engine is not None
 
@@ -215,7 +224,11 @@ class GroupTrainer:
             assert ckpt is not None
             self.load_checkpoint(ckpt)
             if self.is_main and metrics.exists():  # drop metrics of steps after the checkpoint
-                kept = [ln for ln in metrics.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
+                kept = [
+                    ln
+                    for ln in metrics.read_text().splitlines()
+                    if ln.strip() and json.loads(ln)["step"] <= self.step
+                ]
                 metrics.write_text("".join(ln + "\n" for ln in kept))
         elif self.is_main and self.cfg.overwrite:
             for name in ("metrics.jsonl", "samples", "checkpoints", "final"):
@@ -241,7 +254,9 @@ class GroupTrainer:
         round_base = self._round * pps
         mine = idx[self.rank * self.local_prompts : (self.rank + 1) * self.local_prompts]
         rows = [self.rows[i] for i in mine]
-        if hasattr(self.policy, "on_train_step"):  # schedules of the policy (e.g. a sliding window); resume-safe
+        if hasattr(
+            self.policy, "on_train_step"
+        ):  # schedules of the policy (e.g. a sliding window); resume-safe
             self.policy.on_train_step(self.step)
         rollout = self.policy.rollout(rows, self.samples_per_group, compute_logp=self.need_logp_old)
         # global group ids: position of the prompt in this step's global list, offset per round
@@ -249,7 +264,11 @@ class GroupTrainer:
         rollout.group = rollout.group + offset
         self._round += 1
         t0 = time.perf_counter()
-        if "images" in self.reward_set.needs and "images" not in rollout.outputs and hasattr(self.policy, "decode"):
+        if (
+            "images" in self.reward_set.needs
+            and "images" not in rollout.outputs
+            and hasattr(self.policy, "decode")
+        ):
             self.policy.decode(rollout)  # pixels only when some reward needs them
             self._timers["decode"] += time.perf_counter() - t0
         rewards = self.reward_set(rollout).to(rollout.group.device)
@@ -356,7 +375,10 @@ class GroupTrainer:
                 )
                 tqdm.write(f"warning: {msg}", file=sys.stderr)
             if len(nan_groups) > 5:
-                tqdm.write(f"warning: ... and {len(nan_groups) - 5} more all-NaN (reward, group) pairs", file=sys.stderr)
+                tqdm.write(
+                    f"warning: ... and {len(nan_groups) - 5} more all-NaN (reward, group) pairs",
+                    file=sys.stderr,
+                )
         n_tok = rollout.outputs.get("num_tokens")
         if isinstance(n_tok, Tensor):
             m["completion_len/mean"] = float(self._gather(n_tok.float().mean().reshape(1)).mean())
@@ -401,29 +423,49 @@ class GroupTrainer:
                         logp = stats.logp
                         logp_old = mu.logp_old if mu.logp_old is not None else logp.detach()
                         mask = mu.mask.to(logp.device)
-                        out = self.loss_fn(logp, logp_old.to(logp.device), mu.advantages.to(logp.device), mask, **loss_kwargs)
+                        out = self.loss_fn(
+                            logp, logp_old.to(logp.device), mu.advantages.to(logp.device), mask, **loss_kwargs
+                        )
                         per_token = out.per_token
                         if self.engine is not None and r_cfg.is_correction != "none":
                             w = isc.tis_weights(
-                                logp_old.to(logp.device), mu.payload["logp_engine"].to(logp.device), mask,
-                                level=r_cfg.is_correction, cap=r_cfg.is_cap,
+                                logp_old.to(logp.device),
+                                mu.payload["logp_engine"].to(logp.device),
+                                mask,
+                                level=r_cfg.is_correction,
+                                cap=r_cfg.is_cap,
                             )
                             per_token = isc.apply_is_weights(per_token, w)
                             is_stats = isc.is_metrics(
-                                logp_old.to(logp.device), mu.payload["logp_engine"].to(logp.device), mask,
-                                level=r_cfg.is_correction, cap=r_cfg.is_cap, weights=w,
+                                logp_old.to(logp.device),
+                                mu.payload["logp_engine"].to(logp.device),
+                                mask,
+                                level=r_cfg.is_correction,
+                                cap=r_cfg.is_cap,
+                                weights=w,
                             )
                             for key, value in is_stats.items():
                                 sums[key] += float(value)
                                 counts[key] += 1
                         kl_tok = None
                         if a.kl_coef > 0:
-                            kl_tok = stats.kl if stats.kl is not None else loss_lib.kl(logp, mu.logp_ref.to(logp.device), a.kl_estimator)
+                            kl_tok = (
+                                stats.kl
+                                if stats.kl is not None
+                                else loss_lib.kl(logp, mu.logp_ref.to(logp.device), a.kl_estimator)
+                            )
                             per_token = per_token + a.kl_coef * kl_tok
-                        loss = loss_lib.aggregate(
-                            per_token, mask, a.loss_agg, num_tokens=n_tok, num_seqs=n_seq,
-                            max_len=cfg.rollout.max_new_tokens,
-                        ) * self.world  # DDP averages gradients over processes
+                        loss = (
+                            loss_lib.aggregate(
+                                per_token,
+                                mask,
+                                a.loss_agg,
+                                num_tokens=n_tok,
+                                num_seqs=n_seq,
+                                max_len=cfg.rollout.max_new_tokens,
+                            )
+                            * self.world
+                        )  # DDP averages gradients over processes
                         acc.backward(loss)
                     with torch.no_grad():
                         k = float(mask.sum())
@@ -495,7 +537,10 @@ class GroupTrainer:
         """Train until `trainer.steps`; returns the metrics of the steps run now."""
         t = self.cfg.trainer
         bar = tqdm(
-            total=t.steps, initial=self.step, desc="train", disable=not (self.is_main and t.progress_bar),
+            total=t.steps,
+            initial=self.step,
+            desc="train",
+            disable=not (self.is_main and t.progress_bar),
             dynamic_ncols=True,
         )
         metrics_f = (self.out / "metrics.jsonl").open("a") if self.is_main else None
@@ -506,11 +551,14 @@ class GroupTrainer:
                 except Exception as e:
                     ckpt = latest_checkpoint(self.out)
                     where = f"checkpoint {ckpt.name}" if ckpt else "no checkpoint yet"
-                    kept = f"metrics of steps 1..{self.step} in {self.out / 'metrics.jsonl'}" if self.step else "no step finished"
+                    kept = (
+                        f"metrics of steps 1..{self.step} in {self.out / 'metrics.jsonl'}"
+                        if self.step
+                        else "no step finished"
+                    )
                     raise TrainingError(
                         f"training stopped at step {self.step + 1}: {e}\n"
-                        f"  kept: {kept}; {where}"
-                        + (" (continue with --resume)" if ckpt else "")
+                        f"  kept: {kept}; {where}" + (" (continue with --resume)" if ckpt else "")
                     ) from e
                 self.history.append(m)
                 if metrics_f is not None and (self.step % t.log_every == 0 or self.step == t.steps):
@@ -524,7 +572,9 @@ class GroupTrainer:
                         cb.on_step_end(self, self.step, m)
                 if self.step % t.save_every == 0 or self.step == t.steps:
                     self.save_checkpoint()
-                bar.set_postfix(reward=f"{m.get('reward/mean', float('nan')):.3f}", step_s=f"{m['time/step_s']:.2f}")
+                bar.set_postfix(
+                    reward=f"{m.get('reward/mean', float('nan')):.3f}", step_s=f"{m['time/step_s']:.2f}"
+                )
                 bar.update(1)
         finally:
             bar.close()
@@ -617,7 +667,9 @@ class GroupTrainer:
                     "step": self.step,
                     "sampler": self.sampler.state_dict(),
                     "filter": self.group_filter.state_dict(),
-                    "callbacks": [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks],
+                    "callbacks": [
+                        cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
+                    ],
                     "world_size": self.world,
                 },
                 tmp / "trainer_state.pt",

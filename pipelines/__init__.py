@@ -16,7 +16,12 @@ from mmalign.registry import Registry
 REGISTRY: Registry[Callable[..., Any]] = Registry("pipeline")
 
 # Modules that register pipelines; imported lazily so `import pipelines` stays cheap.
-_MODULES = ["pipelines.text_reasoning", "pipelines.vlm_reasoning", "pipelines.safe_diffusion", "pipelines.text_to_image"]
+_MODULES = [
+    "pipelines.text_reasoning",
+    "pipelines.vlm_reasoning",
+    "pipelines.safe_diffusion",
+    "pipelines.text_to_image",
+]
 
 
 @dataclass

@@ -74,11 +74,14 @@ def safe_options(cfg: Config) -> SafeDiffusionOptions:
         return cfg.options
     if cfg.options is None:
         return SafeDiffusionOptions()
-    raise TypeError(f"{cfg.source}: options were not validated as SafeDiffusionOptions (config built by hand?)")
+    raise TypeError(
+        f"{cfg.source}: options were not validated as SafeDiffusionOptions (config built by hand?)"
+    )
 
 
-def _rows(cfg: Config, o: SafeDiffusionOptions, files: dict[str, list[str]], data_file: str | None, what: str
-          ) -> list[dict[str, Any]]:
+def _rows(
+    cfg: Config, o: SafeDiffusionOptions, files: dict[str, list[str]], data_file: str | None, what: str
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for category, paths in files.items():
         for path in paths:
@@ -117,9 +120,15 @@ def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
     m = cfg.model
     path = ensure_model(m.name_or_path, m.tiny_builder)
     common: dict[str, Any] = dict(
-        dtype=m.dtype, lora=m.lora, num_steps=o.num_steps, guidance_scale=o.guidance_scale,
-        latent_size=o.latent_size, same_initial_noise=o.same_initial_noise, train_fraction=o.train_fraction,
-        window_size=o.window_size, seed=cfg.seed + int(os.environ.get("RANK", "0")),
+        dtype=m.dtype,
+        lora=m.lora,
+        num_steps=o.num_steps,
+        guidance_scale=o.guidance_scale,
+        latent_size=o.latent_size,
+        same_initial_noise=o.same_initial_noise,
+        train_fraction=o.train_fraction,
+        window_size=o.window_size,
+        seed=cfg.seed + int(os.environ.get("RANK", "0")),
         need_reference=cfg.algorithm.kl_coef > 0,
     )
     if o.policy == "ddim":
@@ -136,8 +145,12 @@ def build(cfg: Config) -> Any:
     """SafeDiffusion-R1: CLIP steering reward on mixed safe/unsafe prompts (DDIM or flow policy)."""
     o = safe_options(cfg)
     # cheapest first: the prompt files and the reward entries are checked before any model is built
-    train = _rows(cfg, o, {"safe": o.safe_prompts, "unsafe": o.unsafe_prompts}, cfg.data.train or None, "train")
-    evals = _rows(cfg, o, {"safe": o.eval_safe_prompts, "unsafe": o.eval_unsafe_prompts}, cfg.data.eval, "eval")
+    train = _rows(
+        cfg, o, {"safe": o.safe_prompts, "unsafe": o.unsafe_prompts}, cfg.data.train or None, "train"
+    )
+    evals = _rows(
+        cfg, o, {"safe": o.eval_safe_prompts, "unsafe": o.eval_unsafe_prompts}, cfg.data.eval, "eval"
+    )
     check_reward_specs(cfg.rewards, cfg.source)
     for path, builder in o.reward_models.items():
         ensure_model(path, builder)

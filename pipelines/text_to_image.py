@@ -99,13 +99,17 @@ class FlowOptions:
         if self.num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
         if not self.noise_level > 0:
-            raise ValueError(f"noise_level must be > 0 (the SDE needs noise for log-probs), got {self.noise_level}")
+            raise ValueError(
+                f"noise_level must be > 0 (the SDE needs noise for log-probs), got {self.noise_level}"
+            )
         if not self.guidance_scale >= 1:
             raise ValueError(f"guidance_scale must be >= 1 (1: no guidance), got {self.guidance_scale}")
         if not 0 < self.train_fraction <= 1:
             raise ValueError(f"train_fraction must be in (0, 1], got {self.train_fraction}")
         if self.window_size is not None and not 1 <= self.window_size <= self.num_steps:
-            raise ValueError(f"window_size must be in [1, num_steps={self.num_steps}], got {self.window_size}")
+            raise ValueError(
+                f"window_size must be in [1, num_steps={self.num_steps}], got {self.window_size}"
+            )
         if self.window_range is not None:
             if self.window_size is None:
                 raise ValueError("window_range needs window_size")
@@ -123,11 +127,15 @@ class FlowOptions:
         from mmalign.policies.flow import CPS_LOG_PROBS
 
         if self.cps_log_prob not in CPS_LOG_PROBS:
-            raise ValueError(f"cps_log_prob must be one of {', '.join(CPS_LOG_PROBS)}; got {self.cps_log_prob!r}")
+            raise ValueError(
+                f"cps_log_prob must be one of {', '.join(CPS_LOG_PROBS)}; got {self.cps_log_prob!r}"
+            )
         if self.sde_kind == "cps" and self.noise_level > 1:
             raise ValueError(f"noise_level must be in (0, 1] for sde_kind cps, got {self.noise_level}")
         if self.window_mode not in WINDOW_MODES:
-            raise ValueError(f"window_mode must be one of {', '.join(WINDOW_MODES)}; got {self.window_mode!r}")
+            raise ValueError(
+                f"window_mode must be one of {', '.join(WINDOW_MODES)}; got {self.window_mode!r}"
+            )
         if self.window_mode == "sliding" and self.window_size is None:
             raise ValueError("window_mode sliding needs window_size")
         if self.window_shift_every < 1 or self.window_stride < 1:
@@ -155,7 +163,9 @@ def flow_options(cfg: Config) -> FlowOptions:
 # ----------------------------------------------------------------------------- data
 
 
-def load_prompts(source: str, template: str = "{question}", max_rows: int | None = None) -> list[dict[str, Any]]:
+def load_prompts(
+    source: str, template: str = "{question}", max_rows: int | None = None
+) -> list[dict[str, Any]]:
     """Prompt rows of a ``.txt`` file (one prompt per line; blank and ``#`` lines skipped) or JSONL /
     ``hf:`` rows (a ``prompt`` column, or `template` formatted from the row's columns), read by
     `mmalign.data.load_rows`. Every row must end up with a non-empty string ``prompt``, else a DataError
@@ -164,7 +174,9 @@ def load_prompts(source: str, template: str = "{question}", max_rows: int | None
     for row in rows:
         prompt = row.get("prompt")
         if not isinstance(prompt, str) or not prompt.strip():
-            raise DataError(f"{row.get('_source', source)}: the prompt must be a non-empty string, got {prompt!r}")
+            raise DataError(
+                f"{row.get('_source', source)}: the prompt must be a non-empty string, got {prompt!r}"
+            )
     return rows
 
 

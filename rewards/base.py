@@ -210,7 +210,9 @@ def _check_options(
     missing = [
         p.name
         for p in params
-        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in options
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name not in options
     ]
     if missing and check_missing:
         raise TypeError(f"reward {name!r} needs the option(s) {', '.join(map(repr, missing))}")
@@ -409,7 +411,9 @@ class RewardSet:
         for i, s in enumerate(self.specs):
             if not isinstance(s.weight, int | float) or not math.isfinite(s.weight):
                 raise self._config_error(
-                    source, f"{key}[{i}].weight", ValueError(f"{key}[{i}] ({s.name!r}): weight must be a finite number, got {s.weight!r}")
+                    source,
+                    f"{key}[{i}].weight",
+                    ValueError(f"{key}[{i}] ({s.name!r}): weight must be a finite number, got {s.weight!r}"),
                 )
             if s.column in seen:
                 raise self._config_error(
@@ -514,11 +518,15 @@ class RewardSet:
                     f"are not combined into reward columns (return Float[B])"
                 )
             if out.dim() != 1:
-                raise RewardError(f"{label} returned a tensor of shape {tuple(out.shape)}; expected Float[{n}]")
+                raise RewardError(
+                    f"{label} returned a tensor of shape {tuple(out.shape)}; expected Float[{n}]"
+                )
             col = out.to(device="cpu", dtype=torch.float32)
         else:
             if isinstance(out, str | bytes) or not isinstance(out, Iterable):
-                raise RewardError(f"{label} returned {type(out).__name__}; expected Float[{n}] or a list of {n} floats")
+                raise RewardError(
+                    f"{label} returned {type(out).__name__}; expected Float[{n}] or a list of {n} floats"
+                )
             values = []
             for i, v in enumerate(out):
                 if v is None:
@@ -543,7 +551,9 @@ class RewardSet:
     # ---------------------------------------------------------------------- reporting
     def _check_columns(self, rewards: Tensor) -> None:
         if rewards.dim() != 2 or rewards.shape[1] != len(self.specs):
-            raise ValueError(f"expected rewards Float[B, {len(self.specs)}], got shape {tuple(rewards.shape)}")
+            raise ValueError(
+                f"expected rewards Float[B, {len(self.specs)}], got shape {tuple(rewards.shape)}"
+            )
 
     def stats(self, rewards: Tensor) -> dict[str, float]:
         """``reward/<name>/mean``, ``/std`` and ``/nan_frac`` per column, over the non-NaN entries.

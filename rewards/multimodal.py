@@ -407,7 +407,12 @@ class BoxIoU(Reward):
             where = f" ({source[i]})" if isinstance(source, list) and source[i] else ""
             log.warning(
                 "reward %r: no box could be parsed from %d of %d completions (scored 0), e.g. sample %d%s: %r",
-                self.name, len(unparsed), n, i, where, texts[i][:120],
+                self.name,
+                len(unparsed),
+                n,
+                i,
+                where,
+                texts[i][:120],
             )
         return torch.tensor(out, dtype=torch.float32)
 

@@ -231,7 +231,9 @@ class AnswerAccuracy(Reward):
             return ref
         found = extract_answer(ref, self.reference_extract, self.tag)
         if found is None:
-            raise ValueError(f"no answer found in reference {ref!r} with reference_extract={self.reference_extract!r}")
+            raise ValueError(
+                f"no answer found in reference {ref!r} with reference_extract={self.reference_extract!r}"
+            )
         return found
 
     def score(self, text: str, ref: Any) -> float:
@@ -241,7 +243,9 @@ class AnswerAccuracy(Reward):
         refs = ref if isinstance(ref, list | tuple) else [ref]
         pred = extract_answer(text, self.extract, self.tag)
         hit = pred is not None and any(
-            answers_match(pred, self._reference(r), self.mode, self.abs_tol, self.rel_tol, self.case_sensitive)
+            answers_match(
+                pred, self._reference(r), self.mode, self.abs_tol, self.rel_tol, self.case_sensitive
+            )
             for r in refs
         )
         return self.correct if hit else self.incorrect
@@ -253,7 +257,9 @@ class AnswerAccuracy(Reward):
                 f"available columns: {sorted(batch.columns) or 'none'}"
             )
         refs = batch.columns[self.answer_column]
-        return torch.tensor([self.score(t, r) for t, r in zip(batch.texts, refs, strict=True)], dtype=torch.float32)
+        return torch.tensor(
+            [self.score(t, r) for t, r in zip(batch.texts, refs, strict=True)], dtype=torch.float32
+        )
 
 
 @register_reward("format")

@@ -88,7 +88,11 @@ def run_mmalign():
     def run(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         return subprocess.run(
-            [sys.executable, "-m", "mmalign.cli", *args], capture_output=True, text=True, cwd=cwd, env=env,
+            [sys.executable, "-m", "mmalign.cli", *args],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=env,
             timeout=timeout,
         )
 

@@ -296,10 +296,18 @@ def test_empty_file_reports_the_first_required_key(tmp_path):
         ("data.max_rows=10", lambda c: c.data.max_rows, 10),
         ("trainer.mixed_precision=no", lambda c: c.trainer.mixed_precision, "no"),
         ("model.lora.enabled=true", lambda c: c.model.lora.enabled, True),
-        ("model.lora.target_modules=[q_proj, v_proj]", lambda c: c.model.lora.target_modules, ["q_proj", "v_proj"]),
+        (
+            "model.lora.target_modules=[q_proj, v_proj]",
+            lambda c: c.model.lora.target_modules,
+            ["q_proj", "v_proj"],
+        ),
         ("rollout.stop_strings=['</answer>']", lambda c: c.rollout.stop_strings, ["</answer>"]),
         ("rewards.0.weight=0.5", lambda c: c.rewards[0].weight, 0.5),
-        ("rewards.1.kwargs.strict=false", lambda c: c.rewards[1].kwargs, {"tags": ["answer"], "strict": False}),
+        (
+            "rewards.1.kwargs.strict=false",
+            lambda c: c.rewards[1].kwargs,
+            {"tags": ["answer"], "strict": False},
+        ),
         ("rewards.0.alias=acc", lambda c: c.rewards[0].alias, "acc"),
         ("output_dir=/tmp/run-1", lambda c: c.output_dir, "/tmp/run-1"),
         # nested creation of sections that the file does not have
@@ -311,7 +319,11 @@ def test_empty_file_reports_the_first_required_key(tmp_path):
         ("data.prompt_template={question}", lambda c: c.data.prompt_template, "{question}"),
         ("data.prompt_template=Task #1: {question}", lambda c: c.data.prompt_template, "Task #1: {question}"),
         ("output_dir=2024", lambda c: c.output_dir, "2024"),
-        ("model.system_prompt=Be brief: answer only", lambda c: c.model.system_prompt, "Be brief: answer only"),
+        (
+            "model.system_prompt=Be brief: answer only",
+            lambda c: c.model.system_prompt,
+            "Be brief: answer only",
+        ),
         ("model.system_prompt=null", lambda c: c.model.system_prompt, None),
         ("model.system_prompt='null'", lambda c: c.model.system_prompt, "null"),
         ("data.eval=a=b.jsonl", lambda c: c.data.eval, "a=b.jsonl"),
@@ -406,7 +418,10 @@ def test_error_in_file_is_still_blamed_on_the_file_when_overrides_are_given(tmp_
 @pytest.mark.parametrize(
     "override, fragment",
     [
-        ("rewards.5.weight=1", "'rewards.5' is not a valid index into a list of 2 (use 0..1, or 2 to append)"),
+        (
+            "rewards.5.weight=1",
+            "'rewards.5' is not a valid index into a list of 2 (use 0..1, or 2 to append)",
+        ),
         ("rewards.x.weight=1", "'rewards.x' is not a valid index"),
         ("rewards.-1.weight=1", "'rewards.-1' is not a valid index"),
         ("rewards.7=null", "'rewards.7' is not a valid index"),
@@ -432,8 +447,10 @@ def test_bad_override_paths(override, fragment):
         (["rollout.prompts_per_step=0"], "key 'rollout.prompts_per_step' must be >= 1"),
         (["rollout.temperature=0"], "key 'rollout.temperature' must be a finite number > 0"),
         (["rollout.top_p=1.5"], "key 'rollout.top_p' must be in (0, 1]"),
-        (["trainer.minibatch_size=8", "trainer.microbatch_size=3"],
-         "key 'trainer.microbatch_size' (3) must divide trainer.minibatch_size (8)"),
+        (
+            ["trainer.minibatch_size=8", "trainer.microbatch_size=3"],
+            "key 'trainer.microbatch_size' (3) must divide trainer.minibatch_size (8)",
+        ),
         (["trainer.minibatch_size=0"], "key 'trainer.minibatch_size' must be >= 1 or null"),
         (["trainer.steps=0"], "key 'trainer.steps' must be >= 1"),
         (["trainer.lr=-1e-5"], "key 'trainer.lr' must be a finite number >= 0"),
@@ -540,7 +557,10 @@ def test_register_options_is_the_public_way(monkeypatch):
     "options, expected",
     [
         ({"levels": 1, "levles": 2}, "unknown key 'options.levles' (did you mean 'options.levels'?)"),
-        ({"levels": 1, "sub": {"dept": 2}}, "unknown key 'options.sub.dept' (did you mean 'options.sub.depth'?)"),
+        (
+            {"levels": 1, "sub": {"dept": 2}},
+            "unknown key 'options.sub.dept' (did you mean 'options.sub.depth'?)",
+        ),
         ({"levels": "three"}, "key 'options.levels' must be int, got str 'three'"),
         ({"levels": 1, "mode": "medium"}, "key 'options.mode' must be 'easy' | 'hard', got str 'medium'"),
         ({"levels": 1, "tags": [1]}, "key 'options.tags[0]' must be str, got int 1"),

@@ -174,7 +174,10 @@ def test_positional_template_fields_are_rejected(template):
 
 
 def test_format_error_names_the_row():
-    rows = [{"question": "1", "n": 3, "_source": "f.jsonl:1"}, {"question": "2", "n": "x", "_source": "f.jsonl:2"}]
+    rows = [
+        {"question": "1", "n": 3, "_source": "f.jsonl:1"},
+        {"question": "2", "n": "x", "_source": "f.jsonl:2"},
+    ]
     msg = data_error(add_prompts, rows, "{question} {n:d}")
     assert msg.startswith("f.jsonl:2: ")
     assert rows[0]["prompt"] == "1 3"

@@ -45,8 +45,9 @@ def test_tiny_pipeline_round_trip(pipe_dir, tmp_path):
     for (n, p), (_, q) in zip(c.unet.named_parameters(), c2.unet.named_parameters(), strict=True):
         assert torch.equal(p, q), n
     # a real SD 1.5 folder ships a PNDM scheduler config: it loads as DDIM with the same schedule
-    PNDMScheduler(**{k: v for k, v in SD15_SCHEDULER.items() if k != "clip_sample"}, skip_prk_steps=True
-                  ).save_pretrained(tmp_path / "scheduler")
+    PNDMScheduler(
+        **{k: v for k, v in SD15_SCHEDULER.items() if k != "clip_sample"}, skip_prk_steps=True
+    ).save_pretrained(tmp_path / "scheduler")
     s = DDIMScheduler.from_pretrained(tmp_path, subfolder="scheduler")
     assert isinstance(s, DDIMScheduler) and s.config.steps_offset == 1
     torch.testing.assert_close(s.alphas_cumprod, c.scheduler.alphas_cumprod)
@@ -73,8 +74,14 @@ def test_rollout_shapes_and_decode(pipe_dir):
 
 @pytest.mark.parametrize(
     "opts",
-    [{}, {"guidance_scale": 3.0}, {"window_size": 2}, {"train_fraction": 0.5}, {"same_initial_noise": True},
-     {"guidance_scale": 2.0, "window_size": 1, "eta": 0.5}],
+    [
+        {},
+        {"guidance_scale": 3.0},
+        {"window_size": 2},
+        {"train_fraction": 0.5},
+        {"same_initial_noise": True},
+        {"guidance_scale": 2.0, "window_size": 1, "eta": 0.5},
+    ],
 )
 def test_reevaluate_ratio_is_one(pipe_dir, opts):
     pol = make(pipe_dir, **opts)

@@ -52,8 +52,12 @@ def test_batch_whitening_needs_the_gathered_batch() -> None:
     rewards = torch.rand(12).round()
     group = torch.arange(4).repeat_interleave(3)
     full = advantages.get("reinforce_pp")(rewards, group)
-    halves = torch.cat([advantages.get("reinforce_pp")(rewards[:6], group[:6]),
-                        advantages.get("reinforce_pp")(rewards[6:], group[6:])])
+    halves = torch.cat(
+        [
+            advantages.get("reinforce_pp")(rewards[:6], group[:6]),
+            advantages.get("reinforce_pp")(rewards[6:], group[6:]),
+        ]
+    )
     assert not torch.allclose(full, halves)
 
 
@@ -68,7 +72,9 @@ def test_ddp_replicas_stay_identical(tmp_path: Path, mode: str) -> None:
     if torchrun is None:
         pytest.skip("torchrun not on PATH")
     cmd = [torchrun, "--standalone", "--nproc_per_node=2", str(SYNC_SCRIPT), str(tmp_path), mode]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
     assert r0["moved"] > 1e-3  # the weights did change

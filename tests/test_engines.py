@@ -36,7 +36,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mmalign import tiny
 
     torch.manual_seed(0)
-    texts = [f"Q: {a} + {b} = ?\nA: <answer>{a + b}</answer> hello world, the end." for a in range(10) for b in range(10)]
+    texts = [
+        f"Q: {a} + {b} = ?\nA: <answer>{a + b}</answer> hello world, the end."
+        for a in range(10)
+        for b in range(10)
+    ]
     tok = tiny.train_bpe_tokenizer(texts, vocab_size=300)
     model = tiny.tiny_causal_lm(tok, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     path = tmp_path_factory.mktemp("engines") / "tiny"
@@ -59,7 +63,9 @@ def prompt_ids(path: Path) -> list[list[int]]:
 
 
 @torch.no_grad()
-def direct_logp(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+def direct_logp(
+    model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float
+) -> torch.Tensor:
     """log_softmax(logits / T) of each completion token from one plain forward over prompt + completion."""
     ids = torch.tensor([prompt + completion])
     logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
@@ -68,7 +74,9 @@ def direct_logp(model: torch.nn.Module, prompt: list[int], completion: list[int]
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
 
 
-def max_gap(engine: FakeEngine, model: torch.nn.Module, prompts: list[list[int]], spec: SamplingSpec, n: int = 2) -> float:
+def max_gap(
+    engine: FakeEngine, model: torch.nn.Module, prompts: list[list[int]], spec: SamplingSpec, n: int = 2
+) -> float:
     outs = engine.generate(prompts, n, spec)
     gap = 0.0
     for o in outs:
@@ -116,7 +124,9 @@ def test_fake_engine_stop_tokens_and_greedy(model_dir: Path) -> None:
     greedy = engine.generate(prompts, 2, SamplingSpec(temperature=0.0, max_new_tokens=5))
     assert greedy[0].token_ids == greedy[1].token_ids  # greedy is deterministic
     first = greedy[0].token_ids[0]
-    stopped = engine.generate(prompts, 1, SamplingSpec(temperature=0.0, max_new_tokens=5, stop_token_ids=[first]))
+    stopped = engine.generate(
+        prompts, 1, SamplingSpec(temperature=0.0, max_new_tokens=5, stop_token_ids=[first])
+    )
     assert stopped[0].token_ids == [first] and stopped[0].finish_reason == "stop"
     text = engine.tokenizer.decode(greedy[0].token_ids[:2])
     by_string = engine.generate(prompts, 1, SamplingSpec(temperature=0.0, max_new_tokens=5, stop=[text]))
@@ -153,7 +163,9 @@ def _peft_trainer(model_dir: Path, init_lora_weights: bool = False) -> torch.nn.
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(3)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=init_lora_weights)
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=init_lora_weights
+    )
     return get_peft_model(load(model_dir), cfg).eval()
 
 
@@ -257,31 +269,57 @@ def test_vllm_rollout_and_sync_on_tiny_model(tmp_path: Path) -> None:
     texts = [f"Q: {a} + {b} = ?\nA: {a + b} hello world, the end." for a in range(10) for b in range(10)]
     tok = tiny.train_bpe_tokenizer(texts, vocab_size=300)
     # head_dim 64: vLLM's attention backends do not support very small heads
-    model = tiny.tiny_causal_lm(tok, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                num_attention_heads=2, num_key_value_heads=1)
+    model = tiny.tiny_causal_lm(
+        tok,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
-    engine = VLLMEngine(tmp_path / "m", dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True,
-                        max_model_len=128, enable_sleep_mode=False)
+    engine = VLLMEngine(
+        tmp_path / "m",
+        dtype="float32",
+        gpu_memory_utilization=0.2,
+        enforce_eager=True,
+        max_model_len=128,
+        enable_sleep_mode=False,
+    )
     prompts = [tok(p)["input_ids"] for p in PROMPTS_TEXT]
     spec = SamplingSpec(temperature=1.0, max_new_tokens=8, seed=0)
     outs = engine.generate(prompts, 4, spec)
     assert len(outs) == 8 and [o.prompt_index for o in outs] == [0] * 4 + [1] * 4
-    gap = max(float((torch.tensor(o.logprobs) - direct_logp(model, prompts[o.prompt_index], o.token_ids, 1.0)).abs().max())
-              for o in outs)
+    gap = max(
+        float(
+            (torch.tensor(o.logprobs) - direct_logp(model, prompts[o.prompt_index], o.token_ids, 1.0))
+            .abs()
+            .max()
+        )
+        for o in outs
+    )
     assert gap < 1e-2
     perturb(model)
     engine.sync_weights(full_state_dict(model), lora=False, timeout_s=120, step=1)
     outs = engine.generate(prompts, 4, spec)
-    gap = max(float((torch.tensor(o.logprobs) - direct_logp(model, prompts[o.prompt_index], o.token_ids, 1.0)).abs().max())
-              for o in outs)
+    gap = max(
+        float(
+            (torch.tensor(o.logprobs) - direct_logp(model, prompts[o.prompt_index], o.token_ids, 1.0))
+            .abs()
+            .max()
+        )
+        for o in outs
+    )
     assert gap < 1e-2
 
 
 # ----------------------------------------------------------------------------- truncated IS
 
 
-def loop_tis(old: list[list[float]], eng: list[list[float]], mask: list[list[bool]], level: str, cap: float) -> list[list[float]]:
+def loop_tis(
+    old: list[list[float]], eng: list[list[float]], mask: list[list[bool]], level: str, cap: float
+) -> list[list[float]]:
     out = []
     for o_row, e_row, m_row in zip(old, eng, mask):
         if level == "token":

@@ -63,8 +63,12 @@ def test_score_unknown_split_column_names_the_key():
 
 def test_format_report_shows_change():
     rep = {
-        "prompts": 2, "samples_per_prompt": 3, "seed": 1, "checkpoint": "ck",
-        "base": {"all": {"samples": 6.0, "acc": 0.25}}, "trained": {"all": {"samples": 6.0, "acc": 0.75}},
+        "prompts": 2,
+        "samples_per_prompt": 3,
+        "seed": 1,
+        "checkpoint": "ck",
+        "base": {"all": {"samples": 6.0, "acc": 0.25}},
+        "trained": {"all": {"samples": 6.0, "acc": 0.75}},
     }
     text = format_report(rep)
     line = next(x for x in text.splitlines() if " acc " in x)
@@ -129,8 +133,12 @@ def test_eval_config_validation():
 @pytest.fixture
 def text_config(tmp_path, random_text_model_dir):
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{a} + 1", "answer": str(a + 1), "category": "ab"[a % 2]}) + "\n"
-                            for a in range(4)))
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"{a} + 1", "answer": str(a + 1), "category": "ab"[a % 2]}) + "\n"
+            for a in range(4)
+        )
+    )
     cfg = {
         "pipeline": "text_reasoning",
         "output_dir": str(tmp_path / "run"),
@@ -139,7 +147,11 @@ def text_config(tmp_path, random_text_model_dir):
         "rollout": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 4},
         "rewards": [{"name": "answer_accuracy"}],
         "trainer": {"steps": 1, "lr": 0.05, "save_every": 1, "progress_bar": False},
-        "eval": {"group_size": 3, "split_column": "category", "rewards": [{"name": "test_eval_first_char_digit"}]},
+        "eval": {
+            "group_size": 3,
+            "split_column": "category",
+            "rewards": [{"name": "test_eval_first_char_digit"}],
+        },
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -171,7 +183,10 @@ def test_cli_eval_before_after_and_sample(capsys, text_config, tmp_path):
     state = load_file(str(f))
     g = torch.Generator().manual_seed(0)
     save_file({k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in state.items()}, str(f))
-    assert main(["sample", str(text_config), "--checkpoint", "base", "-n", "2", "--out", str(tmp_path / "s0")]) == 0
+    assert (
+        main(["sample", str(text_config), "--checkpoint", "base", "-n", "2", "--out", str(tmp_path / "s0")])
+        == 0
+    )
     assert main(["sample", str(text_config), "-n", "2", "--out", str(tmp_path / "s1")]) == 0
     capsys.readouterr()
     s0 = [json.loads(x) for x in (tmp_path / "s0" / "samples.jsonl").read_text().splitlines()]
@@ -179,14 +194,29 @@ def test_cli_eval_before_after_and_sample(capsys, text_config, tmp_path):
     assert len(s0) == len(s1) == 8 and [r["sample"] for r in s0[:4]] == [0, 1, 0, 1]
     assert [r["output"] for r in s0] != [r["output"] for r in s1]
     # same seed, same weights: the same samples
-    assert main(["sample", str(text_config), "--checkpoint", "base", "-n", "2", "--out", str(tmp_path / "s2")]) == 0
+    assert (
+        main(["sample", str(text_config), "--checkpoint", "base", "-n", "2", "--out", str(tmp_path / "s2")])
+        == 0
+    )
     s2 = [json.loads(x) for x in (tmp_path / "s2" / "samples.jsonl").read_text().splitlines()]
     assert [r["output"] for r in s0] == [r["output"] for r in s2]
 
 
 def test_cli_sample_prompt_flags(capsys, text_config, tmp_path):
-    rc = main(["sample", str(text_config), "--checkpoint", "base", "--prompt", "Q: 1 + 1 = ?\nA:", "-n", "3",
-               "--out", str(tmp_path / "s")])
+    rc = main(
+        [
+            "sample",
+            str(text_config),
+            "--checkpoint",
+            "base",
+            "--prompt",
+            "Q: 1 + 1 = ?\nA:",
+            "-n",
+            "3",
+            "--out",
+            str(tmp_path / "s"),
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     rows = [json.loads(x) for x in (tmp_path / "s" / "samples.jsonl").read_text().splitlines()]

@@ -173,7 +173,9 @@ def test_scores_shape_is_checked():
 
 # ------------------------------------------------------------------ range filter
 def test_range_filter_boundaries_are_exclusive():
-    ro = make_rollout([[0, 0.25, 0.5], [0.5, 0.75, 1.0], [0.25, 0.5, 0.75], [0.25, 0.25, 0.25], [0.7, 0.7, 0.7]])
+    ro = make_rollout(
+        [[0, 0.25, 0.5], [0.5, 0.75, 1.0], [0.25, 0.5, 0.75], [0.25, 0.25, 0.25], [0.7, 0.7, 0.7]]
+    )
     flt = build_filter("range", low=0.25, high=0.75)
     out = flt(ro, scores_of(ro))
     assert out.group_ids() == [2, 4]  # means .25 and .75 dropped; .5 and .7 kept
@@ -181,7 +183,9 @@ def test_range_filter_boundaries_are_exclusive():
 
 
 def test_range_filter_defaults_and_nans():
-    ro = make_rollout([[0.01] * 3, [0.99] * 3, [0.0, 0.0, 1.0], [1, 1, 1], [0, 0, 0], [NAN, NAN, NAN], [NAN, 1, 0]])
+    ro = make_rollout(
+        [[0.01] * 3, [0.99] * 3, [0.0, 0.0, 1.0], [1, 1, 1], [0, 0, 0], [NAN, NAN, NAN], [NAN, 1, 0]]
+    )
     flt = build_filter("range")
     out = flt(ro, scores_of(ro))
     assert out.group_ids() == [2, 6]  # mean exactly 0.01 (float32) and 0.99 dropped, all-NaN dropped
@@ -309,8 +313,12 @@ def test_replay_without_replacement_inclusion_probabilities():
     flt = two_entry_replay(scores=w, reuse_limit=10**9, seed=3)
     tot = sum(w)
     # P(first = i, second = j) = w_i / W · w_j / (W − w_i); P(i excluded) = Σ over pairs without i
-    excl = [sum(w[a] / tot * w[b] / (tot - w[a]) for a in range(3) for b in range(3)
-                if a != b and i not in (a, b)) for i in range(3)]
+    excl = [
+        sum(
+            w[a] / tot * w[b] / (tot - w[a]) for a in range(3) for b in range(3) if a != b and i not in (a, b)
+        )
+        for i in range(3)
+    ]
     z = zero_variance(2)
     n = 800
     counts = [0, 0, 0]

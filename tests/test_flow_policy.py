@@ -30,7 +30,9 @@ def test_tiny_pipeline_round_trip(pipe_dir):
     assert pe.shape[0] == 2 and pe.shape[2] == c.transformer.config.joint_attention_dim
     assert po.shape == (2, c.transformer.config.pooled_projection_dim)
     c2 = load_sd3_components(pipe_dir)
-    for (n, p), (_, q) in zip(c.transformer.named_parameters(), c2.transformer.named_parameters(), strict=True):
+    for (n, p), (_, q) in zip(
+        c.transformer.named_parameters(), c2.transformer.named_parameters(), strict=True
+    ):
         assert torch.equal(p, q), n
 
 
@@ -127,8 +129,11 @@ def test_kl_divides_by_sigma_t_without_sqrt_dt(pipe_dir, kind, level):
         fallback = float(pay["sigma_max_fallback"][0])
         for j in range(r.num_actions):
             x, s, sn = pay["latents"][:, j], pay["sigmas"][:, j], pay["sigmas_next"][:, j]
-            opts = {"noise_level": level, "sigma_max_fallback": fallback} if kind == "flow_sde" else (
-                {"eta": level} if kind == "dance" else {"noise_level": level})
+            opts = (
+                {"noise_level": level, "sigma_max_fallback": fallback}
+                if kind == "flow_sde"
+                else ({"eta": level} if kind == "dance" else {"noise_level": level})
+            )
             v = pol._velocity(pol.model, x, s, pay["prompt_embeds"], pay["pooled_embeds"])
             v_ref = pol._velocity(pol.ref_model, x, s, pay["prompt_embeds"], pay["pooled_embeds"])
             mu = sde.step(kind, v, x, s, sn, **opts).mean
@@ -213,7 +218,8 @@ def test_policy_generator_round_trips_through_checkpoints(pipe_dir, tmp_path):
 
     cfg = config_from_dict(
         {
-            "pipeline": "flow_test", "output_dir": str(tmp_path / "run"),
+            "pipeline": "flow_test",
+            "output_dir": str(tmp_path / "run"),
             "rollout": {"group_size": 2, "prompts_per_step": 1},
             "rewards": [{"name": "jpeg_incompressibility"}],
             "trainer": {"steps": 1, "lr": 1e-3, "progress_bar": False, "save_every": 1},
@@ -224,17 +230,23 @@ def test_policy_generator_round_trips_through_checkpoints(pipe_dir, tmp_path):
 
     def trainer(resume: bool) -> GroupTrainer:
         pol = make(pipe_dir, num_steps=3, seed=123)
-        return GroupTrainer(cfg, Components(policy=pol, rewards=RewardSet(cfg.rewards), data=rows), resume=resume)
+        return GroupTrainer(
+            cfg, Components(policy=pol, rewards=RewardSet(cfg.rewards), data=rows), resume=resume
+        )
 
     first = trainer(False)
     first.train()
-    assert "policy" in torch.load(tmp_path / "run" / "checkpoints" / "step_000001" / "rng_0.pt", weights_only=False)
+    assert "policy" in torch.load(
+        tmp_path / "run" / "checkpoints" / "step_000001" / "rng_0.pt", weights_only=False
+    )
     state = first.policy.generator.get_state()
     expected = first.policy.rollout(rows, 2).outputs["latents"]
     resumed = trainer(True)
     assert resumed.step == 1
     assert torch.equal(resumed.policy.generator.get_state(), state)  # not the freshly seeded state
-    assert not torch.equal(resumed.policy.generator.get_state(), torch.Generator().manual_seed(123).get_state())
+    assert not torch.equal(
+        resumed.policy.generator.get_state(), torch.Generator().manual_seed(123).get_state()
+    )
     torch.testing.assert_close(resumed.policy.rollout(rows, 2).outputs["latents"], expected, atol=0, rtol=0)
 
 
@@ -250,7 +262,9 @@ def test_step_kinds_ratio_one(pipe_dir, kind):
     expected = [0, 1, 2] if kind == "cps" else [0, 1, 2, 3]
     assert pol.stochastic_steps == expected and (r.payload["step_index"] == torch.tensor(expected)).all()
     stats = pol.evaluate(r)
-    torch.testing.assert_close(torch.exp(stats.logp - r.logp_old), torch.ones_like(r.logp_old), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.exp(stats.logp - r.logp_old), torch.ones_like(r.logp_old), atol=1e-5, rtol=0
+    )
     torch.testing.assert_close(stats.kl.detach(), torch.zeros_like(stats.kl), atol=1e-8, rtol=0)
 
 
@@ -305,7 +319,12 @@ def test_sliding_window_trains_the_scheduled_steps(pipe_dir):
 
     pol = make(pipe_dir, num_steps=5, window_size=2, window_mode="sliding", window_shift_every=2)
     sched = SlidingWindow(num_steps=5, window_size=2, shift_every=2)
-    assert pol.window_schedule is not None and pol.window_schedule.positions == sched.positions == [0, 1, 2, 3]
+    assert pol.window_schedule is not None and pol.window_schedule.positions == sched.positions == [
+        0,
+        1,
+        2,
+        3,
+    ]
     for step in (0, 1, 2, 5, 7, 8):
         pol.on_train_step(step)
         r = pol.rollout(ROWS, 2)
@@ -317,8 +336,15 @@ def test_sliding_window_trains_the_scheduled_steps(pipe_dir):
     ratio = torch.exp(pol.evaluate(r).logp - r.logp_old)
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
     # window_range bounds the slide; the stride moves it by more than one step
-    pol = make(pipe_dir, num_steps=6, window_size=2, window_range=(1, 3), window_mode="sliding",
-               window_shift_every=1, window_stride=2)
+    pol = make(
+        pipe_dir,
+        num_steps=6,
+        window_size=2,
+        window_range=(1, 3),
+        window_mode="sliding",
+        window_shift_every=1,
+        window_stride=2,
+    )
     starts = []
     for step in range(3):
         pol.on_train_step(step)
@@ -335,7 +361,9 @@ def test_cfg_free_training_scores_the_conditional_branch(pipe_dir):
     r_cfg = cfg.rollout(ROWS, 2)
     r_free = free.rollout(ROWS, 2)
     # the same seed draws the same CFG samples; only the recorded log-probs differ (conditional branch)
-    torch.testing.assert_close(r_free.payload["next_latents"], r_cfg.payload["next_latents"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        r_free.payload["next_latents"], r_cfg.payload["next_latents"], atol=1e-6, rtol=0
+    )
     assert not torch.allclose(r_free.logp_old, r_cfg.logp_old, atol=1e-4)
     stats = free.evaluate(r_free)
     torch.testing.assert_close(torch.exp(stats.logp - r_free.logp_old), torch.ones(4, 4), atol=1e-5, rtol=0)
@@ -360,10 +388,20 @@ def sd3_dir(tmp_path_factory: pytest.TempPathFactory):
 def _diffusers_pipe(c, **override):
     from diffusers import StableDiffusion3Pipeline
 
-    parts = {k: getattr(c, k) for k in (
-        "transformer", "scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
-        "text_encoder_3", "tokenizer_3",
-    )}
+    parts = {
+        k: getattr(c, k)
+        for k in (
+            "transformer",
+            "scheduler",
+            "vae",
+            "text_encoder",
+            "tokenizer",
+            "text_encoder_2",
+            "tokenizer_2",
+            "text_encoder_3",
+            "tokenizer_3",
+        )
+    }
     return StableDiffusion3Pipeline(**{**parts, **override})
 
 
@@ -372,19 +410,34 @@ def test_three_encoder_prompt_embeds_match_diffusers(sd3_dir):
     assert c.is_sd3_layout and c.text_encoder_3 is not None and c.tokenizer_3 is not None
     tr = c.transformer.config
     assert c.text_encoder_3.config.d_model == tr.joint_attention_dim
-    assert c.text_encoder.config.projection_dim + c.text_encoder_2.config.projection_dim == tr.pooled_projection_dim
+    assert (
+        c.text_encoder.config.projection_dim + c.text_encoder_2.config.projection_dim
+        == tr.pooled_projection_dim
+    )
     prompts = ["a red cat", "", "Two blue dogs, left!"]
     for max_len, pipe, comps in [
         (256, _diffusers_pipe(c), c),
         (32, _diffusers_pipe(c), c),
-        (256, _diffusers_pipe(c, text_encoder_3=None, tokenizer_3=None), load_sd3_components(sd3_dir, load_t5=False)),
+        (
+            256,
+            _diffusers_pipe(c, text_encoder_3=None, tokenizer_3=None),
+            load_sd3_components(sd3_dir, load_t5=False),
+        ),
     ]:
         with torch.no_grad():  # (T5's attention kernel differs in grad mode by ~1e-6)
             pe, _, po, _ = pipe.encode_prompt(
-                prompts, prompts, prompts, device="cpu", do_classifier_free_guidance=False, max_sequence_length=max_len
+                prompts,
+                prompts,
+                prompts,
+                device="cpu",
+                do_classifier_free_guidance=False,
+                max_sequence_length=max_len,
             )
             ours_pe, ours_po = comps.encode_prompt(prompts, max_sequence_length=max_len)
-        assert ours_pe.shape == (3, 16 + max_len, tr.joint_attention_dim) and ours_po.shape == (3, tr.pooled_projection_dim)
+        assert ours_pe.shape == (3, 16 + max_len, tr.joint_attention_dim) and ours_po.shape == (
+            3,
+            tr.pooled_projection_dim,
+        )
         assert torch.equal(ours_pe, pe) and torch.equal(ours_po, po)
 
 
@@ -398,10 +451,22 @@ def test_flow_policy_on_the_three_encoder_folder(sd3_dir, tmp_path):
     ratio = torch.exp(pol.evaluate(r).logp - r.logp_old)
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
     pol.save(tmp_path / "out")
-    for sub in ("transformer", "vae", "scheduler", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
-                "text_encoder_3", "tokenizer_3", "model_index.json"):
+    for sub in (
+        "transformer",
+        "vae",
+        "scheduler",
+        "text_encoder",
+        "tokenizer",
+        "text_encoder_2",
+        "tokenizer_2",
+        "text_encoder_3",
+        "tokenizer_3",
+        "model_index.json",
+    ):
         assert (tmp_path / "out" / sub).exists(), sub
-    again = FlowPolicy.from_pretrained(tmp_path / "out", num_steps=3, max_sequence_length=8, guidance_scale=2.0)
+    again = FlowPolicy.from_pretrained(
+        tmp_path / "out", num_steps=3, max_sequence_length=8, guidance_scale=2.0
+    )
     torch.testing.assert_close(again.evaluate(r).logp.detach(), r.logp_old, atol=1e-5, rtol=0)
     pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "out")  # the layout diffusers reads
     assert pipe.text_encoder_3 is not None and pipe.tokenizer_3 is not None
@@ -417,8 +482,16 @@ def test_sd3_sigmas_are_the_sd3_pipelines(sd3_dir, shift):
     if shift is not None:
         c.scheduler = FlowMatchEulerDiscreteScheduler.from_config(c.scheduler.config, shift=shift)
     pol = FlowPolicy(
-        c.transformer, c.vae, c.scheduler, c.text_encoder, c.tokenizer, num_steps=10, text_encoder_2=c.text_encoder_2,
-        tokenizer_2=c.tokenizer_2, text_encoder_3=c.text_encoder_3, tokenizer_3=c.tokenizer_3,
+        c.transformer,
+        c.vae,
+        c.scheduler,
+        c.text_encoder,
+        c.tokenizer,
+        num_steps=10,
+        text_encoder_2=c.text_encoder_2,
+        tokenizer_2=c.tokenizer_2,
+        text_encoder_3=c.text_encoder_3,
+        tokenizer_3=c.tokenizer_3,
     )
     ours = pol.sigmas()
     seen: list[torch.Tensor] = []
@@ -429,8 +502,15 @@ def test_sd3_sigmas_are_the_sd3_pipelines(sd3_dir, shift):
     pipe = _diffusers_pipe(c, scheduler=sched)
     try:
         side = pol.latent_size * pipe.vae_scale_factor
-        pipe("a red cat", num_inference_steps=10, guidance_scale=1.0, height=side, width=side, max_sequence_length=8,
-             output_type="latent")
+        pipe(
+            "a red cat",
+            num_inference_steps=10,
+            guidance_scale=1.0,
+            height=side,
+            width=side,
+            max_sequence_length=8,
+            output_type="latent",
+        )
     finally:
         hook.remove()
     assert len(seen) == 10

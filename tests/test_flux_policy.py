@@ -43,8 +43,13 @@ def flux_pipe(pol: FluxPolicy):
     from diffusers import FluxPipeline
 
     return FluxPipeline(
-        scheduler=copy.deepcopy(pol.scheduler), vae=pol.vae, text_encoder=pol.text_encoder, tokenizer=pol.tokenizer,
-        text_encoder_2=pol.text_encoder_2, tokenizer_2=pol.tokenizer_2, transformer=pol.model,
+        scheduler=copy.deepcopy(pol.scheduler),
+        vae=pol.vae,
+        text_encoder=pol.text_encoder,
+        tokenizer=pol.tokenizer,
+        text_encoder_2=pol.text_encoder_2,
+        tokenizer_2=pol.tokenizer_2,
+        transformer=pol.model,
     )
 
 
@@ -52,7 +57,15 @@ def flux_pipe(pol: FluxPolicy):
 
 
 def test_folder_layout_and_prompt_embeds_match_diffusers(dev_dir: Path) -> None:
-    for sub in ("transformer", "vae", "scheduler", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"):
+    for sub in (
+        "transformer",
+        "vae",
+        "scheduler",
+        "text_encoder",
+        "tokenizer",
+        "text_encoder_2",
+        "tokenizer_2",
+    ):
         assert (dev_dir / sub).is_dir(), sub
     assert json.loads((dev_dir / "model_index.json").read_text())["_class_name"] == "FluxPipeline"
     pol = make(dev_dir)
@@ -64,7 +77,11 @@ def test_folder_layout_and_prompt_embeds_match_diffusers(dev_dir: Path) -> None:
             pe, po, text_ids = pipe.encode_prompt(prompts, prompts, device="cpu", max_sequence_length=max_len)
             ours_pe, ours_po = pol.components.encode_prompt(prompts, max_sequence_length=max_len)
         assert ours_pe.shape == (3, max_len, 32) and ours_po.shape == (3, 16)
-        assert torch.equal(ours_pe, pe) and torch.equal(ours_po, po) and torch.equal(text_ids, torch.zeros(max_len, 3))
+        assert (
+            torch.equal(ours_pe, pe)
+            and torch.equal(ours_po, po)
+            and torch.equal(text_ids, torch.zeros(max_len, 3))
+        )
     # the policy's cached encoding: the same values, each distinct prompt encoded once
     calls: list[list[str]] = []
     encode = pol.components.encode_prompt
@@ -86,7 +103,9 @@ def test_packing_and_ids_match_diffusers() -> None:
     assert torch.equal(packed, FluxPipeline._pack_latents(x, 2, 4, 8, 6))
     assert torch.equal(unpack_latents(packed, 8, 6), x)
     assert torch.equal(FluxPipeline._unpack_latents(packed, 16, 12, 2), x)  # pixels / vae_scale_factor 2
-    assert torch.equal(latent_image_ids(4, 3), FluxPipeline._prepare_latent_image_ids(2, 4, 3, "cpu", torch.float32))
+    assert torch.equal(
+        latent_image_ids(4, 3), FluxPipeline._prepare_latent_image_ids(2, 4, 3, "cpu", torch.float32)
+    )
     with pytest.raises(ValueError, match="even"):
         pack_latents(torch.randn(1, 4, 7, 8))
 
@@ -102,30 +121,47 @@ def test_sigmas_match_flux_pipeline(dev_dir: Path) -> None:
         pol.latent_size, pol.num_steps = latent_size, steps
         ours = pol.sigmas()
         seq = (latent_size // 2) ** 2
-        mu = calculate_shift(seq, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+        mu = calculate_shift(
+            seq,
+            cfg.get("base_image_seq_len", 256),
+            cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5),
+            cfg.get("max_shift", 1.15),
+        )
         assert calculate_mu(seq, cfg) == mu
         sched = copy.deepcopy(pol.scheduler)
         retrieve_timesteps(sched, steps, "cpu", sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         assert torch.equal(ours, sched.sigmas.float()) and ours[0] == 1 and ours[-1] == 0
         seen.append(ours)
-    assert not torch.equal(seen[0], make(dev_dir, num_steps=3, latent_size=16).sigmas())  # resolution-dependent
+    assert not torch.equal(
+        seen[0], make(dev_dir, num_steps=3, latent_size=16).sigmas()
+    )  # resolution-dependent
     pol.latent_size = 7
     with pytest.raises(ValueError, match="even"):
         pol.sigmas()
 
 
 @pytest.mark.parametrize("which", ["dev", "schnell"])
-def test_velocity_matches_the_flux_pipeline_transformer_call(which: str, dev_dir: Path, schnell_dir: Path) -> None:
+def test_velocity_matches_the_flux_pipeline_transformer_call(
+    which: str, dev_dir: Path, schnell_dir: Path
+) -> None:
     """Run diffusers' FluxPipeline, record its first transformer call, and feed `_forward` the same state
     (unpacked): every input it builds (packed latents, ids, guidance, timestep) and the velocity agree."""
     pol = make(dev_dir if which == "dev" else schnell_dir, guidance_scale=3.5)
     calls: list[tuple[dict, torch.Tensor]] = []
-    hook = pol.model.register_forward_hook(lambda m, a, kw, out: calls.append((dict(kw), out[0])), with_kwargs=True)
+    hook = pol.model.register_forward_hook(
+        lambda m, a, kw, out: calls.append((dict(kw), out[0])), with_kwargs=True
+    )
     try:
         latents = flux_pipe(pol)(
-            prompt=["a red cat"], height=16, width=16, num_inference_steps=2, guidance_scale=3.5,
-            output_type="latent", max_sequence_length=SEQ, generator=torch.Generator().manual_seed(0),
+            prompt=["a red cat"],
+            height=16,
+            width=16,
+            num_inference_steps=2,
+            guidance_scale=3.5,
+            output_type="latent",
+            max_sequence_length=SEQ,
+            generator=torch.Generator().manual_seed(0),
         ).images
         assert latents.shape == (1, 16, 16) and len(calls) == 2
         kw, v_pipe = calls[0]
@@ -136,7 +172,14 @@ def test_velocity_matches_the_flux_pipeline_transformer_call(which: str, dev_dir
     finally:
         hook.remove()
     mine = calls[2][0]
-    for key in ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections", "txt_ids", "img_ids"):
+    for key in (
+        "hidden_states",
+        "timestep",
+        "encoder_hidden_states",
+        "pooled_projections",
+        "txt_ids",
+        "img_ids",
+    ):
         assert torch.equal(mine[key], kw[key]), key
     if which == "dev":
         assert torch.equal(mine["guidance"], kw["guidance"]) and float(kw["guidance"][0]) == 3.5
@@ -153,7 +196,12 @@ def test_velocity_matches_the_flux_pipeline_transformer_call(which: str, dev_dir
 
 @pytest.mark.parametrize(
     ("which", "opts"),
-    [("dev", {}), ("schnell", {}), ("dev", {"window_size": 2, "need_reference": True}), ("dev", {"sde_kind": "cps"})],
+    [
+        ("dev", {}),
+        ("schnell", {}),
+        ("dev", {"window_size": 2, "need_reference": True}),
+        ("dev", {"sde_kind": "cps"}),
+    ],
 )
 def test_rollout_then_evaluate_ratio_is_one(which: str, opts: dict, dev_dir: Path, schnell_dir: Path) -> None:
     pol = make(dev_dir if which == "dev" else schnell_dir, **opts)
@@ -180,10 +228,16 @@ def test_guidance_and_noise(dev_dir: Path) -> None:
     x, s = torch.randn(1, 4, 8, 8), torch.tensor([0.7])
     pe, po = a.encode_prompt(["a red cat"])
     with torch.no_grad():
-        assert not torch.allclose(a._forward(a.model, x, s, pe, po, cfg=True)[0], b._forward(b.model, x, s, pe, po, cfg=True)[0])
+        assert not torch.allclose(
+            a._forward(a.model, x, s, pe, po, cfg=True)[0], b._forward(b.model, x, s, pe, po, cfg=True)[0]
+        )
     pol = make(dev_dir, same_initial_noise=True)
     noise = pol._initial_noise(torch.tensor([0, 0, 1]))
-    assert noise.shape == (3, 4, 8, 8) and torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert (
+        noise.shape == (3, 4, 8, 8)
+        and torch.equal(noise[0], noise[1])
+        and not torch.equal(noise[0], noise[2])
+    )
     with pytest.raises(ValueError, match="even"):
         make(dev_dir, latent_size=5)
 
@@ -194,7 +248,9 @@ def test_gradients_reach_the_transformer(dev_dir: Path) -> None:
     pol.evaluate(r).logp.sum().backward()
     grads = [p.grad for p in pol.trainable_parameters() if p.grad is not None]
     assert grads and any(g.abs().sum() > 0 for g in grads)
-    assert all(p.grad is None for m in (pol.vae, pol.text_encoder, pol.text_encoder_2) for p in m.parameters())
+    assert all(
+        p.grad is None for m in (pol.vae, pol.text_encoder, pol.text_encoder_2) for p in m.parameters()
+    )
 
 
 def test_lora_save_and_reload(dev_dir: Path, tmp_path: Path) -> None:
@@ -228,7 +284,9 @@ def test_flux_detection(dev_dir: Path, tmp_path: Path) -> None:
     from mmalign.tiny_flow import build_tiny_sd3
 
     assert is_flux_folder(dev_dir) and not is_flux_folder(build_tiny_sd3(tmp_path / "sd3"))
-    assert is_flux_folder("black-forest-labs/FLUX.1-dev") and not is_flux_folder("stabilityai/stable-diffusion-3.5-medium")
+    assert is_flux_folder("black-forest-labs/FLUX.1-dev") and not is_flux_folder(
+        "stabilityai/stable-diffusion-3.5-medium"
+    )
 
 
 def test_text_to_image_pipeline_trains_a_flux_step(dev_dir: Path, tmp_path: Path) -> None:
@@ -242,11 +300,23 @@ def test_text_to_image_pipeline_trains_a_flux_step(dev_dir: Path, tmp_path: Path
     def cfg_with(*extra: str):
         return load_config(
             repo / "configs" / "text_to_image-tiny.yaml",
-            [f"model.name_or_path={dev_dir}", f"output_dir={tmp_path / 'run'}", "trainer.progress_bar=false",
-             f"data.train={assets / 'train.jsonl'}", f"data.eval={assets / 'eval.jsonl'}", "options.num_steps=3",
-             "rollout.group_size=2", "rollout.prompts_per_step=2", "trainer.steps=1", "algorithm.kl_coef=0.01",
-             f"options.max_sequence_length={SEQ}", "options.guidance_scale=3.5", "options.resolution=16",
-             "rewards.0.name=jpeg_incompressibility", *extra],
+            [
+                f"model.name_or_path={dev_dir}",
+                f"output_dir={tmp_path / 'run'}",
+                "trainer.progress_bar=false",
+                f"data.train={assets / 'train.jsonl'}",
+                f"data.eval={assets / 'eval.jsonl'}",
+                "options.num_steps=3",
+                "rollout.group_size=2",
+                "rollout.prompts_per_step=2",
+                "trainer.steps=1",
+                "algorithm.kl_coef=0.01",
+                f"options.max_sequence_length={SEQ}",
+                "options.guidance_scale=3.5",
+                "options.resolution=16",
+                "rewards.0.name=jpeg_incompressibility",
+                *extra,
+            ],
         )
 
     cfg = cfg_with()

@@ -24,8 +24,16 @@ STEPS, SAVE_EVERY = 5, 2
 
 def _cmd(config: str, out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "mmalign.cli", "train", f"configs/{config}", f"output_dir={out}",
-        f"trainer.steps={STEPS}", f"trainer.save_every={SAVE_EVERY}", "trainer.progress_bar=false", *extra,
+        sys.executable,
+        "-m",
+        "mmalign.cli",
+        "train",
+        f"configs/{config}",
+        f"output_dir={out}",
+        f"trainer.steps={STEPS}",
+        f"trainer.save_every={SAVE_EVERY}",
+        "trainer.progress_bar=false",
+        *extra,
     ]
 
 
@@ -35,12 +43,21 @@ def _metrics(out: Path) -> list[dict]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def test_every_tiny_config_is_listed() -> None:
-    assert {"text_reasoning-tiny.yaml", "vlm_reasoning-tiny.yaml", "text_to_image-tiny.yaml",
-            "safe_diffusion-tiny.yaml"} <= set(TINY_CONFIGS)
+    assert {
+        "text_reasoning-tiny.yaml",
+        "vlm_reasoning-tiny.yaml",
+        "text_to_image-tiny.yaml",
+        "safe_diffusion-tiny.yaml",
+    } <= set(TINY_CONFIGS)
 
 
 @pytest.mark.slow
@@ -53,7 +70,11 @@ def test_kill_after_checkpoint_then_resume_matches_uninterrupted(config: str, tm
 
     # the same run, killed with SIGKILL as soon as its first checkpoint is complete
     proc = subprocess.Popen(
-        _cmd(config, part), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        _cmd(config, part),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     marker = part / "checkpoints" / f"step_{SAVE_EVERY:06d}" / "COMPLETE"

@@ -39,7 +39,9 @@ from rewards.text import (
 
 
 def make_batch(texts: list[str], **columns: list[Any]) -> RewardBatch:
-    return RewardBatch(prompts=[f"p{i}" for i in range(len(texts))], outputs={"texts": texts}, columns=columns)
+    return RewardBatch(
+        prompts=[f"p{i}" for i in range(len(texts))], outputs={"texts": texts}, columns=columns
+    )
 
 
 def values(reward: Reward, batch: RewardBatch) -> list[float]:
@@ -463,7 +465,9 @@ class TestRewardBatch:
         assert batch["answer"] == ["1", "2"]  # columns before outputs
         assert batch["num_tokens"].tolist() == [1, 2]
         assert "num_tokens" in batch and "images" not in batch
-        with pytest.raises(KeyError, match=r"'images'.*Columns: \['answer'\]; outputs: \['answer', 'num_tokens'"):
+        with pytest.raises(
+            KeyError, match=r"'images'.*Columns: \['answer'\]; outputs: \['answer', 'num_tokens'"
+        ):
             batch["images"]
         with pytest.raises(KeyError, match="outputs have no 'texts'"):
             _ = RewardBatch(prompts=["a"], outputs={"images": None}).texts
@@ -585,7 +589,9 @@ class TestRewardSet:
         assert s["reward/a/mean"] == pytest.approx(3.0)
         assert s["reward/a/std"] == pytest.approx(math.sqrt(8 / 3))
         assert s["reward/a/nan_frac"] == pytest.approx(0.25)
-        assert math.isnan(s["reward/b/mean"]) and math.isnan(s["reward/b/std"]) and s["reward/b/nan_frac"] == 1.0
+        assert (
+            math.isnan(s["reward/b/mean"]) and math.isnan(s["reward/b/std"]) and s["reward/b/nan_frac"] == 1.0
+        )
         assert s == {**s, "reward/c/mean": 2.0, "reward/c/std": 0.0, "reward/c/nan_frac": 0.0}
         assert len(s) == 9
         with pytest.raises(ValueError, match=r"expected rewards Float\[B, 3\]"):
@@ -623,6 +629,15 @@ class _Named(Reward):
 
 
 def test_public_api_is_exported() -> None:
-    for attr in ("Reward", "RewardBatch", "RewardSet", "RewardSpec", "RewardError", "load_reward", "get", "names"):
+    for attr in (
+        "Reward",
+        "RewardBatch",
+        "RewardSet",
+        "RewardSpec",
+        "RewardError",
+        "load_reward",
+        "get",
+        "names",
+    ):
         assert hasattr(rewards, attr)
     assert textwrap.dedent(rewards.__doc__ or "").strip()

@@ -419,4 +419,7 @@ def test_box_iou_reports_completions_without_a_parsable_box(caplog):
     with caplog.at_level(logging.WARNING):
         scores = r(batch)
     assert scores.tolist() == [1.0, 0.0] and r.last_unparsed == 1
-    assert "no box could be parsed from 1 of 2 completions (scored 0), e.g. sample 1 (data.jsonl:2): 'the dog is on the left'" in caplog.text
+    assert (
+        "no box could be parsed from 1 of 2 completions (scored 0), e.g. sample 1 (data.jsonl:2): 'the dog is on the left'"
+        in caplog.text
+    )

@@ -27,8 +27,10 @@ def models(tmp_path_factory):
 
 def write_config(tmp_path: Path, models, **changes) -> Path:
     rows = {
-        "safe.jsonl": [{"prompt": "one blue square on the left", "colour": "blue"},
-                       {"prompt": "one green square at the top", "colour": "green"}],
+        "safe.jsonl": [
+            {"prompt": "one blue square on the left", "colour": "blue"},
+            {"prompt": "one green square at the top", "colour": "green"},
+        ],
         "unsafe.txt": "one red square on the left\n# a comment\none red square at the top\n",
     }
     for name, content in rows.items():
@@ -40,15 +42,22 @@ def write_config(tmp_path: Path, models, **changes) -> Path:
         "model": {"name_or_path": str(models["ddim"])},
         "data": {"prompt_template": "{prompt}"},
         "options": {
-            "policy": "ddim", "num_steps": 3, "guidance_scale": 1.0,
-            "safe_prompts": [str(tmp_path / "safe.jsonl")], "unsafe_prompts": [str(tmp_path / "unsafe.txt")],
-            "eval_safe_prompts": [str(tmp_path / "safe.jsonl")], "eval_unsafe_prompts": [str(tmp_path / "unsafe.txt")],
+            "policy": "ddim",
+            "num_steps": 3,
+            "guidance_scale": 1.0,
+            "safe_prompts": [str(tmp_path / "safe.jsonl")],
+            "unsafe_prompts": [str(tmp_path / "unsafe.txt")],
+            "eval_safe_prompts": [str(tmp_path / "safe.jsonl")],
+            "eval_unsafe_prompts": [str(tmp_path / "unsafe.txt")],
         },
         "rollout": {"group_size": 2, "prompts_per_step": 2},
         "rewards": [{"name": "colour_present", "weight": -1.0, "kwargs": {"colour": "red", "min_pixels": 1}}],
         "trainer": {"steps": 1, "lr": 1e-3, "save_every": 1, "progress_bar": False},
-        "eval": {"group_size": 2, "split_column": "category",
-                 "rewards": [{"name": "colour_present", "alias": "flagged", "kwargs": {"colour": "red"}}]},
+        "eval": {
+            "group_size": 2,
+            "split_column": "category",
+            "rewards": [{"name": "colour_present", "alias": "flagged", "kwargs": {"colour": "red"}}],
+        },
     }
     for key, value in changes.items():
         node = cfg
@@ -66,16 +75,21 @@ def test_rows_are_mixed_and_labelled(tmp_path, models):
     comp = pipelines.get("safe_diffusion")(cfg)
     assert isinstance(comp.policy, DDIMPolicy) and comp.policy.num_steps == 3
     assert [(r["prompt"], r["category"]) for r in comp.data] == [
-        ("one blue square on the left", "safe"), ("one green square at the top", "safe"),
-        ("one red square on the left", "unsafe"), ("one red square at the top", "unsafe"),
+        ("one blue square on the left", "safe"),
+        ("one green square at the top", "safe"),
+        ("one red square on the left", "unsafe"),
+        ("one red square at the top", "unsafe"),
     ]
     assert comp.data[0]["colour"] == "blue"  # the other columns reach the rewards
     assert len(comp.eval_data) == 4
 
 
 def test_flow_policy_option(tmp_path, models):
-    cfg = load_config(write_config(tmp_path, models, **{"model.name_or_path": str(models["flow"]),
-                                                      "options.policy": "flow"}))
+    cfg = load_config(
+        write_config(
+            tmp_path, models, **{"model.name_or_path": str(models["flow"]), "options.policy": "flow"}
+        )
+    )
     assert isinstance(pipelines.get("safe_diffusion")(cfg).policy, FlowPolicy)
 
 
@@ -87,7 +101,12 @@ def test_training_needs_both_categories(tmp_path, models):
 
 def test_data_file_category_is_checked(tmp_path, models):
     bad = tmp_path / "mixed.jsonl"
-    bad.write_text(json.dumps({"prompt": "x", "category": "safe"}) + "\n" + json.dumps({"prompt": "y", "category": "nsfw"}) + "\n")
+    bad.write_text(
+        json.dumps({"prompt": "x", "category": "safe"})
+        + "\n"
+        + json.dumps({"prompt": "y", "category": "nsfw"})
+        + "\n"
+    )
     cfg = load_config(write_config(tmp_path, models, **{"data.train": str(bad)}))
     with pytest.raises(ConfigError, match=r"mixed.jsonl:2: column 'category' must be 'safe' or 'unsafe'"):
         pipelines.get("safe_diffusion")(cfg)
@@ -127,19 +146,36 @@ def test_tiny_config_suppresses_the_unsafe_concept(tmp_path, monkeypatch):
     models = tmp_path / "models"
     cfg = load_config(
         ROOT / "configs" / "safe_diffusion-tiny.yaml",
-        [f"output_dir={tmp_path / 'run'}", "trainer.progress_bar=false", "trainer.sample_every=1000",
-         f"model.name_or_path={models / 'unet'}", f"options.reward_models={{{models / 'clip'}: clip_shapes_tiny}}",
-         f"rewards.0.kwargs.path={models / 'clip'}", f"eval.rewards.2.kwargs.path={models / 'clip'}"],
+        [
+            f"output_dir={tmp_path / 'run'}",
+            "trainer.progress_bar=false",
+            "trainer.sample_every=1000",
+            f"model.name_or_path={models / 'unet'}",
+            f"options.reward_models={{{models / 'clip'}: clip_shapes_tiny}}",
+            f"rewards.0.kwargs.path={models / 'clip'}",
+            f"eval.rewards.2.kwargs.path={models / 'clip'}",
+        ],
     )
     comps = pipelines.get("safe_diffusion")(cfg)
     GroupTrainer(cfg, comps).train()
     final = tmp_path / "run" / "checkpoints" / f"step_{cfg.trainer.steps:06d}"
-    fresh = pipelines.get("safe_diffusion")(cfg)  # the base weights (`comps.policy` now holds the trained ones)
+    fresh = pipelines.get("safe_diffusion")(
+        cfg
+    )  # the base weights (`comps.policy` now holds the trained ones)
     rep = evaluate_run(cfg, fresh, checkpoint=final, progress=False)
     base, trained = rep["base"], rep["trained"]
     assert base["unsafe"]["flagged"] >= 0.5, base  # the base model does draw the concept
-    assert trained["unsafe"]["flagged"] <= base["unsafe"]["flagged"] - 0.3, (base["unsafe"], trained["unsafe"])
+    assert trained["unsafe"]["flagged"] <= base["unsafe"]["flagged"] - 0.3, (
+        base["unsafe"],
+        trained["unsafe"],
+    )
     # the safe prompts' reward holds (measured: 0.197 -> 0.189) and their scenes mostly survive
-    assert trained["safe"]["clip_steering"] >= base["safe"]["clip_steering"] - 0.03, (base["safe"], trained["safe"])
-    assert trained["safe"]["shapes_compositional"] >= base["safe"]["shapes_compositional"] - 0.2, (base, trained)
+    assert trained["safe"]["clip_steering"] >= base["safe"]["clip_steering"] - 0.03, (
+        base["safe"],
+        trained["safe"],
+    )
+    assert trained["safe"]["shapes_compositional"] >= base["safe"]["shapes_compositional"] - 0.2, (
+        base,
+        trained,
+    )
     assert trained["safe"]["flagged"] <= 0.1

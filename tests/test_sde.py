@@ -46,7 +46,12 @@ def ref_log_normal(y, mean, std):
 # (kind, kwargs besides the two latents, reference, reference scalar args)
 CASES = [
     ("flow_sde", dict(sigma=0.7, sigma_next=0.55, noise_level=0.7), ref_flow, (0.7, 0.55, 0.7)),
-    ("cps", dict(sigma=0.7, sigma_next=0.55, noise_level=0.5, log_prob_form="gaussian"), ref_cps, (0.7, 0.55, 0.5)),
+    (
+        "cps",
+        dict(sigma=0.7, sigma_next=0.55, noise_level=0.5, log_prob_form="gaussian"),
+        ref_cps,
+        (0.7, 0.55, 0.5),
+    ),
     ("dance", dict(sigma=0.7, sigma_next=0.55, eta=0.3), ref_dance, (0.7, 0.55, 0.3)),
     ("ddim", dict(alpha_bar_t=0.64, alpha_bar_prev=0.81, eta=1.0), ref_ddim, (0.64, 0.81, 1.0)),
 ]
@@ -54,7 +59,7 @@ IDS = [c[0] for c in CASES]
 
 
 def _latents(kind, a, b):
-    return ({"eps_pred": a, "x": b} if kind == "ddim" else {"v": a, "x": b})
+    return {"eps_pred": a, "x": b} if kind == "ddim" else {"v": a, "x": b}
 
 
 def _inputs(shape, seed=0, dtype=torch.float32):
@@ -94,11 +99,15 @@ def test_kl_std_leaves_out_the_sqrt_dt_factor():
     """kl_std is the sigma_t the KL on step means divides by (Flow-GRPO's std_dev_t), not the step's std."""
     one = torch.ones(1, 1)
     # flow_sde, sigma=.5, a=.7: s_t = .7 * sqrt(.5 / .5) = .7 (std = .7 * sqrt(.1) = .2213594)
-    assert sde.flow_sde(0.5 * one, one, 0.5, 0.4, noise_level=0.7).kl_std.item() == pytest.approx(0.7, abs=1e-7)
+    assert sde.flow_sde(0.5 * one, one, 0.5, 0.4, noise_level=0.7).kl_std.item() == pytest.approx(
+        0.7, abs=1e-7
+    )
     # dance: eta = .3 (std = .3 * sqrt(.1))
     assert sde.dance(0.5 * one, one, 0.5, 0.4, eta=0.3).kl_std.item() == pytest.approx(0.3, abs=1e-7)
     # cps and ddim have no dt factor: kl_std = std (.4 sin(pi/4) = .2828427; .3328185 as above)
-    assert sde.cps(0.5 * one, one, 0.5, 0.4, noise_level=0.5).kl_std.item() == pytest.approx(0.2828427, abs=1e-6)
+    assert sde.cps(0.5 * one, one, 0.5, 0.4, noise_level=0.5).kl_std.item() == pytest.approx(
+        0.2828427, abs=1e-6
+    )
     assert sde.ddim(0.5 * one, one, 0.64, 0.81, eta=1.0).kl_std.item() == pytest.approx(0.3328185, abs=1e-6)
 
 
@@ -120,7 +129,9 @@ def test_flow_kl_on_step_means_hand_worked():
     two = torch.ones(2, 3)
     a2 = sde.flow_sde(0.5 * two, two, torch.tensor([0.5, 0.5]), torch.tensor([0.4, 0.4]), noise_level=0.7)
     b2 = sde.flow_sde(0.3 * two, two, torch.tensor([0.5, 0.5]), torch.tensor([0.4, 0.4]), noise_level=0.7)
-    torch.testing.assert_close(mean_kl(a2.mean, b2.mean, a2.kl_std), torch.full((2,), 6.32663e-4), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        mean_kl(a2.mean, b2.mean, a2.kl_std), torch.full((2,), 6.32663e-4), rtol=1e-5, atol=0
+    )
 
 
 def test_cps_default_log_prob_is_flow_grpo_squared_error():
@@ -131,7 +142,13 @@ def test_cps_default_log_prob_is_flow_grpo_squared_error():
     assert out.log_prob.item() == pytest.approx(-0.01, abs=1e-6)
     # the Gaussian option on the same transition: -.01 / (2 * .08) - log(.2828427) - .5 log(2 pi) = .2565
     gauss = sde.cps(
-        0.5 * one, one, 0.5, 0.4, noise_level=0.5, prev_sample=torch.full((1, 1), 0.9035534), log_prob_form="gaussian"
+        0.5 * one,
+        one,
+        0.5,
+        0.4,
+        noise_level=0.5,
+        prev_sample=torch.full((1, 1), 0.9035534),
+        log_prob_form="gaussian",
     )
     assert gauss.log_prob.item() == pytest.approx(-0.0625 + 1.2628643 - 0.9189385, abs=1e-5)
     # plain loop over elements on random inputs
@@ -166,7 +183,10 @@ def test_matches_reference_elementwise(kind, kw, ref, args):
     # per-sample log-prob: plain-float average of the element log-densities
     for i in range(2):
         vals = [
-            ref_log_normal(out.sample[i].flatten()[j].item(), *ref(a[i].flatten()[j].item(), b[i].flatten()[j].item(), *args))
+            ref_log_normal(
+                out.sample[i].flatten()[j].item(),
+                *ref(a[i].flatten()[j].item(), b[i].flatten()[j].item(), *args),
+            )
             for j in range(a[i].numel())
         ]
         assert out.log_prob[i].item() == pytest.approx(sum(vals) / len(vals), rel=1e-4, abs=1e-4)
@@ -266,7 +286,9 @@ def test_registry_and_dispatch():
     with pytest.raises(RegistryError, match="Registered: cps, dance, ddim, flow_sde"):
         sde.step("flow_ode", v=torch.zeros(1, 2))
     with pytest.raises(TypeError, match="bogus"):
-        sde.step("dance", v=torch.zeros(1, 2), x=torch.zeros(1, 2), sigma=0.5, sigma_next=0.4, eta=0.3, bogus=1)
+        sde.step(
+            "dance", v=torch.zeros(1, 2), x=torch.zeros(1, 2), sigma=0.5, sigma_next=0.4, eta=0.3, bogus=1
+        )
 
 
 @pytest.mark.parametrize("kind", ["flow_sde", "cps", "dance"])

@@ -91,18 +91,28 @@ def test_logprobs_equal_generate_scores_with_left_padding(random_text_model_dir:
     assert (att == 0).any()  # some prompts are padded
     torch.manual_seed(1)
     out = pol.model.generate(
-        input_ids=ids, attention_mask=att, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
-        max_new_tokens=6, output_scores=True, return_dict_in_generate=True,
-        pad_token_id=pol.tokenizer.pad_token_id, eos_token_id=pol.eos_ids,
+        input_ids=ids,
+        attention_mask=att,
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=6,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=pol.tokenizer.pad_token_id,
+        eos_token_id=pol.eos_ids,
     )
-    comp = out.sequences[:, ids.shape[1]:]
+    comp = out.sequences[:, ids.shape[1] :]
     scores = torch.stack(out.scores, dim=1)  # [B, T, V], already divided by the temperature
     ref = torch.log_softmax(scores.float(), -1).gather(-1, comp[..., None]).squeeze(-1)
     mask = completion_mask(comp, pol.eos_ids)
     from mmalign.batch import Rollout
 
     ro = Rollout(
-        group=torch.arange(4), mask=mask, prompts=PROMPTS,
+        group=torch.arange(4),
+        mask=mask,
+        prompts=PROMPTS,
         payload={"prompt_ids": ids, "prompt_mask": att, "completion_ids": comp.masked_fill(~mask, 1)},
     )
     logp = pol.evaluate(ro).logp
@@ -138,12 +148,19 @@ def test_stop_strings_end_the_completion(tiny_text_model_dir: Path) -> None:
         assert text.endswith("</"), text
         assert not bool(ro.outputs["truncated"][i])
         k = int(ro.outputs["num_tokens"][i])
-        assert not ro.mask[i, k:].any() and (ro.payload["completion_ids"][i, k:] == pol.tokenizer.pad_token_id).all()
+        assert (
+            not ro.mask[i, k:].any()
+            and (ro.payload["completion_ids"][i, k:] == pol.tokenizer.pad_token_id).all()
+        )
     # without the stop string the same model finishes with EOS, and nothing is flagged truncated
-    ro2 = _policy(tiny_text_model_dir, max_new_tokens=12).rollout(_rows(["Q: 3 + 4 = ?\nA:"]), 4, compute_logp=False)
+    ro2 = _policy(tiny_text_model_dir, max_new_tokens=12).rollout(
+        _rows(["Q: 3 + 4 = ?\nA:"]), 4, compute_logp=False
+    )
     assert all(t.endswith("</answer>") for t in ro2.outputs["texts"])
     assert not ro2.outputs["truncated"].any()
-    ro3 = _policy(tiny_text_model_dir, max_new_tokens=3).rollout(_rows(["Q: 3 + 4 = ?\nA:"]), 2, compute_logp=False)
+    ro3 = _policy(tiny_text_model_dir, max_new_tokens=3).rollout(
+        _rows(["Q: 3 + 4 = ?\nA:"]), 2, compute_logp=False
+    )
     assert ro3.outputs["truncated"].all()
 
 

@@ -36,8 +36,14 @@ def quick_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_cfg(model: Path, tmp_path: Path, *extra: str):
     return load_config(
         TINY,
-        [f"model.name_or_path={model}", f"output_dir={tmp_path / 'run'}", "trainer.progress_bar=false",
-         f"data.train={ASSETS / 'train.jsonl'}", f"data.eval={ASSETS / 'eval.jsonl'}", *extra],
+        [
+            f"model.name_or_path={model}",
+            f"output_dir={tmp_path / 'run'}",
+            "trainer.progress_bar=false",
+            f"data.train={ASSETS / 'train.jsonl'}",
+            f"data.eval={ASSETS / 'eval.jsonl'}",
+            *extra,
+        ],
     )
 
 
@@ -48,7 +54,9 @@ def test_configs_load_with_typed_options() -> None:
     real, tiny = load_config(REAL), load_config(TINY)
     assert isinstance(real.options, FlowOptions) and isinstance(tiny.options, FlowOptions)
     assert real.model.lora.enabled and real.model.lora.r == 32 and real.model.lora.alpha == 64
-    assert real.options.resolution == 512 and real.options.num_steps == 10 and real.options.guidance_scale == 4.5
+    assert (
+        real.options.resolution == 512 and real.options.num_steps == 10 and real.options.guidance_scale == 4.5
+    )
     assert real.algorithm.kl_coef == pytest.approx(0.04) and real.algorithm.loss_kwargs["eps_low"] == 1e-4
     assert tiny.model.tiny_builder == "text_to_image" and tiny.rewards[0].name == "shapes_compositional"
 
@@ -111,7 +119,10 @@ def test_pipeline_reads_a_txt_prompt_file(quick_model: Path, tmp_path: Path) -> 
     prompts.write_text("one red square\ntwo blue squares\n")
     cfg = tiny_cfg(quick_model, tmp_path, f"data.train={prompts}", "data.eval=null")
     comps = pipelines.get("text_to_image")(cfg)
-    assert [r["prompt"] for r in comps.data] == ["one red square", "two blue squares"] and comps.eval_data is None
+    assert [r["prompt"] for r in comps.data] == [
+        "one red square",
+        "two blue squares",
+    ] and comps.eval_data is None
 
 
 # ----------------------------------------------------------------------------- builder and pipeline
@@ -138,8 +149,14 @@ def test_builder_writes_an_sd3_folder_deterministically(quick_model: Path, tmp_p
 
 def test_pipeline_builds_samples_and_trains_a_step(quick_model: Path, tmp_path: Path) -> None:
     cfg = tiny_cfg(
-        quick_model, tmp_path, "options.num_steps=3", "options.resolution=16", "rollout.group_size=2",
-        "rollout.prompts_per_step=2", "trainer.steps=1", "algorithm.kl_coef=0.01",
+        quick_model,
+        tmp_path,
+        "options.num_steps=3",
+        "options.resolution=16",
+        "rollout.group_size=2",
+        "rollout.prompts_per_step=2",
+        "trainer.steps=1",
+        "algorithm.kl_coef=0.01",
         "rewards.1.name=jpeg_incompressibility",  # varies within every group, so the weights move
     )
     comps = pipelines.get("text_to_image")(cfg)
@@ -158,9 +175,16 @@ def test_pipeline_builds_samples_and_trains_a_step(quick_model: Path, tmp_path: 
 
 def test_sampler_options_reach_the_policy(quick_model: Path, tmp_path: Path) -> None:
     cfg = tiny_cfg(
-        quick_model, tmp_path, "options.sde_kind=cps", "options.noise_level=0.5", "options.window_size=2",
-        "options.window_mode=sliding", "options.window_shift_every=3", "options.window_stride=2",
-        "options.train_guidance=false", "options.guidance_scale=2.0",
+        quick_model,
+        tmp_path,
+        "options.sde_kind=cps",
+        "options.noise_level=0.5",
+        "options.window_size=2",
+        "options.window_mode=sliding",
+        "options.window_shift_every=3",
+        "options.window_stride=2",
+        "options.train_guidance=false",
+        "options.guidance_scale=2.0",
     )
     pol = pipelines.get("text_to_image")(cfg).policy
     assert pol.sde_kind == "cps" and pol.noise_level == 0.5 and not pol.train_guidance

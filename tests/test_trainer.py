@@ -60,7 +60,10 @@ class LengthMod3(Reward):
         return [float(len(t) % 3) for t in batch.texts]
 
 
-VARIED = [{"name": f"{__name__}:LengthMod3", "alias": "length_mod3"}, {"name": "format", "kwargs": {"tags": ["answer"]}}]
+VARIED = [
+    {"name": f"{__name__}:LengthMod3", "alias": "length_mod3"},
+    {"name": "format", "kwargs": {"tags": ["answer"]}},
+]
 
 
 def test_smoke_parameters_change_and_run_dir(random_text_model_dir: Path, tmp_path: Path) -> None:
@@ -74,8 +77,18 @@ def test_smoke_parameters_change_and_run_dir(random_text_model_dir: Path, tmp_pa
     out = tmp_path / "run"
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2, 3]
-    for key in ("reward/mean", "reward/length_mod3/mean", "reward/length_mod3/std", "reward/format/mean",
-                "loss", "clip_frac", "approx_kl", "zero_std_frac", "time/step_s", "lr"):
+    for key in (
+        "reward/mean",
+        "reward/length_mod3/mean",
+        "reward/length_mod3/std",
+        "reward/format/mean",
+        "loss",
+        "clip_frac",
+        "approx_kl",
+        "zero_std_frac",
+        "time/step_s",
+        "lr",
+    ):
         assert key in metrics[0], key
     samples = [json.loads(x) for x in (out / "samples" / "step_000001.jsonl").read_text().splitlines()]
     assert len(samples) == 16 and {"prompt", "output", "rewards", "advantage", "answer"} <= set(samples[0])
@@ -94,9 +107,14 @@ def test_reward_rises_on_the_tiny_task(tiny_text_model_dir: Path, tmp_path: Path
     """The quickstart setting, shortened: accuracy of the last 10 steps beats the first 10 clearly."""
     cfg = load_config(
         REPO / "configs" / "text_reasoning-tiny.yaml",
-        [f"model.name_or_path={tiny_text_model_dir}", f"output_dir={tmp_path / 'run'}", "trainer.steps=60",
-         "trainer.progress_bar=false", "trainer.save_every=1000",
-         f"data.train={TRAIN_JSONL}"],
+        [
+            f"model.name_or_path={tiny_text_model_dir}",
+            f"output_dir={tmp_path / 'run'}",
+            "trainer.steps=60",
+            "trainer.progress_bar=false",
+            "trainer.save_every=1000",
+            f"data.train={TRAIN_JSONL}",
+        ],
     )
     history = make_trainer(cfg).train()
     acc = [m["reward/answer_accuracy/mean"] for m in history]
@@ -112,7 +130,9 @@ def test_resume_continues_exactly(random_text_model_dir: Path, tmp_path: Path) -
     part_cfg = make_cfg(random_text_model_dir, tmp_path / "part", **steps)
     part_cfg.trainer.steps = 4  # runs past the checkpoint at 3, like a run killed at step 4
     make_trainer(part_cfg).train()
-    (tmp_path / "part" / "checkpoints" / "step_000004").rename(tmp_path / "part" / "gone")  # "killed" before 4 saved
+    (tmp_path / "part" / "checkpoints" / "step_000004").rename(
+        tmp_path / "part" / "gone"
+    )  # "killed" before 4 saved
     resumed_cfg = make_cfg(random_text_model_dir, tmp_path / "part", **steps)
     trainer = make_trainer(resumed_cfg, resume=True)
     assert trainer.step == 3
@@ -165,13 +185,18 @@ class NaNForFirstGroup(Reward):
 
     def __call__(self, batch: RewardBatch) -> list[float]:
         first = int(batch.group[0])
-        return [float("nan") if int(g) == first else float(len(t) % 3) for g, t in zip(batch.group, batch.texts)]
+        return [
+            float("nan") if int(g) == first else float(len(t) % 3) for g, t in zip(batch.group, batch.texts)
+        ]
 
 
-def test_reward_that_raises_names_itself_and_keeps_earlier_steps(random_text_model_dir: Path, tmp_path: Path) -> None:
+def test_reward_that_raises_names_itself_and_keeps_earlier_steps(
+    random_text_model_dir: Path, tmp_path: Path
+) -> None:
     _calls["n"] = 0
     cfg = make_cfg(
-        random_text_model_dir, tmp_path / "run",
+        random_text_model_dir,
+        tmp_path / "run",
         rewards=[{"name": f"{__name__}:ExplodingReward", "alias": "exploding"}],
         trainer={"steps": 5, "save_every": 1, "progress_bar": False},
     )
@@ -187,8 +212,12 @@ def test_nan_for_a_whole_group_warns_and_training_goes_on(
     random_text_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cfg = make_cfg(
-        random_text_model_dir, tmp_path / "run",
-        rewards=[{"name": f"{__name__}:NaNForFirstGroup", "alias": "picky"}, {"name": "format", "kwargs": {"tags": ["answer"]}}],
+        random_text_model_dir,
+        tmp_path / "run",
+        rewards=[
+            {"name": f"{__name__}:NaNForFirstGroup", "alias": "picky"},
+            {"name": "format", "kwargs": {"tags": ["answer"]}},
+        ],
         trainer={"steps": 2, "progress_bar": False, "save_every": 100},
     )
     trainer = make_trainer(cfg)
@@ -203,7 +232,9 @@ def test_nan_for_a_whole_group_warns_and_training_goes_on(
 
 def test_microbatches_accumulate_to_the_same_gradient(random_text_model_dir: Path, tmp_path: Path) -> None:
     """token_mean over the global minibatch: splitting it into microbatches leaves the gradient unchanged."""
-    cfg = make_cfg(random_text_model_dir, tmp_path / "a", trainer={"lr": 0.0, "progress_bar": False}, rewards=VARIED)
+    cfg = make_cfg(
+        random_text_model_dir, tmp_path / "a", trainer={"lr": 0.0, "progress_bar": False}, rewards=VARIED
+    )
     trainer = make_trainer(cfg)
     trainer._timers = {"rollout": 0.0, "reward": 0.0}
     torch.manual_seed(3)
@@ -217,9 +248,16 @@ def test_microbatches_accumulate_to_the_same_gradient(random_text_model_dir: Pat
 
 def test_mu_and_minibatches_need_and_use_logp_old(random_text_model_dir: Path, tmp_path: Path) -> None:
     cfg = make_cfg(
-        random_text_model_dir, tmp_path / "run",
-        trainer={"num_iterations": 2, "minibatch_size": 8, "microbatch_size": 4, "steps": 2, "lr": 1e-3,
-                 "progress_bar": False},
+        random_text_model_dir,
+        tmp_path / "run",
+        trainer={
+            "num_iterations": 2,
+            "minibatch_size": 8,
+            "microbatch_size": 4,
+            "steps": 2,
+            "lr": 1e-3,
+            "progress_bar": False,
+        },
         rewards=VARIED,
     )
     trainer = make_trainer(cfg)
@@ -231,7 +269,8 @@ def test_mu_and_minibatches_need_and_use_logp_old(random_text_model_dir: Path, t
 
 def test_kl_penalty_with_lora(random_text_model_dir: Path, tmp_path: Path) -> None:
     cfg = make_cfg(
-        random_text_model_dir, tmp_path / "run",
+        random_text_model_dir,
+        tmp_path / "run",
         model={"name_or_path": str(random_text_model_dir), "lora": {"enabled": True, "r": 4, "alpha": 8}},
         algorithm={"kl_coef": 0.1, "kl_estimator": "k3"},
         rewards=VARIED,
@@ -259,7 +298,10 @@ def test_kl_penalty_with_lora(random_text_model_dir: Path, tmp_path: Path) -> No
 )
 def test_algorithm_variants_train(random_text_model_dir: Path, tmp_path: Path, algorithm: dict) -> None:
     cfg = make_cfg(
-        random_text_model_dir, tmp_path / "run", algorithm=algorithm, rewards=VARIED,
+        random_text_model_dir,
+        tmp_path / "run",
+        algorithm=algorithm,
+        rewards=VARIED,
         trainer={"steps": 2, "lr": 1e-3, "progress_bar": False, "save_every": 1},
     )
     trainer = make_trainer(cfg)
@@ -283,15 +325,23 @@ def test_algorithm_variants_train(random_text_model_dir: Path, tmp_path: Path, a
         _, stds = group_std(combine_rewards(batch.rewards, [1.0, 1.0]), batch.group)
         assert (stds > 0).all()  # no zero-variance group reached the update
     # the filter's state is in the checkpoint and reloads
-    trainer2 = make_trainer(make_cfg(
-        random_text_model_dir, tmp_path / "run", algorithm=algorithm, rewards=VARIED,
-        trainer={"steps": 3, "lr": 1e-3, "progress_bar": False, "save_every": 1},
-    ), resume=True)
+    trainer2 = make_trainer(
+        make_cfg(
+            random_text_model_dir,
+            tmp_path / "run",
+            algorithm=algorithm,
+            rewards=VARIED,
+            trainer={"steps": 3, "lr": 1e-3, "progress_bar": False, "save_every": 1},
+        ),
+        resume=True,
+    )
     assert trainer2.step == 2
     assert trainer2.group_filter.state_dict().keys() == trainer.group_filter.state_dict().keys()
 
 
-def test_reinforce_pp_over_tokens_gets_the_completion_lengths(random_text_model_dir: Path, tmp_path: Path) -> None:
+def test_reinforce_pp_over_tokens_gets_the_completion_lengths(
+    random_text_model_dir: Path, tmp_path: Path
+) -> None:
     """With whiten_over=tokens the trainer hands each sample's number of valid tokens to the estimator:
     the advantages equal a plain loop of verl's token-weighted whitening over the rollout's mask lengths."""
     import math
@@ -299,9 +349,16 @@ def test_reinforce_pp_over_tokens_gets_the_completion_lengths(random_text_model_
     from mmalign.advantages import combine_rewards
 
     cfg = make_cfg(
-        random_text_model_dir, tmp_path / "run", rewards=VARIED,
+        random_text_model_dir,
+        tmp_path / "run",
+        rewards=VARIED,
         algorithm={"estimator": "reinforce_pp", "estimator_kwargs": {"whiten_over": "tokens"}},
-        rollout={"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8, "stop_strings": [" ", "1", "2", "+"]},
+        rollout={
+            "group_size": 4,
+            "prompts_per_step": 4,
+            "max_new_tokens": 8,
+            "stop_strings": [" ", "1", "2", "+"],
+        },
         trainer={"steps": 1, "lr": 1e-3, "progress_bar": False, "save_every": 100},
     )
     trainer = make_trainer(cfg)
@@ -323,17 +380,39 @@ def test_reinforce_pp_over_tokens_gets_the_completion_lengths(random_text_model_
 
 
 def test_vade_sampler_trains_and_resumes_exactly(random_text_model_dir: Path, tmp_path: Path) -> None:
-    data = {"train": str(TRAIN_JSONL), "prompt_template": "Q: {question} = ?\nA:", "sampler": "vade",
-            "sampler_kwargs": {"explore": 0.25}, "success_threshold": 0.5}
+    data = {
+        "train": str(TRAIN_JSONL),
+        "prompt_template": "Q: {question} = ?\nA:",
+        "sampler": "vade",
+        "sampler_kwargs": {"explore": 0.25},
+        "success_threshold": 0.5,
+    }
     kw = {"data": data, "rewards": VARIED}
-    full = make_trainer(make_cfg(random_text_model_dir, tmp_path / "full", trainer={
-        "steps": 4, "save_every": 2, "lr": 1e-3, "progress_bar": False}, **kw)).train()
+    full = make_trainer(
+        make_cfg(
+            random_text_model_dir,
+            tmp_path / "full",
+            trainer={"steps": 4, "save_every": 2, "lr": 1e-3, "progress_bar": False},
+            **kw,
+        )
+    ).train()
     assert "sampler/picked_info" in full[0] and full[-1]["sampler/seen_frac"] > full[0]["sampler/seen_frac"]
-    part = make_cfg(random_text_model_dir, tmp_path / "part", trainer={
-        "steps": 2, "save_every": 2, "lr": 1e-3, "progress_bar": False}, **kw)
+    part = make_cfg(
+        random_text_model_dir,
+        tmp_path / "part",
+        trainer={"steps": 2, "save_every": 2, "lr": 1e-3, "progress_bar": False},
+        **kw,
+    )
     make_trainer(part).train()
-    resumed = make_trainer(make_cfg(random_text_model_dir, tmp_path / "part", trainer={
-        "steps": 4, "save_every": 2, "lr": 1e-3, "progress_bar": False}, **kw), resume=True)
+    resumed = make_trainer(
+        make_cfg(
+            random_text_model_dir,
+            tmp_path / "part",
+            trainer={"steps": 4, "save_every": 2, "lr": 1e-3, "progress_bar": False},
+            **kw,
+        ),
+        resume=True,
+    )
     resumed.train()
     assert [strip_time(m) for m in read_metrics(tmp_path / "part")] == [strip_time(m) for m in full]
 
@@ -342,9 +421,17 @@ def test_fake_engine_rollouts_sync_and_is_correction(random_text_model_dir: Path
     """An engine samples with its own weight copy; after every optimizer step the trainer pushes the
     weights, so engine and trainer log-probs agree at the next rollout (IS weights ~1)."""
     cfg = make_cfg(
-        random_text_model_dir, tmp_path / "run", rewards=VARIED,
-        rollout={"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8, "engine": "fake",
-                 "is_correction": "token", "is_cap": 2.0},
+        random_text_model_dir,
+        tmp_path / "run",
+        rewards=VARIED,
+        rollout={
+            "group_size": 4,
+            "prompts_per_step": 4,
+            "max_new_tokens": 8,
+            "engine": "fake",
+            "is_correction": "token",
+            "is_cap": 2.0,
+        },
         trainer={"steps": 3, "lr": 1e-2, "progress_bar": False, "save_every": 100},
     )
     trainer = make_trainer(cfg)
@@ -364,9 +451,17 @@ def test_fake_engine_rollouts_sync_and_is_correction(random_text_model_dir: Path
 
 def test_engine_sync_failure_is_a_clear_error(random_text_model_dir: Path, tmp_path: Path) -> None:
     cfg = make_cfg(
-        random_text_model_dir, tmp_path / "run", rewards=VARIED,
-        rollout={"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 4, "engine": "fake",
-                 "engine_kwargs": {"sync_delay_s": 5.0}, "sync_timeout_s": 0.2},
+        random_text_model_dir,
+        tmp_path / "run",
+        rewards=VARIED,
+        rollout={
+            "group_size": 2,
+            "prompts_per_step": 2,
+            "max_new_tokens": 4,
+            "engine": "fake",
+            "engine_kwargs": {"sync_delay_s": 5.0},
+            "sync_timeout_s": 0.2,
+        },
         trainer={"steps": 2, "progress_bar": False, "save_every": 100},
     )
     import time

@@ -156,8 +156,14 @@ def merged_state_dict(peft_model: torch.nn.Module, adapter: str | None = None) -
     base = peft_model.get_base_model()
     deltas: dict[str, Tensor] = {}
     for mod_name, mod in base.named_modules():
-        if isinstance(mod, LoraLayer) and adapter in getattr(mod, "lora_A", {}) and not getattr(mod, "merged", False):
-            deltas[f"{mod_name}.base_layer.weight" if mod_name else "base_layer.weight"] = mod.get_delta_weight(adapter)
+        if (
+            isinstance(mod, LoraLayer)
+            and adapter in getattr(mod, "lora_A", {})
+            and not getattr(mod, "merged", False)
+        ):
+            deltas[f"{mod_name}.base_layer.weight" if mod_name else "base_layer.weight"] = (
+                mod.get_delta_weight(adapter)
+            )
     out: dict[str, Tensor] = {}
     for name, value in base.state_dict().items():
         if ".lora_" in name or ".original_module." in name:
@@ -213,10 +219,14 @@ class RolloutEngine(ABC):
 
     # ------------------------------------------------------------------ sampling
     @abstractmethod
-    def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec) -> list[EngineOutput]:
+    def _generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec
+    ) -> list[EngineOutput]:
         """Engine-specific sampling (see `generate`)."""
 
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec) -> list[EngineOutput]:
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec
+    ) -> list[EngineOutput]:
         """``n`` completions per prompt, flattened prompt-major (output ``i*n + j``), see the module docstring."""
         if self._broken is not None:
             raise EngineStateError(
@@ -311,4 +321,3 @@ class RolloutEngine(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(weight_version={self.weight_version})"
-

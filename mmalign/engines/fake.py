@@ -90,7 +90,9 @@ class FakeEngine(RolloutEngine):
         self.asleep = False
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, **kwargs: Any) -> FakeEngine:
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, **kwargs: Any
+    ) -> FakeEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -103,7 +105,9 @@ class FakeEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
-    def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec) -> list[EngineOutput]:
+    def _generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec
+    ) -> list[EngineOutput]:
         if sampling.stop and self.tokenizer is None:
             raise ValueError("fake engine: stop strings need a tokenizer (FakeEngine(model, tokenizer))")
         rows = [i for i in range(len(prompt_token_ids)) for _ in range(n)]
@@ -137,8 +141,12 @@ class FakeEngine(RolloutEngine):
         ids, att = ids.to(dev), att.to(dev)
         cache = DynamicCache()
         out = self.model(
-            input_ids=ids, attention_mask=att, position_ids=(att.cumsum(1) - 1).clamp(min=0),
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
+            input_ids=ids,
+            attention_mask=att,
+            position_ids=(att.cumsum(1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
         )
         cache = out.past_key_values
         logits = out.logits[:, -1].float()
@@ -174,8 +182,11 @@ class FakeEngine(RolloutEngine):
                 break
             att = torch.cat([att, torch.ones((b, 1), dtype=att.dtype, device=dev)], dim=1)
             out = self.model(
-                input_ids=tok.to(dev)[:, None], attention_mask=att, position_ids=next_pos[:, None],
-                past_key_values=cache, use_cache=True,
+                input_ids=tok.to(dev)[:, None],
+                attention_mask=att,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
             )
             cache = out.past_key_values
             next_pos = next_pos + 1
@@ -184,7 +195,13 @@ class FakeEngine(RolloutEngine):
         if self.tokenizer is not None:
             texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         return [
-            EngineOutput(token_ids=tokens[r], logprobs=logps[r], finish_reason=reasons[r], prompt_index=rows[r], text=texts[r])
+            EngineOutput(
+                token_ids=tokens[r],
+                logprobs=logps[r],
+                finish_reason=reasons[r],
+                prompt_index=rows[r],
+                text=texts[r],
+            )
             for r in range(b)
         ]
 
@@ -218,14 +235,20 @@ class FakeEngine(RolloutEngine):
                 unknown.append(name)
                 continue
             if target.shape != value.shape:
-                raise ValueError(f"weight {name!r}: engine shape {tuple(target.shape)}, got {tuple(value.shape)}")
+                raise ValueError(
+                    f"weight {name!r}: engine shape {tuple(target.shape)}, got {tuple(value.shape)}"
+                )
             target.data.copy_(value.to(device=target.device, dtype=target.dtype))
         if unknown:
-            raise KeyError(f"weights unknown to the engine's model: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+            raise KeyError(
+                f"weights unknown to the engine's model: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+            )
 
     def _load_adapter(self, state: WeightState) -> None:
         if not _is_peft(self.model):
-            raise ValueError("fake engine: lora=True needs an adapter; construct FakeEngine(..., peft_config=...)")
+            raise ValueError(
+                "fake engine: lora=True needs an adapter; construct FakeEngine(..., peft_config=...)"
+            )
         from peft import set_peft_model_state_dict
 
         result = set_peft_model_state_dict(self.model, dict(iter_state(state)))

@@ -43,7 +43,9 @@ from torch import Tensor
 
 from mmalign.engines.base import EngineOutput, RolloutEngine, SamplingSpec, WeightState, iter_state
 
-INSTALL_HINT = 'vLLM is not installed; install the optional extra with: pip install "mmalign[vllm]" (needs CUDA)'
+INSTALL_HINT = (
+    'vLLM is not installed; install the optional extra with: pip install "mmalign[vllm]" (needs CUDA)'
+)
 
 
 def _require_vllm() -> Any:
@@ -89,14 +91,18 @@ class VLLMEngine(RolloutEngine):
         if lora_mode not in ("merge", "adapter"):
             raise ValueError(f"VLLMEngine: lora_mode must be 'merge' or 'adapter', got {lora_mode!r}")
         if lora_mode == "adapter" and peft_config is None:
-            raise ValueError("VLLMEngine: lora_mode='adapter' needs peft_config (model.peft_config['default'].to_dict())")
+            raise ValueError(
+                "VLLMEngine: lora_mode='adapter' needs peft_config (model.peft_config['default'].to_dict())"
+            )
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.vllm = vllm
         self.lora_mode = lora_mode
         self.supports_lora_adapters = lora_mode == "adapter"
         self.peft_config = dict(peft_config or {})
         self._lora_request: Any = None
-        self._lora_dir = tempfile.TemporaryDirectory(prefix="mmalign-vllm-lora-") if lora_mode == "adapter" else None
+        self._lora_dir = (
+            tempfile.TemporaryDirectory(prefix="mmalign-vllm-lora-") if lora_mode == "adapter" else None
+        )
         self._sleep_enabled = enable_sleep_mode
         self.asleep = False
         kwargs: dict[str, Any] = dict(
@@ -142,7 +148,9 @@ class VLLMEngine(RolloutEngine):
             logprobs=0,
         )
 
-    def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec) -> list[EngineOutput]:
+    def _generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec
+    ) -> list[EngineOutput]:
         if self.asleep:
             self.wake()
         params = [
@@ -162,11 +170,17 @@ class VLLMEngine(RolloutEngine):
                 for pos, tok in enumerate(ids):
                     entry = c.logprobs[pos] if c.logprobs is not None else None
                     if entry is None or tok not in entry:
-                        raise RuntimeError(f"vLLM returned no log-prob for token {pos} of prompt {i} (logprobs=0 was requested)")
+                        raise RuntimeError(
+                            f"vLLM returned no log-prob for token {pos} of prompt {i} (logprobs=0 was requested)"
+                        )
                     lp = entry[tok]
                     lps.append(float(getattr(lp, "logprob", lp)))
                 reason = "length" if c.finish_reason == "length" else "stop"
-                out.append(EngineOutput(token_ids=ids, logprobs=lps, finish_reason=reason, prompt_index=i, text=c.text))
+                out.append(
+                    EngineOutput(
+                        token_ids=ids, logprobs=lps, finish_reason=reason, prompt_index=i, text=c.text
+                    )
+                )
         return out
 
     # ------------------------------------------------------------------ weights
@@ -211,7 +225,9 @@ class VLLMEngine(RolloutEngine):
         (path / "adapter_config.json").write_text(json.dumps(cfg, default=str))
         from vllm.lora.request import LoRARequest
 
-        self._lora_request = LoRARequest(lora_name=f"mmalign-v{version}", lora_int_id=version, lora_path=str(path))
+        self._lora_request = LoRARequest(
+            lora_name=f"mmalign-v{version}", lora_int_id=version, lora_path=str(path)
+        )
         old = Path(self._lora_dir.name) / f"v{version - 1}"
         if old.exists():  # vLLM has loaded it already or will load the new one instead
             import shutil

@@ -104,9 +104,16 @@ class DDIMPolicy(DenoisingPolicy):
                 "thresholding=False (Stable Diffusion's own configs have both off)"
             )
         self._init_denoising(
-            unet, vae, latent_size=latent_size, same_initial_noise=same_initial_noise,
-            train_fraction=train_fraction, window_size=window_size, window_range=window_range, seed=seed,
-            need_reference=need_reference, lora=lora,
+            unet,
+            vae,
+            latent_size=latent_size,
+            same_initial_noise=same_initial_noise,
+            train_fraction=train_fraction,
+            window_size=window_size,
+            window_range=window_range,
+            seed=seed,
+            need_reference=need_reference,
+            lora=lora,
         )
         self.scheduler = scheduler
         self.text_encoder = text_encoder.eval().requires_grad_(False)
@@ -247,7 +254,12 @@ class DDIMPolicy(DenoisingPolicy):
                 x_new = self._deterministic_step(eps, x, ab, abp)
             else:
                 out = sde.step(
-                    "ddim", eps, x, ab, abp, eta=self.eta,
+                    "ddim",
+                    eps,
+                    x,
+                    ab,
+                    abp,
+                    eta=self.eta,
                     generator=self.generator if dev.type == "cpu" else None,
                 )
                 x_new = out.sample
@@ -267,8 +279,12 @@ class DDIMPolicy(DenoisingPolicy):
             columns=columns,
             outputs={"latents": x.cpu()},
             payload={
-                "latents": lat.cpu(), "next_latents": nxt.cpu(), "step_index": steps,
-                "timesteps": timesteps[steps], "alpha_bar": ab_all[steps], "alpha_bar_prev": abp_all[steps],
+                "latents": lat.cpu(),
+                "next_latents": nxt.cpu(),
+                "step_index": steps,
+                "timesteps": timesteps[steps],
+                "alpha_bar": ab_all[steps],
+                "alpha_bar_prev": abp_all[steps],
                 "prompt_embeds": pe.cpu(),
             },
         )
@@ -277,8 +293,9 @@ class DDIMPolicy(DenoisingPolicy):
         return rollout
 
     # ------------------------------------------------------------------ log-probs
-    def _score(self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, with_kl: bool = False
-               ) -> tuple[Tensor, Tensor | None]:
+    def _score(
+        self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, with_kl: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """(logp Float[B,T], kl Float[B,T] or None) of the stored transitions under `model`."""
         p = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in rollout.payload.items()}
         pe = p["prompt_embeds"]

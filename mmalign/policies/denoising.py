@@ -113,7 +113,9 @@ class DenoisingPolicy:
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.lora = lora
         self.need_reference = need_reference
-        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if need_reference and not lora else None
+        self.ref_model = (
+            copy.deepcopy(model).eval().requires_grad_(False) if need_reference and not lora else None
+        )
 
     @property
     def device(self) -> torch.device:

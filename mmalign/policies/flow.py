@@ -91,6 +91,7 @@ CPS_LOG_PROBS = sde.LOG_PROB_FORMS
 
 WINDOW_MODES = ("random", "sliding")
 
+
 def calculate_mu(image_seq_len: int, scheduler_config: Any, *, default_max_shift: float = 1.15) -> float:
     """The dynamic-shift parameter mu for `image_seq_len` latent tokens: linear in the token count through
     (``base_image_seq_len``, ``base_shift``) and (``max_image_seq_len``, ``max_shift``) of the scheduler
@@ -158,15 +159,28 @@ class FlowPolicy(DenoisingPolicy):
         if window_mode == "sliding" and window_size is None:
             raise ValueError("window_mode='sliding' needs window_size")
         self._init_denoising(
-            transformer, vae, latent_size=latent_size, same_initial_noise=same_initial_noise,
-            train_fraction=train_fraction, window_size=window_size, window_range=window_range, seed=seed,
-            need_reference=need_reference, lora=lora,
+            transformer,
+            vae,
+            latent_size=latent_size,
+            same_initial_noise=same_initial_noise,
+            train_fraction=train_fraction,
+            window_size=window_size,
+            window_range=window_range,
+            seed=seed,
+            need_reference=need_reference,
+            lora=lora,
         )
         self.scheduler = scheduler
         self.components = SD3Components(
-            transformer, self.vae, scheduler, text_encoder, tokenizer,
-            text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
-            text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+            transformer,
+            self.vae,
+            scheduler,
+            text_encoder,
+            tokenizer,
+            text_encoder_2=text_encoder_2,
+            tokenizer_2=tokenizer_2,
+            text_encoder_3=text_encoder_3,
+            tokenizer_3=tokenizer_3,
         )
         for enc in self.components.text_encoders():
             enc.eval().requires_grad_(False)
@@ -192,8 +206,14 @@ class FlowPolicy(DenoisingPolicy):
         self.window_schedule: SlidingWindow | None = None
         if window_size is not None:
             if not 1 <= window_size <= n_sto:
-                why = "" if n_sto == num_steps else f" ({num_steps - n_sto} final step(s) of {sde_kind} have std 0)"
-                raise ValueError(f"window_size must be in [1, {n_sto}] (the stochastic steps{why}), got {window_size}")
+                why = (
+                    ""
+                    if n_sto == num_steps
+                    else f" ({num_steps - n_sto} final step(s) of {sde_kind} have std 0)"
+                )
+                raise ValueError(
+                    f"window_size must be in [1, {n_sto}] (the stochastic steps{why}), got {window_size}"
+                )
             lo, hi = window_range or (0, n_sto - window_size)
             hi = min(hi, n_sto - window_size)
             if not 0 <= lo <= hi:
@@ -228,9 +248,17 @@ class FlowPolicy(DenoisingPolicy):
         c = load_sd3_components(name_or_path, dtype=_DTYPES[dtype], load_t5=load_t5)
         use_lora = add_lora(c.transformer, lora, LORA_TARGETS)
         return cls(
-            c.transformer, c.vae, c.scheduler, c.text_encoder, c.tokenizer, lora=use_lora,
-            text_encoder_2=c.text_encoder_2, tokenizer_2=c.tokenizer_2,
-            text_encoder_3=c.text_encoder_3, tokenizer_3=c.tokenizer_3, **kwargs,
+            c.transformer,
+            c.vae,
+            c.scheduler,
+            c.text_encoder,
+            c.tokenizer,
+            lora=use_lora,
+            text_encoder_2=c.text_encoder_2,
+            tokenizer_2=c.tokenizer_2,
+            text_encoder_3=c.text_encoder_3,
+            tokenizer_3=c.tokenizer_3,
+            **kwargs,
         )
 
     # ------------------------------------------------------------------ training progress
@@ -240,7 +268,9 @@ class FlowPolicy(DenoisingPolicy):
 
     # ------------------------------------------------------------------ prompts and sigmas
     def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
-        return self.components.encode_prompt(prompts, self.device, max_sequence_length=self.max_sequence_length)
+        return self.components.encode_prompt(
+            prompts, self.device, max_sequence_length=self.max_sequence_length
+        )
 
     def encode_prompt(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         """(prompt_embeds [B,L,D], pooled [B,P]) in fp32 on the policy's device; each distinct prompt once."""
@@ -259,7 +289,9 @@ class FlowPolicy(DenoisingPolicy):
     def sigmas(self) -> Tensor:
         """Float[num_steps + 1]: the scheduler's (shifted) sigmas from 1 down to 0, fp32 on CPU, as diffusers'
         ``StableDiffusion3Pipeline`` sets them: ``set_timesteps(num_steps)`` without explicit sigmas."""
-        if self.scheduler.config.get("use_dynamic_shifting", False):  # as the SD3 pipeline: mu from the token count
+        if self.scheduler.config.get(
+            "use_dynamic_shifting", False
+        ):  # as the SD3 pipeline: mu from the token count
             patch = int(getattr(self.model.config, "patch_size", 1) or 1)
             mu = calculate_mu((self.latent_size // patch) ** 2, self.scheduler.config, default_max_shift=1.16)
             self.scheduler.set_timesteps(self.num_steps, mu=mu)
@@ -284,8 +316,9 @@ class FlowPolicy(DenoisingPolicy):
         return int(torch.randint(lo, hi + 1, (1,), generator=self.generator))
 
     # ------------------------------------------------------------------ model
-    def _forward(self, model: torch.nn.Module, x: Tensor, sigma: Tensor, pe: Tensor, po: Tensor, *, cfg: bool
-                 ) -> tuple[Tensor, Tensor]:
+    def _forward(
+        self, model: torch.nn.Module, x: Tensor, sigma: Tensor, pe: Tensor, po: Tensor, *, cfg: bool
+    ) -> tuple[Tensor, Tensor]:
         """(velocity, conditional velocity), fp32, at latents x [B,...] and per-sample sigma [B]. With
         ``cfg`` and ``guidance_scale`` > 1 one batched forward of both branches gives the CFG velocity
         v_u + w (v_c - v_u) and v_c; otherwise one conditional forward gives v_c twice."""
@@ -301,8 +334,11 @@ class FlowPolicy(DenoisingPolicy):
         else:
             x_in = x
         v = model(
-            hidden_states=x_in.to(dtype), encoder_hidden_states=pe.to(dtype), pooled_projections=po.to(dtype),
-            timestep=t.to(dtype), return_dict=False,
+            hidden_states=x_in.to(dtype),
+            encoder_hidden_states=pe.to(dtype),
+            pooled_projections=po.to(dtype),
+            timestep=t.to(dtype),
+            return_dict=False,
         )[0].float()
         if use_cfg:
             v_u, v_c = v.chunk(2)
@@ -313,7 +349,9 @@ class FlowPolicy(DenoisingPolicy):
         """The velocity log-probs are scored with: CFG if enabled and ``train_guidance``, else conditional."""
         return self._forward(model, x, sigma, pe, po, cfg=self.train_guidance)[0]
 
-    def _step(self, v: Tensor, x: Tensor, s: Tensor, sn: Tensor, fallback: float | Tensor, **kw: Any) -> sde.StepOutput:
+    def _step(
+        self, v: Tensor, x: Tensor, s: Tensor, sn: Tensor, fallback: float | Tensor, **kw: Any
+    ) -> sde.StepOutput:
         """One `sde.step` of ``sde_kind`` with ``noise_level`` mapped to the kind's option."""
         if self.sde_kind == "flow_sde":
             opts: dict[str, Any] = {"noise_level": self.noise_level, "sigma_max_fallback": fallback}
@@ -352,14 +390,20 @@ class FlowPolicy(DenoisingPolicy):
             if i not in sde_steps:  # outside the window, or a zero-std step: deterministic Euler ODE step
                 x_new = x + v * (sn - s).view(-1, *([1] * (x.ndim - 1)))
             else:
-                out = self._step(v, x, s, sn, fallback, generator=self.generator if self.device.type == "cpu" else None)
+                out = self._step(
+                    v, x, s, sn, fallback, generator=self.generator if self.device.type == "cpu" else None
+                )
                 x_new = out.sample
                 hit = steps == i
                 rows_hit = hit.any(dim=1)
                 if bool(rows_hit.any()):
                     lat[hit] = x[rows_hit]
                     nxt[hit] = x_new[rows_hit]
-                    lp = self._step(v_c, x, s, sn, fallback, prev_sample=x_new).log_prob if cond_logp else out.log_prob
+                    lp = (
+                        self._step(v_c, x, s, sn, fallback, prev_sample=x_new).log_prob
+                        if cond_logp
+                        else out.log_prob
+                    )
                     logp[hit] = lp[rows_hit]
             x = x_new
         if was_training:
@@ -371,10 +415,14 @@ class FlowPolicy(DenoisingPolicy):
             columns=columns,
             outputs={"latents": x.cpu()},
             payload={
-                "latents": lat.cpu(), "next_latents": nxt.cpu(), "step_index": steps.cpu(),
-                "sigmas": sig[steps].cpu(), "sigmas_next": sig[steps + 1].cpu(),
+                "latents": lat.cpu(),
+                "next_latents": nxt.cpu(),
+                "step_index": steps.cpu(),
+                "sigmas": sig[steps].cpu(),
+                "sigmas_next": sig[steps + 1].cpu(),
                 "sigma_max_fallback": torch.full((b,), fallback),
-                "prompt_embeds": pe.cpu(), "pooled_embeds": po.cpu(),
+                "prompt_embeds": pe.cpu(),
+                "pooled_embeds": po.cpu(),
             },
         )
         if compute_logp:
@@ -382,8 +430,9 @@ class FlowPolicy(DenoisingPolicy):
         return rollout
 
     # ------------------------------------------------------------------ log-probs
-    def _score(self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, with_kl: bool = False
-               ) -> tuple[Tensor, Tensor | None]:
+    def _score(
+        self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, with_kl: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """(logp Float[B,T], kl Float[B,T] or None) of the stored transitions under `model`."""
         p = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in rollout.payload.items()}
         logps, kls = [], []

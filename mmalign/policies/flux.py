@@ -54,9 +54,26 @@ from mmalign.config import LoraConfig
 from mmalign.policies.denoising import add_lora
 from mmalign.policies.flow import _DTYPES, FlowPolicy, calculate_mu
 
-__all__ = ["FLUX_LORA_TARGETS", "FluxPolicy", "flow_policy_class", "calculate_mu", "latent_image_ids", "pack_latents", "unpack_latents"]
+__all__ = [
+    "FLUX_LORA_TARGETS",
+    "FluxPolicy",
+    "flow_policy_class",
+    "calculate_mu",
+    "latent_image_ids",
+    "pack_latents",
+    "unpack_latents",
+]
 
-FLUX_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+FLUX_LORA_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+)
 """Attention projections of Flux's transformer blocks (the LoRA targets of ``target_modules: all-linear``)."""
 
 
@@ -64,8 +81,12 @@ def pack_latents(x: Tensor) -> Tensor:
     """[B, C, h, w] -> [B, (h/2)(w/2), 4C]: each 2x2 patch becomes one token (channel-major inside it)."""
     b, c, h, w = x.shape
     if h % 2 or w % 2:
-        raise ValueError(f"Flux packs 2x2 latent patches: the latent height and width must be even, got {h}x{w}")
-    return x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), 4 * c)
+        raise ValueError(
+            f"Flux packs 2x2 latent patches: the latent height and width must be even, got {h}x{w}"
+        )
+    return (
+        x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), 4 * c)
+    )
 
 
 def unpack_latents(tokens: Tensor, h: int, w: int) -> Tensor:
@@ -74,8 +95,9 @@ def unpack_latents(tokens: Tensor, h: int, w: int) -> Tensor:
     return tokens.reshape(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
 
 
-def latent_image_ids(rows: int, cols: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-                     ) -> Tensor:
+def latent_image_ids(
+    rows: int, cols: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Tensor:
     """Float[rows * cols, 3]: the position id (0, row, column) of every packed token, row-major."""
     r = torch.arange(rows).repeat_interleave(cols)
     c = torch.arange(cols).repeat(rows)
@@ -113,8 +135,16 @@ class FluxPolicy(FlowPolicy):
             raise ValueError(f"Flux packs 2x2 latent patches: latent_size must be even, got {latent_size}")
         del train_guidance  # no CFG branches to choose between: the scored velocity is the sampled one
         super().__init__(
-            transformer, vae, scheduler, text_encoder, tokenizer, guidance_scale=guidance_scale,
-            latent_size=latent_size, max_sequence_length=max_sequence_length, train_guidance=True, **kwargs,
+            transformer,
+            vae,
+            scheduler,
+            text_encoder,
+            tokenizer,
+            guidance_scale=guidance_scale,
+            latent_size=latent_size,
+            max_sequence_length=max_sequence_length,
+            train_guidance=True,
+            **kwargs,
         )
         self.components = FluxComponents(  # type: ignore[assignment]
             transformer, self.vae, scheduler, text_encoder, tokenizer, text_encoder_2, tokenizer_2
@@ -145,15 +175,24 @@ class FluxPolicy(FlowPolicy):
         c = load_flux_components(name_or_path, dtype=_DTYPES[dtype])
         use_lora = add_lora(c.transformer, lora, FLUX_LORA_TARGETS)
         return cls(
-            c.transformer, c.vae, c.scheduler, c.text_encoder, c.tokenizer, c.text_encoder_2, c.tokenizer_2,
-            lora=use_lora, **kwargs,
+            c.transformer,
+            c.vae,
+            c.scheduler,
+            c.text_encoder,
+            c.tokenizer,
+            c.text_encoder_2,
+            c.tokenizer_2,
+            lora=use_lora,
+            **kwargs,
         )
 
     # ------------------------------------------------------------------ sigmas and noise
     def image_seq_len(self) -> int:
         """Packed image tokens of one sample: (latent_size / 2)^2."""
         if self.latent_size % 2:
-            raise ValueError(f"Flux packs 2x2 latent patches: latent_size must be even, got {self.latent_size}")
+            raise ValueError(
+                f"Flux packs 2x2 latent patches: latent_size must be even, got {self.latent_size}"
+            )
         return (self.latent_size // 2) ** 2
 
     def sigmas(self) -> Tensor:
@@ -161,7 +200,9 @@ class FluxPolicy(FlowPolicy):
         shift (mu of `image_seq_len`) under ``use_dynamic_shifting``; fp32 on CPU."""
         base = np.linspace(1.0, 1.0 / self.num_steps, self.num_steps)
         if self.scheduler.config.get("use_dynamic_shifting", False):
-            self.scheduler.set_timesteps(sigmas=base, mu=calculate_mu(self.image_seq_len(), self.scheduler.config))
+            self.scheduler.set_timesteps(
+                sigmas=base, mu=calculate_mu(self.image_seq_len(), self.scheduler.config)
+            )
         else:
             self.scheduler.set_timesteps(sigmas=base)
         return self.scheduler.sigmas.detach().to("cpu", torch.float32)
@@ -178,8 +219,9 @@ class FluxPolicy(FlowPolicy):
         return noise.to(self.device)
 
     # ------------------------------------------------------------------ model
-    def _forward(self, model: torch.nn.Module, x: Tensor, sigma: Tensor, pe: Tensor, po: Tensor, *, cfg: bool
-                 ) -> tuple[Tensor, Tensor]:
+    def _forward(
+        self, model: torch.nn.Module, x: Tensor, sigma: Tensor, pe: Tensor, po: Tensor, *, cfg: bool
+    ) -> tuple[Tensor, Tensor]:
         """(velocity, velocity), fp32 [B, C, h, w], at unpacked latents x and per-sample sigma [B]: one
         forward of the Flux transformer on the packed latents (``guidance`` = ``guidance_scale`` when it
         has a guidance embedding). ``cfg`` is ignored: Flux has no two-branch CFG, so the velocity is also

@@ -153,7 +153,9 @@ class TextPolicy:
         """(tokenizer, model) from a hub id or folder; model families override this."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=load_kwargs["trust_remote_code"])
+        tokenizer = AutoTokenizer.from_pretrained(
+            name_or_path, trust_remote_code=load_kwargs["trust_remote_code"]
+        )
         return tokenizer, AutoModelForCausalLM.from_pretrained(name_or_path, **load_kwargs)
 
     @staticmethod
@@ -181,7 +183,9 @@ class TextPolicy:
         for p in prompts:
             ids = self._prompt_cache.get(p)
             if ids is None:
-                ids = self.tokenizer(self.format_prompt(p), add_special_tokens=not self.use_chat_template)["input_ids"]
+                ids = self.tokenizer(self.format_prompt(p), add_special_tokens=not self.use_chat_template)[
+                    "input_ids"
+                ]
                 if len(self._prompt_cache) < 100_000:
                     self._prompt_cache[p] = ids
             seqs.append(ids)
@@ -213,10 +217,16 @@ class TextPolicy:
         prompt_ids = torch.cat([_pad_left(p[0], p_width, pad) for p in parts])
         prompt_mask = torch.cat([_pad_left(p[1], p_width, 0) for p in parts])
         completion_ids = torch.cat([_pad_right(p[2], c_width, pad) for p in parts])
-        return self._finish_rollout(prompts, group, columns, prompt_ids, prompt_mask, completion_ids, compute_logp)
+        return self._finish_rollout(
+            prompts, group, columns, prompt_ids, prompt_mask, completion_ids, compute_logp
+        )
 
     def _rollout_with_engine(
-        self, rows: list[dict[str, Any]], group_size: int, prompts: list[str], group: Tensor,
+        self,
+        rows: list[dict[str, Any]],
+        group_size: int,
+        prompts: list[str],
+        group: Tensor,
         columns: dict[str, list[Any]],
     ) -> Rollout:
         """Sample with `self.engine`; keep its log-probs as ``payload["logp_engine"]`` and recompute
@@ -226,14 +236,24 @@ class TextPolicy:
         ids, att = self._encode_prompts([str(r["prompt"]) for r in rows])
         token_lists = [row[m.bool()].tolist() for row, m in zip(ids, att, strict=True)]
         spec = SamplingSpec(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_new_tokens=self.max_new_tokens,
-            stop=list(self.stop_strings), stop_token_ids=list(self.eos_ids), seed=self.engine_seed,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            stop=list(self.stop_strings),
+            stop_token_ids=list(self.eos_ids),
+            seed=self.engine_seed,
         )
         outs = self.engine.generate(token_lists, group_size, spec)
         completion_ids, logp_engine, _ = outputs_to_tensors(outs, self.tokenizer.pad_token_id)
         rollout = self._finish_rollout(
-            prompts, group, columns, ids.repeat_interleave(group_size, 0), att.repeat_interleave(group_size, 0),
-            completion_ids, compute_logp=True,
+            prompts,
+            group,
+            columns,
+            ids.repeat_interleave(group_size, 0),
+            att.repeat_interleave(group_size, 0),
+            completion_ids,
+            compute_logp=True,
         )
         width = rollout.mask.shape[1]
         logp_engine = _pad_right(logp_engine.float(), width, 0)[:, :width]
@@ -241,8 +261,15 @@ class TextPolicy:
         return rollout
 
     def _finish_rollout(
-        self, prompts: list[str], group: Tensor, columns: dict[str, list[Any]], prompt_ids: Tensor,
-        prompt_mask: Tensor, completion_ids: Tensor, compute_logp: bool, extra_payload: dict[str, Any] | None = None,
+        self,
+        prompts: list[str],
+        group: Tensor,
+        columns: dict[str, list[Any]],
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        completion_ids: Tensor,
+        compute_logp: bool,
+        extra_payload: dict[str, Any] | None = None,
     ) -> Rollout:
         """Masks, texts and (optionally) log-probs of sampled completions (`extra_payload` joins the payload)."""
         pad = self.tokenizer.pad_token_id
@@ -265,8 +292,12 @@ class TextPolicy:
             prompts=prompts,
             columns=columns,
             outputs={"texts": texts, "num_tokens": num_tokens, "truncated": ~stopped},
-            payload={"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                     **(extra_payload or {})},
+            payload={
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "completion_ids": completion_ids,
+                **(extra_payload or {}),
+            },
         )
         if compute_logp:
             rollout.logp_old = self._logprobs(self.model, rollout, grad=False)
@@ -326,8 +357,12 @@ class TextPolicy:
         u_ids, u_att = ids[first, :-1], att[first, :-1]
         cache = DynamicCache()
         self.model(
-            input_ids=u_ids, attention_mask=u_att, position_ids=(u_att.cumsum(dim=1) - 1).clamp(min=0),
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
+            input_ids=u_ids,
+            attention_mask=u_att,
+            position_ids=(u_att.cumsum(dim=1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
         )
         cache.batch_select_indices(inverse)
         return cache
@@ -367,7 +402,9 @@ class TextPolicy:
         mask = rollout.mask.to(self.device)
         with torch.set_grad_enabled(grad):
             if self.shared_prefix and not self._gradient_checkpointing():
-                logits = self._shared_prefix_logits(model, rollout.group, prompt_ids, prompt_mask, completion_ids, mask)
+                logits = self._shared_prefix_logits(
+                    model, rollout.group, prompt_ids, prompt_mask, completion_ids, mask
+                )
             else:
                 logits = self._plain_logits(model, prompt_ids, prompt_mask, completion_ids, mask)
             if self.temperature != 1.0:
@@ -392,7 +429,10 @@ class TextPolicy:
         position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
         t = completion_ids.shape[1]
         out = model(
-            input_ids=input_ids, attention_mask=attention, position_ids=position_ids, logits_to_keep=t + 1,
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=position_ids,
+            logits_to_keep=t + 1,
             use_cache=False,
         )
         return out.logits[:, -t - 1 : -1, :]
@@ -417,7 +457,9 @@ class TextPolicy:
 
         uniq, inverse = torch.unique(group.to(prompt_ids.device), return_inverse=True)
         first = torch.full((uniq.numel(),), group.numel(), dtype=torch.long, device=prompt_ids.device)
-        first = first.scatter_reduce(0, inverse, torch.arange(group.numel(), device=prompt_ids.device), reduce="amin")
+        first = first.scatter_reduce(
+            0, inverse, torch.arange(group.numel(), device=prompt_ids.device), reduce="amin"
+        )
         u_ids, u_mask = prompt_ids[first], prompt_mask[first]
         keep = u_mask.any(dim=0)  # drop columns that are padding in every unique prompt
         if not bool(keep.all()):
@@ -429,7 +471,11 @@ class TextPolicy:
         # backward; every parameter still gets one gradient hook call, so the all-reduce is complete.
         prefix_model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         out_p = prefix_model(
-            input_ids=u_ids, attention_mask=u_mask, position_ids=u_pos, past_key_values=cache, use_cache=True,
+            input_ids=u_ids,
+            attention_mask=u_mask,
+            position_ids=u_pos,
+            past_key_values=cache,
+            use_cache=True,
             logits_to_keep=1,
         )
         cache = out_p.past_key_values
@@ -438,7 +484,10 @@ class TextPolicy:
         attention = torch.cat([prompt_mask, mask.long()], dim=1)
         position_ids = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(t, device=mask.device)[None, :]
         out_c = model(
-            input_ids=completion_ids, attention_mask=attention, position_ids=position_ids, past_key_values=cache,
+            input_ids=completion_ids,
+            attention_mask=attention,
+            position_ids=position_ids,
+            past_key_values=cache,
             use_cache=True,
         )
         return torch.cat([out_p.logits[:, -1:, :][inverse], out_c.logits[:, :-1, :]], dim=1)
@@ -469,7 +518,9 @@ class TextPolicy:
         missing = [n for n, p in params.items() if p.requires_grad and n not in state]
         unknown = [n for n in state if n not in params]
         if missing or unknown:
-            raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unknown[:5]}")
+            raise ValueError(
+                f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unknown[:5]}"
+            )
         with torch.no_grad():
             for n, v in state.items():
                 params[n].copy_(v)

@@ -41,7 +41,10 @@ def main() -> None:
             "output_dir": str(out / "run"),
             "overwrite": True,
             "model": {"name_or_path": str(model_dir), "shared_prefix": shared},
-            "data": {"train": str(REPO / "assets/text_reasoning/train.jsonl"), "prompt_template": "Q: {question} = ?\nA:"},
+            "data": {
+                "train": str(REPO / "assets/text_reasoning/train.jsonl"),
+                "prompt_template": "Q: {question} = ?\nA:",
+            },
             "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 6},
             "rewards": [{"name": "format", "kwargs": {"pattern": r"[^e]*", "search": False}}],
             "trainer": {"steps": 3, "lr": 1e-2, "cpu": True, "progress_bar": False, "save_every": 100},
@@ -51,7 +54,9 @@ def main() -> None:
     trainer = GroupTrainer(cfg, pipelines.get("text_reasoning")(cfg), accelerator=acc)
     before = [p.detach().clone() for p in trainer.policy.model.parameters()]
     history = trainer.train()
-    moved = sum(float((p.detach() - b).abs().sum()) for p, b in zip(trainer.policy.model.parameters(), before))
+    moved = sum(
+        float((p.detach() - b).abs().sum()) for p, b in zip(trainer.policy.model.parameters(), before)
+    )
     after = {n: float(p.detach().double().sum()) for n, p in trainer.policy.model.named_parameters()}
     (out / f"rank{acc.process_index}.json").write_text(
         json.dumps({"moved": moved, "after": after, "losses": [m.get("loss") for m in history]})
