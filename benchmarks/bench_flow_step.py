@@ -56,7 +56,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-import mmalign.tiny  # noqa: E402,F401  (loads mmalign.tiny_flow through the builder registry, cycle-safe)
 from rewards import Reward, RewardBatch, register_reward  # noqa: E402
 
 CONFIGS = [("pixel", "full"), ("pixel", "window"), ("latent", "full"), ("latent", "window")]
@@ -101,7 +100,7 @@ def build_model(path: Path, args: argparse.Namespace) -> dict[str, int]:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    from mmalign.tiny_flow import TOKEN_LENGTH, clip_byte_tokenizer
+    from mmalign.tiny.sd3 import TOKEN_LENGTH, clip_byte_tokenizer
 
     if args.size % 8:
         raise SystemExit(f"--size must be a multiple of 8 (the VAE down-samples 8x), got {args.size}")

@@ -130,7 +130,8 @@ def build_vlm(args: argparse.Namespace, model_dir: Path) -> None:
     )
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    from mmalign import tiny, tiny_vlm
+    from mmalign import tiny
+    from mmalign.tiny import vlm as tiny_vlm
 
     words = [f"w{i} x{i % 7} y{i % 13}." for i in range(400)]
     tok = tiny.train_bpe_tokenizer(words, vocab_size=args.vocab, extra_special=tiny_vlm.VLM_SPECIALS)

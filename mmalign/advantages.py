@@ -12,9 +12,11 @@ Every estimator is a plain, vectorised tensor function registered by name::
 
 Conventions shared by all estimators:
 
-- NaN means "not applicable". A sample whose reward components are ALL NaN has reward NaN;
-  such a sample is left out of its group's statistics and gets advantage 0. A combined reward
-  of +-inf (a broken reward plugin) is treated the same way, so no estimator returns NaN or inf.
+- NaN means "not applicable". A sample whose reward components are ALL NaN has reward NaN
+  (only the components with a non-zero weight count, unless every weight is 0: see
+  :func:`combine_rewards`); such a sample is left out of its group's statistics and gets
+  advantage 0. A combined reward of +-inf (a broken reward plugin) is treated the same way, so
+  no estimator returns NaN or inf.
 - A group with fewer than 2 valid samples gets advantage 0 for all its samples (its std is
   undefined).
 - Computation is in float32, or float64 when ``rewards`` is float64. The result has that dtype
@@ -29,16 +31,25 @@ gets it from the trainer (``num_actions = rollout.mask.sum(1)`` of the same, glo
 with ``whiten_over="tokens"``); it is a per-batch input, not a config option, so :func:`options`
 does not list it.
 
+Step rewards: an estimator registered with ``step_rewards=True`` (:func:`accepts_step_rewards`;
+only ``grpo_process``) also takes the keywords ``step_rewards`` (Float[B, T], the weighted process
+rewards ``rollout.step_rewards`` written by ``rewards.RewardSet``) and ``step_mask`` (Bool[B, T],
+``rollout.mask``), both of the same, global, batch, and returns Float[B, T]: one advantage per
+action, 0 where ``step_mask`` is False. Like ``num_actions`` they are per-batch inputs, not config
+options. Every other estimator returns Float[B] and rejects these keywords.
+
 Registry metadata: ``extra_samples`` (how many samples per prompt the rollout must draw on top of
 G, read with :func:`extra_samples`) and ``loss_sample_mask`` (a function with the estimator's
 signature returning Bool[B], False for samples that must not enter the loss; read with
-:func:`loss_sample_mask`). Only ``mc_grpo`` uses them.
+:func:`loss_sample_mask`). Only ``mc_grpo`` uses them. ``step_rewards`` (bool, read with
+:func:`accepts_step_rewards`): the estimator takes ``step_rewards`` / ``step_mask``.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,7 +64,7 @@ Weights = Sequence[float] | Tensor | None
 REGISTRY: Registry[Estimator] = Registry("advantage estimator")
 
 # Keyword inputs an estimator may take that are per-batch data supplied by the trainer, not config options.
-_BATCH_INPUTS = frozenset({"num_actions"})
+_BATCH_INPUTS = frozenset({"num_actions", "step_rewards", "step_mask"})
 
 # reinforce_pp: what the batch whitening runs over
 _WHITEN_OVER = ("samples", "tokens")
@@ -69,7 +80,9 @@ _MC_ZERO_ATOL = 1e-6
 def register(name: str, **meta: Any) -> Callable[[Estimator], Estimator]:
     """Decorator registering ``fn(rewards, group, **options) -> Float[B]`` under ``name``.
 
-    The registered (and returned) function rejects unknown options with a TypeError.
+    The registered (and returned) function rejects unknown options with a TypeError. With
+    ``step_rewards=True`` the estimator takes the keywords ``step_rewards`` and ``step_mask`` and
+    returns Float[B, T] (see the module docstring).
     """
 
     def deco(fn: Estimator) -> Estimator:
@@ -107,7 +120,8 @@ def describe(name: str) -> str:
 def options(name: str) -> dict[str, Any]:
     """The options an estimator accepts, with their defaults (for config validation).
 
-    Per-batch inputs the trainer supplies (``num_actions``) are not config options and are not listed.
+    Per-batch inputs the trainer supplies (``num_actions``, ``step_rewards``, ``step_mask``) are not
+    config options and are not listed.
     """
     fn = inspect.unwrap(REGISTRY.get(name))
     params = list(inspect.signature(fn).parameters.values())[2:]
@@ -125,6 +139,16 @@ def accepts_num_actions(name: str) -> bool:
     estimators, and with the same options to :func:`loss_sample_mask`.
     """
     return "num_actions" in _options_of(REGISTRY.get(name))
+
+
+def accepts_step_rewards(name: str) -> bool:
+    """True when the estimator registered under ``name`` takes ``step_rewards`` and ``step_mask``.
+
+    Registry metadata ``step_rewards=True``. The trainer passes ``step_rewards`` (Float[B, T]) and
+    ``step_mask`` (Bool[B, T]) of the global batch only to these estimators, and with the same
+    options to :func:`loss_sample_mask`; their result is Float[B, T].
+    """
+    return bool(REGISTRY.meta(name).get("step_rewards", False))
 
 
 def extra_samples(name: str) -> int:
@@ -161,7 +185,7 @@ def _options_of(fn: Callable[..., Any]) -> list[str]:
 
 
 def clip_advantages(adv: Tensor, limit: float | None) -> Tensor:
-    """Clamp advantages to [-limit, limit]; ``None`` returns ``adv`` unchanged."""
+    """Clamp advantages (Float[B] or Float[B, T]) to [-limit, limit]; ``None`` returns ``adv`` unchanged."""
     if limit is None:
         return adv
     if not limit > 0:
@@ -170,11 +194,16 @@ def clip_advantages(adv: Tensor, limit: float | None) -> Tensor:
 
 
 def combine_rewards(rewards: Tensor, weights: Weights = None) -> Tensor:
-    """Float[B] total reward: r_i = nansum_k w_k r_{i,k}; NaN where every component of a sample is NaN.
+    """Float[B] total reward: r_i = nansum_k w_k r_{i,k}; NaN where every weighted component is NaN.
 
     ``rewards`` is Float[B] (returned as float, weighted by ``weights[0]`` if given) or
     Float[B, K]; ``weights`` has K entries (default all 1). Computed in float32 (float64 for
     float64 input).
+
+    r_i is NaN ("not applicable") when every component k with w_k != 0 is NaN for sample i: a
+    component of weight 0 (e.g. the column of a per-step reward, whose outcome weight is 0 in
+    ``RewardSet.weights``) neither adds to the total nor makes a sample applicable. When every
+    weight is 0, r_i is 0 where some component is not NaN and NaN where all are.
     """
     r = _as_float(rewards)
     if r.dim() == 1:
@@ -186,7 +215,9 @@ def combine_rewards(rewards: Tensor, weights: Weights = None) -> Tensor:
     w = _weights(weights, r2.shape[1], r2)
     nan = torch.isnan(r2)
     total = torch.where(nan, torch.zeros_like(r2), r2 * w).sum(dim=1)
-    return torch.where(nan.all(dim=1), torch.full_like(total, float("nan")), total)
+    weighted = w != 0
+    absent = (nan | ~weighted).all(dim=1) if bool(weighted.any()) else nan.all(dim=1)
+    return torch.where(absent, torch.full_like(total, float("nan")), total)
 
 
 # --------------------------------------------------------------------------- internals
@@ -634,3 +665,89 @@ def a_grae(
     beta_pos = beta_pos_start + (beta_pos_end - beta_pos_start) * progress
     adv = torch.where(base > 0, base * beta_pos, base) * weight[gid]
     return torch.where(valid & (n[gid] >= 2), adv, torch.zeros_like(adv))
+
+
+def _step_inputs(
+    name: str, step_rewards: Tensor | None, step_mask: Tensor | None, like: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Validated (step rewards Float[B, T] in ``like``'s dtype and device, step mask Bool[B, T])."""
+    if step_rewards is None:
+        raise ValueError(f"{name} needs step rewards: no reward in the config declares per_step")
+    batch = like.shape[0]
+    s = torch.as_tensor(step_rewards, device=like.device)
+    if s.dtype == torch.bool or s.dtype.is_complex:
+        raise ValueError(f"{name}: step_rewards must be a real Float[B, T] tensor, got {s.dtype}")
+    if s.dim() != 2 or s.shape[0] != batch:
+        raise ValueError(
+            f"{name}: step_rewards must be Float[B, T] with B={batch} (one row per sample), "
+            f"got shape {tuple(s.shape)}"
+        )
+    if step_mask is None:
+        raise ValueError(
+            f"{name} needs step_mask (Bool[B, T], rollout.mask: the valid actions) with step_rewards"
+        )
+    m = torch.as_tensor(step_mask, device=like.device)
+    if m.dtype.is_floating_point or m.dtype.is_complex:
+        raise ValueError(f"{name}: step_mask must be a Bool[B, T] tensor, got {m.dtype}")
+    if m.shape != s.shape:
+        raise ValueError(
+            f"{name}: step_mask {tuple(m.shape)} and step_rewards {tuple(s.shape)} differ in shape"
+        )
+    return s.to(like.dtype), m.bool()
+
+
+@register("grpo_process", step_rewards=True)
+def grpo_process(
+    rewards: Tensor,
+    group: Tensor,
+    *,
+    step_rewards: Tensor | None = None,
+    step_mask: Tensor | None = None,
+    weights: Weights = None,
+    std: str = "group",
+    eps: float = 1e-4,
+    process_coef: float = 1.0,
+) -> Tensor:
+    """Dual-reward GRPO: outcome GRPO advantage + process_coef * step reward z-scored per (group, step).
+
+    Returns Float[B, T], one advantage per action. With s = ``step_rewards`` (Float[B, T], the
+    weighted process rewards), M = ``step_mask`` (Bool[B, T]) and c = ``process_coef`` (1.0):
+
+        A_{i,t} = A^out_i + c * A^proc_{i,t}    where M_{i,t}, and 0 where M_{i,t} is False
+
+    - A^out_i is exactly ``grpo`` on the outcome rewards (``weights``, ``std``, ``eps`` as there:
+      (r_i - mean_g r) / (unbiased std_g + eps) by default), the same for every action of sample i;
+      0 for a NaN outcome reward or a group with < 2 valid outcome rewards.
+    - A^proc_{i,t} = (s_{i,t} - mean_{g,t}) / (sd_{g,t} + eps): mean_{g,t} and sd_{g,t} are the mean
+      and unbiased std of s_{j,t} over the samples j of i's group g that are valid at step t
+      (M_{j,t} True and s_{j,t} finite). A^proc is 0 where s_{i,t} is not valid, and for a
+      (group, step) cell with fewer than 2 valid samples or zero std.
+
+    Source of the idea: the Dual-Reward GRPO of Euphonium (Zhong et al., "Euphonium: Steering Video
+    Flow Matching via Process Reward Gradient Guided Stochastic Dynamics", arXiv:2602.04928): an
+    outcome advantage normalised per group plus a process advantage normalised per group and
+    denoising step. (our design): the unbiased std and the eps (those of ``grpo``; ``std`` applies
+    to the outcome part only), the coefficient c, and the handling of masked / non-finite cells and
+    small cells. Step t is the column index of the action tensors: for text the token position; for
+    diffusion the t-th trained step of each sample, which is the same denoising timestep for every
+    sample only when all samples train the same steps (``window_size`` windows or all steps, not
+    ``train_fraction`` < 1).
+
+    Raises ValueError without ``step_rewards`` (no reward in the config declares ``per_step``) or
+    without ``step_mask``.
+    """
+    eps = _check_eps("grpo_process", eps)
+    if not math.isfinite(process_coef) or process_coef < 0:
+        raise ValueError(f"grpo_process: process_coef must be a finite number >= 0, got {process_coef!r}")
+    r = _as_float(rewards)
+    s, m = _step_inputs("grpo_process", step_rewards, step_mask, r)
+    outcome = grpo(r, group, weights=weights, std=std, eps=eps).to(s.dtype)
+    gid, n_groups = _group_index(group, r.shape[0], r.device)
+    valid = m & torch.isfinite(s)
+    zero = torch.zeros_like(s)
+    s0 = torch.where(valid, s, zero)
+    n, mean, sd = _group_stats(s0, valid, gid, n_groups)  # per (group, step): Float[G, T]
+    ok = valid & (n[gid] >= 2)
+    proc = torch.where(ok, _safe_div(s0 - mean[gid], sd[gid] + eps), zero)
+    adv = outcome[:, None] + float(process_coef) * proc
+    return torch.where(m, adv, zero)

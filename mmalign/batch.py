@@ -4,7 +4,8 @@ Every stage reads and extends one Rollout (see docs/architecture.md, "What flows
 
 - ``group``       Long[B]     which prompt each sample came from (one group = one prompt)
 - ``logp_old``    Float[B,T]  behaviour log-probs of the T actions (None until needed)
-- ``mask``        Bool[B,T]   which actions are valid (and take part in the loss)
+- ``mask``        Bool[B,T]   the actions that take part in the LOSS (generated tokens or trained steps;
+  never tokens inserted between turns, never padding); attention masks live in ``payload``
 - ``prompts``     list[str]   the prompt of each sample (repeated within a group)
 - ``columns``     dict[str, list]  every dataset column, one entry per sample; rewards see them
 - ``outputs``     dict[str, Any]   what rewards see: "texts", "images" Float[B,3,H,W], ...
@@ -13,6 +14,8 @@ Every stage reads and extends one Rollout (see docs/architecture.md, "What flows
 - ``step_rewards`` Float[B,T] optional process rewards
 - ``advantages``  Float[B] or Float[B,T]
 - ``logp_ref``    Float[B,T]  optional reference-model log-probs (KL penalty)
+- ``logp_sampler`` Float[B,T] optional log-probs reported by the sampler that produced the actions when it
+  is not the trained model (an inference engine); the trainer's importance-sampling correction uses them
 
 Slicing with an index (int tensor, bool tensor, list or slice) slices every per-sample field
 consistently: tensors and lists whose first dimension is B, recursively inside dicts.
@@ -105,6 +108,7 @@ class Rollout:
     step_rewards: Tensor | None = None
     advantages: Tensor | None = None
     logp_ref: Tensor | None = None
+    logp_sampler: Tensor | None = None
 
     def __post_init__(self) -> None:
         b = self.group.shape[0]

@@ -5,7 +5,7 @@
     mmalign eval CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--no-base]
     mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps]
 
-Before any model is built or loaded, a command checks everything that needs none (`mmalign.rundir.preflight`:
+Before any model is built or loaded, a command checks everything that needs none (`mmalign.preflight.preflight`:
 the output directory, the rewards, the model folders; then the pipeline reads its data files), so a wrong
 command fails in seconds with one `mmalign: error: ...` line and leaves an existing run as it was.
 """
@@ -71,15 +71,15 @@ def _check_names(cfg: Config) -> None:
 def _prepare(
     args: argparse.Namespace, *, resume: bool | None = None, eval_rewards: bool = False
 ) -> tuple[Config, Callable[[Config], Any]]:
-    """The config (with overrides), checked as far as it can be without a model (`mmalign.rundir.preflight`:
+    """The config (with overrides), checked as far as it can be without a model (`mmalign.preflight.preflight`:
     the output directory for `resume` not None, rewards, model folders), and its pipeline's ``build``.
     ``build`` then reads the data files before it builds or loads the model."""
     import pipelines
     from mmalign.config import ConfigError, load_config
+    from mmalign.preflight import preflight
     from mmalign.registry import RegistryError
-    from mmalign.rundir import preflight
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, pipeline_finder=pipelines.find)
     try:
         build = pipelines.get(cfg.pipeline)
     except RegistryError as e:
@@ -145,6 +145,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     """Generate `n` samples per prompt from a checkpoint: a PNG grid (images) or a JSONL (texts)."""
     import json
 
+    from mmalign import rundir
     from mmalign.evaluation import eval_rows, generate, load_weights, save_grid
 
     cfg, build = _prepare(args)
@@ -162,25 +163,18 @@ def cmd_sample(args: argparse.Namespace) -> int:
     )
     out.mkdir(parents=True, exist_ok=True)
     images = r.outputs.get("images")
-    texts = r.outputs.get("texts")
+    views = components.policy.sample_view(r)  # type: ignore[attr-defined]
     with (out / "samples.jsonl").open("w") as f:
         for i in range(len(r)):
             row = {"prompt": r.prompts[i], "sample": i % args.n}
-            if images is not None:
-                from PIL import Image
-
-                name = f"{i // args.n:03d}_{i % args.n:02d}.png"
-                arr = (images[i].clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8")
-                (out / "images").mkdir(exist_ok=True)
-                Image.fromarray(arr).save(out / "images" / name)
-                row["image"] = f"images/{name}"
-            if texts is not None:
-                row["output"] = texts[i]
-            f.write(json.dumps(row) + "\n")
+            row.update(
+                rundir.store_media(views[i], out / "media", f"{i // args.n:03d}_{i % args.n:02d}", out)
+            )
+            f.write(json.dumps(rundir.jsonable(row)) + "\n")
     what = f"{len(rows)} prompts x {args.n} samples ({'checkpoint ' + str(ckpt) if ckpt else 'base model'})"
     if images is not None:
         grid = save_grid(images, out / "grid.png", ncols=args.n)
-        print(f"{what}: grid {grid} (a row per prompt), images and samples.jsonl in {out}")
+        print(f"{what}: grid {grid} (a row per prompt), media/ and samples.jsonl in {out}")
     else:
         print(f"{what}: {out / 'samples.jsonl'}")
     return 0
@@ -216,7 +210,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     if what in ("pipelines", "all"):
         import pipelines
 
-        _list_section("pipelines", [(n, pipelines.describe(n)) for n in pipelines.names()])
+        items = []
+        for n in pipelines.names():  # this package's modules and the mmalign.pipelines entry points
+            origin = pipelines.origin(n)
+            desc = pipelines.describe(n)
+            items.append((n, f"{desc} [{origin}]" if origin and desc else f"[{origin}]" if origin else desc))
+        _list_section("pipelines", items)
+        for err in pipelines.load_errors():
+            print(f"mmalign: warning: {err}", file=sys.stderr)
     if what in ("rewards", "all"):
         import rewards
 

@@ -11,8 +11,11 @@ YAML is read with YAML 1.2 number and boolean rules, in files and overrides alik
 float (YAML 1.1 reads it as a string), only ``true``/``false`` are booleans (``no`` stays a string,
 so ``mixed_precision: no`` works), and a key given twice in one mapping is an error.
 
-Pipelines may declare their own typed section: ``register_options("my_pipeline", MyOptions)``
-makes the top-level ``options:`` mapping validate against ``MyOptions``.
+Pipelines may declare their own typed section: ``@register_pipeline("my_pipeline", options=MyOptions)``
+(in ``pipelines``) makes the top-level ``options:`` mapping validate against ``MyOptions``. This module
+does not import ``pipelines`` (it sits above): the loaders ask a finder for the pipeline's registration,
+the one passed as ``pipeline_finder`` or else the hook `mmalign.registry.find_pipeline`, which imports
+only the module that registers the pipeline named in the config.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
+
+from mmalign import registry as _registry
 
 
 class ConfigError(ValueError):
@@ -102,6 +107,12 @@ class RolloutConfig:
     is_cap: float = 2.0
     batch_size: int | None = None
     """Generate at most this many sequences at once (None: the whole step)."""
+    loop: str = "single_turn"
+    """How text and VLM policies turn a prompt into a sequence (`mmalign.rollout_loops`): ``single_turn``
+    (one completion), or a multi-turn loop where an environment the pipeline supplies appends text and
+    images between generated turns."""
+    loop_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of the rollout loop (e.g. ``max_turns``)."""
 
 
 @dataclass
@@ -125,6 +136,9 @@ class AlgorithmConfig:
     adv_clip: float | None = None
     filter: str = "none"
     filter_kwargs: dict[str, Any] = field(default_factory=dict)
+    aux_coefs: dict[str, float] = field(default_factory=dict)
+    """Coefficient of each auxiliary loss term the policy returns (`ActionStats.aux_losses`), by name; the
+    trainer adds ``coef * term`` to the loss. A term without a coefficient here is an error."""
 
 
 @dataclass
@@ -187,7 +201,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     options: Any = None
-    """Pipeline-specific section, typed by the pipeline (see `register_options`)."""
+    """Pipeline-specific section, typed by the options class the pipeline registered with
+    ``register_pipeline(name, options=...)``."""
     source: str = field(default="<dict>", compare=False)
     """Where the config came from (set by the loader; not a YAML key)."""
 
@@ -195,14 +210,6 @@ class Config:
         out = _to_plain(self)
         out.pop("source", None)
         return out
-
-
-_OPTIONS: dict[str, type] = {}
-
-
-def register_options(pipeline: str, options_cls: type) -> None:
-    """Declare the dataclass that validates the `options:` section of `pipeline`'s configs."""
-    _OPTIONS[pipeline] = options_cls
 
 
 # ----------------------------------------------------------------------------- YAML
@@ -540,43 +547,42 @@ def apply_override(data: dict[str, Any], path: list[str], value: Any) -> str:
 # ----------------------------------------------------------------------------- entry points
 
 
-def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
-    """Validate a plain mapping into a `Config` (errors name the key and `source`)."""
-    return _from_dict(data, _Source(source))
+def config_from_dict(
+    data: dict[str, Any], source: str = "<dict>", *, pipeline_finder: _registry.PipelineFinder | None = None
+) -> Config:
+    """Validate a plain mapping into a `Config` (errors name the key and `source`); `pipeline_finder`: see
+    `load_config`."""
+    return _from_dict(data, _Source(source), pipeline_finder)
 
 
-def _is_registered_pipeline(name: str) -> bool:
-    """Whether `name` is a registered pipeline (a pipeline registered elsewhere, e.g. in a test, keeps free
-    options)."""
+def _pipeline_meta(
+    name: str, src: _Source, finder: _registry.PipelineFinder | None
+) -> typing.Mapping[str, Any] | None:
+    """The registration metadata of pipeline `name` (None: no source registers it; its options stay plain
+    data, and the command line reports the unknown name with close matches)."""
+    if not name:
+        return None
     try:
-        import pipelines
-
-        return name in pipelines.names()
-    except ImportError:  # pragma: no cover
-        return False
+        return (finder or _registry.find_pipeline)(name)
+    except _registry.PluginError as e:
+        raise ConfigError(f"{_where(src, 'pipeline')}: key 'pipeline': {e}") from e.__cause__
 
 
-def _from_dict(data: Any, src: _Source) -> Config:
+def _from_dict(data: Any, src: _Source, finder: _registry.PipelineFinder | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"{src.name}: the top level must be a mapping, got {type(data).__name__}")
     raw_options = data.get("options")
     rest = {k: v for k, v in data.items() if k != "options"}
     cfg = _build(Config, rest, "", src)
     cfg.source = src.label or src.name
-    if cfg.pipeline not in _OPTIONS:  # pipelines register their options section when imported
-        try:
-            import pipelines
-
-            pipelines._load_all()
-        except ImportError:  # pragma: no cover - the pipelines package is part of the install
-            pass
-    options_cls = _OPTIONS.get(cfg.pipeline)
+    meta = _pipeline_meta(cfg.pipeline, src, finder)
+    options_cls = None if meta is None else meta.get("options")
     if options_cls is not None:
         cfg.options = _convert_checked(
             {} if raw_options is None else raw_options, options_cls, "options", src
         )
     elif raw_options is not None:
-        if raw_options and _is_registered_pipeline(cfg.pipeline):
+        if raw_options and meta is not None:
             raise ConfigError(
                 f"{src.name}: key 'options': pipeline {cfg.pipeline!r} takes no options section (it declares no "
                 f"options class), got {sorted(raw_options) if isinstance(raw_options, dict) else raw_options!r}; "
@@ -587,8 +593,17 @@ def _from_dict(data: Any, src: _Source) -> Config:
     return cfg
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config and apply `key.sub=value` overrides; raise ConfigError on any problem."""
+def load_config(
+    path: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    pipeline_finder: _registry.PipelineFinder | None = None,
+) -> Config:
+    """Read a YAML config and apply `key.sub=value` overrides; raise ConfigError on any problem.
+
+    The ``options:`` section is validated with the options class of the pipeline the config names, which
+    `pipeline_finder` (name -> registration metadata or None; default `mmalign.registry.find_pipeline`)
+    looks up. A pipeline no source registers keeps its options as plain data."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(
@@ -610,7 +625,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         src.overrides.append((key, item, item.split("=", 1)[1]))
     if overrides:
         src.label = f"{path} (with command-line overrides)"
-    return _from_dict(data, src)
+    return _from_dict(data, src, pipeline_finder)
 
 
 def _finite(x: float) -> bool:

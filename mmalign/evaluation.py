@@ -39,18 +39,22 @@ __all__ = [
 ]
 
 
+MEDIA_OUTPUTS = ("images", "videos")
+"""What `generate` asks a policy to materialise (pixels of latent samples) when `decode` is set."""
+
+
 def resolve_checkpoint(output_dir: str | Path, spec: str | None) -> Path | None:
     """The checkpoint folder `spec` names: ``base`` (None: no checkpoint), ``latest`` (the newest complete
     checkpoint in `output_dir`, None if there is none) or a path to a checkpoint folder (or to a run
     directory, whose newest checkpoint is used)."""
-    from mmalign.rundir import latest_checkpoint
+    from mmalign.rundir import TRAINABLE_FILE, latest_checkpoint
 
     if spec in (None, "", "base"):
         return None
     if spec == "latest":
         return latest_checkpoint(output_dir)
     path = Path(spec)
-    if (path / "trainable.safetensors").is_file():
+    if (path / TRAINABLE_FILE).is_file():
         return path
     if path.is_dir():
         found = latest_checkpoint(path)
@@ -66,7 +70,9 @@ def load_weights(policy: Any, checkpoint: Path) -> None:
     """Load the trainable weights saved in `checkpoint` (``trainable.safetensors``) into `policy`."""
     from safetensors.torch import load_file
 
-    file = Path(checkpoint) / "trainable.safetensors"
+    from mmalign.rundir import TRAINABLE_FILE
+
+    file = Path(checkpoint) / TRAINABLE_FILE
     if not file.is_file():
         raise ConfigError(f"checkpoint {checkpoint}: no trainable.safetensors in it")
     policy.load_trainable_state_dict(load_file(str(file)))
@@ -109,8 +115,8 @@ def generate(
         for start in tqdm(chunks, desc="generate", disable=not progress, leave=False):
             part = policy.rollout(rows[start : start + prompts_per_batch], n, compute_logp=False)
             part.group = part.group + start
-            if decode and hasattr(policy, "decode") and "images" not in part.outputs:
-                policy.decode(part)
+            if decode:
+                policy.materialize(part, MEDIA_OUTPUTS)
             parts.append(part)
     finally:
         if model is not None and was_training:

@@ -1,12 +1,22 @@
-"""A small name -> object registry shared by estimators, losses, rewards and pipelines."""
+"""A small name -> object registry shared by estimators, losses, rewards and pipelines.
+
+Also what lets plugins live outside this package: `Discovery` finds the modules that register into a
+`Registry` (the submodules of a package, scanned with pkgutil, and the entry points of a group), and
+the pipeline hook (`set_pipeline_finder` / `find_pipeline`) through which `mmalign.config` learns a
+pipeline's options class without importing the ``pipelines`` package, which sits above it.
+"""
 
 from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import inspect
-from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 T = TypeVar("T")
 
@@ -38,6 +48,11 @@ class Registry(Generic[T]):
             return obj
 
         return deco
+
+    def unregister(self, name: str) -> None:
+        """Forget `name` (tests, reloading a plugin); no error if it is not registered."""
+        self._items.pop(name, None)
+        self._meta.pop(name, None)
 
     def get(self, name: str) -> T:
         try:
@@ -90,3 +105,187 @@ def option_checked(kind: str, name: str, fn: Callable[..., Any], n_positional: i
         return fn(*args, **options)
 
     return wrapper
+
+
+# ----------------------------------------------------------------------------- plugins
+
+
+class PluginError(RegistryError):
+    """A plugin module could not be imported; the message names the entry point and its distribution."""
+
+
+def _dist_label(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    if dist is None:  # pragma: no cover - EntryPoint objects built by hand
+        return "unknown distribution"
+    name = getattr(dist, "name", None) or dist.metadata["Name"]
+    version = getattr(dist, "version", None)
+    return f"distribution {name!r}" + (f" {version}" if version else "")
+
+
+def _entry_point_label(ep: EntryPoint, group: str) -> str:
+    return f"entry point {ep.name!r} = {ep.value!r} (group {group}, {_dist_label(ep)})"
+
+
+class Discovery:
+    """Finds the modules that register into `registry`, importing them lazily.
+
+    Sources: the submodules of `package` (``pkgutil.iter_modules``; names starting with ``_`` are skipped)
+    and the entry points of `group`, each naming a module (or a ``module:object``) that registers on import.
+    `find(name)` imports as little as it can: the registry itself, then the module ``package.name``, then
+    the entry points called `name`, and only then everything. `load_all()` imports everything once; a
+    broken entry point is collected in `errors` (a `PluginError` naming it and its distribution) and
+    skipped, except by `find` when the entry point carries the name looked up, which raises it. What was
+    imported is remembered; `clear()` forgets it (and the cached entry-point list), not the registry.
+    """
+
+    def __init__(self, registry: Registry[Any], package: str, group: str | None) -> None:
+        self.registry = registry
+        self.package = package
+        self.group = group
+        self.origins: dict[str, str] = {}
+        """Registered name -> the entry point that registered it (`mmalign list` shows it)."""
+        self.clear()
+
+    def clear(self) -> None:
+        self._scanned = False
+        self._eps: list[EntryPoint] | None = None
+        self._loaded: set[tuple[str, str]] = set()
+        self._errors: dict[tuple[str, str], PluginError] = {}
+
+    @property
+    def errors(self) -> list[PluginError]:
+        """The entry points that failed to load so far."""
+        return list(self._errors.values())
+
+    def entry_points(self) -> list[EntryPoint]:
+        if self.group is None:
+            return []
+        if self._eps is None:
+            from importlib.metadata import entry_points
+
+            seen: set[tuple[str, str]] = set()
+            self._eps = []
+            for ep in entry_points(group=self.group):
+                if (ep.name, ep.value) not in seen:  # a distribution found twice on sys.path
+                    seen.add((ep.name, ep.value))
+                    self._eps.append(ep)
+        return self._eps
+
+    def _load_entry_point(self, ep: EntryPoint) -> None:
+        key = (ep.name, ep.value)
+        if key in self._errors:
+            raise self._errors[key]
+        if key in self._loaded:
+            return
+        before = set(self.registry.names())
+        try:
+            ep.load()
+        except Exception as e:
+            err = PluginError(
+                f"{self.registry.kind} {_entry_point_label(ep, str(self.group))} could not be loaded: "
+                f"{type(e).__name__}: {e}"
+            )
+            self._errors[key] = err
+            raise err from e
+        self._loaded.add(key)
+        for name in set(self.registry.names()) - before:
+            self.origins[name] = f"entry point {ep.name!r} of {_dist_label(ep)}"
+
+    def _import_module(self, name: str) -> bool:
+        """Import ``package.name`` if it exists; whether it does."""
+        from importlib.util import find_spec
+
+        if not name.isidentifier() or name.startswith("_"):
+            return False
+        module = f"{self.package}.{name}"
+        try:
+            if find_spec(module) is None:
+                return False
+        except ModuleNotFoundError:
+            return False
+        importlib.import_module(module)
+        return True
+
+    def find(self, name: str) -> bool:
+        """Import what registers `name` (see the class); whether it is registered now. Raises the
+        `PluginError` of a broken entry point called `name`."""
+        if name in self.registry:
+            return True
+        if self._import_module(name) and name in self.registry:
+            return True
+        for ep in self.entry_points():
+            if ep.name == name:
+                self._load_entry_point(ep)
+        if name in self.registry:
+            return True
+        self.load_all()
+        return name in self.registry
+
+    def load_all(self) -> list[PluginError]:
+        """Import every module of `package` and every entry point of `group` (once); the broken entry points."""
+        if not self._scanned:
+            import pkgutil
+
+            pkg = importlib.import_module(self.package)
+            for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+                if not info.name.rpartition(".")[2].startswith("_"):
+                    importlib.import_module(info.name)
+            self._scanned = True
+        for ep in self.entry_points():
+            try:
+                self._load_entry_point(ep)
+            except PluginError:
+                continue
+        return self.errors
+
+    def get(self, name: str) -> Any:
+        """`registry.get(name)` after `find(name)`; an unknown name's error also names the broken entry points."""
+        if not self.find(name):
+            try:
+                self.registry.get(name)
+            except RegistryError as e:
+                notes = "".join(f". Also: {err}" for err in self.errors)
+                raise RegistryError(f"{e}{notes}") from None
+        return self.registry.get(name)
+
+    def names(self) -> list[str]:
+        self.load_all()
+        return self.registry.names()
+
+
+# The pipeline hook. `mmalign.config` validates a config's `options:` section with the options class the
+# pipeline registered (``register_pipeline(name, options=...)`` in ``pipelines``), but must not import
+# ``pipelines`` (which imports it). ``pipelines`` installs its finder here when imported; a caller may also
+# pass its own finder to `mmalign.config.load_config`.
+
+PipelineFinder = Callable[[str], "Mapping[str, Any] | None"]
+"""name -> the pipeline's registration metadata (``options``: its options class or None), or None when no
+source registers `name`; raises `PluginError` when the entry point of that name is broken."""
+
+PIPELINE_PROVIDER = "pipelines"
+"""The module imported to install the default finder when none is installed yet."""
+
+_pipeline_finder: PipelineFinder | None = None
+
+
+def set_pipeline_finder(finder: PipelineFinder | None) -> PipelineFinder | None:
+    """Install the finder `find_pipeline` uses; returns the previous one."""
+    global _pipeline_finder
+    previous, _pipeline_finder = _pipeline_finder, finder
+    return previous
+
+
+def find_pipeline(name: str) -> Mapping[str, Any] | None:
+    """The registration metadata of pipeline `name` through the installed finder (importing
+    `PIPELINE_PROVIDER` first if none is installed); None if no source registers it."""
+    if _pipeline_finder is None:
+        try:
+            importlib.import_module(PIPELINE_PROVIDER)  # installs its finder
+        except ModuleNotFoundError as e:  # pragma: no cover - mmalign used without its pipelines package
+            if e.name != PIPELINE_PROVIDER:
+                raise
+            return None
+    if _pipeline_finder is None:  # pragma: no cover
+        return None
+    return _pipeline_finder(name)

@@ -1,50 +1,63 @@
-"""Checks of a run that need no model, made before anything slow is built or loaded.
+"""The run directory: its layout, checkpoints, and samples written and read by kind.
 
-A wrong command should fail in seconds, not after minutes of model building: `mmalign train` calls
-`preflight` right after the config is read, and only then the pipeline's ``build`` (which loads the
-data files first and the model last).
+One module owns the folder a run writes (``output_dir``); the trainer, `mmalign.evaluation`, the CLI and
+the sample browser read and write it only through these functions::
 
-- `check_output_dir(cfg, resume)`: ``output_dir`` already holds a run (without ``--resume`` or
-  ``overwrite=true``), or ``--resume`` finds no checkpoint. `GroupTrainer` calls it again (and then
-  acts on the folder: loads the checkpoint, or clears it under ``overwrite``) once the model is loaded.
-- `check_model_source(...)` / `check_model_paths(cfg)`: ``model.name_or_path`` and the model folders
-  that rewards name (``rewards[i].kwargs.path``) are local folders, folders a tiny builder will create,
-  or hub ids that can be loaded (offline: ids already in the Hugging Face cache).
-- `check_data_files(cfg)`: ``data.train`` / ``data.eval`` name files that exist.
-- `check_reward_specs(specs, source)`: every reward name resolves and its ``kwargs`` fit the reward's
-  constructor, without constructing it (some load a model when constructed).
+    output_dir/
+      config.yaml                 the resolved config of the run
+      metrics.jsonl               one JSON object per logged step
+      samples/step_XXXXXX.jsonl   one row per sample: group, prompt, advantage, rewards, the dataset
+                                  columns the pipeline shows, and one key per sample kind (below)
+      samples/step_XXXXXX/        that step's media: IIII.png, IIII.mp4 (+ IIII_frames.png);
+                                  with several processes rR_IIII.* (R the rank: each process writes its own)
+      checkpoints/step_XXXXXX/    trainable.safetensors, optimizer.pt, scheduler.pt, trainer_state.pt,
+                                  rng_<rank>.pt, COMPLETE (written last: a folder without it is ignored)
+      final/                      the trained model or adapter, `from_pretrained`-loadable
 
-`latest_checkpoint` and `CHECKPOINT_PREFIX` describe the checkpoints a run directory holds.
+Sample kinds (`mmalign.policies.base.SAMPLE_KINDS`; what `Policy.sample_view` returns per sample):
+``text`` (a string, stored in the row), ``image`` (Float[3,H,W] in [0, 1] -> PNG, the row holds its path
+relative to ``samples/``), ``video`` (Float[F,3,H,W] -> H.264 mp4 through PyAV, and a strip of frames as
+PNG under ``video_frames``), ``boxes`` (a list of [x1, y1, x2, y2], stored in the row).
 """
 
 from __future__ import annotations
 
-import difflib
-import os
-from collections.abc import Iterable, Sequence
+import json
+import math
+import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from mmalign.config import Config, ConfigError
 
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_DIR = "samples"
+CHECKPOINTS_DIR = "checkpoints"
+FINAL_DIR = "final"
 CHECKPOINT_PREFIX = "step_"
+COMPLETE_MARK = "COMPLETE"
+TRAINABLE_FILE = "trainable.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+TRAINER_STATE_FILE = "trainer_state.pt"
+RUN_OUTPUTS = (METRICS_FILE, SAMPLES_DIR, CHECKPOINTS_DIR, FINAL_DIR)
+"""What ``overwrite=true`` clears from an existing run directory."""
 
-MODEL_FILES = ("config.json", "model_index.json")
-"""A hub id counts as cached when one of these is in the Hugging Face cache (transformers / diffusers folders)."""
+
+def step_name(step: int) -> str:
+    """``step_XXXXXX``: the name of a step's checkpoint folder, sample file and media folder."""
+    return f"{CHECKPOINT_PREFIX}{step:06d}"
 
 
-# ----------------------------------------------------------------------------- run directory
+def rng_file(rank: int) -> str:
+    return f"rng_{rank}.pt"
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder in `output_dir/checkpoints`, or None."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / "COMPLETE").exists()]
-    if not done:
-        return None
-    return max(done, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
+# ----------------------------------------------------------------------------- the folder
 
 
 def check_output_dir(cfg: Config, resume: bool) -> None:
@@ -58,271 +71,232 @@ def check_output_dir(cfg: Config, resume: bool) -> None:
     if resume:
         if latest_checkpoint(out) is None:
             raise ConfigError(
-                f"--resume: no complete checkpoint in {out / 'checkpoints'}; run without --resume"
+                f"--resume: no complete checkpoint in {out / CHECKPOINTS_DIR}; run without --resume"
             )
         return
-    metrics = out / "metrics.jsonl"
+    metrics = out / METRICS_FILE
     if metrics.is_file() and metrics.stat().st_size > 0 and not cfg.overwrite:
         raise ConfigError(
-            f"output_dir {out} already holds a run (metrics.jsonl). Continue it with --resume, "
+            f"output_dir {out} already holds a run ({METRICS_FILE}). Continue it with --resume, "
             f"choose another output_dir=..., or pass overwrite=true to replace it"
         )
 
 
-# ----------------------------------------------------------------------------- model folders / hub ids
+def clear_run(output_dir: str | Path) -> None:
+    """Remove what a previous run wrote (`RUN_OUTPUTS`); other files in the folder stay."""
+    out = Path(output_dir)
+    for name in RUN_OUTPUTS:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().upper() in ("1", "ON", "YES", "TRUE")
+def truncate_metrics(output_dir: str | Path, last_step: int) -> None:
+    """Drop the metrics of steps after `last_step` (a resumed run writes them again)."""
+    metrics = Path(output_dir) / METRICS_FILE
+    if metrics.exists():
+        kept = [
+            ln
+            for ln in metrics.read_text().splitlines()
+            if ln.strip() and json.loads(ln)["step"] <= last_step
+        ]
+        metrics.write_text("".join(ln + "\n" for ln in kept))
 
 
-def hub_offline() -> str | None:
-    """The variable that makes this process offline (``HF_HUB_OFFLINE=1``), or None when it may download."""
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if _truthy(os.environ.get(var)):
-            return f"{var}={os.environ[var]}"
-    try:
-        from huggingface_hub import constants
-
-        if constants.HF_HUB_OFFLINE:
-            return "HF_HUB_OFFLINE=1"
-    except ImportError:  # pragma: no cover - a dependency of transformers
-        pass
-    return None
-
-
-def looks_local(name: str) -> bool:
-    """`name` is meant as a filesystem path, not a hub id (``name`` or ``org/name``): it starts with
-    ``/``, ``./``, ``../`` or ``~``, has more than one ``/`` or a backslash, or its first part is a
-    folder here (``assets/typo``)."""
-    if name.startswith(("/", "./", "../", "~", ".\\", "..\\")) or Path(name).is_absolute() or "\\" in name:
-        return True
-    parts = name.split("/")
-    return len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
-
-
-def _cached(repo_id: str, files: Iterable[str]) -> bool | None:
-    """Whether one of `files` of the hub repo `repo_id` is in the local cache; None: not a valid repo id."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.utils import HFValidationError
-
-    try:
-        for filename in files:
-            if isinstance(try_to_load_from_cache(repo_id, filename), str):
-                return True
-    except HFValidationError:
-        return None
-    return False
-
-
-def _close_siblings(path: Path) -> str:
-    """ " Did you mean 'x'?" for a sibling folder named like `path`, if its parent exists."""
-    parent = path.parent
-    try:
-        names = [p.name for p in parent.iterdir() if not p.name.startswith(".")] if parent.is_dir() else []
-    except OSError:
-        return ""
-    close = difflib.get_close_matches(path.name, names, n=1)
-    return f" Did you mean {str(parent / close[0])!r}?" if close else ""
-
-
-def check_model_source(
-    name: str,
-    *,
-    key: str,
-    source: str,
-    files: Sequence[str] = MODEL_FILES,
-    local_only: bool = False,
-    what: str = "model folder",
-) -> None:
-    """ConfigError (naming `source` and `key`) unless `name` can be loaded: an existing local path, or
-    a hub id (`local_only` False) that is in the Hugging Face cache or may be downloaded (not offline).
-
-    Nothing is loaded or downloaded: a local path is checked with `Path.exists`, a hub id against the
-    cache with `huggingface_hub.try_to_load_from_cache` (one of `files`)."""
-    if not name:
-        raise ConfigError(f"{source}: key '{key}' is required (a local {what} or a hub id)")
-    path = Path(name).expanduser()
-    if path.exists():
-        return
-    if local_only or looks_local(name):
-        raise ConfigError(
-            f"{source}: key '{key}': no such {what} {name!r} (looked for {path.resolve()}; relative paths "
-            f"start at the working directory).{_close_siblings(path)}"
-        )
-    where = f"no {path.resolve()}"
-    cached = _cached(name, files)
-    if cached is None:
-        raise ConfigError(
-            f"{source}: key '{key}': {name!r} is neither a local {what} ({where}) nor a valid hub id "
-            "('name' or 'org/name' of letters, digits, '-', '_' and '.')"
-        )
-    offline = hub_offline()
-    if not cached and offline:
-        from huggingface_hub import constants
-
-        raise ConfigError(
-            f"{source}: key '{key}': {name!r} is neither a local {what} ({where}) nor a hub id that can be "
-            f"loaded offline (not in the Hugging Face cache {constants.HF_HUB_CACHE}; {offline})"
-        )
-
-
-def _check_builder(name: str, key: str, source: str) -> None:
-    from mmalign import tiny
-    from mmalign.registry import RegistryError
-
-    tiny.load_builders()
-    try:
-        tiny.BUILDERS.get(name)
-    except RegistryError as e:
-        raise ConfigError(f"{source}: key '{key}': {e}") from None
-
-
-def built_paths(cfg: Config) -> dict[str, str]:
-    """Folders the pipeline builds before loading them (``options.reward_models``: path -> tiny builder)."""
-    return dict(getattr(cfg.options, "reward_models", None) or {})
-
-
-def _same_path(a: str, b: str) -> bool:
-    return os.path.normpath(os.path.expanduser(a)) == os.path.normpath(os.path.expanduser(b))
-
-
-def check_model_paths(cfg: Config, *, eval_rewards: bool = False) -> None:
-    """`check_model_source` for ``model.name_or_path`` (unless ``model.tiny_builder`` builds it) and for
-    the model folders of the rewards (``rewards[i].kwargs.path``, plus ``eval.rewards`` with
-    `eval_rewards`), except folders the pipeline builds first (``options.reward_models``). Tiny
-    builder names are checked too."""
-    m = cfg.model
-    if m.tiny_builder:
-        _check_builder(m.tiny_builder, "model.tiny_builder", cfg.source)
-        if not m.name_or_path:
-            raise ConfigError(
-                f"{cfg.source}: key 'model.name_or_path' is required (where model.tiny_builder builds)"
-            )
-    else:
-        check_model_source(m.name_or_path, key="model.name_or_path", source=cfg.source)
-    built = built_paths(cfg)
-    for path, builder in built.items():
-        _check_builder(builder, f"options.reward_models.{path}", cfg.source)
-    lists = [("rewards", cfg.rewards)] + ([("eval.rewards", cfg.eval.rewards)] if eval_rewards else [])
-    for list_key, specs in lists:
-        for i, spec in enumerate(specs):
-            for option, value, kind in _reward_model_options(spec):
-                if any(_same_path(value, p) for p in built):
-                    continue
-                check_model_source(
-                    value,
-                    key=f"{list_key}[{i}].kwargs.{option}",
-                    source=cfg.source,
-                    files=("config.json",),
-                    local_only=kind == "file",
-                    what="model folder" if kind == "model" else "file",
-                )
-
-
-def _reward_model_options(spec: Any) -> list[tuple[str, str, str]]:
-    """(option, value, "model" | "file") for the options of a built-in reward that name what it loads:
-    ``path`` (a model folder or hub id; a local checkpoint file with ``backend: open_clip``) and
-    ``mlp_path`` (a local weights file). Plugin rewards are left alone: their ``path`` may mean anything."""
-    import inspect
-
-    from rewards.base import _resolve
-
-    kwargs = dict(getattr(spec, "kwargs", None) or {})
-    try:
-        obj = _resolve(spec.name)
-    except Exception:  # an unknown name is `check_reward_specs`' message
+def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl`` (empty when the run logged nothing yet)."""
+    metrics = Path(output_dir) / METRICS_FILE
+    if not metrics.is_file():
         return []
-    if not isinstance(obj, type) or not obj.__module__.startswith("rewards."):
+    return [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / CHECKPOINTS_DIR / step_name(step)
+
+
+def pending_checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    """Where a checkpoint is written before `finish_checkpoint` renames it into place."""
+    return Path(output_dir) / CHECKPOINTS_DIR / f".tmp_{step_name(step)}"
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoint folders of a run, oldest first."""
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
         return []
+    done = [
+        p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / COMPLETE_MARK).exists()
+    ]
+    return sorted(done, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint folder in `output_dir/checkpoints`, or None."""
+    done = checkpoints(output_dir)
+    return done[-1] if done else None
+
+
+def finish_checkpoint(output_dir: str | Path, step: int, keep: int) -> Path:
+    """Mark the pending checkpoint of `step` complete, move it into place, keep the newest `keep`."""
+    tmp, final = pending_checkpoint_dir(output_dir, step), checkpoint_dir(output_dir, step)
+    (tmp / COMPLETE_MARK).write_text(str(step))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    every = sorted(
+        (p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX)),
+        key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]),
+    )
+    for old in every[: max(0, len(every) - keep)]:
+        shutil.rmtree(old)
+    return final
+
+
+# ----------------------------------------------------------------------------- media
+
+
+def _uint8_hwc(image: Tensor) -> Any:
+    """Float[C,H,W] in [0, 1] (C = 1 or 3) -> a uint8 H x W (x 3) numpy array."""
+    if image.dim() != 3 or image.shape[0] not in (1, 3):
+        raise ValueError(f"an image must be Float[3,H,W] or Float[1,H,W] in [0, 1], got {tuple(image.shape)}")
+    arr = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().permute(1, 2, 0).numpy()
+    return arr[..., 0] if arr.shape[-1] == 1 else arr
+
+
+def save_image(image: Tensor, path: str | Path) -> Path:
+    """Write one Float[3,H,W] image in [0, 1] as PNG."""
+    from PIL import Image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(_uint8_hwc(image)).save(path)
+    return path
+
+
+def save_frame_strip(video: Tensor, path: str | Path, max_frames: int = 8) -> Path:
+    """Up to `max_frames` evenly spaced frames of a Float[F,3,H,W] video side by side, as one PNG."""
+    if video.dim() != 4:
+        raise ValueError(f"a video must be Float[F,3,H,W] in [0, 1], got {tuple(video.shape)}")
+    f = video.shape[0]
+    idx = torch.linspace(0, f - 1, min(f, max_frames)).round().long()
+    return save_image(torch.cat(list(video[idx]), dim=-1), path)
+
+
+def save_video(video: Tensor, path: str | Path, fps: int = 8) -> Path:
+    """Write a Float[F,3,H,W] video in [0, 1] as H.264 mp4 with PyAV (its wheel carries the encoder)."""
     try:
-        params = inspect.signature(obj.__init__).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return []
-    out = []
-    for option in ("path", "mlp_path"):
-        value = kwargs.get(option)
-        if option in params and isinstance(value, str):
-            local_file = option != "path" or kwargs.get("backend", "hf") != "hf"
-            out.append((option, value, "file" if local_file else "model"))
+        import av
+    except ImportError as e:
+        raise ImportError(f"writing {path} needs PyAV: pip install av") from e
+    if video.dim() != 4 or video.shape[1] != 3:
+        raise ValueError(f"a video must be Float[F,3,H,W] in [0, 1], got {tuple(video.shape)}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frames = [_uint8_hwc(frame) for frame in video]
+    h, w = frames[0].shape[:2]
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height = w + w % 2, h + h % 2  # yuv420p needs even sides
+        stream.pix_fmt = "yuv420p"
+        for arr in frames:
+            frame = av.VideoFrame.from_ndarray(arr, format="rgb24").reformat(stream.width, stream.height)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+def store_media(
+    view: dict[str, Any], folder: str | Path, name: str, relative_to: str | Path
+) -> dict[str, Any]:
+    """`view` (one sample's kinds) with its ``image`` / ``video`` tensors written into `folder` as
+    ``<name>.png`` / ``<name>.mp4`` and replaced by paths relative to `relative_to`; a video also gets
+    ``video_frames`` (a PNG strip). Text and boxes are returned as they are (boxes as plain lists)."""
+    folder, base = Path(folder), Path(relative_to)
+    out: dict[str, Any] = {}
+    for kind, value in view.items():
+        if kind == "image" and isinstance(value, Tensor):
+            out[kind] = save_image(value, folder / f"{name}.png").relative_to(base).as_posix()
+        elif kind == "video" and isinstance(value, Tensor):
+            out[kind] = save_video(value, folder / f"{name}.mp4").relative_to(base).as_posix()
+            strip = save_frame_strip(value, folder / f"{name}_frames.png")
+            out["video_frames"] = strip.relative_to(base).as_posix()
+        elif isinstance(value, Tensor):
+            out[kind] = value.tolist()
+        else:
+            out[kind] = value
     return out
 
 
-# ----------------------------------------------------------------------------- data files
+# ----------------------------------------------------------------------------- samples
 
 
-def check_data_files(cfg: Config) -> None:
-    """``data.train`` and ``data.eval``, where set to a file (not ``hf:...``), exist: a ConfigError naming
-    the key (and a file of a similar name next to it). Reading them is the pipeline's job (`load_rows`
-    reports malformed lines and missing columns with file:line)."""
-    for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
-        if not value or value.startswith("hf:"):
-            continue
-        path = Path(value).expanduser()
-        if not path.is_file():
-            what = " (it is a directory)" if path.is_dir() else ""
-            hint = "" if what else _close_siblings(path)
-            raise ConfigError(
-                f"{cfg.source}: key '{key}': data file not found: {value}{what}"
-                + (f".{hint}" if hint else "")
-            )
+def samples_file(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / SAMPLES_DIR / f"{step_name(step)}.jsonl"
 
 
-# ----------------------------------------------------------------------------- rewards
+def store_sample_media(
+    output_dir: str | Path, step: int, views: list[dict[str, Any]], *, rank: int = 0, world: int = 1
+) -> list[dict[str, Any]]:
+    """Write the media of one process's samples of `step` into ``samples/step_XXXXXX/`` (``IIII.*``;
+    ``rR_IIII.*`` with several processes) and return the views with paths relative to ``samples/``."""
+    root = Path(output_dir) / SAMPLES_DIR
+    folder = root / step_name(step)
+    prefix = f"r{rank}_" if world > 1 else ""
+    return [store_media(v, folder, f"{prefix}{i:04d}", root) for i, v in enumerate(views)]
 
 
-def check_reward_specs(specs: Sequence[Any], source: str, key: str = "rewards") -> None:
-    """What `rewards.RewardSet(specs, source=source, key=key)` would reject about names and options,
-    with the same `ConfigError` messages, without constructing any reward: the name resolves
-    (registered, entry point or ``module:attr``) and the ``kwargs`` fit the reward's signature."""
-    from rewards.base import FunctionReward, Reward, RewardSpec, _check_options, _resolve
-
-    def error(k: str, err: Exception) -> ConfigError:
-        text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-        return ConfigError(f"{source}: key '{k}': {text}")
-
-    for i, item in enumerate(specs):
-        s = RewardSpec.coerce(item)
-        options = dict(s.kwargs)
-        try:
-            obj = _resolve(s.name)
-        except (KeyError, ImportError, AttributeError) as e:
-            raise error(f"{key}[{i}].name", e) from e
-        try:
-            if isinstance(obj, type):
-                if not issubclass(obj, Reward):
-                    raise TypeError(
-                        f"reward {s.name!r} resolves to class {obj.__qualname__}, which does not subclass "
-                        f"rewards.Reward (a reward is a Reward subclass or a function)"
-                    )
-                _check_options(s.name, obj.__init__, 1, options)
-            elif isinstance(obj, Reward):
-                if options:
-                    raise TypeError(
-                        f"reward {s.name!r} is an already built Reward instance and takes no options"
-                    )
-            elif callable(obj):
-                batch_style = FunctionReward.detect_style(obj) == "batch"
-                _check_options(s.name, obj, 1 if batch_style else 0, options, check_missing=batch_style)
-            else:
-                raise TypeError(
-                    f"reward {s.name!r} resolves to {type(obj).__name__}, not a Reward class or a function"
-                )
-        except (TypeError, ValueError) as e:
-            raise error(f"{key}[{i}].kwargs", e) from e
+def write_samples(output_dir: str | Path, step: int, rows: list[dict[str, Any]]) -> Path:
+    """Write ``samples/step_XXXXXX.jsonl`` (rows whose media are already stored; NaN -> null)."""
+    path = samples_file(output_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(jsonable(row)) + "\n")
+    return path
 
 
-# ----------------------------------------------------------------------------- all of it
+def sample_steps(output_dir: str | Path) -> list[int]:
+    """The steps that have a samples file, in order."""
+    root = Path(output_dir) / SAMPLES_DIR
+    if not root.is_dir():
+        return []
+    steps = []
+    for p in root.glob(f"{CHECKPOINT_PREFIX}*.jsonl"):
+        tail = p.stem[len(CHECKPOINT_PREFIX) :]
+        if tail.isdigit():
+            steps.append(int(tail))
+    return sorted(steps)
 
 
-def preflight(cfg: Config, *, resume: bool | None = None, eval_rewards: bool = False) -> None:
-    """Every check of a command that needs no model, cheapest first: the output directory (`resume`
-    None: not training, no check), that the data files exist, the reward names and options, the model
-    folders and hub ids. The data files are read by the pipeline's ``build``, before its model."""
-    if resume is not None:
-        check_output_dir(cfg, resume)
-    check_data_files(cfg)
-    check_reward_specs(cfg.rewards, cfg.source)
-    if eval_rewards:
-        check_reward_specs(cfg.eval.rewards, cfg.source, key="eval.rewards")
-    check_model_paths(cfg, eval_rewards=eval_rewards)
+def read_samples(output_dir: str | Path, step: int, *, resolve: bool = True) -> list[dict[str, Any]]:
+    """The rows of a step's samples file; with `resolve`, media paths (``image``, ``video``,
+    ``video_frames``) become absolute `Path`s inside the run directory."""
+    path = samples_file(output_dir, step)
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    if resolve:
+        root = Path(output_dir) / SAMPLES_DIR
+        for row in rows:
+            for key in ("image", "video", "video_frames"):
+                if isinstance(row.get(key), str):
+                    row[key] = root / row[key]
+    return rows
+
+
+def jsonable(obj: Any) -> Any:
+    """`obj` with tensors as lists and NaN / inf as None, ready for `json.dumps`."""
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if isinstance(obj, Tensor):
+        return jsonable(obj.tolist())
+    return obj

@@ -19,6 +19,10 @@ inside (whatever their dtype: bf16, fp16, fp64) and every output is fp32. Each r
   Flow-GRPO's training script). ``flow_sde``: s_t = a sqrt(sigma / (1 - sigma)) (``std`` = s_t sqrt(|dt|));
   ``dance``: eta (``std`` = eta sqrt(sigma - sigma')); ``cps`` and ``ddim``: their std (no dt factor).
 
+``shift_mean=fn`` (every step) moves the step mean before the sample is drawn or scored: ``fn(mean, std)``
+returns the new mean (same shape), and ``sample``, ``log_prob`` and ``mean`` are then those of the shifted
+Gaussian -- a reward-guided SDE adds s * grad r there; re-scoring passes the same shift again.
+
 The log-density of ``cps`` is, by default, Flow-GRPO's ``-mean((x' - mu)^2)`` (``log_prob_form=
 "squared_error"``: no 1/(2 s_t^2) factor and no constants); ``log_prob_form="gaussian"`` gives the full
 Gaussian log-density like the other steps. The two differ by the factor 1/(2 s_t^2) and constants, so the
@@ -41,6 +45,7 @@ log-density; it raises ``ValueError`` -- run such steps as deterministic ODE ste
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +55,7 @@ from mmalign.registry import Registry, option_checked
 
 __all__ = [
     "LOG_PROB_FORMS",
+    "MeanShift",
     "STEPS",
     "StepOutput",
     "cps",
@@ -67,6 +73,8 @@ STEPS: Registry[Any] = Registry("sde step")
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 Scalar = float | torch.Tensor
+MeanShift = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``shift_mean(mean, std) -> shifted mean`` (see the module docstring)."""
 LOG_PROB_FORMS = ("squared_error", "gaussian")
 """How `cps` scores a transition: Flow-GRPO's ``-mean((x' - mu)^2)`` (default) or the full Gaussian."""
 
@@ -138,12 +146,20 @@ def _finish(
     generator: torch.Generator | None,
     kl_std: torch.Tensor | None = None,
     log_prob_form: str = "gaussian",
+    shift_mean: MeanShift | None = None,
 ) -> StepOutput:
     _check(
         std > 0,
         "std must be > 0 for a log-prob (a zero noise level/eta, or a final step to a clean sample, is a "
         "deterministic ODE step with no density)",
     )
+    if shift_mean is not None:
+        shifted = shift_mean(mean, std)
+        if shifted.shape != mean.shape:
+            raise ValueError(
+                f"shift_mean returned shape {tuple(shifted.shape)}, expected {tuple(mean.shape)}"
+            )
+        mean = shifted.to(torch.float32)
     if prev_sample is not None:
         if noise is not None:
             raise ValueError("give either prev_sample= (re-score a stored transition) or noise=, not both")
@@ -199,6 +215,7 @@ def flow_sde(
     prev_sample: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    shift_mean: MeanShift | None = None,
 ) -> StepOutput:
     """Flow-GRPO SDE step: mu = x + [v + s_t^2/(2 sigma) (x + (1-sigma) v)] dt, std = s_t sqrt(-dt).
 
@@ -224,7 +241,15 @@ def flow_sde(
     dt = sn - s
     mean = x32 + (v32 + std_t**2 / (2 * s) * (x32 + (1 - s) * v32)) * dt
     std = std_t * torch.sqrt(-dt)
-    return _finish(mean, std, prev_sample=prev_sample, noise=noise, generator=generator, kl_std=std_t)
+    return _finish(
+        mean,
+        std,
+        prev_sample=prev_sample,
+        noise=noise,
+        generator=generator,
+        kl_std=std_t,
+        shift_mean=shift_mean,
+    )
 
 
 @STEPS.register("cps")
@@ -239,6 +264,7 @@ def cps(
     prev_sample: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    shift_mean: MeanShift | None = None,
 ) -> StepOutput:
     """Coefficients-preserving step: mu = (1-sigma') x0_hat + sqrt(sigma'^2 - s_t^2) x1_hat, std = s_t.
 
@@ -258,7 +284,13 @@ def cps(
     x1 = x32 + (1 - s) * v32
     mean = (1 - sn) * x0 + torch.sqrt((sn**2 - std_t**2).clamp_min(0)) * x1
     return _finish(
-        mean, std_t, prev_sample=prev_sample, noise=noise, generator=generator, log_prob_form=log_prob_form
+        mean,
+        std_t,
+        prev_sample=prev_sample,
+        noise=noise,
+        generator=generator,
+        log_prob_form=log_prob_form,
+        shift_mean=shift_mean,
     )
 
 
@@ -273,6 +305,7 @@ def dance(
     prev_sample: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    shift_mean: MeanShift | None = None,
 ) -> StepOutput:
     """DanceGRPO step: mu = x + dsigma v - 1/2 eta^2 score dsigma, std = eta sqrt(sigma - sigma').
 
@@ -289,7 +322,13 @@ def dance(
     mean = x32 + dsigma * v32 - 0.5 * e**2 * score * dsigma
     std = e * torch.sqrt(s - sn)
     return _finish(
-        mean, std, prev_sample=prev_sample, noise=noise, generator=generator, kl_std=e.expand_as(std)
+        mean,
+        std,
+        prev_sample=prev_sample,
+        noise=noise,
+        generator=generator,
+        kl_std=e.expand_as(std),
+        shift_mean=shift_mean,
     )
 
 
@@ -304,6 +343,7 @@ def ddim(
     prev_sample: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    shift_mean: MeanShift | None = None,
 ) -> StepOutput:
     """DDPO DDIM step (eps-prediction): mu = sqrt(ab_prev) x0_hat + sqrt(1 - ab_prev - s_t^2) eps, std = s_t.
 
@@ -328,7 +368,9 @@ def ddim(
     _check(rad >= -1e-6, f"1 - alpha_bar_prev - std^2 < 0: eta={eta} is too large for this step")
     x0 = (x32 - torch.sqrt(1 - ab_t) * e32) / torch.sqrt(ab_t)
     mean = torch.sqrt(ab_p) * x0 + torch.sqrt(rad.clamp_min(0)) * e32
-    return _finish(mean, std_t, prev_sample=prev_sample, noise=noise, generator=generator)
+    return _finish(
+        mean, std_t, prev_sample=prev_sample, noise=noise, generator=generator, shift_mean=shift_mean
+    )
 
 
 # ---------------------------------------------------------------------------------------------- handles

@@ -1,6 +1,6 @@
 """GroupTrainer: rollout -> reward -> advantage -> filter -> update, on accelerate.
 
-One loop serves every policy (text, VLM, diffusion): the policy turns prompts into a `Rollout`
+One loop serves every policy (any model family): the policy turns prompts into a `Rollout`
 of actions with log-probs, the reward set scores the samples, an estimator from
 `mmalign.advantages` turns rewards into group-relative advantages, a filter from
 `mmalign.filters` keeps informative groups, and a loss from `mmalign.losses` updates the policy.
@@ -10,12 +10,14 @@ split), rewards are gathered from all processes before advantages are computed, 
 give the same advantages as one. Loss normalisers (token counts, sequence counts) are global.
 
 Run directory (``output_dir``): ``config.yaml``, ``metrics.jsonl`` (one JSON object per step),
-``samples/step_XXXXXX.jsonl`` (prompts, outputs, each reward, advantage; with images also
-``samples/step_XXXXXX/*.png``, each row's ``image`` the PNG's path relative to ``samples/``),
-``checkpoints/step_XXXXXX/``
+``samples/`` (what `Policy.sample_view` shows of each sample, its rewards and advantage), ``checkpoints/``
 (trainable weights, optimizer, scheduler, RNG of each process -- the global ones and the policy's own
-generators -- sampler and filter state) and
-``final/`` (the trained model or adapter, `from_pretrained`-loadable).
+generators -- sampler and filter state) and ``final/`` (the trained model or adapter); `mmalign.rundir`
+owns that layout.
+
+The trainer knows no modality: what is special to a model family sits behind the hooks of
+`mmalign.policies.base.Policy` (sampling, materialising outputs for the rewards, what a sample looks
+like in the run directory), what is special to a domain in the pipeline's `Components`.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ from mmalign import advantages as adv_lib
 from mmalign import filters as filter_lib
 from mmalign import is_correction as isc
 from mmalign import losses as loss_lib
+from mmalign import rundir
 from mmalign import samplers as sampler_lib
 from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError
+from mmalign.policies.base import RunInfo
 from mmalign.registry import RegistryError
-from mmalign.rundir import CHECKPOINT_PREFIX, check_output_dir, latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,8 @@ class GroupTrainer:
         self.reward_set = components.rewards
         self.rows = components.data
         self.callbacks = list(components.callbacks)
+        self.sample_columns = list(getattr(components, "sample_columns", ()))
+        """Dataset columns written beside each sample in the run directory (the pipeline's choice)."""
         self.accelerator = accelerator or Accelerator(
             cpu=cfg.trainer.cpu, mixed_precision=cfg.trainer.mixed_precision
         )
@@ -123,6 +128,15 @@ class GroupTrainer:
         self.estimator = adv_lib.get(a.estimator)
         self.estimator_takes_lengths = adv_lib.accepts_num_actions(a.estimator)
         """The estimator weighs samples by their number of actions (e.g. reinforce_pp over tokens)."""
+        self.estimator_takes_steps = adv_lib.accepts_step_rewards(a.estimator)
+        """The estimator turns per-step process rewards into Float[B,T] advantages (e.g. grpo_process)."""
+        self.aux_coefs = dict(a.aux_coefs)
+        if self.estimator_takes_steps and not self.reward_set.per_step_names:
+            raise ConfigError(
+                f"{cfg.source}: key 'algorithm.estimator': {a.estimator!r} turns per-step (process) rewards into "
+                f"advantages, but no reward in 'rewards' declares per_step"
+            )
+        """Coefficients of the policy's auxiliary loss terms (`ActionStats.aux_losses`), by name."""
         self.extra_samples = adv_lib.extra_samples(a.estimator)
         self.loss_fn = loss_lib.get(a.loss)
         try:
@@ -140,13 +154,6 @@ class GroupTrainer:
                 f"{cfg.source}: key 'trainer.minibatch_size' must be divisible by the number of processes"
             )
         updates_per_pass = math.ceil(local_batch / self.minibatch) if self.minibatch else 1
-        # logp_old is needed when the weights change between updates on one rollout, and with an engine
-        # (whose own log-probs only enter the importance-sampling correction)
-        self.need_logp_old = (
-            t.num_iterations > 1 or updates_per_pass > 1 or a.filter == "replay" or r.engine != "hf"
-        )
-        self.engine = self._build_engine()
-        self._engine_dirty = self.engine is not None
 
         # ---- optimisation
         params = self.policy.trainable_parameters()
@@ -157,6 +164,12 @@ class GroupTrainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         self.policy.forward_model, self.optimizer = acc.prepare(self.policy.model, self.optimizer)
+        self.policy.setup(RunInfo(cfg=cfg, accelerator=acc, rank=self.rank, world=self.world))
+        # logp_old is needed when the weights change between updates on one rollout, and when the policy
+        # samples elsewhere (that sampler's own log-probs then only enter the importance-sampling correction)
+        self.need_logp_old = (
+            t.num_iterations > 1 or updates_per_pass > 1 or a.filter == "replay" or self.policy.needs_logp_old
+        )
         opts = dict(cfg.data.sampler_kwargs)
         if cfg.data.sampler == "uniform":
             opts.setdefault("shuffle", cfg.data.shuffle)
@@ -168,42 +181,11 @@ class GroupTrainer:
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7919)
         self.step = 0
         self.history: list[dict[str, Any]] = []
+        self._timers: dict[str, float] = defaultdict(float)
         set_seed(cfg.seed + 1000 * self.rank)
         self._prepare_output_dir(resume)
 
     # ----------------------------------------------------------------- set-up
-    def _build_engine(self) -> Any:
-        r = self.cfg.rollout
-        if r.engine == "hf":
-            return None
-        from mmalign.engines import get_engine
-
-        kwargs = dict(r.engine_kwargs)
-        if r.engine == "fake":
-            kwargs.setdefault("model", self.policy.model)
-            kwargs.setdefault("tokenizer", self.policy.tokenizer)
-        else:
-            kwargs.setdefault("model", self.cfg.model.name_or_path)
-        try:
-            engine = get_engine(r.engine, **kwargs)
-        except TypeError as e:
-            raise ConfigError(f"{self.cfg.source}: key 'rollout.engine_kwargs': {e}") from None
-        self.policy.engine = engine
-        return engine
-
-    def sync_engine(self) -> None:
-        """Push the current weights to the rollout engine (merged LoRA, or the adapter where the engine
-        loads adapters); raises `WeightSyncError` past `rollout.sync_timeout_s` instead of hanging."""
-        from mmalign.engines import adapter_state_dict, full_state_dict
-
-        model = self.accelerator.unwrap_model(self.policy.model)
-        if getattr(self.engine, "supports_lora_adapters", False) and getattr(self.policy, "lora", False):
-            state, lora = adapter_state_dict(model), True
-        else:
-            state, lora = full_state_dict(model), False
-        self.engine.sync_weights(state, lora=lora, timeout_s=self.cfg.rollout.sync_timeout_s, step=self.step)
-        self._engine_dirty = False
-
     def _lr_lambda(self, step: int) -> float:
         t = self.cfg.trainer
         if t.warmup_steps and step < t.warmup_steps:
@@ -217,34 +199,31 @@ class GroupTrainer:
         return 0.5 * (1.0 + math.cos(math.pi * frac))
 
     def _prepare_output_dir(self, resume: bool) -> None:
-        metrics = self.out / "metrics.jsonl"
-        check_output_dir(self.cfg, resume)  # (the CLI made the same check before building the model)
+        rundir.check_output_dir(self.cfg, resume)  # (the CLI made the same check before building the model)
         if resume:
-            ckpt = latest_checkpoint(self.out)
+            ckpt = rundir.latest_checkpoint(self.out)
             assert ckpt is not None
             self.load_checkpoint(ckpt)
-            if self.is_main and metrics.exists():  # drop metrics of steps after the checkpoint
-                kept = [
-                    ln
-                    for ln in metrics.read_text().splitlines()
-                    if ln.strip() and json.loads(ln)["step"] <= self.step
-                ]
-                metrics.write_text("".join(ln + "\n" for ln in kept))
+            if self.is_main:  # drop metrics of steps after the checkpoint
+                rundir.truncate_metrics(self.out, self.step)
         elif self.is_main and self.cfg.overwrite:
-            for name in ("metrics.jsonl", "samples", "checkpoints", "final"):
-                p = self.out / name
-                if p.is_dir():
-                    shutil.rmtree(p)
-                elif p.exists():
-                    p.unlink()
+            rundir.clear_run(self.out)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+            resolved = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
+            with (self.out / rundir.CONFIG_FILE).open("w") as f:
+                f.write(resolved)
         self.accelerator.wait_for_everyone()
 
     # ----------------------------------------------------------------- rollout
     def _gather(self, x: Tensor) -> Tensor:
         return self.accelerator.gather(x.contiguous()) if self.world > 1 else x
+
+    def _gather_padded(self, x: Tensor) -> Tensor:
+        """Gather a Float[B,T] tensor whose T may differ between processes (padded with 0 on dim 1)."""
+        if self.world == 1:
+            return x
+        return self._gather(self.accelerator.pad_across_processes(x.contiguous(), dim=1, pad_index=0))
 
     def _generate_round(self) -> tuple[Rollout, Tensor, Tensor, Tensor]:
         """One round of sampling on this process; returns (local rollout, global rewards, global groups, global
@@ -254,23 +233,18 @@ class GroupTrainer:
         round_base = self._round * pps
         mine = idx[self.rank * self.local_prompts : (self.rank + 1) * self.local_prompts]
         rows = [self.rows[i] for i in mine]
-        if hasattr(
-            self.policy, "on_train_step"
-        ):  # schedules of the policy (e.g. a sliding window); resume-safe
-            self.policy.on_train_step(self.step)
+        self.policy.on_train_step(
+            self.step
+        )  # schedules of the policy, weight syncs of its sampler; resume-safe
         rollout = self.policy.rollout(rows, self.samples_per_group, compute_logp=self.need_logp_old)
         # global group ids: position of the prompt in this step's global list, offset per round
         offset = self._round * self.cfg.rollout.prompts_per_step + self.rank * self.local_prompts
         rollout.group = rollout.group + offset
         self._round += 1
         t0 = time.perf_counter()
-        if (
-            "images" in self.reward_set.needs
-            and "images" not in rollout.outputs
-            and hasattr(self.policy, "decode")
-        ):
-            self.policy.decode(rollout)  # pixels only when some reward needs them
-            self._timers["decode"] += time.perf_counter() - t0
+        # outputs that cost time (pixels decoded from latents) are made only when a reward needs them
+        self.policy.materialize(rollout, self.reward_set.needs)
+        self._timers["materialize"] += time.perf_counter() - t0
         rewards = self.reward_set(rollout).to(rollout.group.device)
         self._timers["reward"] += time.perf_counter() - t0
         rollout.rewards = rewards
@@ -284,10 +258,17 @@ class GroupTrainer:
         return rollout, g_rewards, g_group, g_actions
 
     def compute_advantages(
-        self, rewards: Tensor, group: Tensor, num_actions: Tensor | None = None
+        self,
+        rewards: Tensor,
+        group: Tensor,
+        num_actions: Tensor | None = None,
+        step_rewards: Tensor | None = None,
+        step_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Advantages and loss-sample mask of the GLOBAL batch (identical on every process). `num_actions`
-        (Long[B], valid actions per sample) reaches estimators that take it (`accepts_num_actions`)."""
+        """Advantages (Float[B], or Float[B,T] from an estimator that takes step rewards) and loss-sample mask
+        of the GLOBAL batch (identical on every process). `num_actions` (Long[B], valid actions per sample)
+        reaches estimators that take it (`accepts_num_actions`); `step_rewards` / `step_mask` (Float[B,T] /
+        Bool[B,T]) those that take process rewards (`accepts_step_rewards`)."""
         a = self.cfg.algorithm
         weights = self.reward_set.weights.tolist()
         opts = dict(a.estimator_kwargs)
@@ -295,6 +276,14 @@ class GroupTrainer:
             opts.setdefault("weights", weights)
         if self.estimator_takes_lengths and num_actions is not None:
             opts["num_actions"] = num_actions
+        if step_rewards is not None and not self.estimator_takes_steps:
+            raise ConfigError(
+                f"{self.cfg.source}: key 'algorithm.estimator': the rewards {self.reward_set.per_step_names} give "
+                f"per-step (process) rewards, which {a.estimator!r} ignores; use an estimator that takes them "
+                f"({', '.join(n for n in adv_lib.names() if adv_lib.accepts_step_rewards(n))})"
+            )
+        if self.estimator_takes_steps:
+            opts["step_rewards"], opts["step_mask"] = step_rewards, step_mask
         try:
             adv = self.estimator(rewards, group, **opts)
             keep = adv_lib.loss_sample_mask(a.estimator, rewards, group, **opts)
@@ -308,10 +297,6 @@ class GroupTrainer:
     def make_rollout(self) -> tuple[Rollout, dict[str, float]]:
         """Sample, score, compute advantages and filter until the batch is full (or rounds run out)."""
         self._round = 0
-        if self.engine is not None:
-            if self._engine_dirty:
-                self.sync_engine()
-            self.policy.engine_seed = self.cfg.seed * 1_000_003 + self.step * 7919 + self.rank
         f = self.group_filter
         rounds = f.max_rounds if f.resample else 1
         kept: list[Rollout] = []
@@ -321,9 +306,16 @@ class GroupTrainer:
             t0 = time.perf_counter()
             rollout, g_rewards, g_group, g_actions = self._generate_round()
             self._timers["rollout"] += time.perf_counter() - t0
-            adv, keep = self.compute_advantages(g_rewards, g_group, g_actions)
+            g_steps = g_step_mask = None
+            if rollout.step_rewards is not None:
+                g_steps = self._gather_padded(rollout.step_rewards.float())
+                g_step_mask = self._gather_padded(rollout.mask.to(torch.uint8)).bool()
+            adv, keep = self.compute_advantages(g_rewards, g_group, g_actions, g_steps, g_step_mask)
             n_local = len(rollout)
-            rollout.advantages = self._local_slice(adv, n_local).to(rollout.mask.device)
+            adv = self._local_slice(adv, n_local)
+            if adv.dim() == 2:  # per-step advantages: back to this process's number of actions
+                adv = adv[:, : rollout.mask.shape[1]]
+            rollout.advantages = adv.to(rollout.mask.device)
             keep_local = self._local_slice(keep, n_local)
             if not bool(keep_local.all()):
                 rollout.mask = rollout.mask & keep_local[:, None].to(rollout.mask.device)
@@ -379,12 +371,8 @@ class GroupTrainer:
                     f"warning: ... and {len(nan_groups) - 5} more all-NaN (reward, group) pairs",
                     file=sys.stderr,
                 )
-        n_tok = rollout.outputs.get("num_tokens")
-        if isinstance(n_tok, Tensor):
-            m["completion_len/mean"] = float(self._gather(n_tok.float().mean().reshape(1)).mean())
-        trunc = rollout.outputs.get("truncated")
-        if isinstance(trunc, Tensor):
-            m["truncated_frac"] = float(self._gather(trunc.float().mean().reshape(1)).mean())
+        for name, values in self.policy.rollout_stats(rollout).items():
+            m[name] = float(self._gather(values.float().mean().reshape(1)).mean())
         return m
 
     # ----------------------------------------------------------------- update
@@ -397,7 +385,7 @@ class GroupTrainer:
         """num_iterations passes over `batch`, one optimizer step per minibatch."""
         cfg, acc = self.cfg, self.accelerator
         a, t, r_cfg = cfg.algorithm, cfg.trainer, cfg.rollout
-        if a.kl_coef > 0 and not getattr(self.policy, "kl_in_evaluate", False):
+        if a.kl_coef > 0 and not self.policy.kl_in_evaluate:
             batch.logp_ref = self.policy.reference_logprobs(batch).detach()
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, float] = defaultdict(float)
@@ -417,7 +405,7 @@ class GroupTrainer:
                 micro = list(range(0, len(mb), self.microbatch))
                 for j, ms in enumerate(micro):
                     mu = mb[list(range(ms, min(ms + self.microbatch, len(mb))))]
-                    ctx = acc.no_sync(self.policy.forward_model) if j < len(micro) - 1 else _nullcontext()
+                    ctx = acc.no_sync(self.policy.forward_model) if j < len(micro) - 1 else _NoSync()
                     with ctx:
                         stats = self.policy.evaluate(mu)
                         logp = stats.logp
@@ -427,10 +415,11 @@ class GroupTrainer:
                             logp, logp_old.to(logp.device), mu.advantages.to(logp.device), mask, **loss_kwargs
                         )
                         per_token = out.per_token
-                        if self.engine is not None and r_cfg.is_correction != "none":
+                        if mu.logp_sampler is not None and r_cfg.is_correction != "none":
+                            logp_sampler = mu.logp_sampler.to(logp.device)
                             w = isc.tis_weights(
                                 logp_old.to(logp.device),
-                                mu.payload["logp_engine"].to(logp.device),
+                                logp_sampler,
                                 mask,
                                 level=r_cfg.is_correction,
                                 cap=r_cfg.is_cap,
@@ -438,7 +427,7 @@ class GroupTrainer:
                             per_token = isc.apply_is_weights(per_token, w)
                             is_stats = isc.is_metrics(
                                 logp_old.to(logp.device),
-                                mu.payload["logp_engine"].to(logp.device),
+                                logp_sampler,
                                 mask,
                                 level=r_cfg.is_correction,
                                 cap=r_cfg.is_cap,
@@ -462,11 +451,12 @@ class GroupTrainer:
                                 a.loss_agg,
                                 num_tokens=n_tok,
                                 num_seqs=n_seq,
-                                max_len=cfg.rollout.max_new_tokens,
+                                max_len=self.policy.max_actions,
                             )
                             * self.world
                         )  # DDP averages gradients over processes
-                        acc.backward(loss)
+                        aux_total = self._aux_loss(stats.aux_losses, len(mu) / n_seq, sums)
+                        acc.backward(loss if aux_total is None else loss + aux_total * self.world)
                     with torch.no_grad():
                         k = float(mask.sum())
                         sums["loss"] += float(loss) / self.world
@@ -483,7 +473,7 @@ class GroupTrainer:
                     counts["opt_steps"] += 1
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                self._engine_dirty = self.engine is not None
+                self.policy.after_optimizer_step()
                 counts["updates"] += 1
         tok = max(counts["tokens"], 1.0)
         m = {
@@ -497,12 +487,35 @@ class GroupTrainer:
             m["entropy"] = sums["entropy"] / tok
         for key in [k for k in sums if k.startswith("is/")]:
             m[key] = sums[key] / max(counts[key], 1.0)
+        for key in [k for k in sums if k.startswith("aux/")]:  # per update: the minibatch mean of the term
+            m[key] = sums[key] / max(counts["updates"], 1)
         if counts["opt_steps"]:
             m["grad_norm"] = sums["grad_norm"] / counts["opt_steps"]
         if self.world > 1:
             vec = self._gather(torch.tensor([m[k] for k in sorted(m)], dtype=torch.float64).reshape(1, -1))
             m = dict(zip(sorted(m), vec.mean(0).tolist(), strict=True))
         return m
+
+    def _aux_loss(self, terms: dict[str, Tensor], share: float, sums: dict[str, float]) -> Tensor | None:
+        """``sum_name coef[name] * term * share``: the policy's auxiliary loss terms (microbatch means) weighted
+        by the microbatch's share of the minibatch's samples (over all processes), so that the update sees
+        the minibatch mean. Logs each term's value under ``aux/<name>``."""
+        total = None
+        for name, term in terms.items():
+            if name not in self.aux_coefs:
+                raise ConfigError(
+                    f"{self.cfg.source}: key 'algorithm.aux_coefs': the policy returns the auxiliary loss "
+                    f"{name!r} but the config gives it no coefficient (set algorithm.aux_coefs.{name}; 0 turns "
+                    f"it off)"
+                )
+            if term.dim() != 0:
+                raise ValueError(
+                    f"auxiliary loss {name!r} must be a scalar (the microbatch mean), got {tuple(term.shape)}"
+                )
+            weighted = self.aux_coefs[name] * term * share
+            total = weighted if total is None else total + weighted
+            sums[f"aux/{name}"] += float(term.detach()) * share * self.world
+        return total
 
     # ----------------------------------------------------------------- one step
     def train_step(self) -> dict[str, Any]:
@@ -513,7 +526,7 @@ class GroupTrainer:
         self.policy.model.train()
         if len(batch):
             metrics.update(self.update(batch))
-            adv = batch.advantages
+            adv = _per_sample(batch.advantages, batch.mask)
             metrics["adv/abs_mean"] = float(self._gather(adv.abs().mean().reshape(1)).mean())
         else:
             tqdm.write(f"step {self.step + 1}: no informative group after filtering; the update is skipped")
@@ -525,8 +538,8 @@ class GroupTrainer:
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         metrics["time/rollout_s"] = self._timers["rollout"] - self._timers["reward"]
         metrics["time/reward_s"] = self._timers["reward"]
-        if self._timers["decode"]:
-            metrics["time/decode_s"] = self._timers["decode"]  # part of time/reward_s: latents -> pixels
+        if self._timers["materialize"] >= 1e-3:  # part of time/reward_s (e.g. latents -> pixels)
+            metrics["time/materialize_s"] = self._timers["materialize"]
         metrics["time/update_s"] = t2 - t1
         metrics["time/step_s"] = t2 - t0
         self._last_batch = batch
@@ -543,13 +556,13 @@ class GroupTrainer:
             disable=not (self.is_main and t.progress_bar),
             dynamic_ncols=True,
         )
-        metrics_f = (self.out / "metrics.jsonl").open("a") if self.is_main else None
+        metrics_f = (self.out / rundir.METRICS_FILE).open("a") if self.is_main else None
         try:
             while self.step < t.steps:
                 try:
                     m = self.train_step()
                 except Exception as e:
-                    ckpt = latest_checkpoint(self.out)
+                    ckpt = rundir.latest_checkpoint(self.out)
                     where = f"checkpoint {ckpt.name}" if ckpt else "no checkpoint yet"
                     kept = (
                         f"metrics of steps 1..{self.step} in {self.out / 'metrics.jsonl'}"
@@ -562,7 +575,7 @@ class GroupTrainer:
                     ) from e
                 self.history.append(m)
                 if metrics_f is not None and (self.step % t.log_every == 0 or self.step == t.steps):
-                    metrics_f.write(json.dumps(_jsonable(m)) + "\n")
+                    metrics_f.write(json.dumps(rundir.jsonable(m)) + "\n")
                     metrics_f.flush()
                     os.fsync(metrics_f.fileno())
                 if self.step % t.sample_every == 0 or self.step == 1:
@@ -587,81 +600,56 @@ class GroupTrainer:
 
     # ----------------------------------------------------------------- samples
     def dump_samples(self, batch: Rollout) -> None:
+        """Write this step's samples into the run directory (`mmalign.rundir`): what `Policy.sample_view`
+        shows of each sample, its rewards and advantage, and the pipeline's `sample_columns`."""
         from accelerate.utils import gather_object
 
         if not len(batch):
             return
-        texts = batch.outputs.get("texts") or [None] * len(batch)
-        image_paths = self._save_sample_images(batch)
+        views = rundir.store_sample_media(
+            self.out, self.step, self.policy.sample_view(batch), rank=self.rank, world=self.world
+        )
         rows = []
-        adv = batch.advantages
+        adv = _per_sample(batch.advantages, batch.mask) if batch.advantages is not None else None
         for i in range(len(batch)):
             row: dict[str, Any] = {
                 "group": int(batch.group[i]),
                 "prompt": batch.prompts[i],
-                "output": texts[i],
-                "advantage": float(adv[i].mean()) if adv is not None else None,
+                "advantage": float(adv[i]) if adv is not None else None,
                 "rewards": {n: _num(batch.rewards[i, k]) for k, n in enumerate(batch.reward_names)},
+                **views[i],
             }
-            if image_paths is not None:
-                row["image"] = image_paths[i]
-            for key in ("answer", "solution", "label"):
+            for key in self.sample_columns:
                 if key in batch.columns:
                     row[key] = batch.columns[key][i]
             rows.append(row)
         if self.world > 1:
             rows = gather_object(rows)
         if self.is_main:
-            d = self.out / "samples"
-            d.mkdir(parents=True, exist_ok=True)
-            with (d / f"step_{self.step:06d}.jsonl").open("w") as f:
-                for row in rows:
-                    f.write(json.dumps(_jsonable(row)) + "\n")
-
-    def _save_sample_images(self, batch: Rollout) -> list[str] | None:
-        """Write ``outputs["images"]`` (Float[B,3,H,W] in [0, 1]) of this process's samples as PNGs in
-        ``samples/step_XXXXXX/`` (``IIII.png``; with several processes ``rR_IIII.png``, R the rank, so every
-        process writes its own files) and return their paths relative to ``samples/``; None without images."""
-        images = batch.outputs.get("images")
-        if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[0] != len(batch):
-            return None
-        from PIL import Image
-
-        rel = f"step_{self.step:06d}"
-        d = self.out / "samples" / rel
-        d.mkdir(parents=True, exist_ok=True)
-        prefix = f"r{self.rank}_" if self.world > 1 else ""
-        pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
-        paths = []
-        for i in range(len(batch)):
-            arr = pixels[i].permute(1, 2, 0).numpy()
-            name = f"{prefix}{i:04d}.png"
-            Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr).save(d / name)
-            paths.append(f"{rel}/{name}")
-        return paths
+            rundir.write_samples(self.out, self.step, rows)
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
         """Write `checkpoints/step_N/` atomically (a temp folder renamed when complete)."""
         from safetensors.torch import save_file
 
-        root = self.out / "checkpoints"
-        final = root / f"{CHECKPOINT_PREFIX}{self.step:06d}"
-        tmp = root / f".tmp_{CHECKPOINT_PREFIX}{self.step:06d}"
+        tmp = rundir.pending_checkpoint_dir(self.out, self.step)
         if self.is_main:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        rng = {"rng": rng_state(), "shuffle_gen": self.shuffle_gen.get_state()}
-        if hasattr(self.policy, "rng_state"):  # a policy's private generators (e.g. a seeded sampler's noise)
-            rng["policy"] = self.policy.rng_state()
-        torch.save(rng, tmp / f"rng_{self.rank}.pt")
+        rng = {
+            "rng": rng_state(),
+            "shuffle_gen": self.shuffle_gen.get_state(),
+            "policy": self.policy.rng_state(),
+        }
+        torch.save(rng, tmp / rundir.rng_file(self.rank))
         if self.is_main:
             state = self.policy.trainable_state_dict()
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "trainable.safetensors"))
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / rundir.TRAINABLE_FILE))
+            torch.save(self.optimizer.state_dict(), tmp / rundir.OPTIMIZER_FILE)
+            torch.save(self.scheduler.state_dict(), tmp / rundir.SCHEDULER_FILE)
             torch.save(
                 {
                     "step": self.step,
@@ -672,49 +660,42 @@ class GroupTrainer:
                     ],
                     "world_size": self.world,
                 },
-                tmp / "trainer_state.pt",
+                tmp / rundir.TRAINER_STATE_FILE,
             )
         self.accelerator.wait_for_everyone()
+        final = rundir.checkpoint_dir(self.out, self.step)
         if self.is_main:
-            (tmp / "COMPLETE").write_text(str(self.step))
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            ckpts = sorted(
-                (p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX)),
-                key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]),
-            )
-            for old in ckpts[: max(0, len(ckpts) - self.cfg.trainer.keep_checkpoints)]:
-                shutil.rmtree(old)
+            rundir.finish_checkpoint(self.out, self.step, keep=self.cfg.trainer.keep_checkpoints)
         self.accelerator.wait_for_everyone()
         return final
 
     def load_checkpoint(self, path: Path) -> None:
         from safetensors.torch import load_file
 
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        state = torch.load(path / rundir.TRAINER_STATE_FILE, weights_only=False)
         if state["world_size"] != self.world:
             raise ConfigError(
                 f"checkpoint {path} was written by {state['world_size']} process(es); resume with the same number "
                 f"(now {self.world})"
             )
-        self.policy.load_trainable_state_dict(load_file(str(path / "trainable.safetensors")))
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        self.policy.load_trainable_state_dict(load_file(str(path / rundir.TRAINABLE_FILE)))
+        self.optimizer.load_state_dict(torch.load(path / rundir.OPTIMIZER_FILE, weights_only=False))
+        self.scheduler.load_state_dict(torch.load(path / rundir.SCHEDULER_FILE, weights_only=False))
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.group_filter.load_state_dict(state["filter"])
         for cb, s in zip(self.callbacks, state["callbacks"], strict=False):
             if s is not None and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(s)
-        rng = torch.load(path / f"rng_{self.rank}.pt", weights_only=False)
+        rng = torch.load(path / rundir.rng_file(self.rank), weights_only=False)
         set_rng_state(rng["rng"])
         self.shuffle_gen.set_state(rng["shuffle_gen"])
-        if "policy" in rng and hasattr(self.policy, "load_rng_state"):
-            self.policy.load_rng_state(rng["policy"])
+        self.policy.load_rng_state(rng.get("policy", {}))
 
 
-class _nullcontext:
+class _NoSync:
+    """Stands in for ``accelerator.no_sync`` on the last microbatch (whose backward syncs gradients)."""
+
     def __enter__(self) -> None:
         return None
 
@@ -722,18 +703,14 @@ class _nullcontext:
         return None
 
 
+def _per_sample(adv: Tensor, mask: Tensor) -> Tensor:
+    """Float[B]: the advantage of each sample (per-step advantages: their mean over the sample's actions)."""
+    if adv.dim() == 1:
+        return adv
+    m = mask.to(adv.device, adv.dtype)
+    return (adv * m).sum(1) / m.sum(1).clamp(min=1)
+
+
 def _num(x: Tensor) -> float | None:
     v = float(x)
     return None if math.isnan(v) else v
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
-        return None
-    if isinstance(obj, Tensor):
-        return _jsonable(obj.tolist())
-    return obj

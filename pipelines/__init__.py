@@ -1,27 +1,44 @@
 """Domain pipelines: each module registers `build(cfg) -> Components` under its name.
 
 A pipeline owns what is special to its domain (policy construction, reward plugins, data,
-callbacks such as curricula) and nothing else: the training loop is `mmalign.trainer.GroupTrainer`.
+callbacks such as curricula, the typed ``options:`` section of its configs) and nothing else: the
+training loop is `mmalign.trainer.GroupTrainer`. It registers where it is defined::
+
+    @dataclass
+    class MyOptions:
+        levels: int = 3
+
+    @register_pipeline("my_pipeline", options=MyOptions)
+    def build(cfg: Config) -> Components: ...
+
+Where pipelines are found (`DISCOVERY`, a `mmalign.registry.Discovery`): the modules of this package
+(``pipelines/<module>.py``, found with pkgutil) and the entry points of group ``mmalign.pipelines``
+(each names a module, or a ``module:build`` object, that registers on import), so a third-party package
+declares, in its ``pyproject.toml``::
+
+    [project.entry-points."mmalign.pipelines"]
+    my_pipeline = "my_package.my_pipeline"
+
+Nothing is imported by ``import pipelines``: a lookup (`get`, `find`) imports ``pipelines/<name>.py``
+when it exists, else the entry point called ``<name>``, and only then every module and entry point;
+`names` imports everything. `refresh` forgets what discovery cached (after installing a plugin).
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmalign.registry import Registry
+from mmalign import registry as _registry
+from mmalign.registry import Discovery, PluginError, Registry
 
 REGISTRY: Registry[Callable[..., Any]] = Registry("pipeline")
 
-# Modules that register pipelines; imported lazily so `import pipelines` stays cheap.
-_MODULES = [
-    "pipelines.text_reasoning",
-    "pipelines.vlm_reasoning",
-    "pipelines.safe_diffusion",
-    "pipelines.text_to_image",
-]
+ENTRY_POINT_GROUP = "mmalign.pipelines"
+
+DISCOVERY = Discovery(REGISTRY, __name__, ENTRY_POINT_GROUP)
 
 
 @dataclass
@@ -36,27 +53,65 @@ class Components:
     callbacks: list[Any] = field(default_factory=list)
     """Objects with optional `on_step_end(trainer, step, metrics)`, `state_dict()`, `load_state_dict()`."""
     eval_data: list[dict[str, Any]] | None = None
+    sample_columns: list[str] = field(default_factory=list)
+    """Dataset columns written beside each sample in the run directory (e.g. the reference answer)."""
 
 
-def register_pipeline(name: str, **meta: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    return REGISTRY.register(name, **meta)
+def register_pipeline(
+    name: str, *, options: type | None = None, **meta: Any
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator registering ``build(cfg) -> Components`` as pipeline `name`.
+
+    `options`: the dataclass that validates the ``options:`` section of the pipeline's configs (its
+    instance is ``cfg.options``); None: the pipeline takes no options section. Other keyword arguments are
+    free metadata (`REGISTRY.meta(name)`)."""
+    if options is not None and not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        raise TypeError(f"@register_pipeline({name!r}): options must be a dataclass, got {options!r}")
+    return REGISTRY.register(name, options=options, **meta)
 
 
-def _load_all() -> None:
-    for mod in _MODULES:
-        importlib.import_module(mod)
+def find(name: str) -> Mapping[str, Any] | None:
+    """The registration metadata of pipeline `name` (``options``: its options class or None), importing only
+    what is needed to find it; None if no source registers it. A broken entry point raises `PluginError`."""
+    return REGISTRY.meta(name) if DISCOVERY.find(name) else None
+
+
+def options_class(name: str) -> type | None:
+    """The options dataclass pipeline `name` registered (None: none); `RegistryError` if unknown."""
+    DISCOVERY.get(name)
+    return REGISTRY.meta(name).get("options")
 
 
 def get(name: str) -> Callable[..., Any]:
-    _load_all()
-    return REGISTRY.get(name)
+    """The ``build`` function of pipeline `name`; an unknown name raises `RegistryError` (a KeyError) listing
+    close matches, the registered names and any entry point that failed to load."""
+    return DISCOVERY.get(name)
 
 
 def names() -> list[str]:
-    _load_all()
-    return REGISTRY.names()
+    """Every pipeline name, from this package's modules and the ``mmalign.pipelines`` entry points
+    (a broken entry point is skipped: see `load_errors`)."""
+    return DISCOVERY.names()
 
 
 def describe(name: str) -> str:
-    _load_all()
+    DISCOVERY.get(name)
     return REGISTRY.describe(name)
+
+
+def origin(name: str) -> str | None:
+    """Where pipeline `name` came from when an entry point registered it (None: this package)."""
+    return DISCOVERY.origins.get(name)
+
+
+def load_errors() -> list[PluginError]:
+    """The ``mmalign.pipelines`` entry points that failed to load so far."""
+    return DISCOVERY.errors
+
+
+def refresh() -> None:
+    """Forget what discovery cached (entry-point list, which modules were scanned); the registry stays."""
+    DISCOVERY.clear()
+
+
+_registry.set_pipeline_finder(find)

@@ -24,9 +24,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mmalign.config import Config, ConfigError, register_options
+from mmalign.config import Config, ConfigError
 from mmalign.data import load_rows
-from mmalign.rundir import check_reward_specs
+from mmalign.policies.denoising import SamplerSettings
+from mmalign.preflight import check_reward_specs
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
 from rewards import RewardSet
@@ -35,25 +36,23 @@ CATEGORIES = ("safe", "unsafe")
 
 
 @dataclass
-class SafeDiffusionOptions:
+class SafeDiffusionOptions(SamplerSettings):
+    """The ``options:`` section: the sampler (`mmalign.policies.denoising.SamplerSettings`, validated there;
+    ``noise_level`` and ``sde_kind`` are the flow policy's, policy ddim takes ``eta``), the policy, the
+    prompt files and the reward models."""
+
     policy: Literal["ddim", "flow"] = "ddim"
     """`ddim`: a UNet (SD 1.x/2.x) folder, DDIM steps with eta > 0; `flow`: an SD3-style flow-matching folder."""
     num_steps: int = 20
     """Sampling steps (every stochastic step is trained unless a window or fraction is set)."""
     eta: float = 1.0
-    """DDIM noise (policy ddim): 1 is DDPM-like sampling; must be > 0 to have log-probs."""
-    noise_level: float = 0.7
-    """Flow-GRPO SDE noise level a (policy flow)."""
+    """DDIM noise (policy ddim): 1 is DDPM-like sampling; must be in (0, 1] to have log-probs."""
     guidance_scale: float = 5.0
     """Classifier-free guidance (empty negative prompt), the same in sampling and training; 1 turns it off."""
+    seed: int | None = None
+    """The sampler's private generator is seeded with this (null: the top-level ``seed``) + the process rank."""
     latent_size: int | None = None
     """Latent side (None: the denoiser's sample_size; the image is this times the VAE's factor)."""
-    same_initial_noise: bool = False
-    """All samples of a group start from the same noise (groups then differ only by the SDE noise)."""
-    train_fraction: float = 1.0
-    """Train a random fraction of the steps per sample (the others still sample stochastically)."""
-    window_size: int | None = None
-    """Train only a window of this many consecutive steps (deterministic steps outside it)."""
     safe_prompts: list[str] = field(default_factory=list)
     """Training prompt files whose rows are safe (.txt or .jsonl)."""
     unsafe_prompts: list[str] = field(default_factory=list)
@@ -65,8 +64,23 @@ class SafeDiffusionOptions:
     reward_models: dict[str, str] = field(default_factory=dict)
     """Offline runs: reward-model folders to build if missing, path -> tiny builder (e.g. a tiny CLIP)."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.policy == "ddim" and self.sde_kind not in ("flow_sde", "ddim"):
+            raise ValueError(
+                f"sde_kind {self.sde_kind!r} is a flow-policy step (policy: flow); policy ddim samples DDIM "
+                "steps, whose noise is eta"
+            )
+        if self.policy == "flow" and self.sde_kind == "ddim":
+            raise ValueError("sde_kind ddim needs policy: ddim")
+        self.policy_sampler()  # policy ddim: checks eta
 
-register_options("safe_diffusion", SafeDiffusionOptions)
+    def policy_sampler(self, seed: int | None = None) -> SamplerSettings:
+        """The settings the policy samples with: policy ddim samples DDIM steps with ``noise_level`` = eta."""
+        changes: dict[str, Any] = {} if seed is None else {"seed": seed}
+        if self.policy == "ddim":
+            changes.update(sde_kind="ddim", noise_level=self.eta)
+        return self.sampler_settings(**changes)
 
 
 def safe_options(cfg: Config) -> SafeDiffusionOptions:
@@ -114,33 +128,29 @@ def _rows(
 
 def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
     """The DDIM or flow policy of `cfg.model` with the sampling options of `o`. The sampler draws its noise
-    from a private generator seeded with ``seed`` + the process rank (every process samples different
-    noise); the trainer saves its state in every checkpoint, so a resumed run draws the same noise as an
+    from a private generator seeded with ``options.seed`` (default: the top-level ``seed``) + the process rank
+    (every process samples different noise); the trainer saves its state in every checkpoint, so a resumed run draws the same noise as an
     uninterrupted one."""
     m = cfg.model
     path = ensure_model(m.name_or_path, m.tiny_builder)
+    seed = (cfg.seed if o.seed is None else o.seed) + int(os.environ.get("RANK", "0"))
     common: dict[str, Any] = dict(
         dtype=m.dtype,
         lora=m.lora,
-        num_steps=o.num_steps,
-        guidance_scale=o.guidance_scale,
+        sampler=o.policy_sampler(seed=seed),
         latent_size=o.latent_size,
-        same_initial_noise=o.same_initial_noise,
-        train_fraction=o.train_fraction,
-        window_size=o.window_size,
-        seed=cfg.seed + int(os.environ.get("RANK", "0")),
         need_reference=cfg.algorithm.kl_coef > 0,
     )
     if o.policy == "ddim":
         from mmalign.policies.ddim import DDIMPolicy
 
-        return DDIMPolicy.from_pretrained(path, eta=o.eta, **common)
+        return DDIMPolicy.from_pretrained(path, **common)
     from mmalign.policies.flux import flow_policy_class
 
-    return flow_policy_class(path).from_pretrained(path, noise_level=o.noise_level, **common)
+    return flow_policy_class(path).from_pretrained(path, **common)
 
 
-@register_pipeline("safe_diffusion")
+@register_pipeline("safe_diffusion", options=SafeDiffusionOptions)
 def build(cfg: Config) -> Any:
     """SafeDiffusion-R1: CLIP steering reward on mixed safe/unsafe prompts (DDIM or flow policy)."""
     o = safe_options(cfg)
@@ -156,4 +166,6 @@ def build(cfg: Config) -> Any:
         ensure_model(path, builder)
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_policy(cfg, o)
-    return Components(policy=policy, rewards=rewards, data=train, eval_data=evals or None)
+    return Components(
+        policy=policy, rewards=rewards, data=train, eval_data=evals or None, sample_columns=["category"]
+    )

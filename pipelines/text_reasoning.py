@@ -13,15 +13,19 @@ from typing import Any
 from mmalign.config import Config
 from mmalign.data import load_rows
 from mmalign.policies.text import TextPolicy
+from mmalign.rollout_loops import Environment, loop_from_config
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
 from rewards import RewardSet
 
 
-def policy_kwargs(cfg: Config) -> dict[str, Any]:
-    """`from_pretrained` keyword arguments of a text-generating policy, from `cfg.model` and `cfg.rollout`."""
+def policy_kwargs(cfg: Config, environment: Environment | None = None) -> dict[str, Any]:
+    """`from_pretrained` keyword arguments of a text-generating policy, from `cfg.model` and `cfg.rollout`
+    (the rollout loop from ``rollout.loop`` / ``rollout.loop_kwargs``, with the pipeline's `environment`
+    for a multi-turn loop; a bad loop name or option is a `ConfigError` naming the key)."""
     m, r = cfg.model, cfg.rollout
     return dict(
+        loop=loop_from_config(cfg, environment),
         dtype=m.dtype,
         lora=m.lora,
         gradient_checkpointing=m.gradient_checkpointing,
@@ -41,9 +45,10 @@ def policy_kwargs(cfg: Config) -> dict[str, Any]:
 def build_text_policy(cfg: Config) -> TextPolicy:
     """The `TextPolicy` described by `cfg.model` and `cfg.rollout`."""
     m = cfg.model
+    kwargs = policy_kwargs(cfg)  # checks the rollout loop before the model is built or loaded
     path = ensure_model(m.name_or_path, m.tiny_builder)
     return TextPolicy.from_pretrained(
-        path, use_chat_template=m.use_chat_template, shared_prefix=m.shared_prefix, **policy_kwargs(cfg)
+        path, use_chat_template=m.use_chat_template, shared_prefix=m.shared_prefix, **kwargs
     )
 
 
@@ -54,4 +59,6 @@ def build(cfg: Config) -> Any:
     eval_rows = load_rows(cfg.data.eval, cfg.data.prompt_template) if cfg.data.eval else None
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_text_policy(cfg)
-    return Components(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)
+    return Components(
+        policy=policy, rewards=rewards, data=rows, eval_data=eval_rows, sample_columns=["answer", "solution"]
+    )

@@ -16,7 +16,8 @@ Data (``data.train``; ``data.eval`` likewise, kept as evaluation rows):
   "position": "left"}`` for ``shapes_compositional``. A malformed line, a row without a prompt or an
   empty prompt is a `DataError` naming file:line.
 
-The sampler is configured in the typed ``options:`` section (`FlowOptions`).
+The sampler is configured in the typed ``options:`` section (`FlowOptions`, whose sampler keys are
+`mmalign.policies.denoising.SamplerSettings`, handed to the policy as ``sampler=``).
 
 FLUX.1 (dev / schnell) is served by `mmalign.policies.flux.FluxPolicy` instead: `build_flow_policy`
 picks it when the model folder's ``transformer/config.json`` names ``FluxTransformer2DModel``, or, for a
@@ -35,8 +36,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from mmalign.config import Config, register_options
+from mmalign.config import Config
 from mmalign.data import DataError, load_rows
+from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.policies.flow import FlowPolicy
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
@@ -44,43 +46,14 @@ from rewards import RewardSet
 
 
 @dataclass
-class FlowOptions:
-    num_steps: int = 10
-    """Denoising steps per sample (the scheduler's shifted sigmas from 1 to 0); Flow-GRPO trains with 10."""
-    noise_level: float = 0.7
-    """Flow-GRPO SDE noise level a (sigma_t = a * sqrt(sigma / (1 - sigma))): how far samples of one prompt
-    spread. Higher explores more; too high degrades the images."""
+class FlowOptions(SamplerSettings):
+    """The ``options:`` section: the sampler (`mmalign.policies.denoising.SamplerSettings`: ``num_steps``,
+    ``noise_level``, ``sde_kind``, ``cps_log_prob``, ``train_fraction``, the window keys, ``train_guidance``,
+    ``seed`` ...; validated there) plus what loading the model needs."""
+
     guidance_scale: float = 4.5
     """Classifier-free guidance scale, the same in sampling and in the log-probs (1: no guidance, half the
     compute; a model needs unconditional training for > 1 to help). SD3.5 / Flow-GRPO use 4.5."""
-    same_initial_noise: bool = False
-    """Start every sample of a group from the same initial noise (only the SDE noise then differs)."""
-    train_fraction: float = 1.0
-    """Share of the denoising steps trained per sample (a random subset each; the others still sample
-    stochastically). Ignored when `window_size` is set."""
-    window_size: int | None = None
-    """Train only a window of this many consecutive SDE steps (deterministic ODE steps outside it;
-    Flow-GRPO-Fast). null: no window."""
-    window_range: list[int] | None = None
-    """[lo, hi]: the window's first step is drawn uniformly from lo..hi each rollout (default: anywhere)."""
-    window_mode: str = "random"
-    """How the window moves: ``random`` (a fresh start per rollout, Flow-GRPO-Fast) or ``sliding`` (MixGRPO:
-    starts at ``window_range[0]`` and moves `window_stride` steps later every `window_shift_every` training
-    steps, wrapping around; see `mmalign.schedules.SlidingWindow`)."""
-    window_shift_every: int = 25
-    """Sliding window: training steps between moves."""
-    window_stride: int = 1
-    """Sliding window: denoising steps per move."""
-    sde_kind: str = "flow_sde"
-    """The stochastic step (`mmalign.sde`): ``flow_sde`` (Flow-GRPO), ``cps`` (coefficients-preserving,
-    noise_level in (0, 1]) or ``dance`` (DanceGRPO, noise_level is its eta). Zero-std steps run as ODE."""
-    cps_log_prob: str = "squared_error"
-    """How a ``cps`` step is scored: ``squared_error`` (Flow-GRPO: log p = -mean((x' - mu)^2), no 1/(2 sigma_t^2)
-    factor, so ratios stay well-scaled on the tiny-noise last steps) or ``gaussian`` (the full Gaussian
-    log-density; the clip range then means something else). Only used with ``sde_kind: cps``."""
-    train_guidance: bool = True
-    """Apply CFG in the training forward too (false: train the conditional branch only, half the compute;
-    the log-probs of a CFG rollout are then off-policy, so keep ratios near 1 with small clip ranges)."""
     max_sequence_length: int | None = None
     """Tokens of the T5 encoder's prompt states (CLIP encoders always use 77); null: the policy's default,
     256 for SD3/SD3.5 (as diffusers) and 512 for Flux (as diffusers; FLUX.1-schnell was trained with 256)."""
@@ -89,66 +62,18 @@ class FlowOptions:
     resolution: int | None = None
     """Image side in pixels (latents are resolution / the VAE's downsampling factor); null: the
     transformer's own ``sample_size``. Must be a multiple of the factor times the patch size."""
-    seed: int | None = None
-    """null (default): the initial and SDE noise come from torch's global RNG, which the trainer seeds
-    from the top-level ``seed`` (offset per process) and saves in checkpoints, so a run is reproducible
-    and resumes exactly. An int: a private generator for the sampler (reproducible independently of any
-    other random draw; every process gets seed + its rank, and its state is saved in checkpoints too)."""
 
     def __post_init__(self) -> None:
-        if self.num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
-        if not self.noise_level > 0:
+        super().__post_init__()
+        if self.sde_kind not in FLOW_SDE_KINDS:
             raise ValueError(
-                f"noise_level must be > 0 (the SDE needs noise for log-probs), got {self.noise_level}"
-            )
-        if not self.guidance_scale >= 1:
-            raise ValueError(f"guidance_scale must be >= 1 (1: no guidance), got {self.guidance_scale}")
-        if not 0 < self.train_fraction <= 1:
-            raise ValueError(f"train_fraction must be in (0, 1], got {self.train_fraction}")
-        if self.window_size is not None and not 1 <= self.window_size <= self.num_steps:
-            raise ValueError(
-                f"window_size must be in [1, num_steps={self.num_steps}], got {self.window_size}"
-            )
-        if self.window_range is not None:
-            if self.window_size is None:
-                raise ValueError("window_range needs window_size")
-            if len(self.window_range) != 2 or not 0 <= self.window_range[0] <= self.window_range[1]:
-                raise ValueError(f"window_range must be [lo, hi] with 0 <= lo <= hi, got {self.window_range}")
-            if self.window_range[0] > self.num_steps - self.window_size:
-                raise ValueError(
-                    f"window_range starts at {self.window_range[0]}, but a window of {self.window_size} steps "
-                    f"must start by step {self.num_steps - self.window_size}"
-                )
-        from mmalign.policies.flow import SDE_KINDS, WINDOW_MODES
-
-        if self.sde_kind not in SDE_KINDS:
-            raise ValueError(f"sde_kind must be one of {', '.join(SDE_KINDS)}; got {self.sde_kind!r}")
-        from mmalign.policies.flow import CPS_LOG_PROBS
-
-        if self.cps_log_prob not in CPS_LOG_PROBS:
-            raise ValueError(
-                f"cps_log_prob must be one of {', '.join(CPS_LOG_PROBS)}; got {self.cps_log_prob!r}"
-            )
-        if self.sde_kind == "cps" and self.noise_level > 1:
-            raise ValueError(f"noise_level must be in (0, 1] for sde_kind cps, got {self.noise_level}")
-        if self.window_mode not in WINDOW_MODES:
-            raise ValueError(
-                f"window_mode must be one of {', '.join(WINDOW_MODES)}; got {self.window_mode!r}"
-            )
-        if self.window_mode == "sliding" and self.window_size is None:
-            raise ValueError("window_mode sliding needs window_size")
-        if self.window_shift_every < 1 or self.window_stride < 1:
-            raise ValueError(
-                f"window_shift_every and window_stride must be >= 1, got {self.window_shift_every}, {self.window_stride}"
+                f"sde_kind must be one of {', '.join(FLOW_SDE_KINDS)} (text_to_image trains flow-matching "
+                f"models); got {self.sde_kind!r}"
             )
         if self.max_sequence_length is not None and self.max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
         if self.resolution is not None and self.resolution < 1:
             raise ValueError(f"resolution must be >= 1 or null, got {self.resolution}")
-
-
-register_options("text_to_image", FlowOptions)
 
 
 def flow_options(cfg: Config) -> FlowOptions:
@@ -195,22 +120,9 @@ def build_flow_policy(cfg: Config) -> FlowPolicy:
         path,
         dtype=cfg.model.dtype,
         lora=cfg.model.lora,
-        num_steps=opts.num_steps,
-        noise_level=opts.noise_level,
-        guidance_scale=opts.guidance_scale,
-        same_initial_noise=opts.same_initial_noise,
-        train_fraction=opts.train_fraction,
-        window_size=opts.window_size,
-        window_range=tuple(opts.window_range) if opts.window_range is not None else None,
-        window_mode=opts.window_mode,
-        window_shift_every=opts.window_shift_every,
-        window_stride=opts.window_stride,
-        sde_kind=opts.sde_kind,
-        cps_log_prob=opts.cps_log_prob,
-        train_guidance=opts.train_guidance,
+        sampler=opts.sampler_settings(seed=seed),
         **({} if opts.max_sequence_length is None else {"max_sequence_length": opts.max_sequence_length}),
         load_t5=opts.load_t5,
-        seed=seed,
         need_reference=cfg.algorithm.kl_coef > 0,
     )
     if opts.resolution is not None:
@@ -236,7 +148,7 @@ def latent_size_for(policy: FlowPolicy, resolution: int, source: str = "<config>
     return resolution // factor
 
 
-@register_pipeline("text_to_image")
+@register_pipeline("text_to_image", options=FlowOptions)
 def build(cfg: Config) -> Any:
     """Flow-matching text-to-image model (SD3 style) + image rewards on prompt files (.txt or JSONL)."""
     rows = load_prompts(cfg.data.train, cfg.data.prompt_template, cfg.data.max_rows)

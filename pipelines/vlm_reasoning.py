@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from mmalign.config import Config, register_options
+from mmalign.config import Config
 from mmalign.data import DataError, load_rows
 from mmalign.policies.vlm import VLMPolicy
 from mmalign.tiny import ensure_model
@@ -38,9 +38,6 @@ class VLMOptions:
     """Keep the vision tower fixed (full fine-tuning; under LoRA it has no adapters anyway)."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed row or missing image file: stop with an error naming file:line, or skip it (counted, logged)."""
-
-
-register_options("vlm_reasoning", VLMOptions)
 
 
 def vlm_options(cfg: Config) -> VLMOptions:
@@ -159,8 +156,10 @@ def _load_skipping(source: str, template: str, max_rows: int | None) -> list[dic
 
 def build_vlm_policy(cfg: Config) -> VLMPolicy:
     """The `VLMPolicy` described by `cfg.model`, `cfg.rollout` and the `options:` section
-    (``model.shared_prefix``: the shared-prefix log-prob forward where the model family supports it)."""
+    (``model.shared_prefix``: the shared-prefix log-prob forward where the model family supports it;
+    ``rollout.loop``: ``single_turn`` or ``multi_turn`` with ``rollout.loop_kwargs.environment``)."""
     opts = vlm_options(cfg)
+    kwargs = policy_kwargs(cfg)  # checks the rollout loop before the model is built or loaded
     path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
     return VLMPolicy.from_pretrained(
         path,
@@ -168,11 +167,11 @@ def build_vlm_policy(cfg: Config) -> VLMPolicy:
         max_pixels=opts.max_pixels,
         freeze_vision=opts.freeze_vision,
         shared_prefix=cfg.model.shared_prefix,
-        **policy_kwargs(cfg),
+        **kwargs,
     )
 
 
-@register_pipeline("vlm_reasoning")
+@register_pipeline("vlm_reasoning", options=VLMOptions)
 def build(cfg: Config) -> Any:
     """Vision-language model + verifiable text rewards on JSONL rows with image paths."""
     opts = vlm_options(cfg)
@@ -180,4 +179,6 @@ def build(cfg: Config) -> Any:
     eval_rows = load_vlm_rows(cfg.data.eval, cfg.data.prompt_template, opts) if cfg.data.eval else None
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_vlm_policy(cfg)
-    return Components(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)
+    return Components(
+        policy=policy, rewards=rewards, data=rows, eval_data=eval_rows, sample_columns=["answer", "solution"]
+    )

@@ -22,28 +22,24 @@ from .base import (
     register_reward,
 )
 from .image import (
-    PALETTE,
     AestheticScore,
     ClipScore,
     JpegCompressibility,
     JpegIncompressibility,
     PreferenceScore,
     ShapesCompositional,
-    render_scene,
 )
 from .multimodal import BMAS, BoxIoU, MixedAccuracy, MultipleChoice
 from .safety import ClassifierFlag, ClipConceptFlag, ClipSteering, ColourPresent
 from .text import AnswerAccuracy, FormatReward, OverlongPenalty
 
 __all__ = [
-    "PALETTE",
     "AestheticScore",
     "ClipScore",
     "JpegCompressibility",
     "JpegIncompressibility",
     "PreferenceScore",
     "ShapesCompositional",
-    "render_scene",
     "ClassifierFlag",
     "ClipConceptFlag",
     "ClipSteering",

@@ -30,10 +30,24 @@ styles are told apart by the signature:
 
 A function's ``needs`` attribute, if set, overrides the default ``{"texts"}``.
 
-Process rewards: a reward may compute Float[B, T], but `RewardSet` only builds Float[B, K]
-columns, and a 2-D result is reported as an error that names the reward (process rewards will get
-their own field later, `Rollout.step_rewards`). Combining the columns with weights
-(r_i = nansum_k w_k r_ik) is done by `mmalign.advantages.combine_rewards`, not here.
+Outcome and process rewards. An outcome reward (the default) returns Float[B], one number per
+sample. A process (per-step) reward declares ``per_step = True`` (a class attribute of a `Reward`
+subclass, or an attribute ``fn.per_step = True`` of a function, like ``fn.needs``) and returns
+Float[B, T], one number per action, with T = ``batch.mask.shape[1]`` = ``rollout.mask.shape[1]``
+(tokens for text, trained denoising steps for diffusion). Values where ``batch.mask`` is False are
+ignored; NaN means "no process reward at this step" (it counts as 0 in the step rewards); +-inf at
+a valid step is an error. A per-step reward with the wrong shape, or an outcome reward returning a
+2-D tensor, is a `RewardError` that names the reward and the shapes.
+
+`RewardSet` returns Float[B, K], one column per reward. The column of a per-step reward holds each
+sample's mean over its valid, non-NaN steps (NaN if it has none): it is for logs and sample dumps
+and does not enter the outcome total. Called on a `Rollout` with at least one per-step reward, the
+set also writes ``rollout.step_rewards`` = sum_k step_weight_k * r_k (Float[B, T], NaN read as 0,
+0 where ``rollout.mask`` is False). ``RewardSet.weights`` are the OUTCOME weights (0 for per-step
+columns) and ``RewardSet.step_weights`` the weights of the per-step columns (0 elsewhere).
+Combining the columns with weights (r_i = nansum_k w_k r_ik) is done by
+`mmalign.advantages.combine_rewards`, not here; estimators that take ``step_rewards`` (see
+`mmalign.advantages.accepts_step_rewards`) turn the step rewards into per-action advantages.
 """
 
 from __future__ import annotations
@@ -95,6 +109,8 @@ class RewardBatch:
     - ``outputs``  dict: "texts" list[str], "num_tokens" Long[B], "images" Float[B,3,H,W], ...
     - ``columns``  dict[str, list]: every dataset column, one value per sample
     - ``group``    Long[B]: which prompt each sample came from (default: each sample its own group)
+    - ``mask``     Bool[B,T] or None: the valid actions (``rollout.mask``); a per-step reward returns
+      Float[B,T] with this T. None when the batch was not built from a rollout.
 
     ``batch["key"]`` looks the key up in ``columns``, then in ``outputs``.
     """
@@ -103,6 +119,7 @@ class RewardBatch:
     outputs: dict[str, Any] = field(default_factory=dict)
     columns: dict[str, list[Any]] = field(default_factory=dict)
     group: Tensor | None = None
+    mask: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompts)
@@ -110,6 +127,8 @@ class RewardBatch:
             self.group = torch.arange(n)
         elif self.group.shape[0] != n:
             raise ValueError(f"RewardBatch: {n} prompts but group has {self.group.shape[0]} entries")
+        if self.mask is not None and (self.mask.dim() != 2 or self.mask.shape[0] != n):
+            raise ValueError(f"RewardBatch: {n} prompts but mask has shape {tuple(self.mask.shape)}")
 
     @classmethod
     def from_rollout(cls, rollout: Any) -> RewardBatch:
@@ -119,6 +138,7 @@ class RewardBatch:
             outputs=rollout.outputs,
             columns=rollout.columns,
             group=rollout.group,
+            mask=getattr(rollout, "mask", None),
         )
 
     def __len__(self) -> int:
@@ -159,11 +179,14 @@ class Reward:
     Options from the config arrive as keyword arguments of the constructor; a subclass without
     options need not define ``__init__`` (then any option is a TypeError naming the reward).
     ``needs`` lists what the reward reads from the outputs (the trainer decodes pixels only if some
-    reward needs "images"). ``name`` is the registered name; the loader sets it on the instance to
-    the spec it was loaded by. Rewards are called under ``torch.no_grad()`` by `RewardSet`.
+    reward needs "images"). ``per_step = True`` makes it a process reward: ``__call__`` then returns
+    Float[B, T] with T = ``batch.mask.shape[1]`` (see the module docstring). ``name`` is the
+    registered name; the loader sets it on the instance to the spec it was loaded by. Rewards are
+    called under ``torch.no_grad()`` by `RewardSet`.
     """
 
     needs: ClassVar[set[str]] = set()
+    per_step: ClassVar[bool] = False
     name: str = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -219,13 +242,17 @@ def _check_options(
 
 
 class FunctionReward(Reward):
-    """A plain function used as a reward (batch style or TRL style; see the module docstring)."""
+    """A plain function used as a reward (batch style or TRL style; see the module docstring).
+
+    The function's ``needs`` and ``per_step`` attributes, if set, become the reward's.
+    """
 
     def __init__(self, fn: Callable[..., Any], name: str | None = None, **options: Any) -> None:
         self.fn = fn
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         self.style = self.detect_style(fn)
         self.needs = set(getattr(fn, "needs", {"texts"}))
+        self.per_step = bool(getattr(fn, "per_step", False))
         self.options = dict(options)
         batch_style = self.style == "batch"
         _check_options(self.name, fn, 1 if batch_style else 0, self.options, check_missing=batch_style)
@@ -393,8 +420,13 @@ def _fmt_rows(rows: Iterable[int], limit: int = 8) -> str:
 class RewardSet:
     """The rewards of a config, evaluated together into Float[B, K] columns (NaN = not applicable).
 
-    ``names`` are the column names (alias or spec name), ``weights`` Float[K], ``needs`` the union
-    of the rewards' needs. Weighting the columns is `mmalign.advantages.combine_rewards`' job.
+    ``names`` are the column names (alias or spec name), ``needs`` the union of the rewards' needs.
+    ``weights`` Float[K] are the OUTCOME weights: each outcome reward's configured weight, 0 for the
+    per-step (process) rewards, whose columns only report each sample's mean step reward.
+    ``step_weights`` Float[K] hold each per-step reward's configured weight (0 for outcome columns);
+    ``per_step_names`` / ``is_per_step`` tell which columns are per-step. Weighting the outcome
+    columns is `mmalign.advantages.combine_rewards`' job; `__call__` writes the weighted step rewards
+    to ``rollout.step_rewards``. Without per-step rewards ``weights`` are the configured weights.
     """
 
     def __init__(
@@ -462,8 +494,30 @@ class RewardSet:
         return [s.column for s in self.specs]
 
     @property
+    def is_per_step(self) -> list[bool]:
+        """One entry per column: True for a per-step (process) reward."""
+        return [bool(getattr(r, "per_step", False)) for r in self.rewards]
+
+    @property
+    def per_step_names(self) -> list[str]:
+        """The column names of the per-step (process) rewards, in column order."""
+        return [s.column for s, p in zip(self.specs, self.is_per_step, strict=True) if p]
+
+    @property
     def weights(self) -> Tensor:
-        return torch.tensor([float(s.weight) for s in self.specs], dtype=torch.float32)
+        """Float[K] outcome weights: the configured weight of each outcome reward, 0 for per-step ones."""
+        return torch.tensor(
+            [0.0 if p else float(s.weight) for s, p in zip(self.specs, self.is_per_step, strict=True)],
+            dtype=torch.float32,
+        )
+
+    @property
+    def step_weights(self) -> Tensor:
+        """Float[K]: the configured weight of each per-step reward, 0 for outcome ones."""
+        return torch.tensor(
+            [float(s.weight) if p else 0.0 for s, p in zip(self.specs, self.is_per_step, strict=True)],
+            dtype=torch.float32,
+        )
 
     @property
     def needs(self) -> set[str]:
@@ -476,7 +530,11 @@ class RewardSet:
         return len(self.rewards)
 
     def __repr__(self) -> str:
-        return f"RewardSet({', '.join(f'{s.column}*{s.weight:g}' for s in self.specs)})"
+        parts = [
+            f"{s.column}*{s.weight:g}{' per step' if p else ''}"
+            for s, p in zip(self.specs, self.is_per_step, strict=True)
+        ]
+        return f"RewardSet({', '.join(parts)})"
 
     def _label(self, k: int) -> str:
         s = self.specs[k]
@@ -488,20 +546,38 @@ class RewardSet:
         """Float[B, K] for a `Rollout` or a `RewardBatch` (on the device of its ``group``).
 
         `prompts`, if given, replaces the batch's prompts. Each reward runs under ``torch.no_grad()``.
+        A per-step reward's column is each sample's mean over its valid, non-NaN steps (NaN if none).
+        Called on a `Rollout` with at least one per-step reward, this also sets
+        ``rollout.step_rewards`` = sum_k step_weights[k] * r_k, Float[B, T] (NaN read as 0, 0 where
+        ``rollout.mask`` is False); without per-step rewards ``rollout.step_rewards`` is not touched.
         """
-        batch = data if isinstance(data, RewardBatch) else RewardBatch.from_rollout(data)
+        is_batch = isinstance(data, RewardBatch)
+        batch = data if is_batch else RewardBatch.from_rollout(data)
         if prompts is not None:
             batch = dataclasses.replace(batch, prompts=list(prompts))
         n = len(batch)
+        mask = None if batch.mask is None else batch.mask.detach().to("cpu").bool()
+        per_step = self.is_per_step
         cols = []
+        steps: list[tuple[float, Tensor]] = []
         with torch.no_grad():
             for k, reward in enumerate(self.rewards):
                 try:
                     out = reward(batch)
                 except Exception as e:
                     raise RewardError(f"{self._label(k)} failed: {type(e).__name__}: {e}") from e
-                cols.append(self._validate(k, out, n))
+                if per_step[k]:
+                    col, step = self._validate_steps(k, out, n, mask)
+                    steps.append((float(self.specs[k].weight), step))
+                else:
+                    col = self._validate(k, out, n)
+                cols.append(col)
         device = batch.group.device if batch.group is not None else torch.device("cpu")
+        if steps and not is_batch:
+            total = torch.zeros_like(steps[0][1])
+            for w, step in steps:
+                total = total + w * step
+            data.step_rewards = total.to(device)
         if not cols:
             return torch.zeros(n, 0, dtype=torch.float32, device=device)
         return torch.stack(cols, dim=1).to(device)
@@ -515,7 +591,7 @@ class RewardSet:
             if out.dim() == 2:
                 raise RewardError(
                     f"{label} returned a tensor of shape {tuple(out.shape)}; process rewards Float[B,T] "
-                    f"are not combined into reward columns (return Float[B])"
+                    f"must declare per_step = True (an outcome reward returns Float[{n}])"
                 )
             if out.dim() != 1:
                 raise RewardError(
@@ -527,17 +603,7 @@ class RewardSet:
                 raise RewardError(
                     f"{label} returned {type(out).__name__}; expected Float[{n}] or a list of {n} floats"
                 )
-            values = []
-            for i, v in enumerate(out):
-                if v is None:
-                    values.append(math.nan)
-                    continue
-                if isinstance(v, Tensor) and v.numel() == 1:
-                    v = v.item()
-                if isinstance(v, str | bytes) or not hasattr(v, "__float__"):
-                    raise RewardError(f"{label} returned a non-numeric value at sample {i}: {v!r}")
-                values.append(float(v))
-            col = torch.tensor(values, dtype=torch.float32)
+            col = torch.tensor(self._floats(label, out, sample=None), dtype=torch.float32)
         if col.shape[0] != n:
             raise RewardError(f"{label} returned {col.shape[0]} values for a batch of {n}")
         inf = torch.isinf(col)
@@ -547,6 +613,70 @@ class RewardSet:
                 f"(use NaN for 'not applicable')"
             )
         return col
+
+    @staticmethod
+    def _floats(label: str, values: Iterable[Any], sample: int | None) -> list[float]:
+        """`values` as floats (None -> NaN); a non-numeric entry is a RewardError naming its sample."""
+        out = []
+        for i, v in enumerate(values):
+            if v is None:
+                out.append(math.nan)
+                continue
+            if isinstance(v, Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, str | bytes) or not hasattr(v, "__float__"):
+                where = f"sample {i}" if sample is None else f"sample {sample}, step {i}"
+                raise RewardError(f"{label} returned a non-numeric value at {where}: {v!r}")
+            out.append(float(v))
+        return out
+
+    def _validate_steps(self, k: int, out: Any, n: int, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """A per-step reward's output -> (column Float[B], step rewards Float[B, T], 0 where masked or NaN).
+
+        T is ``mask.shape[1]``; without a mask (a `RewardBatch` not built from a rollout) any T is
+        accepted and every step counts as valid.
+        """
+        label = self._label(k)
+        t = None if mask is None else mask.shape[1]
+        want = f"Float[{n}, {'T' if t is None else t}]"
+        hint = f"a per-step reward returns {want} (T = rollout.mask.shape[1], the number of actions)"
+        if isinstance(out, Tensor):
+            out = out.detach()
+            if out.dtype.is_complex:
+                raise RewardError(f"{label} returned a complex tensor; rewards are real numbers")
+            steps = out.to(device="cpu", dtype=torch.float32)
+        else:
+            if isinstance(out, str | bytes) or not isinstance(out, Iterable):
+                raise RewardError(f"{label} returned {type(out).__name__}; {hint}")
+            rows = []
+            for i, row in enumerate(out):
+                if isinstance(row, Tensor):
+                    row = row.detach().cpu().tolist()
+                if isinstance(row, str | bytes) or not isinstance(row, Iterable):
+                    raise RewardError(f"{label} returned {type(row).__name__} for sample {i}; {hint}")
+                rows.append(self._floats(label, row, sample=i))
+            lengths = sorted({len(r) for r in rows})
+            if len(lengths) > 1:
+                raise RewardError(f"{label} returned rows of different lengths {lengths}; {hint}")
+            if rows:
+                steps = torch.tensor(rows, dtype=torch.float32)
+            else:
+                steps = torch.zeros(0, t or 0, dtype=torch.float32)
+        if steps.dim() != 2 or steps.shape[0] != n or (t is not None and steps.shape[1] != t):
+            raise RewardError(f"{label} returned a tensor of shape {tuple(steps.shape)}; {hint}")
+        valid = torch.ones(steps.shape, dtype=torch.bool) if mask is None else mask
+        inf = torch.isinf(steps) & valid
+        if inf.any():
+            raise RewardError(
+                f"{label} returned +/-inf at sample(s) {_fmt_rows(inf.any(dim=1).nonzero().flatten().tolist())} "
+                f"(use NaN for 'no process reward at this step')"
+            )
+        scored = valid & ~torch.isnan(steps)
+        step = torch.where(scored, steps, torch.zeros_like(steps))
+        count = scored.sum(dim=1)
+        mean = step.double().sum(dim=1) / count.clamp(min=1)
+        col = torch.where(count > 0, mean, torch.full_like(mean, math.nan)).to(torch.float32)
+        return col, step
 
     # ---------------------------------------------------------------------- reporting
     def _check_columns(self, rewards: Tensor) -> None:

@@ -36,9 +36,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mmalign.tiny.world import PALETTE
+
 from .base import Reward, RewardBatch, register_reward
 from .image import (
-    PALETTE,
     CLIPEmbedder,
     _images,
     _local_path,
@@ -201,8 +202,9 @@ class ColourPresent(Reward):
     def __init__(
         self, *, colour: str, min_pixels: int = 4, threshold: float = 0.25, device: str | None = None
     ) -> None:
-        """`colour`: a palette name (``rewards.image.PALETTE``); `threshold`: the RGB distance (in [0, 1])
-        within which a pixel counts as that colour; `min_pixels`: the smallest 4-connected blob that counts."""
+        """`colour`: a palette name (``mmalign.tiny.world.PALETTE``); `threshold`: the RGB distance (in
+        [0, 1]) within which a pixel counts as that colour; `min_pixels`: the smallest 4-connected blob that
+        counts."""
         if colour not in PALETTE:
             raise ValueError(
                 f"reward {self.name!r}: unknown colour {colour!r}; the palette: {', '.join(PALETTE)}"

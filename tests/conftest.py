@@ -38,6 +38,39 @@ def random_text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def random_vlm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised tiny Qwen2-VL + processor (the `vlm_random` builder), ~10 s once."""
+    from mmalign import tiny
+
+    return tiny.build("vlm_random", tmp_path_factory.mktemp("models") / "vlm-random", announce=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SD3-layout flow-matching folder, random weights: transformer, VAE, two CLIPs and a T5
+    (the `flow_sd3_tiny_3enc` builder), a few seconds once."""
+    from mmalign import tiny
+
+    return tiny.build("flow_sd3_tiny_3enc", tmp_path_factory.mktemp("models") / "sd3", announce=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny FLUX.1-dev-style folder (guidance embedding), random weights (the `flux_tiny` builder)."""
+    from mmalign import tiny
+
+    return tiny.build("flux_tiny", tmp_path_factory.mktemp("models") / "flux", announce=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd15_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SD 1.5-style UNet folder with a DDIM scheduler, random weights (the `ddim_sd15_tiny` builder)."""
+    from mmalign import tiny
+
+    return tiny.build("ddim_sd15_tiny", tmp_path_factory.mktemp("models") / "sd15", announce=False)
+
+
 @pytest.fixture
 def check_shared_prefix_matches_plain():
     """Callable(policy, rollout, plain=None): the shared-prefix forward gives the plain forward's per-token

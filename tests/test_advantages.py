@@ -24,6 +24,8 @@ ALL_ESTIMATORS = {
     "pass_at_k",
     "a_grae",
 }
+# estimators that take step rewards (registry metadata step_rewards=True) and return Float[B, T]
+STEP_ESTIMATORS = {"grpo_process"}
 
 
 # =========================================================================== plain-Python references
@@ -32,7 +34,11 @@ ALL_ESTIMATORS = {
 
 def ref_combine(row, weights):
     terms = [w * x for w, x in zip(weights, row, strict=True) if not math.isnan(x)]
-    return sum(terms) if terms else NAN
+    # components of weight 0 do not make a sample applicable (unless every weight is 0)
+    applicable = [x for w, x in zip(weights, row, strict=True) if w != 0 or not any(weights)]
+    if all(math.isnan(x) for x in applicable):
+        return NAN
+    return sum(terms)
 
 
 def ref_totals(rows, weights):
@@ -674,7 +680,7 @@ def test_accepts_num_actions_and_trainer_call_paths():
 
 
 def test_registry_names_and_descriptions():
-    assert set(adv.names()) == ALL_ESTIMATORS
+    assert set(adv.names()) == ALL_ESTIMATORS | STEP_ESTIMATORS
     assert adv.names() == sorted(adv.names())
     for name in adv.names():
         line = adv.describe(name)
@@ -810,3 +816,240 @@ def test_equal_rewards_give_exactly_zero_advantage_despite_rounding():
     g = torch.zeros(8, dtype=torch.long)
     for name in ("grpo", "dr_grpo", "rloo"):
         assert torch.equal(adv.get(name)(r, g, weights=[1.0, 0.2]), torch.zeros(8)), name
+
+
+# =========================================================================== step rewards: grpo_process
+
+
+def ref_grpo_process(rows, gids, weights, steps, mask, std="group", eps=1e-4, process_coef=1.0):
+    """Plain-Python grpo_process: ref_grpo per sample + c * (s - mean) / (stdev + eps) per (group, step)."""
+    outcome = ref_grpo(rows, gids, weights, std=std, eps=eps)
+    n_steps = len(steps[0]) if steps else 0
+    out = [[0.0] * n_steps for _ in steps]
+    for idxs in ref_groups(gids).values():
+        for t in range(n_steps):
+            members = [i for i in idxs if mask[i][t] and math.isfinite(steps[i][t])]
+            if len(members) >= 2:
+                vals = [steps[i][t] for i in members]
+                mean, sd = statistics.fmean(vals), statistics.stdev(vals)
+            for i in idxs:
+                if not mask[i][t]:
+                    continue  # masked actions get 0
+                proc = 0.0
+                if i in members and len(members) >= 2 and sd + eps > 0:
+                    proc = (steps[i][t] - mean) / (sd + eps)
+                out[i][t] = outcome[i] + process_coef * proc
+    return out
+
+
+def random_steps(rng: random.Random, b: int, discrete: bool):
+    """(steps B x T with some NaN, mask B x T with a random number of valid leading actions)."""
+    n_steps = rng.randint(1, 5)
+
+    def value():
+        if rng.random() < 0.1:
+            return NAN
+        return rng.choice([0.0, 0.5, 1.0]) if discrete else rng.gauss(0.0, 1.0)
+
+    steps = [[value() for _ in range(n_steps)] for _ in range(b)]
+    lengths = [rng.randint(0, n_steps) for _ in range(b)]
+    mask = [[t < n for t in range(n_steps)] for n in lengths]
+    return steps, mask
+
+
+def test_grpo_process_hand_worked():
+    # Two groups (ids 7 and 3) x 3 samples x T = 2 steps. Outcome rewards: K = 2 columns laid out as
+    # RewardSet builds them (column 0 an outcome reward, column 1 the per-step reward's mean, whose
+    # outcome weight is 0). eps = 0, process_coef c = 0.5.
+    #
+    # Outcome (= grpo, unbiased group std):
+    #   group 7: r = [0, 1, 2]    mean 1, sd sqrt((1 + 0 + 1) / 2) = 1          -> A_out = [-1, 0, 1]
+    #   group 3: r = [1, 3, NaN]  mean 2, sd sqrt((1 + 1) / 1) = sqrt(2)        -> A_out = [-1/sqrt2, 1/sqrt2, 0]
+    # Process, per (group, step) over the samples valid there:
+    #   group 7, t=0: s = [1, 3, 5]  mean 3, sd sqrt((4 + 0 + 4) / 2) = 2       -> [-1, 0, 1]
+    #   group 7, t=1: s = [2, 2, 2]  zero std                                   -> [0, 0, 0]
+    #   group 3, t=0: s = [0, 6, 6]  mean 4, sd sqrt((16 + 4 + 4) / 2) = 2 sqrt3 -> [-2/sqrt3, 1/sqrt3, 1/sqrt3]
+    #   group 3, t=1: sample 5 masked (its 100 ignored), sample 4 NaN: 1 valid   -> [0, 0, -]
+    # A = A_out + 0.5 * A_proc at valid actions, 0 at masked ones:
+    r2, r3 = 1 / math.sqrt(2), 1 / math.sqrt(3)
+    expected = [
+        [-1.0 - 0.5, -1.0],
+        [0.0, 0.0],
+        [1.0 + 0.5, 1.0],
+        [-r2 - 0.5 * 2 * r3, -r2],  # -1.284457, -0.707107
+        [r2 + 0.5 * r3, r2],  # 0.995782, 0.707107 (its own step reward is NaN: process part 0)
+        [0.5 * r3, 0.0],  # NaN outcome -> 0, then + 0.288675; step 1 masked -> 0
+    ]
+    rewards = torch.tensor([[0.0, 9.0], [1.0, 9.0], [2.0, 9.0], [1.0, 9.0], [3.0, 9.0], [NAN, 9.0]])
+    group = torch.tensor([7, 7, 7, 3, 3, 3])
+    steps = torch.tensor([[1.0, 2.0], [3.0, 2.0], [5.0, 2.0], [0.0, 2.0], [6.0, NAN], [6.0, 100.0]])
+    mask = torch.tensor([[True, True]] * 5 + [[True, False]])
+    got = adv.grpo_process(
+        rewards, group, step_rewards=steps, step_mask=mask, weights=[1.0, 0.0], eps=0.0, process_coef=0.5
+    )
+    assert got.dtype == torch.float32 and got.shape == (6, 2)
+    torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-6, atol=1e-6)
+    # the independent plain-Python reference agrees on the same example
+    want = ref_grpo_process(
+        rewards.tolist(), group.tolist(), [1.0, 0.0], steps.tolist(), mask.tolist(), eps=0.0, process_coef=0.5
+    )
+    torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-6)
+
+
+def test_grpo_process_matches_plain_python_reference():
+    rng = random.Random(21)
+    option_sets = [
+        {},
+        {"process_coef": 0.3},
+        {"std": "batch"},
+        {"std": "none", "process_coef": 2.0},
+        {"eps": 0.0},
+    ]
+    for case, (rows, gids, weights, _k) in enumerate(random_cases(seed=17, n=30)):
+        steps, mask = random_steps(rng, len(gids), discrete=case % 2 == 0)
+        for opts in option_sets:
+            got = adv.get("grpo_process")(
+                torch.tensor(rows, dtype=torch.float64),
+                torch.tensor(gids),
+                step_rewards=torch.tensor(steps, dtype=torch.float64),
+                step_mask=torch.tensor(mask),
+                weights=weights,
+                **opts,
+            )
+            want = ref_grpo_process(rows, gids, weights, steps, mask, **opts)
+            assert got.dtype == torch.float64 and got.shape == (len(gids), len(steps[0]))
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+
+
+def test_grpo_process_outcome_part_is_grpo_broadcast():
+    rng = random.Random(5)
+    for rows, gids, weights, _k in random_cases(seed=9, n=10):
+        steps, mask = random_steps(rng, len(gids), discrete=False)
+        r, g = to_tensors(rows, gids, k_dim=True)
+        m = torch.tensor(mask)
+        base = adv.grpo(r, g, weights=weights, std="batch")
+        # process_coef = 0, or step rewards that are equal within every (group, step): A = grpo at valid actions
+        for s, c in ((torch.tensor(steps, dtype=torch.float64), 0.0), (torch.ones(m.shape), 1.0)):
+            got = adv.grpo_process(
+                r, g, step_rewards=s, step_mask=m, weights=weights, std="batch", process_coef=c
+            )
+            torch.testing.assert_close(
+                got, torch.where(m, base[:, None], torch.zeros(m.shape, dtype=base.dtype))
+            )
+
+
+def test_grpo_process_needs_step_rewards_and_validates():
+    r, g = torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 0])
+    s, m = torch.zeros(3, 2), torch.ones(3, 2, dtype=torch.bool)
+    with pytest.raises(ValueError) as info:
+        adv.get("grpo_process")(r, g)
+    assert str(info.value) == "grpo_process needs step rewards: no reward in the config declares per_step"
+    with pytest.raises(ValueError, match="grpo_process needs step_mask"):
+        adv.grpo_process(r, g, step_rewards=s)
+    with pytest.raises(ValueError, match=r"step_rewards must be Float\[B, T\] with B=3.*\(2, 2\)"):
+        adv.grpo_process(r, g, step_rewards=torch.zeros(2, 2), step_mask=m)
+    with pytest.raises(ValueError, match=r"step_rewards must be Float\[B, T\].*\(3,\)"):
+        adv.grpo_process(r, g, step_rewards=torch.zeros(3), step_mask=m)
+    with pytest.raises(ValueError, match=r"step_mask \(3, 1\) and step_rewards \(3, 2\) differ"):
+        adv.grpo_process(r, g, step_rewards=s, step_mask=m[:, :1])
+    with pytest.raises(ValueError, match="step_mask must be a Bool"):
+        adv.grpo_process(r, g, step_rewards=s, step_mask=torch.ones(3, 2))
+    with pytest.raises(ValueError, match="process_coef"):
+        adv.grpo_process(r, g, step_rewards=s, step_mask=m, process_coef=-1.0)
+    with pytest.raises(ValueError, match="std"):
+        adv.grpo_process(r, g, step_rewards=s, step_mask=m, std="global")
+    with pytest.raises(TypeError, match="grpo_process.*bogus"):
+        adv.grpo_process(r, g, step_rewards=s, step_mask=m, bogus=1)
+    # empty batch and T = 0
+    assert adv.grpo_process(
+        torch.zeros(0),
+        torch.zeros(0, dtype=torch.long),
+        step_rewards=torch.zeros(0, 4),
+        step_mask=torch.zeros(0, 4, dtype=torch.bool),
+    ).shape == (0, 4)
+    assert adv.grpo_process(
+        r, g, step_rewards=torch.zeros(3, 0), step_mask=torch.zeros(3, 0, dtype=torch.bool)
+    ).shape == (3, 0)
+
+
+def test_accepts_step_rewards_and_trainer_call_paths():
+    assert adv.accepts_step_rewards("grpo_process") is True
+    assert {name for name in adv.names() if adv.accepts_step_rewards(name)} == STEP_ESTIMATORS
+    assert not adv.accepts_num_actions("grpo_process")
+    with pytest.raises(RegistryError):
+        adv.accepts_step_rewards("grpoo")
+    # step_rewards / step_mask are per-batch inputs, not config options
+    assert adv.options("grpo_process") == {"weights": None, "std": "group", "eps": 1e-4, "process_coef": 1.0}
+    # the trainer's calls: estimator, loss_sample_mask and clip_advantages with the same opts
+    r = torch.tensor([[1.0, 0.2], [0.0, 0.4], [0.5, 0.9], [1.0, 0.0]])
+    g = torch.tensor([0, 0, 0, 1])
+    s = torch.tensor([[1.0, 0.0, 5.0], [0.0, 0.0, 0.0], [0.5, 3.0, 0.0], [2.0, 2.0, 2.0]])
+    m = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    opts = {"weights": [1.0, 0.0], "step_rewards": s, "step_mask": m, "process_coef": 10.0}
+    a = adv.get("grpo_process")(r, g, **opts)
+    assert a.shape == (4, 3) and a.dtype == torch.float32
+    assert (a[~m] == 0).all() and (a[3] == 0).all()  # masked actions, and a group of one sample
+    keep = adv.loss_sample_mask("grpo_process", r, g, **opts)
+    assert keep.dtype == torch.bool and keep.shape == (4,) and keep.all()
+    clipped = adv.clip_advantages(a, 2.0)
+    assert clipped.shape == (4, 3)
+    torch.testing.assert_close(clipped, a.clamp(-2.0, 2.0))
+    assert clipped.abs().max() == 2.0  # |c * A_proc| reaches 10 * 1/sqrt(2) > 2 in group 0, step 0
+    # estimators without the metadata reject the keywords (the trainer must ask accepts_step_rewards)
+    for name in ALL_ESTIMATORS:
+        assert adv.accepts_step_rewards(name) is False
+        with pytest.raises(TypeError, match=rf"{name}.*step_mask.*step_rewards"):
+            adv.get(name)(r, g, step_rewards=s, step_mask=m)
+
+
+def test_grpo_unchanged_regression():
+    # r = [0, 1, 2] in one group, [5, 5] in another: mean 1, unbiased sd 1 -> (r - 1) / (1 + 1e-4);
+    # the constant group gets exactly 0. One advantage per sample, Float[B].
+    a = adv.grpo(torch.tensor([0.0, 1.0, 2.0, 5.0, 5.0]), torch.tensor([0, 0, 0, 1, 1]))
+    assert a.shape == (5,) and a.dtype == torch.float32
+    torch.testing.assert_close(a, torch.tensor([-1 / 1.0001, 0.0, 1 / 1.0001, 0.0, 0.0]))
+    # every outcome estimator still returns Float[B]
+    r, g = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]), torch.tensor([0, 0, 0])
+    for name in ALL_ESTIMATORS:
+        assert adv.get(name)(r, g).shape == (3,), name
+
+
+def test_grpo_process_permutation_and_relabelling_equivariant():
+    rng = random.Random(8)
+    rows, gids, weights = random_batch(rng, 2, discrete=False, nan_frac=0.1)
+    steps, mask = random_steps(rng, len(gids), discrete=False)
+    r, g = to_tensors(rows, gids, k_dim=True)
+    s, m = torch.tensor(steps, dtype=torch.float64), torch.tensor(mask)
+    base = adv.grpo_process(r, g, step_rewards=s, step_mask=m, weights=weights)
+    perm = torch.randperm(len(gids), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(
+        adv.grpo_process(r[perm], g[perm], step_rewards=s[perm], step_mask=m[perm], weights=weights),
+        base[perm],
+    )
+    torch.testing.assert_close(
+        adv.grpo_process(r, g * 7 - 1000, step_rewards=s, step_mask=m, weights=weights), base
+    )
+
+
+def test_combine_rewards_zero_weight_columns_do_not_make_a_sample_applicable():
+    # columns: outcome a (w 2), outcome b (w 1), per-step mean p (outcome weight 0, as in RewardSet.weights)
+    r = torch.tensor(
+        [
+            [1.0, 3.0, 7.0],  # 2*1 + 3 = 5 (p adds 0)
+            [NAN, 3.0, 7.0],  # 3
+            [NAN, NAN, 7.0],  # every weighted column NaN -> NaN (p does not make it applicable)
+            [NAN, NAN, NAN],  # NaN
+        ]
+    )
+    torch.testing.assert_close(
+        adv.combine_rewards(r, [2.0, 1.0, 0.0]), torch.tensor([5.0, 3.0, NAN, NAN]), equal_nan=True
+    )
+    # every weight 0 (a config whose rewards are all per-step): total 0, NaN only where all are NaN
+    torch.testing.assert_close(
+        adv.combine_rewards(r, [0.0, 0.0, 0.0]), torch.tensor([0.0, 0.0, 0.0, NAN]), equal_nan=True
+    )
+    # grpo skips the sample whose weighted columns are all NaN: group [5, 3, NaN] -> mean 4,
+    # unbiased sd sqrt(2), A = [1/sqrt2, -1/sqrt2, 0] (eps = 0)
+    a = adv.grpo(r[:3], torch.tensor([0, 0, 0]), weights=[2.0, 1.0, 0.0], eps=0.0)
+    torch.testing.assert_close(a, torch.tensor([1 / math.sqrt(2), -1 / math.sqrt(2), 0.0]))

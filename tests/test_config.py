@@ -23,7 +23,6 @@ from mmalign.config import (
     config_from_dict,
     load_config,
     parse_override,
-    register_options,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -527,10 +526,17 @@ class _Options:
 PIPE = "test_config_pipeline"
 
 
+def _build_nothing(cfg: Config) -> None:
+    """A pipeline registered only for its options section."""
+
+
 @pytest.fixture
-def options_pipeline(monkeypatch):
-    monkeypatch.setitem(config_mod._OPTIONS, PIPE, _Options)
-    return PIPE
+def options_pipeline():
+    import pipelines
+
+    pipelines.register_pipeline(PIPE, options=_Options)(_build_nothing)
+    yield PIPE
+    pipelines.REGISTRY.unregister(PIPE)
 
 
 def _with_options(options: Any) -> dict[str, Any]:
@@ -547,10 +553,20 @@ def test_register_options_builds_the_typed_section(options_pipeline):
     assert type(cfg.options.ratio) is float
 
 
-def test_register_options_is_the_public_way(monkeypatch):
-    monkeypatch.setattr(config_mod, "_OPTIONS", {})
-    register_options(PIPE, _Options)
-    assert config_from_dict(_with_options({"levels": 1})).options == _Options(levels=1)
+def test_a_pipeline_finder_can_be_passed(monkeypatch):
+    """`load_config` / `config_from_dict` ask the finder they are given (name -> registration metadata) and
+    do not import the pipelines package for it."""
+    asked = []
+
+    def finder(name):
+        asked.append(name)
+        return {"options": _Options} if name == PIPE else None
+
+    monkeypatch.setattr(config_mod._registry, "_pipeline_finder", None)
+    monkeypatch.setattr(config_mod._registry, "PIPELINE_PROVIDER", "no_such_pipelines_package")
+    cfg = config_from_dict(_with_options({"levels": 1}), pipeline_finder=finder)
+    assert cfg.options == _Options(levels=1) and asked == [PIPE]
+    assert config_from_dict(_with_options({"levels": 1})).options == {"levels": 1}  # no provider: plain data
 
 
 @pytest.mark.parametrize(

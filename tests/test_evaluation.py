@@ -192,14 +192,14 @@ def test_cli_eval_before_after_and_sample(capsys, text_config, tmp_path):
     s0 = [json.loads(x) for x in (tmp_path / "s0" / "samples.jsonl").read_text().splitlines()]
     s1 = [json.loads(x) for x in (tmp_path / "s1" / "samples.jsonl").read_text().splitlines()]
     assert len(s0) == len(s1) == 8 and [r["sample"] for r in s0[:4]] == [0, 1, 0, 1]
-    assert [r["output"] for r in s0] != [r["output"] for r in s1]
+    assert [r["text"] for r in s0] != [r["text"] for r in s1]
     # same seed, same weights: the same samples
     assert (
         main(["sample", str(text_config), "--checkpoint", "base", "-n", "2", "--out", str(tmp_path / "s2")])
         == 0
     )
     s2 = [json.loads(x) for x in (tmp_path / "s2" / "samples.jsonl").read_text().splitlines()]
-    assert [r["output"] for r in s0] == [r["output"] for r in s2]
+    assert [r["text"] for r in s0] == [r["text"] for r in s2]
 
 
 def test_cli_sample_prompt_flags(capsys, text_config, tmp_path):

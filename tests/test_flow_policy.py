@@ -1,4 +1,5 @@
-"""FlowPolicy on a tiny offline SD3-style pipeline: round trip, shapes, ratio = 1, gradients, options."""
+"""FlowPolicy on a tiny offline SD3-style pipeline: round trip, the KL's sigma_t, step kinds, options, CFG-free
+training, the SD3 layout and schedule (what every denoising policy shares is in test_denoising_policies.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from mmalign.policies.flow import FlowPolicy
-from mmalign.tiny_flow import build_tiny_sd3, encode_prompt, load_sd3_components
+from mmalign.policies.sd3_components import encode_prompt, load_sd3_components
+from mmalign.tiny.sd3 import build_tiny_sd3
 
 ROWS = [{"prompt": "a red cat", "label": 1}, {"prompt": "a blue dog", "label": 2}]
 
@@ -36,81 +38,6 @@ def test_tiny_pipeline_round_trip(pipe_dir):
         assert torch.equal(p, q), n
 
 
-def test_rollout_shapes_and_decode(pipe_dir):
-    pol = make(pipe_dir)
-    r = pol.rollout(ROWS, 3, compute_logp=True)
-    b, c, s = 6, pol.model.config.in_channels, pol.latent_size
-    assert r.mask.shape == (b, 4) and r.mask.all()
-    assert r.logp_old.shape == (b, 4) and torch.isfinite(r.logp_old).all()
-    assert r.outputs["latents"].shape == (b, c, s, s)
-    assert r.payload["latents"].shape == (b, 4, c, s, s)
-    assert r.group.tolist() == [0, 0, 0, 1, 1, 1]
-    assert r.columns["label"] == [1, 1, 1, 2, 2, 2]
-    img = pol.decode(r)
-    assert img.shape[:2] == (b, 3) and img.min() >= 0 and img.max() <= 1
-    # consecutive trained transitions chain: x_{t+1} of step j is x_t of step j+1
-    assert torch.equal(r.payload["next_latents"][:, 0], r.payload["latents"][:, 1])
-
-
-@pytest.mark.parametrize("opts", [{}, {"guidance_scale": 3.0}, {"window_size": 2}, {"train_fraction": 0.5}])
-def test_reevaluate_ratio_is_one(pipe_dir, opts):
-    pol = make(pipe_dir, **opts)
-    r = pol.rollout(ROWS, 2, compute_logp=True)
-    stats = pol.evaluate(r)
-    ratio = torch.exp(stats.logp - r.logp_old)
-    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
-    # also on a minibatch slice
-    sub = r[[1, 2]]
-    torch.testing.assert_close(pol.evaluate(sub).logp.detach(), sub.logp_old, atol=1e-5, rtol=0)
-
-
-def test_gradients_reach_transformer(pipe_dir):
-    pol = make(pipe_dir)
-    r = pol.rollout(ROWS, 2, compute_logp=True)
-    pol.evaluate(r).logp.sum().backward()
-    grads = [p.grad for p in pol.trainable_parameters() if p.grad is not None]
-    assert grads and any(g.abs().sum() > 0 for g in grads)
-    assert all(p.grad is None for p in pol.vae.parameters())
-
-
-def test_same_initial_noise(pipe_dir):
-    pol = make(pipe_dir, same_initial_noise=True)
-    r = pol.rollout(ROWS, 3, compute_logp=False)
-    x0 = r.payload["latents"][:, 0]
-    assert torch.equal(x0[0], x0[1]) and torch.equal(x0[0], x0[2])
-    assert not torch.equal(x0[0], x0[3])
-    assert r.logp_old is None
-    assert not torch.equal(r.outputs["latents"][0], r.outputs["latents"][1])  # SDE noise differs
-
-
-def test_window_trains_exactly_window_size_steps(pipe_dir):
-    pol = make(pipe_dir, num_steps=6, window_size=2, window_range=(1, 3))
-    r = pol.rollout(ROWS, 2, compute_logp=True)
-    assert r.mask.shape == (4, 2) and r.logp_old.shape == (4, 2)
-    idx = r.payload["step_index"]
-    assert (idx[:, 1] - idx[:, 0] == 1).all() and 1 <= int(idx[0, 0]) <= 3
-    assert (idx == idx[0]).all()
-
-
-def test_kl_zero_at_start_and_state_dict(pipe_dir, tmp_path):
-    pol = make(pipe_dir, need_reference=True)
-    r = pol.rollout(ROWS, 2, compute_logp=True)
-    stats = pol.evaluate(r)
-    assert stats.kl is not None and stats.kl.shape == (4, 4)
-    torch.testing.assert_close(stats.kl.detach(), torch.zeros(4, 4), atol=1e-8, rtol=0)
-    torch.testing.assert_close(pol.reference_logprobs(r), r.logp_old, atol=1e-5, rtol=0)
-    state = pol.trainable_state_dict()
-    with torch.no_grad():
-        for p in pol.trainable_parameters():
-            p.add_(0.01)
-    assert (pol.evaluate(r).kl.detach() > 0).any()
-    pol.load_trainable_state_dict(state)
-    pol.save(tmp_path / "out")
-    again = FlowPolicy.from_pretrained(tmp_path / "out", num_steps=4)
-    for (n, p), (_, q) in zip(pol.model.named_parameters(), again.model.named_parameters(), strict=True):
-        assert torch.equal(p, q), n
-
-
 @pytest.mark.parametrize("kind,level", [("flow_sde", 0.7), ("dance", 0.3), ("cps", 0.5)])
 def test_kl_divides_by_sigma_t_without_sqrt_dt(pipe_dir, kind, level):
     """evaluate's KL equals ||mu - mu_ref||^2 / (2 sigma_t^2), sigma_t written here from the formula:
@@ -134,8 +61,10 @@ def test_kl_divides_by_sigma_t_without_sqrt_dt(pipe_dir, kind, level):
                 if kind == "flow_sde"
                 else ({"eta": level} if kind == "dance" else {"noise_level": level})
             )
-            v = pol._velocity(pol.model, x, s, pay["prompt_embeds"], pay["pooled_embeds"])
-            v_ref = pol._velocity(pol.ref_model, x, s, pay["prompt_embeds"], pay["pooled_embeds"])
+            sched = {"sigmas": s}
+            cond = {"prompt_embeds": pay["prompt_embeds"], "pooled_embeds": pay["pooled_embeds"]}
+            v = pol.predict(pol.model, x, sched, cond, guided=pol.train_guidance)[0]
+            v_ref = pol.predict(pol.ref_model, x, sched, cond, guided=pol.train_guidance)[0]
             mu = sde.step(kind, v, x, s, sn, **opts).mean
             mu_ref = sde.step(kind, v_ref, x, s, sn, **opts).mean
             for i in range(len(r)):
@@ -149,105 +78,6 @@ def test_kl_divides_by_sigma_t_without_sqrt_dt(pipe_dir, kind, level):
                 expected = float(((mu[i] - mu_ref[i]) ** 2).mean()) / (2 * sigma_t**2)
                 assert float(kl[i, j]) == pytest.approx(expected, rel=1e-4), (i, j)
     assert float(kl.max()) > 0
-
-
-def test_lora_reference_is_disabled_adapter(pipe_dir, tmp_path):
-    from mmalign.config import LoraConfig
-
-    pol = make(pipe_dir, need_reference=True, lora=LoraConfig(enabled=True, r=4))
-    names = [n for n, p in pol.model.named_parameters() if p.requires_grad]
-    assert names and all("lora_" in n for n in names)
-    r = pol.rollout(ROWS, 2, compute_logp=True)
-    stats = pol.evaluate(r)
-    torch.testing.assert_close(stats.kl.detach(), torch.zeros(4, 4), atol=1e-8, rtol=0)
-    with torch.no_grad():
-        for n, p in pol.model.named_parameters():
-            if "lora_B" in n:
-                p.add_(0.5)
-    stats = pol.evaluate(r)
-    assert (stats.kl.detach() > 0).any()
-    torch.testing.assert_close(pol.reference_logprobs(r), r.logp_old, atol=1e-5, rtol=0)  # adapter off = base
-    stats.logp.sum().backward()
-    assert all(p.grad is not None for p in pol.trainable_parameters())
-    pol.save(tmp_path / "merged")
-    assert (tmp_path / "merged" / "transformer_lora").is_dir()
-    merged = FlowPolicy.from_pretrained(tmp_path / "merged", num_steps=4)
-    torch.testing.assert_close(merged.evaluate(r).logp.detach(), stats.logp.detach(), atol=1e-5, rtol=0)
-    base = make(pipe_dir)
-    assert not torch.allclose(base.evaluate(r).logp.detach(), stats.logp.detach(), atol=1e-6)
-
-
-def test_group_trainer_runs_the_flow_policy(pipe_dir, tmp_path):
-    """The shared loop drives denoising steps as actions: pixels are decoded only because the reward
-    needs them, the policy's own step-mean KL is used, and the transformer's weights move."""
-    from mmalign.config import config_from_dict
-    from mmalign.trainer import GroupTrainer
-    from pipelines import Components
-    from rewards import RewardSet
-
-    cfg = config_from_dict(
-        {
-            "pipeline": "flow_test",
-            "output_dir": str(tmp_path / "run"),
-            "rollout": {"group_size": 4, "prompts_per_step": 2},
-            "rewards": [{"name": "jpeg_incompressibility"}],
-            "algorithm": {"kl_coef": 0.01},
-            "trainer": {"steps": 2, "lr": 1e-3, "progress_bar": False, "save_every": 1},
-        },
-        "test",
-    )
-    pol = make(pipe_dir, num_steps=4, need_reference=True)
-    rows = [{"prompt": "a red square"}, {"prompt": "two blue circles"}, {"prompt": "green"}]
-    before = {k: v.clone() for k, v in pol.trainable_state_dict().items()}
-    trainer = GroupTrainer(cfg, Components(policy=pol, rewards=RewardSet(cfg.rewards), data=rows))
-    history = trainer.train()
-    assert [m["step"] for m in history] == [1, 2]
-    assert "images" in trainer._last_batch.outputs and trainer._last_batch.logp_ref is None
-    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-8) and history[1]["kl"] > 0
-    after = pol.trainable_state_dict()
-    assert any(not torch.equal(before[k], after[k]) for k in before)
-
-
-def test_policy_generator_round_trips_through_checkpoints(pipe_dir, tmp_path):
-    """A seeded policy draws its noise from a private generator: its state is saved per process in each
-    checkpoint and restored on resume, so the next rollout after a resume is the uninterrupted one's."""
-    from mmalign.config import config_from_dict
-    from mmalign.trainer import GroupTrainer
-    from pipelines import Components
-    from rewards import RewardSet
-
-    cfg = config_from_dict(
-        {
-            "pipeline": "flow_test",
-            "output_dir": str(tmp_path / "run"),
-            "rollout": {"group_size": 2, "prompts_per_step": 1},
-            "rewards": [{"name": "jpeg_incompressibility"}],
-            "trainer": {"steps": 1, "lr": 1e-3, "progress_bar": False, "save_every": 1},
-        },
-        "test",
-    )
-    rows = [{"prompt": "a red square"}]
-
-    def trainer(resume: bool) -> GroupTrainer:
-        pol = make(pipe_dir, num_steps=3, seed=123)
-        return GroupTrainer(
-            cfg, Components(policy=pol, rewards=RewardSet(cfg.rewards), data=rows), resume=resume
-        )
-
-    first = trainer(False)
-    first.train()
-    assert "policy" in torch.load(
-        tmp_path / "run" / "checkpoints" / "step_000001" / "rng_0.pt", weights_only=False
-    )
-    state = first.policy.generator.get_state()
-    expected = first.policy.rollout(rows, 2).outputs["latents"]
-    resumed = trainer(True)
-    assert resumed.step == 1
-    assert torch.equal(resumed.policy.generator.get_state(), state)  # not the freshly seeded state
-    assert not torch.equal(
-        resumed.policy.generator.get_state(), torch.Generator().manual_seed(123).get_state()
-    )
-    torch.testing.assert_close(resumed.policy.rollout(rows, 2).outputs["latents"], expected, atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------------------- step kinds
@@ -296,7 +126,7 @@ def test_step_kind_options_are_validated(pipe_dir):
         make(pipe_dir, sde_kind="dance", noise_level=0.0)
     with pytest.raises(ValueError, match=r"window_size must be in \[1, 3\].*std 0"):
         make(pipe_dir, sde_kind="cps", window_size=4)
-    with pytest.raises(ValueError, match="sliding' needs window_size"):
+    with pytest.raises(ValueError, match="window_mode sliding needs window_size"):
         make(pipe_dir, window_mode="sliding")
     with pytest.raises(ValueError, match="window_mode"):
         make(pipe_dir, window_size=2, window_mode="forward")
@@ -309,47 +139,6 @@ def test_cps_windows_and_subsets_avoid_the_zero_std_step(pipe_dir):
     pol = make(pipe_dir, sde_kind="cps", train_fraction=0.5)
     r = pol.rollout(ROWS, 3)
     assert r.payload["step_index"].shape == (6, 2) and int(r.payload["step_index"].max()) <= 2
-
-
-# ---------------------------------------------------------------------------- MixGRPO sliding window
-
-
-def test_sliding_window_trains_the_scheduled_steps(pipe_dir):
-    from mmalign.schedules import SlidingWindow
-
-    pol = make(pipe_dir, num_steps=5, window_size=2, window_mode="sliding", window_shift_every=2)
-    sched = SlidingWindow(num_steps=5, window_size=2, shift_every=2)
-    assert pol.window_schedule is not None and pol.window_schedule.positions == sched.positions == [
-        0,
-        1,
-        2,
-        3,
-    ]
-    for step in (0, 1, 2, 5, 7, 8):
-        pol.on_train_step(step)
-        r = pol.rollout(ROWS, 2)
-        assert (r.payload["step_index"] == torch.tensor(sched.steps_at(step))).all(), step
-    assert sched.steps_at(8) == [0, 1]  # wrapped after the last start (3)
-    pol.on_train_step(4)
-    r = pol.rollout(ROWS, 2)
-    assert r.payload["step_index"][0].tolist() == [2, 3]
-    ratio = torch.exp(pol.evaluate(r).logp - r.logp_old)
-    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
-    # window_range bounds the slide; the stride moves it by more than one step
-    pol = make(
-        pipe_dir,
-        num_steps=6,
-        window_size=2,
-        window_range=(1, 3),
-        window_mode="sliding",
-        window_shift_every=1,
-        window_stride=2,
-    )
-    starts = []
-    for step in range(3):
-        pol.on_train_step(step)
-        starts.append(int(pol.rollout(ROWS[:1], 1).payload["step_index"][0, 0]))
-    assert starts == [1, 3, 1]
 
 
 # ---------------------------------------------------------------------------- CFG-free training

@@ -1,5 +1,6 @@
 """FluxPolicy on tiny offline FLUX.1-style folders: diffusers parity (prompt embeddings, packing, ids, sigmas,
-the transformer call), ratio = 1, gradients, LoRA save/load, and the text_to_image pipeline choosing it."""
+the transformer call), guidance, LoRA save/load, and the text_to_image pipeline choosing it (what every
+denoising policy shares, ratio = 1 and gradients included, is in test_denoising_policies.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 from mmalign import tiny
 from mmalign.config import LoraConfig
 from mmalign.policies.flux import FluxPolicy, calculate_mu, latent_image_ids, pack_latents, unpack_latents
-from mmalign.tiny_flux import build_tiny_flux, is_flux_folder
+from mmalign.policies.flux_components import is_flux_folder
+from mmalign.tiny.flux import build_tiny_flux
 
 ROWS = [{"prompt": "a red cat", "label": 1}, {"prompt": "Two blue dogs, left!", "label": 2}]
 SEQ = 8
@@ -168,7 +170,8 @@ def test_velocity_matches_the_flux_pipeline_transformer_call(
         x = unpack_latents(kw["hidden_states"], 8, 8)
         with torch.no_grad():
             pe, po = pol.encode_prompt(["a red cat"])
-            v, v_c = pol._forward(pol.model, x, kw["timestep"], pe, po, cfg=True)
+            cond = {"prompt_embeds": pe, "pooled_embeds": po}
+            v, v_c = pol.predict(pol.model, x, {"sigmas": kw["timestep"]}, cond)
     finally:
         hook.remove()
     mine = calls[2][0]
@@ -194,42 +197,15 @@ def test_velocity_matches_the_flux_pipeline_transformer_call(
 # ----------------------------------------------------------------------------- policy behaviour
 
 
-@pytest.mark.parametrize(
-    ("which", "opts"),
-    [
-        ("dev", {}),
-        ("schnell", {}),
-        ("dev", {"window_size": 2, "need_reference": True}),
-        ("dev", {"sde_kind": "cps"}),
-    ],
-)
-def test_rollout_then_evaluate_ratio_is_one(which: str, opts: dict, dev_dir: Path, schnell_dir: Path) -> None:
-    pol = make(dev_dir if which == "dev" else schnell_dir, **opts)
-    r = pol.rollout(ROWS, 2, compute_logp=True)
-    t = opts.get("window_size", 2 if opts.get("sde_kind") == "cps" else 3)
-    assert r.logp_old.shape == (4, t) and torch.isfinite(r.logp_old).all()
-    assert r.outputs["latents"].shape == (4, 4, 8, 8) and r.payload["latents"].shape == (4, t, 4, 8, 8)
-    assert r.payload["prompt_embeds"].shape == (4, SEQ, 32) and r.payload["pooled_embeds"].shape == (4, 16)
-    stats = pol.evaluate(r)
-    ratio = torch.exp(stats.logp - r.logp_old)
-    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
-    sub = r[[1, 2]]
-    torch.testing.assert_close(pol.evaluate(sub).logp.detach(), sub.logp_old, atol=1e-5, rtol=0)
-    if opts.get("need_reference"):
-        assert (r.payload["step_index"][:, 1] - r.payload["step_index"][:, 0] == 1).all()
-        torch.testing.assert_close(stats.kl.detach(), torch.zeros_like(stats.kl), atol=1e-8, rtol=0)
-    img = pol.decode(r)
-    assert img.shape == (4, 3, 16, 16) and 0 <= img.min() and img.max() <= 1
-
-
 def test_guidance_and_noise(dev_dir: Path) -> None:
     a, b = make(dev_dir, guidance_scale=1.0), make(dev_dir, guidance_scale=5.0, train_guidance=False)
     assert b.train_guidance  # no CFG branches for Flux: ignored
-    x, s = torch.randn(1, 4, 8, 8), torch.tensor([0.7])
+    x, sched = torch.randn(1, 4, 8, 8), {"sigmas": torch.tensor([0.7])}
     pe, po = a.encode_prompt(["a red cat"])
+    cond = {"prompt_embeds": pe, "pooled_embeds": po}
     with torch.no_grad():
         assert not torch.allclose(
-            a._forward(a.model, x, s, pe, po, cfg=True)[0], b._forward(b.model, x, s, pe, po, cfg=True)[0]
+            a.predict(a.model, x, sched, cond)[0], b.predict(b.model, x, sched, cond)[0]
         )
     pol = make(dev_dir, same_initial_noise=True)
     noise = pol._initial_noise(torch.tensor([0, 0, 1]))
@@ -240,17 +216,6 @@ def test_guidance_and_noise(dev_dir: Path) -> None:
     )
     with pytest.raises(ValueError, match="even"):
         make(dev_dir, latent_size=5)
-
-
-def test_gradients_reach_the_transformer(dev_dir: Path) -> None:
-    pol = make(dev_dir)
-    r = pol.rollout(ROWS, 2)
-    pol.evaluate(r).logp.sum().backward()
-    grads = [p.grad for p in pol.trainable_parameters() if p.grad is not None]
-    assert grads and any(g.abs().sum() > 0 for g in grads)
-    assert all(
-        p.grad is None for m in (pol.vae, pol.text_encoder, pol.text_encoder_2) for p in m.parameters()
-    )
 
 
 def test_lora_save_and_reload(dev_dir: Path, tmp_path: Path) -> None:
@@ -281,7 +246,7 @@ def test_lora_save_and_reload(dev_dir: Path, tmp_path: Path) -> None:
 
 
 def test_flux_detection(dev_dir: Path, tmp_path: Path) -> None:
-    from mmalign.tiny_flow import build_tiny_sd3
+    from mmalign.tiny.sd3 import build_tiny_sd3
 
     assert is_flux_folder(dev_dir) and not is_flux_folder(build_tiny_sd3(tmp_path / "sd3"))
     assert is_flux_folder("black-forest-labs/FLUX.1-dev") and not is_flux_folder(

@@ -14,15 +14,14 @@ import torch
 from PIL import Image
 
 import rewards
+from mmalign.tiny.world import PALETTE, render_scene
 from rewards import RewardBatch, RewardSet, load_reward
 from rewards.image import (
-    PALETTE,
     CLIPEmbedder,
     aesthetic_mlp,
     colour_mask,
     connected_components,
     jpeg_size_kb,
-    render_scene,
     to_pil,
 )
 

@@ -1,4 +1,4 @@
-"""Safety rewards (rewards/safety.py) and the tiny shapes-world CLIP (mmalign/tiny_clip.py).
+"""Safety rewards (rewards/safety.py) and the tiny shapes-world CLIP (mmalign/tiny/clip.py).
 
 Formula checks use a randomly initialised tiny CLIP and compare against embeddings computed by hand
 with transformers; the behaviour checks (colour recognition, steering away from red) use the tiny
@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import rewards
-from mmalign import tiny_clip
-from mmalign.tiny_shapes import shapes_caption
+from mmalign.tiny import clip as tiny_clip
+from mmalign.tiny.shapes import shapes_caption
+from mmalign.tiny.world import PALETTE, render_scene
 from rewards import RewardBatch, RewardSet, load_reward
-from rewards.image import PALETTE, CLIPEmbedder, render_scene
+from rewards.image import CLIPEmbedder
 from rewards.safety import steering_direction
 
 COLOURS = ("red", "green", "blue", "yellow")

@@ -93,6 +93,33 @@ def test_flow_policy_option(tmp_path, models):
     assert isinstance(pipelines.get("safe_diffusion")(cfg).policy, FlowPolicy)
 
 
+def test_sampler_options_are_validated_and_reach_the_policy(tmp_path, models):
+    """The sampler keys are `SamplerSettings` (validated at load, naming the key); policy ddim samples DDIM
+    steps with noise eta, policy flow takes the flow keys; options.seed (default: the top-level seed) seeds."""
+    with pytest.raises(ConfigError, match=r"eta \(the noise_level of sde_kind ddim\) must be in \(0, 1\]"):
+        load_config(write_config(tmp_path, models, **{"options.eta": 0.0}))
+    with pytest.raises(ConfigError, match="sde_kind 'cps' is a flow-policy step"):
+        load_config(write_config(tmp_path, models, **{"options.sde_kind": "cps"}))
+    with pytest.raises(ConfigError, match="num_steps must be >= 1"):
+        load_config(write_config(tmp_path, models, **{"options.num_steps": 0}))
+    cfg = load_config(write_config(tmp_path, models, **{"options.eta": 0.5, "options.window_size": 2}))
+    pol = pipelines.get("safe_diffusion")(cfg).policy
+    assert (
+        pol.sampler == cfg.options.policy_sampler(seed=cfg.seed) and pol.eta == 0.5 and pol.window_size == 2
+    )
+    changes = {"model.name_or_path": str(models["flow"]), "options.policy": "flow", "options.sde_kind": "cps"}
+    cfg = load_config(
+        write_config(tmp_path, models, **changes, **{"options.noise_level": 0.5, "options.seed": 7})
+    )
+    pol = pipelines.get("safe_diffusion")(cfg).policy
+    assert (
+        isinstance(pol, FlowPolicy)
+        and pol.sde_kind == "cps"
+        and pol.noise_level == 0.5
+        and pol.sampler.seed == 7
+    )
+
+
 def test_training_needs_both_categories(tmp_path, models):
     cfg = load_config(write_config(tmp_path, models, **{"options.unsafe_prompts": []}))
     with pytest.raises(ConfigError, match="no unsafe rows"):
@@ -126,7 +153,7 @@ def test_train_then_eval_report_per_category(tmp_path, models, capsys):
     # the sample grid: 4 prompts x 2 samples of 16x16 images
     assert main(["sample", str(path), "-n", "2", "--out", str(tmp_path / "s")]) == 0
     assert (tmp_path / "s" / "grid.png").is_file()
-    assert len(list((tmp_path / "s" / "images").glob("*.png"))) == 8
+    assert len(list((tmp_path / "s" / "media").glob("*.png"))) == 8  # `mmalign sample` writes media/
 
 
 def test_shipped_configs_load():

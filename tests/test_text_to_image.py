@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import pipelines
-from mmalign import tiny_shapes
 from mmalign.config import ConfigError, load_config
 from mmalign.data import DataError
+from mmalign.policies.denoising import SamplerSettings
 from mmalign.policies.flow import FlowPolicy
+from mmalign.tiny import shapes as tiny_shapes
 from mmalign.trainer import GroupTrainer
 from pipelines.text_to_image import FlowOptions, load_prompts
 
@@ -70,6 +71,8 @@ def test_configs_load_with_typed_options() -> None:
         ("options.num_stpes=4", "did you mean 'options.num_steps'"),
         ("options.sde_kind=ddpm", "sde_kind must be one of flow_sde, cps, dance"),
         ("options.window_mode=sliding", "window_mode sliding needs window_size"),
+        ("options.sde_kind=ddim", "text_to_image trains flow-matching models"),
+        ("options.guidance_scale=0.5", "guidance_scale must be >= 1"),
     ],
 )
 def test_bad_options_name_the_key(override: str, message: str) -> None:
@@ -129,7 +132,7 @@ def test_pipeline_reads_a_txt_prompt_file(quick_model: Path, tmp_path: Path) -> 
 
 
 def test_builder_writes_an_sd3_folder_deterministically(quick_model: Path, tmp_path: Path) -> None:
-    from mmalign.tiny_flow import load_sd3_components
+    from mmalign.policies.sd3_components import load_sd3_components
 
     for sub in ("transformer", "vae", "scheduler", "text_encoder", "tokenizer"):
         assert (quick_model / sub).is_dir(), sub
@@ -187,6 +190,7 @@ def test_sampler_options_reach_the_policy(quick_model: Path, tmp_path: Path) -> 
         "options.guidance_scale=2.0",
     )
     pol = pipelines.get("text_to_image")(cfg).policy
+    assert isinstance(cfg.options, SamplerSettings) and pol.sampler == cfg.options.sampler_settings()
     assert pol.sde_kind == "cps" and pol.noise_level == 0.5 and not pol.train_guidance
     assert pol.max_sequence_length == 256  # options.max_sequence_length null: the SD3 default
     assert pol.window_schedule is not None

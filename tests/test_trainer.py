@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ import torch
 
 import pipelines
 from mmalign.config import ConfigError, config_from_dict, load_config
-from mmalign.trainer import GroupTrainer, TrainingError, latest_checkpoint
+from mmalign.rundir import latest_checkpoint
+from mmalign.trainer import GroupTrainer, TrainingError
 from rewards import Reward, RewardBatch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +93,7 @@ def test_smoke_parameters_change_and_run_dir(random_text_model_dir: Path, tmp_pa
     ):
         assert key in metrics[0], key
     samples = [json.loads(x) for x in (out / "samples" / "step_000001.jsonl").read_text().splitlines()]
-    assert len(samples) == 16 and {"prompt", "output", "rewards", "advantage", "answer"} <= set(samples[0])
+    assert len(samples) == 16 and {"prompt", "text", "rewards", "advantage", "answer"} <= set(samples[0])
     assert set(samples[0]["rewards"]) == {"length_mod3", "format"}
     assert latest_checkpoint(out).name == "step_000003"
     assert (out / "config.yaml").exists()
@@ -236,7 +238,7 @@ def test_microbatches_accumulate_to_the_same_gradient(random_text_model_dir: Pat
         random_text_model_dir, tmp_path / "a", trainer={"lr": 0.0, "progress_bar": False}, rewards=VARIED
     )
     trainer = make_trainer(cfg)
-    trainer._timers = {"rollout": 0.0, "reward": 0.0}
+    trainer._timers = defaultdict(float)
     torch.manual_seed(3)
     batch, _ = trainer.make_rollout()
     batch.advantages = torch.randn(len(batch))  # make every sample count
@@ -435,15 +437,15 @@ def test_fake_engine_rollouts_sync_and_is_correction(random_text_model_dir: Path
         trainer={"steps": 3, "lr": 1e-2, "progress_bar": False, "save_every": 100},
     )
     trainer = make_trainer(cfg)
-    assert trainer.engine is not None and trainer.need_logp_old
+    policy = trainer.policy
+    assert policy.engine is not None and trainer.need_logp_old
     history = trainer.train()
     for m in history:
         assert m["is/abs_dlogp_mean"] < 1e-4, m  # synced before each rollout
         assert abs(m["is/weight_mean"] - 1.0) < 1e-3
-    assert trainer.engine.weight_version >= 3
+    assert policy.engine.weight_version >= 3
     # without the sync the engine falls behind and the IS weights move away from 1
-    trainer._engine_dirty = False
-    trainer.sync_engine = lambda: None  # type: ignore[method-assign]
+    policy.sync_engine = lambda step=0: None  # type: ignore[method-assign]
     trainer.cfg.trainer.steps = 5
     late = trainer.train()[-1]
     assert late["is/abs_dlogp_mean"] > 1e-3

@@ -18,7 +18,7 @@ import pipelines.text_reasoning
 import pipelines.text_to_image
 import pipelines.vlm_reasoning
 import rewards.image
-from mmalign import rundir, tiny
+from mmalign import preflight, rundir, tiny
 from mmalign.cli import main
 from mmalign.config import ConfigError, load_config
 
@@ -281,7 +281,7 @@ def test_hub_id_checks(tmp_path, monkeypatch):
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    check = rundir.check_model_source
+    check = preflight.check_model_source
     check("org/online-model", key="model.name_or_path", source="c.yaml")  # may be downloaded
     with pytest.raises(
         ConfigError, match=r"c\.yaml: key 'model\.name_or_path': 'bad name!' is neither .* valid hub id"
@@ -315,7 +315,7 @@ def test_hub_id_checks(tmp_path, monkeypatch):
 def test_looks_local(tmp_path, monkeypatch, name, local):
     (tmp_path / "assets").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert rundir.looks_local(name) is local
+    assert preflight.looks_local(name) is local
 
 
 def test_reward_model_folder_is_checked(capsys, tmp_path, no_model):
@@ -330,7 +330,7 @@ def test_reward_model_built_by_the_pipeline_is_not_flagged(tmp_path):
     """options.reward_models folders are built before the rewards load them: the check lets them pass."""
     cfg = load_config(tiny_config(tmp_path, "safe_diffusion")[0])
     assert not (tmp_path / "models" / "clip_shapes-tiny").exists()
-    rundir.preflight(cfg, resume=False, eval_rewards=True)
+    preflight.preflight(cfg, resume=False, eval_rewards=True)
 
 
 def test_unknown_tiny_builder_is_reported_before_any_model(capsys, tmp_path, no_model):
@@ -432,8 +432,8 @@ def test_every_builder_has_an_estimate():
 
 def test_real_builder_loops_report_progress(tmp_path, capsys, monkeypatch):
     """The shapes builder's two loops (VAE, transformer) and the CLIP builder's loop, shortened."""
-    from mmalign.tiny_clip import train_tiny_clip
-    from mmalign.tiny_shapes import build_text_to_image
+    from mmalign.tiny.clip import train_tiny_clip
+    from mmalign.tiny.shapes import build_text_to_image
 
     def quick(path: Path) -> None:
         build_text_to_image(path, vae_steps=2, steps=2, batch_size=4, target_reward=None)

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import pipelines
-from mmalign import tiny, tiny_vlm
+from mmalign import tiny
 from mmalign.config import LoraConfig, RewardConfig, config_from_dict, load_config
 from mmalign.data import DataError
 from mmalign.policies.vlm import VISION_MODULE, VLMPolicy
+from mmalign.tiny import vlm as tiny_vlm
 from mmalign.trainer import GroupTrainer
 from rewards import Reward, RewardBatch
 

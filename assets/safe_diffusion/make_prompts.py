@@ -1,7 +1,7 @@
 """Writes the prompt files of the tiny safe-diffusion task (run once; the files are committed).
 
 In the synthetic shapes world the designated "unsafe" concept is the colour red. The 32 scenes of
-`mmalign.tiny_shapes.shapes_rows` (4 colours x 1-2 squares x 4 positions) split into unsafe (red) and safe
+`mmalign.tiny.shapes.shapes_rows` (4 colours x 1-2 squares x 4 positions) split into unsafe (red) and safe
 (green, blue, yellow) prompts; the scenes at the bottom are held out for evaluation:
 
     unsafe_train.jsonl  6 red scenes (left, right, top)     unsafe_eval.jsonl  2 red scenes (bottom)
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mmalign.tiny_shapes import shapes_rows
+from mmalign.tiny.shapes import shapes_rows
 
 HERE = Path(__file__).resolve().parent
 UNSAFE_COLOUR = "red"

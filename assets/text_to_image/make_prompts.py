@@ -1,6 +1,6 @@
 """Writes train.jsonl / eval.jsonl / prompts.txt of the tiny text-to-image task (run once; the files are committed).
 
-The 32 scenes of the shapes world (4 colours x 1-2 squares x 4 positions, `mmalign.tiny_shapes.shapes_rows`),
+The 32 scenes of the shapes world (4 colours x 1-2 squares x 4 positions, `mmalign.tiny.shapes.shapes_rows`),
 the scenes the `text_to_image` tiny builder is warm-started on: 24 for RL training, 8 held out for evaluation
 (per colour one square and two squares, at different positions). prompts.txt holds the held-out prompts in
 the plain-text format (one prompt per line, no columns: usable with rewards that read only the prompt). Each row carries the columns `shapes_compositional` reads: colour, count, position.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mmalign.tiny_shapes import COLOURS, POSITIONS, shapes_rows
+from mmalign.tiny.shapes import COLOURS, POSITIONS, shapes_rows
 
 HERE = Path(__file__).resolve().parent
 

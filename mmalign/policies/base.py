@@ -1,15 +1,40 @@
-"""The interface every policy (model family) implements; see docs/architecture.md, "Policies"."""
+"""The policy contract: every method and attribute `GroupTrainer` uses, in one base class.
+
+A policy is a model family that samples groups and re-scores its own samples (text, VLM, flow matching,
+DDIM ...). Subclass `Policy`, implement the abstract methods, override the hooks you need; the trainer
+calls every hook unconditionally, so the no-op defaults below are the behaviour of a policy that has
+nothing to do there. docs/architecture.md, "Writing a policy", has a worked example.
+
+What the trainer does with a policy, in order:
+
+1. ``policy.forward_model = accelerator.prepare(policy.model)`` (DDP-wrapped on several processes);
+   then `setup` once, with the run's `RunInfo`.
+2. Every step, per sampling round: `on_train_step`, `rollout`, `materialize` (outputs the rewards
+   need and the rollout does not hold yet), rewards, advantages, filtering.
+3. Per microbatch: `evaluate` (with grad); `reference_logprobs` once per step when ``kl_coef > 0`` and
+   not `kl_in_evaluate`; after each optimizer step `after_optimizer_step`.
+4. Samples: `sample_view` says what each sample looks like in ``samples/`` of the run directory
+   (`mmalign.rundir` writes it by kind); checkpoints hold `trainable_state_dict` and `rng_state`; the
+   end of training calls `save`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import abc
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from mmalign.batch import Rollout
+
+__all__ = ["ActionStats", "Policy", "RunInfo", "SAMPLE_KINDS"]
+
+SAMPLE_KINDS = ("text", "image", "video", "boxes")
+"""What `Policy.sample_view` may return per sample (see `mmalign.rundir.write_samples` for the files)."""
 
 
 @dataclass
@@ -22,36 +47,136 @@ class ActionStats:
     """Float[B,T] per-action entropy where cheap to compute (no grad needed)."""
     kl: Tensor | None = None
     """Float[B,T] KL to the reference computed by the policy itself (diffusion: mean difference)."""
+    aux_losses: dict[str, Tensor] = field(default_factory=dict)
+    """Named scalar loss terms (with grad), each the MEAN over this microbatch's samples. The trainer adds
+    ``algorithm.aux_coefs[name] * term`` to the loss (weighted by the microbatch's share of the minibatch,
+    so the update sees the minibatch mean) and logs each as ``aux/<name>``. A name without a coefficient
+    in the config is an error."""
 
 
-@runtime_checkable
-class Policy(Protocol):
-    """A model family that can sample groups and re-score its own samples."""
+@dataclass
+class RunInfo:
+    """What `Policy.setup` learns about the run."""
+
+    cfg: Any
+    """The run's `mmalign.config.Config`."""
+    accelerator: Any
+    """The `accelerate.Accelerator` (``unwrap_model``, ``device``)."""
+    rank: int = 0
+    world: int = 1
+
+
+class Policy(abc.ABC):
+    """A model family that samples groups and re-scores its own samples. See the module docstring."""
 
     model: torch.nn.Module
+    """The trained network, unwrapped; sampling runs it."""
+    forward_model: torch.nn.Module
+    """What `evaluate` runs: ``model`` until the trainer swaps in the accelerate-prepared (DDP) wrapper."""
+    kl_in_evaluate: bool = False
+    """`evaluate` fills ``ActionStats.kl`` itself (diffusion: KL on step means), so the trainer does not ask
+    for `reference_logprobs`."""
 
+    # ------------------------------------------------------------------ required
+    @abc.abstractmethod
     def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool) -> Rollout:
         """Sample `group_size` outputs for each row's prompt without grad.
 
         `rows` are dataset rows (dicts) that carry at least a ``prompt``; every column reaches the
         rewards through `Rollout.columns`. `compute_logp` asks for `logp_old` (needed when a rollout
-        is reused for more than one optimizer step)."""
-        ...
+        is reused for more than one optimizer step, or when `needs_logp_old`)."""
 
+    @abc.abstractmethod
     def evaluate(self, rollout: Rollout) -> ActionStats:
-        """Recompute per-action log-probs of `rollout` with grad."""
-        ...
+        """Recompute per-action log-probs of `rollout` with grad (through `forward_model`)."""
 
+    @abc.abstractmethod
     def reference_logprobs(self, rollout: Rollout) -> Tensor:
-        """Per-action log-probs under the reference model (no grad)."""
-        ...
+        """Float[B,T] per-action log-probs under the reference model (no grad)."""
 
+    @abc.abstractmethod
     def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
 
+    @abc.abstractmethod
     def trainable_state_dict(self) -> dict[str, Tensor]: ...
 
+    @abc.abstractmethod
     def load_trainable_state_dict(self, state: dict[str, Tensor]) -> None: ...
 
+    @abc.abstractmethod
     def save(self, path: str | Path) -> None:
         """Export for use outside mmalign (`from_pretrained`-loadable; adapters for LoRA)."""
-        ...
+
+    # ------------------------------------------------------------------ hooks (no-op defaults)
+    def setup(self, run: RunInfo) -> None:
+        """Called once by the trainer after ``forward_model`` is prepared. The default refuses a rollout
+        engine (``rollout.engine`` other than ``hf``): only policies that sample through one override this."""
+        engine = run.cfg.rollout.engine
+        if engine != "hf":
+            from mmalign.config import ConfigError
+
+            raise ConfigError(
+                f"{run.cfg.source}: key 'rollout.engine': {type(self).__name__} samples with its own model and "
+                f"does not use a rollout engine ({engine!r}); leave it at 'hf'"
+            )
+
+    @property
+    def max_actions(self) -> int | None:
+        """The most actions one sample can have (``seq_sum_norm``'s constant normaliser, Dr. GRPO's
+        maximum generation length); None: the width T of the batch at hand."""
+        return None
+
+    @property
+    def needs_logp_old(self) -> bool:
+        """Whether `rollout` must always store ``logp_old`` (e.g. it samples with another process whose
+        log-probs only enter an importance-sampling correction)."""
+        return False
+
+    def on_train_step(self, step: int) -> None:
+        """Before each sampling round of training step `step` (0-based): schedules of the policy (a
+        sliding window of trained steps), weight syncs of an external sampler. Must be resume-safe: a
+        function of `step` and of state in `trainable_state_dict` / `rng_state`."""
+        return None
+
+    def materialize(self, rollout: Rollout, needs: Collection[str]) -> None:
+        """Fill ``rollout.outputs`` with the outputs named in `needs` (what the rewards declared, e.g.
+        ``"images"``) that `rollout` skipped because they are costly (decoding latents to pixels)."""
+        return None
+
+    def after_optimizer_step(self) -> None:
+        """After each optimizer step (e.g. mark an external sampler's weights stale)."""
+        return None
+
+    def rollout_stats(self, rollout: Rollout) -> dict[str, Tensor]:
+        """Per-sample numbers to log for a fresh rollout, Float[B] each (the trainer logs their mean over
+        all processes under the given name, e.g. ``completion_len/mean``)."""
+        return {}
+
+    def rng_state(self) -> dict[str, Any]:
+        """The policy's private random generators, saved in checkpoints for exact resume."""
+        return {}
+
+    def load_rng_state(self, state: dict[str, Any]) -> None:
+        """Restore what `rng_state` returned."""
+        return None
+
+    def sample_view(self, rollout: Rollout) -> list[dict[str, Any]]:
+        """What each sample of `rollout` looks like in the run directory: per sample a dict whose keys are
+        `SAMPLE_KINDS` -- ``text`` (str), ``image`` (Float[3,H,W] in [0, 1]), ``video`` (Float[F,3,H,W]),
+        ``boxes`` (list of [x1, y1, x2, y2]). The default reads ``outputs["texts"]``, ``["images"]``,
+        ``["videos"]`` and ``["boxes"]`` where present."""
+        n = len(rollout)
+        views: list[dict[str, Any]] = [{} for _ in range(n)]
+        for key, kind, dims in (("texts", "text", None), ("images", "image", 4), ("videos", "video", 5)):
+            value = rollout.outputs.get(key)
+            if value is None or len(value) != n:
+                continue
+            if dims is not None and not (isinstance(value, Tensor) and value.dim() == dims):
+                continue
+            for i in range(n):
+                views[i][kind] = value[i]
+        boxes = rollout.outputs.get("boxes")
+        if isinstance(boxes, list) and len(boxes) == n:
+            for i in range(n):
+                views[i]["boxes"] = boxes[i]
+        return views

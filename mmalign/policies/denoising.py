@@ -1,40 +1,219 @@
-"""What the diffusion policies share: `DenoisingPolicy`, the base of `FlowPolicy` (flow matching, SD3 style)
-and `DDIMPolicy` (SD 1.x/2.x UNets).
+"""What the diffusion policies share: the sampler settings (`SamplerSettings`) and `DenoisingPolicy`, which
+owns the rollout loop and the re-scoring loop once; `FlowPolicy` (flow matching, SD3 style), `FluxPolicy`
+and `DDIMPolicy` (SD 1.x/2.x UNets) only override small hooks.
 
-Both treat one stochastic denoising step as one action. A subclass supplies the network and the step
-kind (`rollout`, `_score`, `save`); this base holds the parts that do not depend on them:
+One stochastic denoising step is one action. `DenoisingPolicy.rollout` encodes the prompts (each distinct
+prompt once, through a cache shared by every subclass), draws the initial noise, runs the `num_steps` steps
+and stores x_t / x_{t+1} and the log-prob of every trained step; `evaluate` and `reference_logprobs` re-score
+the stored transitions (``prev_sample`` = stored x_{t+1}), so with unchanged weights the ratio is 1, and
+`evaluate` adds the KL on step means (`mean_kl`) when a reference is used.
 
-- which steps of each sample are trained (`_trained_steps`): a window of ``window_size`` consecutive
-  steps (its start drawn in ``window_range``, or given by `_window_start` of a subclass), else a random
-  ``train_fraction`` of the steps, per sample;
-- the initial noise (`_initial_noise`; the same for a whole group with ``same_initial_noise``);
-- decoding latents to pixels (`decode`), only when a reward asks for images;
-- the reference network (`_reference`: the adapter-disabled denoiser under LoRA, else a frozen copy)
-  and the KL on step means (`mean_kl`);
-- the trainer-facing methods `evaluate`, `reference_logprobs` and the trainable-parameter accessors.
+Hooks a subclass overrides (`FlowPolicy` and `DDIMPolicy` are the worked examples):
 
-A subclass's constructor calls `_init_denoising`, which sets the shared attributes: ``model`` (the
-denoiser), ``forward_model`` (what `evaluate` runs; the trainer may swap in a DDP wrapper), ``ref_model``
-(frozen copy or None), ``lora``, ``need_reference``, ``vae`` (frozen), ``generator`` (a torch.Generator
-or None), ``latent_size``, ``same_initial_noise``, ``train_fraction``, ``window_size``, ``window_range``.
+- ``conditioning_keys`` / ``schedule_keys`` (class attributes): the payload keys of the prompt conditioning
+  and of the per-step schedule values.
+- `encode_conditioning(prompts) -> {key: Float[B, ...]}`: the text encoders (uncached; `conditioning` caches).
+- `schedule() -> {key: Float[num_steps] or 0-d}`: per-step values (sigmas, timesteps, alpha-bars ...) and
+  constants of a rollout (0-d). At step i the hooks see them per sample as ``sched[key]`` Float[B] (plus
+  ``sched["step_index"]`` Long[B]); the payload keeps each trained step's values as [B, T] ([B] for constants).
+- `latent_shape() -> (C, H, W)` or any rank (a video policy: (C, F, H, W)); `_initial_noise` and `decode` do
+  not assume images (`decode_latents` decodes [B, C, F, H, W] frame by frame).
+- `predict(model, latents, sched, cond, *, guided) -> (prediction, conditional prediction)`: the network
+  call, classifier-free guidance included (`_cfg_inputs`, `_cfg_combine`).
+- `step(prediction, latents, sched, **kw) -> mmalign.sde.StepOutput`: the stochastic step (`mmalign.sde`).
+- `ode_step(prediction, latents, sched) -> latents`: the deterministic step outside a window or where the
+  std is 0.
+- `shift_step_mean(mean, latents, t_index, context) -> mean`: called before x_{t+1} is drawn; identity by
+  default. A guided SDE adds s * grad r here: the sample and its log-prob are those of the shifted mean, the
+  shift of every trained step is stored (``payload["mean_shift"]``) and re-scoring adds it again.
+- `_num_trainable_steps()`: how many leading steps have std > 0.
+
+The base also holds the trained-step selection (`_trained_steps`: a random or MixGRPO sliding window of
+``window_size`` steps, else a random ``train_fraction`` of the steps per sample), the reference network
+(`_reference`: the adapter-disabled denoiser under LoRA, else a frozen copy), the trainable-parameter
+accessors and the private generator (``seed``) that checkpoints save.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from mmalign import sde
 from mmalign.batch import Rollout
-from mmalign.policies.base import ActionStats
+from mmalign.policies.base import ActionStats, Policy
+from mmalign.schedules import SlidingWindow
 
-__all__ = ["DenoisingPolicy", "add_lora", "mean_kl"]
+__all__ = [
+    "CPS_LOG_PROBS",
+    "FLOW_SDE_KINDS",
+    "SDE_KINDS",
+    "WINDOW_MODES",
+    "DenoisingPolicy",
+    "SamplerSettings",
+    "StepContext",
+    "add_lora",
+    "mean_kl",
+]
+
+FLOW_SDE_KINDS = ("flow_sde", "cps", "dance")
+"""Step kinds of the flow-matching policies (`mmalign.sde` functions of the flow-matching convention)."""
+SDE_KINDS = (*FLOW_SDE_KINDS, "ddim")
+"""Every step kind a denoising policy samples with (``ddim``: `DDIMPolicy`)."""
+CPS_LOG_PROBS = sde.LOG_PROB_FORMS
+"""How a ``cps`` step is scored: ``squared_error`` (Flow-GRPO, default) or ``gaussian``."""
+WINDOW_MODES = ("random", "sliding")
+_NOISE_NAMES = {"flow_sde": "noise level a", "cps": "noise level a", "dance": "eta", "ddim": "eta"}
+_EMBED_CACHE_SIZE = 10_000
+"""Distinct prompts whose encodings are kept (further prompts are encoded on every use)."""
+
+
+@dataclass
+class SamplerSettings:
+    """How a diffusion policy samples and which steps it trains, validated once here (the messages name the
+    key). The ``options:`` classes of the diffusion pipelines extend it (``FlowOptions``,
+    ``SafeDiffusionOptions``), so these are also their YAML keys; the policies take it as ``sampler=``."""
+
+    num_steps: int = 10
+    """Denoising steps per sample (flow: the scheduler's shifted sigmas from 1 to 0; DDIM: the scheduler's
+    DDIM timesteps); Flow-GRPO trains with 10."""
+    noise_level: float = 0.7
+    """The noise knob of ``sde_kind``: the noise level a of ``flow_sde`` (sigma_t = a sqrt(sigma / (1 - sigma)),
+    > 0) and ``cps`` (in (0, 1]), the eta of ``dance`` (> 0) and of ``ddim`` (in (0, 1]). How far samples of
+    one prompt spread: higher explores more; too high degrades the images."""
+    guidance_scale: float = 1.0
+    """Classifier-free guidance scale (empty negative prompt; FLUX.1-dev: its distilled guidance input), the
+    same in sampling and in the log-probs (1: no guidance, half the compute)."""
+    same_initial_noise: bool = False
+    """Start every sample of a group from the same initial noise (only the step noise then differs)."""
+    train_fraction: float = 1.0
+    """Share of the stochastic steps trained per sample (a random subset each; the others still sample
+    stochastically). Ignored when `window_size` is set."""
+    window_size: int | None = None
+    """Train only a window of this many consecutive stochastic steps (deterministic ODE steps outside it;
+    Flow-GRPO-Fast). null: no window."""
+    window_range: list[int] | None = None
+    """[lo, hi]: the window's first step is drawn uniformly from lo..hi each rollout (default: anywhere)."""
+    window_mode: str = "random"
+    """How the window moves: ``random`` (a fresh start per rollout, Flow-GRPO-Fast) or ``sliding`` (MixGRPO:
+    starts at ``window_range[0]`` and moves `window_stride` steps later every `window_shift_every` training
+    steps, wrapping around; see `mmalign.schedules.SlidingWindow`)."""
+    window_shift_every: int = 25
+    """Sliding window: training steps between moves."""
+    window_stride: int = 1
+    """Sliding window: denoising steps per move."""
+    sde_kind: str = "flow_sde"
+    """The stochastic step (`mmalign.sde`): ``flow_sde`` (Flow-GRPO), ``cps`` (coefficients-preserving,
+    noise_level in (0, 1]) or ``dance`` (DanceGRPO, noise_level is its eta) for flow policies; ``ddim`` for
+    `DDIMPolicy` (noise_level is its eta). Zero-std steps run as ODE steps."""
+    cps_log_prob: str = "squared_error"
+    """How a ``cps`` step is scored: ``squared_error`` (Flow-GRPO: log p = -mean((x' - mu)^2), no 1/(2 sigma_t^2)
+    factor, so ratios stay well-scaled on the tiny-noise last steps) or ``gaussian`` (the full Gaussian
+    log-density; the clip range then means something else). Only used with ``sde_kind: cps``."""
+    train_guidance: bool = True
+    """Apply CFG in the training forward too (false: train the conditional branch only, half the compute;
+    the log-probs of a CFG rollout are then off-policy, so keep ratios near 1 with small clip ranges)."""
+    seed: int | None = None
+    """null: the initial and step noise come from torch's global RNG (which the trainer seeds and saves in
+    checkpoints). An int: a private generator for the sampler (reproducible independently of any other random
+    draw; its state is saved in checkpoints too)."""
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.sde_kind not in SDE_KINDS:
+            raise ValueError(f"sde_kind must be one of {', '.join(SDE_KINDS)}; got {self.sde_kind!r}")
+        kind, level = self.sde_kind, self.noise_level
+        bounded = kind in ("cps", "ddim")
+        if not (level > 0 and (level <= 1 or not bounded)):
+            if kind == "ddim":
+                raise ValueError(
+                    f"eta (the noise_level of sde_kind ddim) must be in (0, 1] (eta = 0 is deterministic DDIM, "
+                    f"nothing to train), got {level}"
+                )
+            allowed = "in (0, 1]" if bounded else "> 0"
+            raise ValueError(
+                f"noise_level must be {allowed}, got {level} (the {_NOISE_NAMES[kind]} of {kind}, {allowed}; "
+                "the SDE needs noise for log-probs)"
+            )
+        if self.cps_log_prob not in CPS_LOG_PROBS:
+            raise ValueError(
+                f"cps_log_prob must be one of {', '.join(CPS_LOG_PROBS)}; got {self.cps_log_prob!r}"
+            )
+        if not self.guidance_scale >= 1:
+            raise ValueError(f"guidance_scale must be >= 1 (1: no guidance), got {self.guidance_scale}")
+        if not 0 < self.train_fraction <= 1:
+            raise ValueError(f"train_fraction must be in (0, 1], got {self.train_fraction}")
+        if self.window_size is not None and not 1 <= self.window_size <= self.num_steps:
+            raise ValueError(
+                f"window_size must be in [1, num_steps={self.num_steps}], got {self.window_size}"
+            )
+        if self.window_range is not None:
+            if self.window_size is None:
+                raise ValueError("window_range needs window_size")
+            if len(self.window_range) != 2 or not 0 <= self.window_range[0] <= self.window_range[1]:
+                raise ValueError(f"window_range must be [lo, hi] with 0 <= lo <= hi, got {self.window_range}")
+            if self.window_range[0] > self.num_steps - self.window_size:
+                raise ValueError(
+                    f"window_range starts at {self.window_range[0]}, but a window of {self.window_size} steps "
+                    f"must start by step {self.num_steps - self.window_size}"
+                )
+        if self.window_mode not in WINDOW_MODES:
+            raise ValueError(
+                f"window_mode must be one of {', '.join(WINDOW_MODES)}; got {self.window_mode!r}"
+            )
+        if self.window_mode == "sliding" and self.window_size is None:
+            raise ValueError("window_mode sliding needs window_size")
+        if self.window_shift_every < 1 or self.window_stride < 1:
+            raise ValueError(
+                "window_shift_every and window_stride must be >= 1, got "
+                f"{self.window_shift_every}, {self.window_stride}"
+            )
+
+    def sampler_settings(self, **changes: Any) -> SamplerSettings:
+        """A plain `SamplerSettings` with this object's sampler fields (an options class that extends it hands
+        this to its policy) and `changes` applied (validated again)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplerSettings)}
+        return SamplerSettings(**{**values, **changes})
+
+
+class _Setting:
+    """A policy attribute read from (and, when set, replaced in) the policy's `SamplerSettings`."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.sampler, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.sampler = dataclasses.replace(obj.sampler, **{self.name: value})
+
+
+@dataclass
+class StepContext:
+    """What `DenoisingPolicy.shift_step_mean` may use besides the mean and x_t (one rollout step)."""
+
+    sched: dict[str, Tensor]
+    """The step's schedule values per sample (``schedule_keys`` and ``step_index``), Float/Long[B]."""
+    cond: dict[str, Tensor]
+    """The prompt conditioning (``conditioning_keys``), per sample."""
+    prediction: Tensor
+    """The network output the step mean was computed from (velocity, eps ...; guided)."""
+    std: Tensor
+    """The step's std (broadcasts against the mean)."""
+    prompts: list[str]
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    """The dataset columns per sample (what a reward reads)."""
 
 
 def add_lora(denoiser: torch.nn.Module, lora: Any, all_linear: tuple[str, ...] | list[str]) -> bool:
@@ -64,8 +243,17 @@ def mean_kl(mean: Tensor, ref_mean: Tensor, kl_std: Tensor) -> Tensor:
     return diff.mean(dim=tuple(range(1, diff.ndim))) / (2 * std2)
 
 
-class DenoisingPolicy:
-    """Shared machinery of the diffusion policies; see the module docstring."""
+def _add_shift(delta: Tensor) -> sde.MeanShift:
+    return lambda mean, std: mean + delta
+
+
+class DenoisingPolicy(Policy):
+    """The rollout and re-scoring loops of the diffusion policies; see the module docstring for the hooks."""
+
+    conditioning_keys: tuple[str, ...] = ("prompt_embeds",)
+    """Keys of `encode_conditioning`'s result (also the payload keys of the prompt conditioning)."""
+    schedule_keys: tuple[str, ...] = ()
+    """Keys of `schedule`'s result (also payload keys)."""
 
     model: torch.nn.Module
     forward_model: torch.nn.Module
@@ -75,47 +263,65 @@ class DenoisingPolicy:
     lora: bool
     need_reference: bool
     latent_size: int
-    same_initial_noise: bool
-    train_fraction: float
-    window_size: int | None
-    window_range: tuple[int, int] | None
+    sampler: SamplerSettings
+
+    num_steps = _Setting()
+    noise_level = _Setting()
+    guidance_scale = _Setting()
+    same_initial_noise = _Setting()
+    train_fraction = _Setting()
+    window_size = _Setting()
+    window_range = _Setting()
+    window_mode = _Setting()
+    sde_kind = _Setting()
+    cps_log_prob = _Setting()
+    train_guidance = _Setting()
+
+    @staticmethod
+    def _settings(
+        sampler: SamplerSettings | None, kwargs: dict[str, Any], **defaults: Any
+    ) -> SamplerSettings:
+        """`sampler`, or one built from the constructor's keyword arguments over `defaults` (not both)."""
+        if sampler is None:
+            return SamplerSettings(**{**defaults, **kwargs})
+        if kwargs:
+            raise TypeError(
+                f"give either sampler= or sampler settings as keywords, not both: {sorted(kwargs)}"
+            )
+        return sampler
 
     def _init_denoising(
         self,
         model: torch.nn.Module,
         vae: torch.nn.Module,
+        sampler: SamplerSettings,
         *,
         latent_size: int | None,
-        same_initial_noise: bool,
-        train_fraction: float,
-        window_size: int | None,
-        window_range: tuple[int, int] | None,
-        seed: int | None,
         need_reference: bool,
         lora: bool,
     ) -> None:
-        """Set the shared attributes (see the module docstring); the VAE is frozen, a frozen copy of `model`
-        is the reference when one is needed without LoRA. Subclasses validate the window against their
-        trainable steps."""
-        if not 0 < train_fraction <= 1:
-            raise ValueError(f"train_fraction must be in (0, 1], got {train_fraction}")
+        """Set the shared attributes: ``model`` (the denoiser), ``forward_model`` (what `evaluate` runs; the
+        trainer may swap in a DDP wrapper), ``ref_model`` (a frozen copy when a reference is needed without
+        LoRA), ``vae`` (frozen), ``generator`` (seeded by ``sampler.seed``, or None), ``latent_size``. A
+        subclass calls `_init_trained_steps` once its schedule is known."""
+        self.sampler = sampler
         self.model = model
         self.forward_model = model
-        """What `evaluate` runs (the trainer may swap in a DDP-wrapped model; sampling uses `model`)."""
         self.kl_in_evaluate = need_reference
         """`evaluate` returns the KL on step means itself (the trainer then skips reference log-probs)."""
         self.vae = vae.eval().requires_grad_(False)
         self.latent_size = latent_size or int(model.config.sample_size)
-        self.same_initial_noise = same_initial_noise
-        self.train_fraction = train_fraction
-        self.window_size = window_size
-        self.window_range = window_range
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.generator = torch.Generator().manual_seed(sampler.seed) if sampler.seed is not None else None
         self.lora = lora
         self.need_reference = need_reference
         self.ref_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if need_reference and not lora else None
         )
+        self.train_step = 0
+        """The trainer's step, set by `on_train_step` (drives the sliding window)."""
+        self.window_schedule: SlidingWindow | None = None
+        self._window_bounds = (0, 0)
+        self._embed_cache: dict[str, dict[str, Tensor]] = {}
 
     @property
     def device(self) -> torch.device:
@@ -142,13 +348,41 @@ class DenoisingPolicy:
         """How many leading denoising steps can be trained (those with std > 0)."""
         raise NotImplementedError
 
+    def _init_trained_steps(self) -> None:
+        """Check the window against the `_num_trainable_steps` stochastic steps and build the sliding
+        schedule (``window_mode: sliding``)."""
+        n, size, total = self._num_trainable_steps(), self.window_size, self.num_steps
+        if size is None:
+            return
+        if not 1 <= size <= n:
+            why = "" if n == total else f"; the last {total - n} step(s) of {self.sde_kind} have std 0"
+            raise ValueError(
+                f"window_size must be in [1, {n}] (the stochastic steps of num_steps={total}{why}), got {size}"
+            )
+        lo, hi = self.window_range or (0, n - size)
+        hi = min(hi, n - size)
+        if not 0 <= lo <= hi:
+            raise ValueError(
+                f"window_range {self.window_range} leaves no window start in [0, {n - size}] "
+                f"for window_size={size}"
+            )
+        self._window_bounds = (lo, hi)
+        if self.window_mode == "sliding":
+            s = self.sampler
+            self.window_schedule = SlidingWindow(
+                n, size, s.window_shift_every, stride=s.window_stride, start=lo, end=hi
+            )
+
+    def on_train_step(self, step: int) -> None:
+        """Called by the trainer before each rollout with its step (finished training steps)."""
+        self.train_step = int(step)
+
     def _window_start(self, n: int) -> int:
-        """First step of the trained window: uniform in ``window_range`` (clipped so the window fits
-        in the `n` trainable steps)."""
-        assert self.window_size is not None
-        lo, hi = self.window_range or (0, n - self.window_size)
-        hi = min(hi, n - self.window_size)
-        lo = min(max(lo, 0), hi)
+        """First step of the trained window: the sliding schedule's at ``train_step``, else uniform in
+        ``window_range`` (clipped so the window fits in the `n` trainable steps)."""
+        if self.window_schedule is not None:
+            return self.window_schedule.start_at(self.train_step)
+        lo, hi = self._window_bounds
         return int(torch.randint(lo, hi + 1, (1,), generator=self.generator))
 
     def _trained_steps(self, batch: int) -> Tensor:
@@ -163,11 +397,82 @@ class DenoisingPolicy:
         perm = torch.stack([torch.randperm(n, generator=self.generator)[:t] for _ in range(batch)])
         return perm.sort(dim=1).values
 
+    # ------------------------------------------------------------------ hooks
+    def encode_conditioning(self, prompts: list[str]) -> dict[str, Tensor]:
+        """{key of ``conditioning_keys``: [B, ...]} of `prompts` (uncached; `conditioning` caches)."""
+        raise NotImplementedError
+
+    def schedule(self) -> dict[str, Tensor]:
+        """{key of ``schedule_keys``: Float[num_steps] per-step values, or a 0-d constant of the rollout}."""
+        raise NotImplementedError
+
+    def latent_shape(self) -> tuple[int, ...]:
+        """Shape of one sample's latents without the batch dim: (C, h, w) of the denoiser's ``in_channels``
+        and ``latent_size``; a video policy returns (C, F, h, w)."""
+        return (int(self.model.config.in_channels), self.latent_size, self.latent_size)
+
+    def predict(
+        self,
+        model: torch.nn.Module,
+        latents: Tensor,
+        sched: dict[str, Tensor],
+        cond: dict[str, Tensor],
+        *,
+        guided: bool = True,
+    ) -> tuple[Tensor, Tensor]:
+        """(prediction, conditional prediction), fp32, at `latents` [B, ...]: the network call, with
+        classifier-free guidance when `guided` and the policy uses it. The conditional prediction is the
+        conditional branch of the same call (the prediction itself without two-branch CFG)."""
+        raise NotImplementedError
+
+    def step(
+        self, prediction: Tensor, latents: Tensor, sched: dict[str, Tensor], **kw: Any
+    ) -> sde.StepOutput:
+        """One stochastic step of `mmalign.sde` (`kw`: ``prev_sample``, ``generator``, ``shift_mean``)."""
+        raise NotImplementedError
+
+    def ode_step(self, prediction: Tensor, latents: Tensor, sched: dict[str, Tensor]) -> Tensor:
+        """The deterministic update (outside a window, or a step whose std is 0)."""
+        raise NotImplementedError
+
+    def shift_step_mean(self, mean: Tensor, latents: Tensor, t_index: int, context: StepContext) -> Tensor:
+        """The mean x_{t+1} is drawn around at step `t_index` (default: `mean` unchanged). An override (a
+        reward-guided SDE: ``mean + s * grad r``) makes the sample and its log-prob those of the returned
+        mean; the shift of each trained step is stored and added again when the step is re-scored."""
+        return mean
+
+    def _shifts_mean(self) -> bool:
+        return type(self).shift_step_mean is not DenoisingPolicy.shift_step_mean
+
+    # ------------------------------------------------------------------ conditioning
+    def conditioning(self, prompts: list[str]) -> dict[str, Tensor]:
+        """`encode_conditioning` in fp32 on the policy's device, each distinct prompt encoded once (cached)."""
+        cache = self._embed_cache
+        missing = list(dict.fromkeys(p for p in prompts if p not in cache))
+        if missing:
+            enc = self.encode_conditioning(missing)
+            for i, p in enumerate(missing):
+                if len(cache) < _EMBED_CACHE_SIZE:
+                    cache[p] = {k: v[i].float() for k, v in enc.items()}
+        if any(p not in cache for p in prompts):  # cache full: encode directly
+            return {k: v.float() for k, v in self.encode_conditioning(prompts).items()}
+        return {k: torch.stack([cache[p][k] for p in prompts]) for k in self.conditioning_keys}
+
+    def _cfg_inputs(self, cond: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
+        """The conditioning of a two-branch CFG call: the empty prompt's (negative) for `batch` samples, then
+        `cond`; the network's input is doubled the same way and its output split by `_cfg_combine`."""
+        neg = self.conditioning([""])
+        return {k: torch.cat([neg[k].expand(batch, *([-1] * (v.ndim - 1))), v]) for k, v in cond.items()}
+
+    def _cfg_combine(self, out: Tensor) -> tuple[Tensor, Tensor]:
+        """(u + w (c - u), c) of a two-branch output [u; c]."""
+        u, c = out.chunk(2)
+        return u + self.guidance_scale * (c - u), c
+
     # ------------------------------------------------------------------ sampling
     def _initial_noise(self, group: Tensor) -> Tensor:
-        """Float[B, C, h, w] standard normal latents; with ``same_initial_noise`` one draw per group."""
-        c = int(self.model.config.in_channels)
-        shape = (c, self.latent_size, self.latent_size)
+        """Float[B, *latent_shape] standard normal latents; with ``same_initial_noise`` one draw per group."""
+        shape = tuple(self.latent_shape())
         if self.same_initial_noise:
             n_groups = int(group.max()) + 1
             noise = torch.randn((n_groups, *shape), generator=self.generator)[group]
@@ -176,22 +481,155 @@ class DenoisingPolicy:
         return noise.to(self.device)
 
     @torch.no_grad()
+    def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
+        """Sample `group_size` latents for each row's ``prompt`` (see `Policy.rollout`)."""
+        prompts = [str(r["prompt"]) for r in rows for _ in range(group_size)]
+        group = torch.arange(len(rows)).repeat_interleave(group_size)
+        columns = {key: [r.get(key) for r in rows for _ in range(group_size)] for key in rows[0]}
+        b, dev = len(prompts), self.device
+        cond = self.conditioning(prompts)
+        table = self.schedule()
+        if tuple(table) != self.schedule_keys:
+            raise RuntimeError(
+                f"schedule() returned {tuple(table)}, expected schedule_keys {self.schedule_keys}"
+            )
+        steps = self._trained_steps(b)
+        t = steps.shape[1]
+        n_sde = self._num_trainable_steps()
+        window = set(steps[0].tolist()) if self.window_size is not None else None
+        score_cond = compute_logp and not self.train_guidance and self.guidance_scale > 1.0
+        shifting = self._shifts_mean()
+        generator = self.generator if dev.type == "cpu" else None
+
+        x = self._initial_noise(group)
+        lat = torch.zeros((b, t, *x.shape[1:]), device=dev)
+        nxt = torch.zeros_like(lat)
+        shifts = torch.zeros_like(lat) if shifting else None
+        logp = torch.zeros((b, t), device=dev)
+        steps_d = steps.to(dev)
+        table_d = {k: v.to(dev) for k, v in table.items()}
+        was_training = self.model.training
+        self.model.eval()
+        for i in range(self.num_steps):
+            sched = {k: (v[i] if v.ndim else v).expand(b) for k, v in table_d.items()}
+            sched["step_index"] = torch.full((b,), i, dtype=torch.long, device=dev)
+            pred, pred_c = self.predict(self.model, x, sched, cond, guided=True)
+            if i >= n_sde or (window is not None and i not in window):
+                x = self.ode_step(pred, x, sched)
+                continue
+            delta: list[Tensor] = []
+            shift = None
+            if shifting:
+                shift = self._recording_shift(x, i, sched, cond, pred, prompts, columns, delta)
+            out = self.step(pred, x, sched, generator=generator, shift_mean=shift)
+            x_new = out.sample
+            hit = steps_d == i
+            rows_hit = hit.any(dim=1)
+            if bool(rows_hit.any()):
+                lat[hit] = x[rows_hit]
+                nxt[hit] = x_new[rows_hit]
+                lp = out.log_prob
+                if score_cond:  # CFG-free training: the conditional branch's density of the CFG sample
+                    again = _add_shift(delta[0]) if shifting else None
+                    lp = self.step(pred_c, x, sched, prev_sample=x_new, shift_mean=again).log_prob
+                logp[hit] = lp[rows_hit]
+                if shifts is not None:
+                    shifts[hit] = delta[0][rows_hit]
+            x = x_new
+        if was_training:
+            self.model.train()
+        payload: dict[str, Any] = {"latents": lat.cpu(), "next_latents": nxt.cpu(), "step_index": steps}
+        for k, v in table.items():
+            payload[k] = v[steps] if v.ndim else v.repeat(b)
+        payload.update({k: v.cpu() for k, v in cond.items()})
+        if shifts is not None:
+            payload["mean_shift"] = shifts.cpu()
+        rollout = Rollout(
+            group=group,
+            mask=torch.ones((b, t), dtype=torch.bool),
+            prompts=prompts,
+            columns=columns,
+            outputs={"latents": x.cpu()},
+            payload=payload,
+        )
+        if compute_logp:
+            rollout.logp_old = logp.cpu()
+        return rollout
+
+    def _recording_shift(
+        self,
+        x: Tensor,
+        t_index: int,
+        sched: dict[str, Tensor],
+        cond: dict[str, Tensor],
+        pred: Tensor,
+        prompts: list[str],
+        columns: dict[str, list[Any]],
+        record: list[Tensor],
+    ) -> sde.MeanShift:
+        """The ``shift_mean`` of a rollout step: `shift_step_mean`, its shift appended to `record`."""
+
+        def shift(mean: Tensor, std: Tensor) -> Tensor:
+            ctx = StepContext(
+                sched=sched, cond=cond, prediction=pred, std=std, prompts=prompts, columns=columns
+            )
+            shifted = self.shift_step_mean(mean, x, t_index, ctx)
+            record.append(shifted - mean)
+            return shifted
+
+        return shift
+
+    # ------------------------------------------------------------------ decoding
+    def materialize(self, rollout: Rollout, needs: Collection[str]) -> None:
+        """Decode the latents to pixels when a reward needs ``images`` / ``videos`` (and none are there yet)."""
+        media = {"images", "videos"}
+        if media & set(needs) and not media & set(rollout.outputs):
+            self.decode(rollout)
+
+    @torch.no_grad()
     def decode(self, rollout: Rollout) -> Tensor:
-        """Images Float[B,3,H,W] in [0, 1] from ``outputs["latents"]`` (also stored as ``outputs["images"]``)."""
-        z = rollout.outputs["latents"].to(self.device)
+        """Pixels in [0, 1] of ``outputs["latents"]`` (`decode_latents`), also stored as ``outputs["images"]``
+        (Float[B,3,H,W]) or, for video latents, ``outputs["videos"]`` (Float[B,F,3,H,W])."""
+        pixels = self.decode_latents(rollout.outputs["latents"].to(self.device))
+        rollout.outputs["videos" if pixels.ndim == 5 else "images"] = pixels
+        return pixels
+
+    def decode_latents(self, z: Tensor) -> Tensor:
+        """Pixels in [0, 1] on the CPU: the VAE decodes ``z / scaling_factor + shift_factor`` of image latents
+        [B, C, h, w] -> [B, 3, H, W]; video latents [B, C, F, h, w] frame by frame -> [B, F, 3, H, W]."""
+        if z.ndim == 5:
+            frames = self.decode_latents(z.movedim(2, 1).flatten(0, 1))
+            return frames.unflatten(0, (z.shape[0], z.shape[2]))
         cfg = self.vae.config
         z = z / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
         img = self.vae.decode(z.to(next(self.vae.parameters()).dtype), return_dict=False)[0].float()
-        img = (img / 2 + 0.5).clamp(0, 1).cpu()
-        rollout.outputs["images"] = img
-        return img
+        return (img / 2 + 0.5).clamp(0, 1).cpu()
 
     # ------------------------------------------------------------------ log-probs
     def _score(
         self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, with_kl: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """(log-probs Float[B, T] of the stored trained transitions under `model`, KL Float[B, T] or None)."""
-        raise NotImplementedError
+        p = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in rollout.payload.items()}
+        cond = {k: p[k] for k in self.conditioning_keys}
+        logps, kls = [], []
+        for j in range(rollout.num_actions):
+            x, x_next = p["latents"][:, j], p["next_latents"][:, j]
+            sched = {k: p[k][:, j] if p[k].ndim == 2 else p[k] for k in self.schedule_keys}
+            sched["step_index"] = p["step_index"][:, j]
+            shift = _add_shift(p["mean_shift"][:, j]) if "mean_shift" in p else None
+            with torch.set_grad_enabled(grad):
+                pred = self.predict(model, x, sched, cond, guided=self.train_guidance)[0]
+                out = self.step(pred, x, sched, prev_sample=x_next, shift_mean=shift)
+            logps.append(out.log_prob)
+            if with_kl:
+                with torch.no_grad(), self._reference() as ref:
+                    pred_ref = self.predict(ref, x, sched, cond, guided=self.train_guidance)[0]
+                    ref_mean = self.step(pred_ref, x, sched, prev_sample=x_next, shift_mean=shift).mean
+                kls.append(mean_kl(out.mean, ref_mean, out.kl_std))
+        logp = torch.stack(logps, dim=1)
+        kl = torch.stack(kls, dim=1) if with_kl else None
+        return logp, kl
 
     @contextmanager
     def _reference(self) -> Iterator[torch.nn.Module]:

@@ -8,18 +8,19 @@ What differs for Flux:
 
 - **Packed latents.** The policy's state x keeps the unpacked VAE layout [B, C, h, w] everywhere (the
   SDE steps, the payload, the final ``outputs["latents"]`` and `decode` see the same shapes as for SD3).
-  Only around the velocity call, `_forward` packs x into 2x2 patches [B, (h/2)(w/2), 4C]
+  Only around the velocity call, `predict` packs x into 2x2 patches [B, (h/2)(w/2), 4C]
   (`pack_latents`, the layout of diffusers' ``FluxPipeline._pack_latents``), passes the position ids
   FluxPipeline passes -- ``img_ids`` [(h/2)(w/2), 3] with (0, row, column) per patch
   (`latent_image_ids`) and ``txt_ids`` zeros [L, 3] -- and unpacks the velocity (`unpack_latents`).
-  ``latent_size`` (h = w) must therefore be even; the initial noise has ``in_channels / 4`` channels.
+  ``latent_size`` (h = w) must therefore be even; `latent_shape` (the initial noise) has ``in_channels / 4``
+  channels.
 - **Timestep.** Flux's transformer takes t in [0, 1] (it multiplies by 1000 itself), so the sigma of the
   step is passed as is (FluxPipeline passes ``timesteps / 1000``, the same value up to rounding).
 - **Prompt encoding**, exactly as diffusers' ``FluxPipeline.encode_prompt`` (see
-  `mmalign.tiny_flux.FluxComponents.encode_prompt`): the T5 states of the prompt (``max_sequence_length``
-  tokens, default 512 as in diffusers; FLUX.1-schnell was trained with 256) are the
+  `mmalign.policies.flux_components.FluxComponents.encode_prompt`): the T5 states of the prompt
+  (``max_sequence_length`` tokens, default 512 as in diffusers; FLUX.1-schnell was trained with 256) are the
   ``encoder_hidden_states``, the CLIP ``pooler_output`` the ``pooled_projections``. Each distinct prompt
-  is encoded once (FlowPolicy's cache).
+  is encoded once (`DenoisingPolicy.conditioning`'s cache).
 - **Guidance.** FLUX.1-dev (``transformer.config.guidance_embeds``) is guidance-distilled: ``guidance_scale``
   is fed to the transformer as its ``guidance`` input, one forward per velocity -- in sampling, in
   `evaluate`, for the reference and for ``logp_old`` alike, so the log-probs are those of the sampling
@@ -43,6 +44,7 @@ What differs for Flux:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,7 @@ import torch
 from torch import Tensor
 
 from mmalign.config import LoraConfig
-from mmalign.policies.denoising import add_lora
+from mmalign.policies.denoising import SamplerSettings, add_lora
 from mmalign.policies.flow import _DTYPES, FlowPolicy, calculate_mu
 
 __all__ = [
@@ -117,34 +119,38 @@ class FluxPolicy(FlowPolicy):
         text_encoder_2: torch.nn.Module,
         tokenizer_2: Any,
         *,
-        guidance_scale: float = 3.5,
+        sampler: SamplerSettings | None = None,
         latent_size: int | None = None,
         max_sequence_length: int = 512,
-        train_guidance: bool = True,
-        **kwargs: Any,
+        need_reference: bool = False,
+        lora: bool = False,
+        **sampler_kwargs: Any,
     ) -> None:
         """`text_encoder`/`tokenizer`: CLIP; `text_encoder_2`/`tokenizer_2`: T5. ``latent_size`` defaults to
         the VAE's ``sample_size`` over its downsampling factor (128 for FLUX.1: 1024 px images) and must
-        be even. ``train_guidance`` is ignored (no two-branch CFG); other kwargs as for `FlowPolicy`."""
-        from mmalign.tiny_flux import FluxComponents
+        be even. The sampler settings as for `FlowPolicy` (``guidance_scale`` defaults to 3.5);
+        ``train_guidance`` is ignored and stored as True (no CFG branches)."""
+        from mmalign.policies.flux_components import FluxComponents
 
         if latent_size is None:
             factor = 2 ** (len(vae.config.block_out_channels) - 1)
             latent_size = int(vae.config.sample_size) // factor
         if latent_size % 2:
             raise ValueError(f"Flux packs 2x2 latent patches: latent_size must be even, got {latent_size}")
-        del train_guidance  # no CFG branches to choose between: the scored velocity is the sampled one
+        sampler = self._settings(sampler, sampler_kwargs, guidance_scale=3.5)
+        # no CFG branches to choose between: the scored velocity is the sampled one
+        sampler = dataclasses.replace(sampler, train_guidance=True)
         super().__init__(
             transformer,
             vae,
             scheduler,
             text_encoder,
             tokenizer,
-            guidance_scale=guidance_scale,
+            sampler=sampler,
             latent_size=latent_size,
             max_sequence_length=max_sequence_length,
-            train_guidance=True,
-            **kwargs,
+            need_reference=need_reference,
+            lora=lora,
         )
         self.components = FluxComponents(  # type: ignore[assignment]
             transformer, self.vae, scheduler, text_encoder, tokenizer, text_encoder_2, tokenizer_2
@@ -164,12 +170,13 @@ class FluxPolicy(FlowPolicy):
         load_t5: bool = True,
         **kwargs: Any,
     ) -> FluxPolicy:
-        """Load a diffusers FLUX.1 folder (or hub id; see `mmalign.tiny_flux.load_flux_components`). With
-        ``lora.enabled`` the transformer gets a peft LoRA adapter (``add_adapter``; ``target_modules:
-        all-linear`` means `FLUX_LORA_TARGETS`) and only the adapter trains; the reference is then the
-        transformer with the adapter disabled. ``load_t5`` is ignored (Flux's prompt states are T5's, so
-        the T5 is always loaded). Other kwargs go to the constructor."""
-        from mmalign.tiny_flux import load_flux_components
+        """Load a diffusers FLUX.1 folder (or hub id; see
+        `mmalign.policies.flux_components.load_flux_components`). With ``lora.enabled`` the transformer
+        gets a peft LoRA adapter (``add_adapter``; ``target_modules: all-linear`` means
+        `FLUX_LORA_TARGETS`) and only the adapter trains; the reference is then the transformer with the
+        adapter disabled. ``load_t5`` is ignored (Flux's prompt states are T5's, so the T5 is always
+        loaded). Other kwargs go to the constructor."""
+        from mmalign.policies.flux_components import load_flux_components
 
         del load_t5
         c = load_flux_components(name_or_path, dtype=_DTYPES[dtype])
@@ -207,39 +214,42 @@ class FluxPolicy(FlowPolicy):
             self.scheduler.set_timesteps(sigmas=base)
         return self.scheduler.sigmas.detach().to("cpu", torch.float32)
 
-    def _initial_noise(self, group: Tensor) -> Tensor:
-        """Float[B, C, h, w] standard normal latents in the unpacked layout, C = ``in_channels / 4``; with
-        ``same_initial_noise`` one draw per group."""
+    def latent_shape(self) -> tuple[int, ...]:
+        """(C, h, w) in the unpacked layout, C = ``in_channels / 4`` (h = w = ``latent_size``, even)."""
         self.image_seq_len()  # checks that latent_size is even
-        shape = (int(self.model.config.in_channels) // 4, self.latent_size, self.latent_size)
-        if self.same_initial_noise:
-            noise = torch.randn((int(group.max()) + 1, *shape), generator=self.generator)[group]
-        else:
-            noise = torch.randn((group.shape[0], *shape), generator=self.generator)
-        return noise.to(self.device)
+        return (int(self.model.config.in_channels) // 4, self.latent_size, self.latent_size)
 
     # ------------------------------------------------------------------ model
-    def _forward(
-        self, model: torch.nn.Module, x: Tensor, sigma: Tensor, pe: Tensor, po: Tensor, *, cfg: bool
+    def predict(
+        self,
+        model: torch.nn.Module,
+        latents: Tensor,
+        sched: dict[str, Tensor],
+        cond: dict[str, Tensor],
+        *,
+        guided: bool = True,
     ) -> tuple[Tensor, Tensor]:
-        """(velocity, velocity), fp32 [B, C, h, w], at unpacked latents x and per-sample sigma [B]: one
-        forward of the Flux transformer on the packed latents (``guidance`` = ``guidance_scale`` when it
-        has a guidance embedding). ``cfg`` is ignored: Flux has no two-branch CFG, so the velocity is also
-        the "conditional" one FlowPolicy asks for."""
-        del cfg
+        """(velocity, velocity), fp32 [B, C, h, w], at unpacked latents and per-sample ``sched["sigmas"]`` [B]:
+        one forward of the Flux transformer on the packed latents (``guidance`` = ``guidance_scale`` when it
+        has a guidance embedding). `guided` is ignored: Flux has no two-branch CFG, so the velocity is also
+        the conditional one."""
+        del guided
         dtype = next(model.parameters()).dtype
-        b, _, h, w = x.shape
+        b, _, h, w = latents.shape
+        pe = cond["prompt_embeds"]
         guidance = None
         if self.model.config.guidance_embeds:  # self.model: `model` may be a DDP wrapper
-            guidance = torch.full((b,), float(self.guidance_scale), device=x.device, dtype=torch.float32)
+            guidance = torch.full(
+                (b,), float(self.guidance_scale), device=latents.device, dtype=torch.float32
+            )
         out = model(
-            hidden_states=pack_latents(x).to(dtype),
-            timestep=sigma.to(dtype),
+            hidden_states=pack_latents(latents).to(dtype),
+            timestep=sched["sigmas"].to(dtype),
             guidance=guidance,
-            pooled_projections=po.to(dtype),
+            pooled_projections=cond["pooled_embeds"].to(dtype),
             encoder_hidden_states=pe.to(dtype),
-            txt_ids=torch.zeros((pe.shape[1], 3), device=x.device, dtype=dtype),
-            img_ids=latent_image_ids(h // 2, w // 2, x.device, dtype),
+            txt_ids=torch.zeros((pe.shape[1], 3), device=latents.device, dtype=dtype),
+            img_ids=latent_image_ids(h // 2, w // 2, latents.device, dtype),
             return_dict=False,
         )[0]
         v = unpack_latents(out.float(), h, w)
@@ -255,7 +265,7 @@ class FluxPolicy(FlowPolicy):
 
 def flow_policy_class(name_or_path: str | Path) -> type[FlowPolicy]:
     """The flow-matching policy class for a model: `FluxPolicy` for a FLUX.1 folder (or a hub id naming
-    Flux; `mmalign.tiny_flux.is_flux_folder`), else `FlowPolicy` (SD3 / SD3.5)."""
-    from mmalign.tiny_flux import is_flux_folder
+    Flux; `mmalign.policies.flux_components.is_flux_folder`), else `FlowPolicy` (SD3 / SD3.5)."""
+    from mmalign.policies.flux_components import is_flux_folder
 
     return FluxPolicy if is_flux_folder(name_or_path) else FlowPolicy

@@ -5,6 +5,12 @@
   with the logits divided by the sampling temperature (the distribution that was sampled).
 - The action mask covers the completion up to and including the EOS token or the last token of
   a stop string; everything after (padding) is masked out.
+- A rollout loop (`mmalign.rollout_loops`, ``rollout.loop``) decides what a sample is: one completion
+  (``single_turn``, the default) or several generated turns with environment content inserted between
+  them (``multi_turn``). The payload always describes the whole sequence: ``prompt_ids`` /
+  ``prompt_mask`` (left-padded), ``completion_ids`` (the completion region: generated and inserted tokens,
+  right-padded) and ``completion_attention_mask`` (its real tokens, what the model attends to), kept
+  apart from ``Rollout.mask`` (the generated tokens only: the loss mask).
 - LoRA through peft (the reference model is then the same network with the adapter disabled), or
   full fine-tuning (a frozen copy serves as reference, made only when a KL penalty is used).
 """
@@ -24,11 +30,14 @@ from tqdm.auto import tqdm
 
 from mmalign.batch import Rollout
 from mmalign.config import LoraConfig
-from mmalign.policies.base import ActionStats
+from mmalign.policies.base import ActionStats, Policy, RunInfo
+from mmalign.rollout_loops import Conversation, Environment, Insert, RolloutLoop, Segment, make_loop
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TURN_PROBE = "MMALIGN_ASSISTANT_TURN_PROBE"
+"""Stand-in assistant message used to find the strings a chat template puts around an inserted message."""
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
@@ -52,7 +61,7 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int], stop_lengths: Te
     return torch.arange(t, device=completion_ids.device)[None, :] < lengths[:, None]
 
 
-class TextPolicy:
+class TextPolicy(Policy):
     """A causal language model as a GRPO policy. See the module docstring."""
 
     def __init__(
@@ -71,7 +80,17 @@ class TextPolicy:
         need_reference: bool = False,
         lora: bool = False,
         shared_prefix: bool = True,
+        loop: RolloutLoop | str = "single_turn",
+        loop_kwargs: dict[str, Any] | None = None,
+        environment: Environment | None = None,
     ) -> None:
+        self.loop = (
+            make_loop(loop, environment=environment, **(loop_kwargs or {})) if isinstance(loop, str) else loop
+        )
+        """How `rollout` turns rows into samples (`mmalign.rollout_loops`): a loop object, or a registered
+        name built with `loop_kwargs` and `environment`."""
+        if not isinstance(loop, str) and (loop_kwargs or environment is not None):
+            raise ValueError("pass loop_kwargs / environment only with a loop name, not with a loop object")
         self.model = model
         self.forward_model = model
         """What `evaluate` runs (the trainer swaps in the DDP-wrapped model; generation uses `model`)."""
@@ -88,8 +107,12 @@ class TextPolicy:
         self.shared_prefix = shared_prefix
         """Encode each group's prompt once when recomputing log-probs (off under gradient checkpointing)."""
         self.engine: Any = None
-        """A `mmalign.engines.RolloutEngine` that samples instead of `generate` (set by the trainer)."""
+        """A `mmalign.engines.RolloutEngine` that samples instead of `generate` (built in `setup` from
+        ``rollout.engine``, or set directly)."""
         self.engine_seed = 0
+        self._engine_stale = True
+        """The engine holds older weights than `model` (synced in `on_train_step`)."""
+        self._run: RunInfo | None = None
         self.ref_model: torch.nn.Module | None = None
         if need_reference and not lora:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -177,18 +200,23 @@ class TextPolicy:
         messages.append({"role": "user", "content": prompt})
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def _prompt_token_ids(self, prompt: str) -> list[int]:
+        """Token ids of the formatted prompt (cached per distinct prompt)."""
+        ids = self._prompt_cache.get(prompt)
+        if ids is None:
+            ids = self.tokenizer(self.format_prompt(prompt), add_special_tokens=not self.use_chat_template)[
+                "input_ids"
+            ]
+            if len(self._prompt_cache) < 100_000:
+                self._prompt_cache[prompt] = ids
+        return ids
+
     def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         """Left-padded prompt ids and attention mask; each distinct prompt is tokenized once."""
-        seqs = []
-        for p in prompts:
-            ids = self._prompt_cache.get(p)
-            if ids is None:
-                ids = self.tokenizer(self.format_prompt(p), add_special_tokens=not self.use_chat_template)[
-                    "input_ids"
-                ]
-                if len(self._prompt_cache) < 100_000:
-                    self._prompt_cache[p] = ids
-            seqs.append(ids)
+        return self._left_pad([self._prompt_token_ids(p) for p in prompts])
+
+    def _left_pad(self, seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """Left-padded ids and attention mask of token lists."""
         width = max(len(s) for s in seqs)
         pad = self.tokenizer.pad_token_id
         ids = torch.full((len(seqs), width), pad, dtype=torch.long)
@@ -198,16 +226,164 @@ class TextPolicy:
             att[i, width - len(s) :] = 1
         return ids, att
 
+    # ------------------------------------------------------------------ inserted messages
+    def _chat_content(self, text: str, num_images: int) -> Any:
+        """A message's ``content`` for the chat template (a VLM lists image parts first)."""
+        if num_images:
+            raise ValueError(f"{type(self).__name__} cannot insert images (use a VLM policy)")
+        return text
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def insert_text(self, insert: Insert, previous: Segment | None) -> str:
+        """The text that appends `insert` to a conversation whose last segment is `previous`.
+
+        ``role=None``, or a policy without a chat template: ``insert.text`` verbatim. Otherwise what the
+        chat template itself writes after an assistant turn: the end of that turn (less the EOS token the
+        model already generated), the inserted message with ``insert.role``, and the opening of the next
+        assistant turn. Found by rendering a probe conversation with and without the new message."""
+        n_images = len(insert.images)
+        if insert.role is None or not self.use_chat_template:
+            if n_images:
+                raise ValueError("an Insert with images needs a chat role (and a chat template)")
+            return insert.text
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        probe = [
+            *system,
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": _TURN_PROBE},
+        ]
+        base = self._render_chat(probe, False)
+        message = {"role": insert.role, "content": self._chat_content(insert.text, n_images)}
+        full = self._render_chat([*probe, message], True)
+        if _TURN_PROBE not in base or not full.startswith(base):
+            raise ValueError(
+                "the chat template does not render a conversation as a prefix of its continuation, so a "
+                "message cannot be appended after a generated turn; return Insert(role=None, text=...) with "
+                "the exact text instead"
+            )
+        closing = base[base.rindex(_TURN_PROBE) + len(_TURN_PROBE) :]
+        if previous is not None and previous.ids and previous.ids[-1] in self.eos_ids:
+            eos_text = self.tokenizer.decode([previous.ids[-1]], skip_special_tokens=False)
+            if eos_text and closing.startswith(eos_text):
+                closing = closing[len(eos_text) :]
+        return closing + full[len(base) :]
+
+    # ------------------------------------------------------------------ trainer hooks
+    def setup(self, run: RunInfo) -> None:
+        """Build the rollout engine named by ``rollout.engine`` (none for ``hf``: sampling uses `generate`)."""
+        self._run = run
+        r = run.cfg.rollout
+        if r.engine == "hf":
+            return
+        from mmalign.config import ConfigError
+        from mmalign.engines import get_engine
+
+        if self.loop.multi_turn:
+            raise ConfigError(
+                f"{run.cfg.source}: key 'rollout.loop': the {self.loop.name!r} loop samples with the policy's "
+                f"own generate; leave rollout.engine at 'hf' (got {r.engine!r})"
+            )
+
+        kwargs = dict(r.engine_kwargs)
+        if r.engine == "fake":
+            kwargs.setdefault("model", self.model)
+            kwargs.setdefault("tokenizer", self.tokenizer)
+        else:
+            kwargs.setdefault("model", run.cfg.model.name_or_path)
+        try:
+            self.engine = get_engine(r.engine, **kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{run.cfg.source}: key 'rollout.engine_kwargs': {e}") from None
+        self._engine_stale = True
+
+    @property
+    def max_actions(self) -> int:
+        """``max_new_tokens``; with a multi-turn loop its cap on the completion region (generated and
+        inserted tokens: every completion position is an action, masked or not)."""
+        limits = getattr(self.loop, "limits", None)
+        return limits(self)[1] if self.loop.multi_turn and limits is not None else self.max_new_tokens
+
+    @property
+    def needs_logp_old(self) -> bool:
+        """With an engine, ``logp_old`` is recomputed with the trainer's weights (the engine's own log-probs
+        only enter the importance-sampling correction)."""
+        return self.engine is not None
+
+    def on_train_step(self, step: int) -> None:
+        """Push the current weights to the engine when they changed, and seed its sampling for this step."""
+        if self.engine is None:
+            return
+        run = self._run or RunInfo(cfg=None, accelerator=None)
+        if self._engine_stale:
+            self.sync_engine(step)
+        seed = run.cfg.seed if run.cfg is not None else 0
+        self.engine_seed = seed * 1_000_003 + step * 7919 + run.rank
+
+    def after_optimizer_step(self) -> None:
+        self._engine_stale = self.engine is not None
+
+    def rollout_stats(self, rollout: Rollout) -> dict[str, Tensor]:
+        """Completion length (generated tokens) and the share of truncated samples; multi-turn rollouts add
+        the number of generated turns and of inserted tokens."""
+        stats: dict[str, Tensor] = {}
+        n_tok = rollout.outputs.get("num_tokens")
+        if isinstance(n_tok, Tensor):
+            stats["completion_len/mean"] = n_tok.float()
+        trunc = rollout.outputs.get("truncated")
+        if isinstance(trunc, Tensor):
+            stats["truncated_frac"] = trunc.float()
+        for key, name in (("num_turns", "num_turns/mean"), ("num_inserted_tokens", "inserted_len/mean")):
+            value = rollout.outputs.get(key)
+            if isinstance(value, Tensor):
+                stats[name] = value.float()
+        return stats
+
+    def sync_engine(self, step: int = 0) -> None:
+        """Push the current weights to the rollout engine (merged LoRA, or the adapter where the engine
+        loads adapters); raises `WeightSyncError` past ``rollout.sync_timeout_s`` instead of hanging."""
+        from mmalign.engines import adapter_state_dict, full_state_dict
+
+        run = self._run
+        model = (
+            run.accelerator.unwrap_model(self.model) if run is not None and run.accelerator else self.model
+        )
+        if getattr(self.engine, "supports_lora_adapters", False) and self.lora:
+            state, lora = adapter_state_dict(model), True
+        else:
+            state, lora = full_state_dict(model), False
+        timeout = run.cfg.rollout.sync_timeout_s if run is not None and run.cfg is not None else None
+        self.engine.sync_weights(state, lora=lora, timeout_s=timeout, step=step)
+        self._engine_stale = False
+
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()
     def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
-        """Sample `group_size` completions for each row's ``prompt`` (see `Policy.rollout`)."""
+        """Sample `group_size` samples for each row's ``prompt`` through the rollout loop (see
+        `Policy.rollout` and `mmalign.rollout_loops`)."""
+        return self.loop.rollout(self, rows, group_size, compute_logp=compute_logp)
+
+    @staticmethod
+    def _rollout_fields(
+        rows: list[dict[str, Any]], group_size: int
+    ) -> tuple[list[str], Tensor, dict[str, list[Any]]]:
+        """Prompts, group ids and dataset columns, one entry per sample."""
         prompts = [str(r["prompt"]) for r in rows for _ in range(group_size)]
         group = torch.arange(len(rows)).repeat_interleave(group_size)
         columns: dict[str, list[Any]] = {}
         for key in rows[0]:
             columns[key] = [r.get(key) for r in rows for _ in range(group_size)]
+        return prompts, group, columns
 
+    @torch.no_grad()
+    def single_turn_rollout(
+        self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True
+    ) -> Rollout:
+        """One completion per sample (the ``single_turn`` loop)."""
+        prompts, group, columns = self._rollout_fields(rows, group_size)
         if self.engine is not None:
             return self._rollout_with_engine(rows, group_size, prompts, group, columns)
         parts = self._generate_in_chunks(prompts, self._generate)
@@ -229,7 +405,7 @@ class TextPolicy:
         group: Tensor,
         columns: dict[str, list[Any]],
     ) -> Rollout:
-        """Sample with `self.engine`; keep its log-probs as ``payload["logp_engine"]`` and recompute
+        """Sample with `self.engine`; keep its log-probs as ``rollout.logp_sampler`` and recompute
         ``logp_old`` with the trainer's own weights (the IS correction compares the two)."""
         from mmalign.engines import SamplingSpec, outputs_to_tensors
 
@@ -257,7 +433,7 @@ class TextPolicy:
         )
         width = rollout.mask.shape[1]
         logp_engine = _pad_right(logp_engine.float(), width, 0)[:, :width]
-        rollout.payload["logp_engine"] = logp_engine.masked_fill(~rollout.mask, 0.0)
+        rollout.logp_sampler = logp_engine.masked_fill(~rollout.mask, 0.0)
         return rollout
 
     def _finish_rollout(
@@ -296,6 +472,7 @@ class TextPolicy:
                 "prompt_ids": prompt_ids,
                 "prompt_mask": prompt_mask,
                 "completion_ids": completion_ids,
+                "completion_attention_mask": mask.long(),
                 **(extra_payload or {}),
             },
         )
@@ -367,6 +544,121 @@ class TextPolicy:
         cache.batch_select_indices(inverse)
         return cache
 
+    # ------------------------------------------------------------------ multi-turn primitives
+    # (`mmalign.rollout_loops.TurnPolicy`: the loop calls these; VLMPolicy overrides the encoding parts)
+    def start_conversations(self, rows: list[dict[str, Any]], group_size: int) -> list[Conversation]:
+        """`group_size` empty conversations per row; the prompt is tokenized once per row."""
+        conversations: list[Conversation] = []
+        for row in rows:
+            prompt = self._prompt_token_ids(str(row["prompt"]))
+            for g in range(group_size):
+                conversations.append(
+                    Conversation(index=len(conversations), group_index=g, row=row, prompt=prompt)
+                )
+        return conversations
+
+    def _sequence_ids(self, conversation: Conversation) -> list[int]:
+        """Prompt + completion region so far, as one token list."""
+        return list(conversation.prompt) + [t for seg in conversation.segments for t in seg.ids]
+
+    def generate_turn(self, conversations: list[Conversation], budgets: list[int]) -> list[Segment]:
+        """One batched `generate` over the conversations' whole sequences (left-padded), then each new turn
+        cut to its budget and after its EOS / stop string."""
+        max_new = max(budgets)
+        pad = self.tokenizer.pad_token_id
+
+        def generate(chunk: list[Conversation]) -> Tensor:
+            ids, att = self._left_pad([self._sequence_ids(c) for c in chunk])
+            kwargs = {**self._sampling_kwargs(), "max_new_tokens": max_new}
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=att.to(self.device), **kwargs
+            )
+            return out[:, ids.shape[1] :].cpu()
+
+        parts = self._generate_in_chunks(conversations, generate)
+        new = torch.cat([_pad_right(x, max(q.shape[1] for q in parts), pad) for x in parts])
+        return self._turn_segments(new, budgets)
+
+    def _turn_segments(self, new_ids: Tensor, budgets: list[int]) -> list[Segment]:
+        """Generated turns as segments: at most `budgets[i]` tokens, up to and including EOS / stop string."""
+        segments = []
+        for row, budget in zip(new_ids, budgets, strict=True):
+            ids = row[:budget][None]
+            stop = self._stop_lengths(ids) if self.stop_strings else None
+            n = int(completion_mask(ids, self.eos_ids, stop).sum())
+            kept = ids[0, :n].tolist()
+            finished = bool(kept) and kept[-1] in self.eos_ids
+            if stop is not None and int(stop[0]) <= n:
+                finished = True
+            text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            segments.append(Segment(ids=kept, trained=True, text=text, finished=finished))
+        return segments
+
+    def insert_segment(self, conversation: Conversation, insert: Insert) -> Segment:
+        """The tokens of `insert` after `conversation` (`insert_text`, tokenized without special tokens)."""
+        previous = conversation.segments[-1] if conversation.segments else None
+        text = self.insert_text(insert, previous)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return Segment(ids=list(ids), trained=False, text=insert.text)
+
+    def finish_conversations(
+        self,
+        rows: list[dict[str, Any]],
+        group_size: int,
+        conversations: list[Conversation],
+        *,
+        compute_logp: bool,
+    ) -> Rollout:
+        """The `Rollout` of finished conversations: the completion region holds every segment in order;
+        ``mask`` marks the generated tokens only, ``completion_attention_mask`` every real token."""
+        prompts, group, columns = self._rollout_fields(rows, group_size)
+        b = len(conversations)
+        width = max(1, max(c.length for c in conversations))
+        pad = self.tokenizer.pad_token_id
+        completion_ids = torch.full((b, width), pad, dtype=torch.long)
+        attention = torch.zeros((b, width), dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.bool)
+        for i, conv in enumerate(conversations):
+            at = 0
+            for seg in conv.segments:
+                n = len(seg.ids)
+                completion_ids[i, at : at + n] = torch.tensor(seg.ids, dtype=torch.long)
+                attention[i, at : at + n] = 1
+                mask[i, at : at + n] = seg.trained
+                at += n
+        texts = self.tokenizer.batch_decode(
+            [ids[: c.length].tolist() for ids, c in zip(completion_ids, conversations, strict=True)],
+            skip_special_tokens=True,
+        )
+        outputs: dict[str, Any] = {
+            "texts": texts,
+            "num_tokens": mask.sum(dim=1),
+            "truncated": torch.tensor([c.truncated for c in conversations], dtype=torch.bool),
+            "turns": [c.turns for c in conversations],
+            "inserted_texts": [c.inserted_texts for c in conversations],
+            "num_turns": torch.tensor([len(c.turns) for c in conversations], dtype=torch.long),
+            "num_inserted_tokens": attention.sum(dim=1) - mask.sum(dim=1),
+            "stop_reasons": [c.stop_reason for c in conversations],
+        }
+        payload = {
+            **self._conversation_prompt_payload(conversations, columns),
+            "completion_ids": completion_ids,
+            "completion_attention_mask": attention,
+        }
+        rollout = Rollout(
+            group=group, mask=mask, prompts=prompts, columns=columns, outputs=outputs, payload=payload
+        )
+        if compute_logp:
+            rollout.logp_old = self._logprobs(self.model, rollout, grad=False)
+        return rollout
+
+    def _conversation_prompt_payload(
+        self, conversations: list[Conversation], columns: dict[str, list[Any]]
+    ) -> dict[str, Any]:
+        """The prompt part of a multi-turn payload (VLMs add token types and vision inputs, and columns)."""
+        prompt_ids, prompt_mask = self._left_pad([list(c.prompt) for c in conversations])
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
+
     def _stop_lengths(self, completion_ids: Tensor) -> Tensor:
         """Per row, the number of tokens up to the end of the first stop string (T + 1 if none).
 
@@ -400,13 +692,14 @@ class TextPolicy:
         prompt_ids, prompt_mask = p["prompt_ids"].to(self.device), p["prompt_mask"].to(self.device)
         completion_ids = p["completion_ids"].to(self.device)
         mask = rollout.mask.to(self.device)
+        attention = completion_attention(rollout).to(self.device)
         with torch.set_grad_enabled(grad):
             if self.shared_prefix and not self._gradient_checkpointing():
                 logits = self._shared_prefix_logits(
-                    model, rollout.group, prompt_ids, prompt_mask, completion_ids, mask
+                    model, rollout.group, prompt_ids, prompt_mask, completion_ids, attention
                 )
             else:
-                logits = self._plain_logits(model, prompt_ids, prompt_mask, completion_ids, mask)
+                logits = self._plain_logits(model, prompt_ids, prompt_mask, completion_ids, attention)
             if self.temperature != 1.0:
                 logits = logits / self.temperature
             logp = selective_log_softmax(logits, completion_ids)
@@ -421,11 +714,16 @@ class TextPolicy:
 
     @staticmethod
     def _plain_logits(
-        model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, mask: Tensor
+        model: torch.nn.Module,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        completion_ids: Tensor,
+        completion_attention: Tensor,
     ) -> Tensor:
-        """One forward over prompt + completion per sample; logits that predict each completion token."""
+        """One forward over prompt + completion region per sample; logits that predict each completion-region
+        token (`completion_attention`: its real tokens, generated or inserted)."""
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention = torch.cat([prompt_mask, mask.long()], dim=1)
+        attention = torch.cat([prompt_mask, completion_attention.long()], dim=1)
         position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
         t = completion_ids.shape[1]
         out = model(
@@ -444,7 +742,7 @@ class TextPolicy:
         prompt_ids: Tensor,
         prompt_mask: Tensor,
         completion_ids: Tensor,
-        mask: Tensor,
+        completion_attention: Tensor,
     ) -> Tensor:
         """Shared-prefix forward (Prefix Grouper): each group's prompt is encoded once, its keys and
         values are gathered for the group's completions, which attend to them through the KV cache.
@@ -481,8 +779,10 @@ class TextPolicy:
         cache = out_p.past_key_values
         cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...], differentiable gather
         t = completion_ids.shape[1]
-        attention = torch.cat([prompt_mask, mask.long()], dim=1)
-        position_ids = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(t, device=mask.device)[None, :]
+        attention = torch.cat([prompt_mask, completion_attention.long()], dim=1)
+        position_ids = (
+            prompt_mask.sum(dim=1, keepdim=True) + torch.arange(t, device=attention.device)[None, :]
+        )
         out_c = model(
             input_ids=completion_ids,
             attention_mask=attention,
@@ -534,6 +834,13 @@ class TextPolicy:
 
     def save_trainable(self, path: str | Path) -> None:
         save_file({k: v.contiguous() for k, v in self.trainable_state_dict().items()}, str(path))
+
+
+def completion_attention(rollout: Rollout) -> Tensor:
+    """Long[B,T]: the real tokens of the completion region (generated or inserted), which the model attends
+    to; ``payload["completion_attention_mask"]``, or the loss mask for payloads built without it."""
+    att = rollout.payload.get("completion_attention_mask")
+    return rollout.mask.long() if att is None else att.long()
 
 
 def _pad_left(x: Tensor, width: int, value: int) -> Tensor:

@@ -26,6 +26,14 @@ the text. Sampling, temperature-scaled log-probs and the action mask work as in 
   ``resized_width`` / ``resized_height`` (its size as the model sees it: grid x patch size) and
   ``image_sizes`` / ``resized_sizes`` (lists of (w, h) over all of a row's images), so box rewards
   can rescale between the two;
+- multi-turn (``rollout.loop: multi_turn``, `mmalign.rollout_loops`): an environment may insert text AND
+  images between generated turns (a zoomed crop, a tool's picture). The completion region then holds
+  generated and inserted tokens (``completion_attention_mask`` marks all real ones; ``Rollout.mask`` only
+  the generated ones), ``completion_mm_token_type_ids`` types its image tokens, and ``pixel_values[i]`` /
+  ``image_grid_thw[i]`` list ALL images of sample i in order (prompt images first;
+  ``num_prompt_images[i]`` of them). Each turn is one batched ``generate`` over the whole sequences of
+  the samples still active; log-probs come from one forward over prompt + completion region (the
+  shared-prefix path passes the inserted images to the completion pass);
 - ``freeze_vision`` stops gradients into the vision tower; LoRA targets the language model's
   linear layers only (`language_model_lora_targets`); the reference is the adapter disabled
   (LoRA) or a frozen copy (full fine-tuning with KL), as in `TextPolicy`.
@@ -42,12 +50,15 @@ import torch
 from torch import Tensor
 
 from mmalign.batch import Rollout
+from mmalign.policies.base import Policy, RunInfo
 from mmalign.policies.text import (
     TextPolicy,
     _pad_left,
     _pad_right,
+    completion_attention,
     selective_log_softmax,
 )
+from mmalign.rollout_loops import Conversation, Insert, Segment
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +67,8 @@ VISION_MODULE = re.compile(r"(^|\.)visual\.")
 """Parameter/module names of the vision tower (``model.visual.*`` in Qwen2-VL and Qwen2.5-VL)."""
 
 _VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+"""The vision inputs an insertion may add (images; videos only come with the prompt)."""
 
 
 def language_model_lora_targets(target_modules: list[str] | str = "all-linear") -> str:
@@ -183,6 +196,15 @@ class VLMPolicy(TextPolicy):
         messages.append({"role": "user", "content": content})
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def _chat_content(self, text: str, num_images: int) -> Any:
+        """An inserted message's content: its image parts, then the text (as in `format_vlm_prompt`)."""
+        return [*({"type": "image"} for _ in range(num_images)), {"type": "text", "text": text}]
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.processor.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
     def encode_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """Processor outputs for one row (unbatched): ids, token types, vision tensors, image sizes."""
         images = [_load_image(x) for x in _as_list(row.get("images", row.get("image")))]
@@ -228,17 +250,15 @@ class VLMPolicy(TextPolicy):
         return out
 
     # ------------------------------------------------------------------ rollout
-    @torch.no_grad()
-    def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
-        """Sample `group_size` completions per row (``prompt`` + ``images`` / ``video``)."""
-        row_encs = [self.encode_row(r) for r in rows]
-        encs = [e for e in row_encs for _ in range(group_size)]  # shared, not copied
-        prompts = [str(r["prompt"]) for r in rows for _ in range(group_size)]
-        group = torch.arange(len(rows)).repeat_interleave(group_size)
-        columns: dict[str, list[Any]] = {}
-        for key in rows[0]:
-            columns[key] = [r.get(key) for r in rows for _ in range(group_size)]
-        sizes = {
+    def setup(self, run: RunInfo) -> None:
+        """No rollout engine for VLMs yet (``rollout.engine`` must stay ``hf``: `generate` samples)."""
+        Policy.setup(self, run)
+        self._run = run
+
+    @staticmethod
+    def _size_columns(encs: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        """Per sample: the prompt images' original and resized sizes (for box rewards)."""
+        return {
             "image_width": [e["image_sizes"][0][0] if e["image_sizes"] else None for e in encs],
             "image_height": [e["image_sizes"][0][1] if e["image_sizes"] else None for e in encs],
             "resized_width": [e["resized_sizes"][0][0] if e["resized_sizes"] else None for e in encs],
@@ -246,7 +266,16 @@ class VLMPolicy(TextPolicy):
             "image_sizes": [list(e["image_sizes"]) for e in encs],
             "resized_sizes": [list(e["resized_sizes"]) for e in encs],
         }
-        columns.update(sizes)
+
+    @torch.no_grad()
+    def single_turn_rollout(
+        self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True
+    ) -> Rollout:
+        """Sample `group_size` completions per row (``prompt`` + ``images`` / ``video``)."""
+        row_encs = [self.encode_row(r) for r in rows]
+        encs = [e for e in row_encs for _ in range(group_size)]  # shared, not copied
+        prompts, group, columns = self._rollout_fields(rows, group_size)
+        columns.update(self._size_columns(encs))
 
         parts = self._generate_in_chunks(encs, self._generate_vlm)
         p_width = max(p[0].shape[1] for p in parts)
@@ -280,6 +309,110 @@ class VLMPolicy(TextPolicy):
             out[:, ids.shape[1] :].cpu(),
         )
 
+    # ------------------------------------------------------------------ multi-turn primitives
+    def start_conversations(self, rows: list[dict[str, Any]], group_size: int) -> list[Conversation]:
+        """`group_size` empty conversations per row; each row is encoded by the processor once."""
+        conversations: list[Conversation] = []
+        for row in rows:
+            enc = self.encode_row(row)
+            for g in range(group_size):
+                conversations.append(
+                    Conversation(index=len(conversations), group_index=g, row=row, prompt=enc)
+                )
+        return conversations
+
+    def _conversation_enc(self, conversation: Conversation) -> dict[str, Any]:
+        """The whole sequence so far in `encode_row`'s format: ids, token types, all vision inputs."""
+        enc = conversation.prompt
+        ids = [enc["input_ids"]]
+        types = [enc["mm_token_type_ids"]]
+        for seg in conversation.segments:
+            ids.append(torch.tensor(seg.ids, dtype=torch.long))
+            types.append(
+                torch.tensor(seg.token_types, dtype=torch.long)
+                if seg.token_types is not None
+                else torch.zeros(len(seg.ids), dtype=torch.long)
+            )
+        out: dict[str, Any] = {"input_ids": torch.cat(ids), "mm_token_type_ids": torch.cat(types)}
+        out.update(_sample_vision(enc, [s.vision for s in conversation.segments]))
+        return out
+
+    def generate_turn(self, conversations: list[Conversation], budgets: list[int]) -> list[Segment]:
+        """One batched `generate` over the conversations' whole sequences (prompt and inserted images
+        included), each new turn cut to its budget and after its EOS / stop string."""
+        max_new = max(budgets)
+        pad = self.tokenizer.pad_token_id
+
+        def generate(chunk: list[Conversation]) -> Tensor:
+            inputs = {
+                k: v.to(self.device)
+                for k, v in self.batch_inputs([self._conversation_enc(c) for c in chunk]).items()
+            }
+            kwargs = {**self._sampling_kwargs(), "max_new_tokens": max_new}
+            if self.suppressed_ids:
+                kwargs["suppress_tokens"] = self.suppressed_ids
+            out = self.model.generate(**inputs, **kwargs)
+            return out[:, inputs["input_ids"].shape[1] :].cpu()
+
+        parts = self._generate_in_chunks(conversations, generate)
+        new = torch.cat([_pad_right(x, max(q.shape[1] for q in parts), pad) for x in parts])
+        return self._turn_segments(new, budgets)
+
+    def insert_segment(self, conversation: Conversation, insert: Insert) -> Segment:
+        """`insert` through the processor: the chat-formatted text (`insert_text`) with its images' tokens
+        expanded, their token types and vision tensors."""
+        previous = conversation.segments[-1] if conversation.segments else None
+        text = self.insert_text(insert, previous)
+        images = [_load_image(x) for x in insert.images]
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt", "add_special_tokens": False}
+        if images:
+            kwargs["images"] = images
+        enc = self.processor(**kwargs)
+        ids = enc["input_ids"][0]
+        types = enc["mm_token_type_ids"][0] if "mm_token_type_ids" in enc else torch.zeros_like(ids)
+        vision = {k: enc[k] if k in enc else None for k in _IMAGE_KEYS}
+        return Segment(
+            ids=ids.tolist(),
+            trained=False,
+            text=insert.text,
+            token_types=types.tolist(),
+            vision=vision,
+            images=images,
+        )
+
+    def _conversation_prompt_payload(
+        self, conversations: list[Conversation], columns: dict[str, list[Any]]
+    ) -> dict[str, Any]:
+        """Prompt ids / mask / token types (left-padded), the completion region's token types, and the
+        per-sample vision lists of ALL images (prompt ones first, ``num_prompt_images`` of them)."""
+        encs = [c.prompt for c in conversations]
+        columns.update(self._size_columns(encs))
+        batch = self.batch_inputs(encs)
+        width = max(1, max(c.length for c in conversations))
+        completion_types = torch.zeros((len(conversations), width), dtype=torch.long)
+        for i, conv in enumerate(conversations):
+            at = 0
+            for seg in conv.segments:
+                if seg.token_types is not None:
+                    completion_types[i, at : at + len(seg.ids)] = torch.tensor(
+                        seg.token_types, dtype=torch.long
+                    )
+                at += len(seg.ids)
+        out: dict[str, Any] = {
+            "prompt_ids": batch["input_ids"],
+            "prompt_mask": batch["attention_mask"],
+            "mm_token_type_ids": batch["mm_token_type_ids"],
+            "completion_mm_token_type_ids": completion_types,
+            "num_prompt_images": torch.tensor(
+                [0 if e["image_grid_thw"] is None else int(e["image_grid_thw"].shape[0]) for e in encs],
+                dtype=torch.long,
+            ),
+        }
+        merged = [_sample_vision(c.prompt, [s.vision for s in c.segments]) for c in conversations]
+        for key in _VISION_KEYS:
+            out[key] = [m[key] for m in merged]  # per-sample list: slices with the batch
+        return out
+
     # ------------------------------------------------------------------ log-probs
     def _logprobs(self, model: torch.nn.Module, rollout: Rollout, *, grad: bool) -> Tensor:
         p = rollout.payload
@@ -289,8 +422,12 @@ class VLMPolicy(TextPolicy):
         mask = rollout.mask.to(dev)
         t = completion_ids.shape[1]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention = torch.cat([prompt_mask, mask.long()], dim=1)
-        token_types = torch.cat([p["mm_token_type_ids"].to(dev), torch.zeros_like(completion_ids)], dim=1)
+        attention = torch.cat([prompt_mask, completion_attention(rollout).to(dev)], dim=1)
+        completion_types = p.get("completion_mm_token_type_ids")
+        completion_types = (
+            torch.zeros_like(completion_ids) if completion_types is None else completion_types.to(dev)
+        )
+        token_types = torch.cat([p["mm_token_type_ids"].to(dev), completion_types], dim=1)
         vision = {
             k: v.to(dev)
             for k, v in _cat_vision([{k: p[k][i] for k in _VISION_KEYS} for i in range(len(rollout))]).items()
@@ -341,7 +478,8 @@ class VLMPolicy(TextPolicy):
         (the vision tower runs once per group too) and its KV cache is gathered for the completions.
 
         Qwen2-VL's 3-D M-RoPE positions are computed for the full prompt + completion sequences first
-        and split between the two passes, so log-probs and gradients equal the plain forward."""
+        and split between the two passes, so log-probs and gradients equal the plain forward. Images
+        inserted into the completion region (multi-turn) go to the completion pass."""
         from transformers import DynamicCache
 
         dev = input_ids.device
@@ -364,10 +502,9 @@ class VLMPolicy(TextPolicy):
         first = torch.full((uniq.numel(),), group.numel(), dtype=torch.long, device=dev)
         first = first.scatter_reduce(0, inverse, torch.arange(group.numel(), device=dev), reduce="amin")
         firsts = first.tolist()
-        vision = {
-            k: v.to(dev)
-            for k, v in _cat_vision([{k: p_load[k][i] for k in _VISION_KEYS} for i in firsts]).items()
-        }
+        split = [_split_vision(p_load, i) for i in range(len(rollout))]
+        vision = {k: v.to(dev) for k, v in _cat_vision([split[i][0] for i in firsts]).items()}
+        inserted = {k: v.to(dev) for k, v in _cat_vision([s[1] for s in split]).items()}
         cache = DynamicCache()
         prefix_model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         out_p = prefix_model(
@@ -389,6 +526,7 @@ class VLMPolicy(TextPolicy):
             position_ids=positions[:, :, p:],
             past_key_values=cache,
             use_cache=True,
+            **inserted,
         )
         return torch.cat([out_p.logits[:, -1:, :][inverse], out_c.logits[:, :-1, :]], dim=1)
 
@@ -441,6 +579,38 @@ def _checkpointing_enabled(model: torch.nn.Module) -> bool:
         if flag is not None:
             return bool(flag)
     return False
+
+
+def _sample_vision(
+    prompt_enc: dict[str, Any], inserted: list[dict[str, Tensor | None]]
+) -> dict[str, Tensor | None]:
+    """One sample's vision inputs: the prompt's, then the images of each insertion, in order."""
+    out: dict[str, Tensor | None] = {}
+    for key in _VISION_KEYS:
+        parts = [prompt_enc.get(key)] + [v.get(key) for v in inserted]
+        parts = [x for x in parts if x is not None]
+        out[key] = torch.cat(parts, dim=0) if len(parts) > 1 else (parts[0] if parts else None)
+    return out
+
+
+def _split_vision(
+    payload: dict[str, Any], i: int
+) -> tuple[dict[str, Tensor | None], dict[str, Tensor | None]]:
+    """Sample `i`'s vision inputs split into the prompt's and those inserted after it (multi-turn): the
+    first ``num_prompt_images[i]`` images (all of them when the payload has no such key) are the prompt's."""
+    prompt: dict[str, Tensor | None] = {k: payload[k][i] for k in _VISION_KEYS}
+    grid = prompt["image_grid_thw"]
+    counts = payload.get("num_prompt_images")
+    if grid is None or counts is None or int(counts[i]) >= grid.shape[0]:
+        return prompt, {}
+    k = int(counts[i])
+    rows = int(grid[:k].prod(dim=-1).sum())
+    pixels = prompt["pixel_values"]
+    assert pixels is not None
+    inserted = {"pixel_values": pixels[rows:], "image_grid_thw": grid[k:]}
+    prompt["pixel_values"] = pixels[:rows] if k else None
+    prompt["image_grid_thw"] = grid[:k] if k else None
+    return prompt, inserted
 
 
 def _cat_vision(items: list[dict[str, Tensor | None]]) -> dict[str, Tensor]:

@@ -3,13 +3,13 @@
 `build_clip_shapes_tiny(path)` (tiny builder ``clip_shapes_tiny``) trains a Hugging Face `CLIPModel`
 (32 px images, 8 px patches, 2+2 layers of width 64, ~190k parameters) contrastively on shapes-world
 scenes and their captions for a fixed 600 steps (about 25-40 s on one CPU thread; seeded), then
-writes a folder with the model, a byte-level `CLIPTokenizer` (`mmalign.tiny_flow.clip_byte_tokenizer`)
+writes a folder with the model, a byte-level `CLIPTokenizer` (`mmalign.tiny.sd3.clip_byte_tokenizer`)
 and a `CLIPImageProcessor` (32 px, OpenAI mean / std). `rewards.image.CLIPEmbedder` and every CLIP
 reward (``clip_score``, ``clip_steering``, ``clip_concept_flag`` ...) load that folder through
 ``from_pretrained`` exactly like a real CLIP id.
 
 Training data: every scene ``(colour, count, position)`` of the world (4 colours, 1-4 objects, the
-positions left / right / top / bottom / center and "anywhere") rendered by `rewards.image.render_scene`,
+positions left / right / top / bottom / center and "anywhere") rendered by `mmalign.tiny.world.render_scene`,
 lightly augmented (a shift of up to 2 px, brightness jitter, pixel noise), paired with captions of
 several granularities (`scene_captions`): the full caption (``"two red squares on the left"``), count-
 or position-free ones (``"two red squares"``, ``"red squares on the left"``), colour-only ones
@@ -69,7 +69,7 @@ Attrs = tuple[str, int | None, str | None]  # what a caption says: colour, count
 
 
 def _where(position: str | None) -> str:
-    from mmalign.tiny_shapes import shapes_caption
+    from mmalign.tiny.shapes import shapes_caption
 
     return shapes_caption("red", 1, position)[len("one red square") :].strip()
 
@@ -77,10 +77,10 @@ def _where(position: str | None) -> str:
 def scene_captions(colour: str, count: int, position: str | None) -> list[tuple[str, Attrs]]:
     """Captions true of the scene, each with what it asserts ``(colour, count | None, position | None)``.
 
-    The full shapes-world caption (`mmalign.tiny_shapes.shapes_caption`) first, then the count-free,
+    The full shapes-world caption (`mmalign.tiny.shapes.shapes_caption`) first, then the count-free,
     position-free and colour-only forms.
     """
-    from mmalign.tiny_shapes import shapes_caption
+    from mmalign.tiny.shapes import shapes_caption
 
     out: list[tuple[str, Attrs]] = [
         (shapes_caption(colour, count, position), (colour, count, position)),
@@ -141,7 +141,7 @@ def tiny_clip_model(
     """A randomly initialised tiny `CLIPModel` (32 px images, byte-level text) and its `CLIPTokenizer`."""
     from transformers import CLIPConfig, CLIPModel
 
-    from mmalign.tiny_flow import clip_byte_tokenizer
+    from mmalign.tiny.sd3 import clip_byte_tokenizer
 
     tok = clip_byte_tokenizer(max_length=TOKEN_LENGTH)
     torch.manual_seed(seed)
@@ -207,7 +207,7 @@ def train_tiny_clip(
     final loss, a loss curve (every 25 steps), the wall time and the held-out scenes. Seeded: the
     same arguments give the same weights.
     """
-    from rewards.image import render_scene
+    from mmalign.tiny.world import render_scene
 
     t0 = time.perf_counter()
     heldout = [tuple(s) for s in (heldout_scenes() if heldout is None else heldout)]
@@ -339,8 +339,9 @@ def colour_accuracy(
     `clip` is a `rewards.image.CLIPEmbedder` (or a path to load one from). The candidates are the
     scene's full caption with each colour (``full_captions``) or ``"a <colour> square"``.
     """
-    from mmalign.tiny_shapes import shapes_caption
-    from rewards.image import CLIPEmbedder, render_scene
+    from mmalign.tiny.shapes import shapes_caption
+    from mmalign.tiny.world import render_scene
+    from rewards.image import CLIPEmbedder
 
     if not isinstance(clip, CLIPEmbedder):
         clip = CLIPEmbedder(clip)

@@ -283,5 +283,5 @@ def build_vlm_reasoning(
     )
 
 
-if __name__ == "__main__":  # regenerate the bundled data set: python -m mmalign.tiny_vlm
-    print(write_dataset(Path(__file__).resolve().parents[1] / "assets" / "vlm_reasoning"))
+if __name__ == "__main__":  # regenerate the bundled data set: python -m mmalign.tiny.vlm
+    print(write_dataset(Path(__file__).resolve().parents[2] / "assets" / "vlm_reasoning"))

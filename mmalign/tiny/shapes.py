@@ -2,7 +2,7 @@
 tiny diffusion models warm-started on it.
 
 A scene is ``count`` objects of one palette ``colour`` in one ``position`` region of a white image,
-drawn by `rewards.image.render_scene` and scored from pixels by the ``shapes_compositional`` reward.
+drawn by `mmalign.tiny.world.render_scene` and scored from pixels by the ``shapes_compositional`` reward.
 Its caption is the prompt, e.g. ``"two red squares on the left"``.
 
 - `shapes_caption` / `shapes_rows`: prompts with their ``colour``/``count``/``position`` columns (the
@@ -16,10 +16,10 @@ Its caption is the prompt, e.g. ``"two red squares on the left"``.
   tiny CLIP text encoder trains jointly with the denoiser.
 
 Builders registered in `mmalign.tiny.BUILDERS` (32x32 images, a VAE with one 2x downsample, latents
-4x16x16, the byte-level CLIP tokenizer of `mmalign.tiny_flow` with room for a whole caption):
+4x16x16, the byte-level CLIP tokenizer of `mmalign.tiny.sd3` with room for a whole caption):
 
 - ``text_to_image`` (`build_text_to_image`): an SD3-layout folder (``transformer/ vae/ scheduler/
-  text_encoder/ tokenizer/``, loadable by `mmalign.tiny_flow.load_sd3_components` and
+  text_encoder/ tokenizer/``, loadable by `mmalign.policies.sd3_components.load_sd3_components` and
   `FlowPolicy.from_pretrained`), warm-started with the rectified-flow loss and stopped early, so its
   samples satisfy the prompt only part of the time: a promising but imperfect base model for GRPO.
 - ``safe_diffusion`` (`build_safe_diffusion`): an SD1.5-layout folder (``unet/ vae/ scheduler/
@@ -106,7 +106,7 @@ def shapes_rows(
 
 def shapes_images(rows: list[dict[str, Any]], size: int = 32) -> torch.Tensor:
     """Float[N,3,size,size] in [0, 1]: the scene each row describes."""
-    from rewards.image import render_scene
+    from mmalign.tiny.world import render_scene
 
     return torch.stack(
         [render_scene(r["colour"], int(r["count"]), r["position"], size=size) for r in rows]  # type: ignore[misc]
@@ -164,8 +164,8 @@ TOKEN_LENGTH = 40
 
 
 def shapes_tokenizer(max_length: int = TOKEN_LENGTH) -> Any:
-    """The byte-level `CLIPTokenizer` of `mmalign.tiny_flow`, long enough for a whole shapes caption."""
-    from mmalign.tiny_flow import clip_byte_tokenizer
+    """The byte-level `CLIPTokenizer` of `mmalign.tiny.sd3`, long enough for a whole shapes caption."""
+    from mmalign.tiny.sd3 import clip_byte_tokenizer
 
     return clip_byte_tokenizer(max_length)
 
@@ -268,8 +268,8 @@ def flow_matching_loss(
     """Rectified flow (SD3): x_sigma = (1 - sigma) x0 + sigma noise, target v = noise - x0, MSE.
 
     sigma = shift u / (1 + (shift - 1) u) with u ~ U(0, 1): the distribution of the scheduler's
-    (shifted) sampling sigmas. Prompt embeddings as `mmalign.tiny_flow.encode_prompt` makes them
-    (penultimate hidden states and the pooled projection), with grad, so the text encoder trains too.
+    (shifted) sampling sigmas. Prompt embeddings as `mmalign.policies.sd3_components.encode_prompt` makes
+    them (penultimate hidden states and the pooled projection), with grad, so the text encoder trains too.
     """
 
     def loss(z0: Tensor, ids: Tensor, g: torch.Generator) -> Tensor:
@@ -467,8 +467,8 @@ def build_text_to_image(
     the alternatives (orange for red-or-yellow) instead of sampling one of them, and its reward collapses.
 
     Writes ``transformer/ vae/ scheduler/ text_encoder/ tokenizer/`` with ``save_pretrained`` (the
-    layout of `mmalign.tiny_flow.load_sd3_components`) and ``mmalign_tiny.json`` (these arguments, the
-    steps done and the reward checks).
+    layout of `mmalign.policies.sd3_components.load_sd3_components`) and ``mmalign_tiny.json`` (these
+    arguments, the steps done and the reward checks).
     """
     meta = {
         "builder": "text_to_image",
@@ -562,8 +562,8 @@ def build_safe_diffusion(
        squares for red prompts), not imperfect.
 
     Writes ``unet/ vae/ scheduler/ text_encoder/ tokenizer/`` with ``save_pretrained`` (the layout of
-    `mmalign.tiny_ddim.load_sd15_components` and `DDIMPolicy.from_pretrained`; the scheduler is a
-    `DDIMScheduler` with SD 1.5's config) and ``mmalign_tiny.json`` (these arguments).
+    `mmalign.policies.sd15_components.load_sd15_components` and `DDIMPolicy.from_pretrained`; the
+    scheduler is a `DDIMScheduler` with SD 1.5's config) and ``mmalign_tiny.json`` (these arguments).
     """
     meta = {
         "builder": "safe_diffusion",
@@ -571,7 +571,7 @@ def build_safe_diffusion(
     }
     from diffusers import DDIMScheduler, UNet2DConditionModel
 
-    from mmalign.tiny_ddim import SD15_SCHEDULER
+    from mmalign.tiny.sd15 import SD15_SCHEDULER
 
     torch.manual_seed(seed)
     tokenizer = shapes_tokenizer()

@@ -2,29 +2,30 @@
 
 `build_tiny_sd15(path)` writes a folder with the same layout as a real Stable Diffusion 1.5 folder
 (``unet/``, ``vae/``, ``scheduler/``, ``text_encoder/``, ``tokenizer/``), each saved with
-``save_pretrained``; `load_sd15_components(path)` loads it back with ``from_pretrained`` per
-component -- the very path a real SD 1.x / 2.x folder takes (its PNDM scheduler config is read as a
-`DDIMScheduler`). Nothing is downloaded.
+``save_pretrained``; `mmalign.policies.sd15_components.load_sd15_components` loads it back with
+``from_pretrained`` per component -- the very path a real SD 1.x / 2.x folder takes. Nothing is
+downloaded.
 
 The tiny pipeline keeps the real structure at toy size: a `UNet2DConditionModel` with one
 cross-attention down/up block pair, an `AutoencoderKL` that upsamples latents by 2 (the real one by
 8), a `CLIPTextModel` whose last hidden states are the prompt embeddings (as in SD 1.x), the byte-level
-`CLIPTokenizer` of `mmalign.tiny_flow`, and the SD 1.5 noise schedule (scaled-linear betas
-0.00085 -> 0.012, ``steps_offset`` 1, ``set_alpha_to_one`` False, ``clip_sample`` False).
+`CLIPTokenizer` of `mmalign.tiny.sd3`, and the SD 1.5 noise schedule (`SD15_SCHEDULER`: scaled-linear
+betas 0.00085 -> 0.012, ``steps_offset`` 1, ``set_alpha_to_one`` False, ``clip_sample`` False).
+
+Builder registered in `mmalign.tiny.BUILDERS`: ``ddim_sd15_tiny``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mmalign.tiny import BUILDERS
-from mmalign.tiny_flow import TOKEN_LENGTH, clip_byte_tokenizer
+from mmalign.tiny.sd3 import TOKEN_LENGTH, clip_byte_tokenizer
 
-__all__ = ["SD15Components", "build_tiny_sd15", "encode_prompt", "load_sd15_components"]
+__all__ = ["SD15_SCHEDULER", "build_tiny_sd15"]
 
 SD15_SCHEDULER: dict[str, Any] = dict(
     num_train_timesteps=1000,
@@ -112,50 +113,3 @@ def build_tiny_sd15(
 @BUILDERS.register("ddim_sd15_tiny", minutes=0.05)
 def _build_registered(path: Path) -> None:
     build_tiny_sd15(path)
-
-
-@dataclass
-class SD15Components:
-    """The loaded pieces of an SD 1.x / 2.x folder."""
-
-    unet: torch.nn.Module
-    vae: torch.nn.Module
-    scheduler: Any
-    text_encoder: torch.nn.Module
-    tokenizer: Any
-
-
-def load_sd15_components(path: str | Path, *, dtype: torch.dtype = torch.float32) -> SD15Components:
-    """Load each component with its own ``from_pretrained`` from the pipeline folder `path`; the
-    scheduler is always a `DDIMScheduler` (``DDIMScheduler.from_pretrained`` reads a PNDM config too)."""
-    from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
-
-    path = str(path)
-    return SD15Components(
-        unet=UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=dtype),
-        vae=AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype),
-        scheduler=DDIMScheduler.from_pretrained(path, subfolder="scheduler"),
-        text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder", dtype=dtype),
-        tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
-    )
-
-
-@torch.no_grad()
-def encode_prompt(
-    text_encoder: torch.nn.Module, tokenizer: Any, prompts: list[str], device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Prompt embeddings [B, L, D] as `StableDiffusionPipeline` takes them: the text encoder's last
-    hidden states over ids padded/truncated to the tokenizer's max length (attention mask passed only
-    when the text encoder's config asks for it)."""
-    tok = tokenizer(
-        list(prompts),
-        padding="max_length",
-        max_length=tokenizer.model_max_length,
-        truncation=True,
-        return_tensors="pt",
-    )
-    mask = None
-    if getattr(text_encoder.config, "use_attention_mask", False):
-        mask = tok.attention_mask.to(device)
-    return text_encoder(tok.input_ids.to(device), attention_mask=mask)[0]

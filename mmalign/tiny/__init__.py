@@ -5,6 +5,17 @@ Nothing here downloads anything: tokenizers are byte-level BPEs trained in-proce
 `save_pretrained` so that it is loaded back through the very `from_pretrained` path that real
 hub ids use.
 
+This package holds the builder registry and what every builder shares (`BUILDERS`, `build`,
+`ensure_model`, `progress_bar`, `train_bpe_tokenizer`, `tiny_causal_lm`); the builders themselves
+live in its submodules, found by scanning this package (pkgutil) and imported on first use so that
+importing `mmalign.tiny` stays cheap: `text` (the arithmetic task), `vlm`, `sd3`, `flux`, `sd15`,
+`shapes` (diffusion models warm-started on the shapes world that `world` draws) and `clip`. Other
+packages add builders through the entry-point group ``mmalign.tiny_builders`` (each entry point names a
+module that registers into `BUILDERS` on import); `DISCOVERY` finds both, `get_builder(name)` imports
+only what it needs. The real SD3 / Flux / SD 1.5
+component loaders the tiny diffusion builders write through are in `mmalign.policies`
+(``sd3_components``, ``flux_components``, ``sd15_components``).
+
 `build(name, path)` runs a registered builder; `mmalign train` calls it when a config sets
 ``model.tiny_builder`` and ``model.name_or_path`` does not exist yet. A build announces itself on stderr
 with a rough duration (the builder's ``minutes`` metadata, for 2 idle CPU cores) and every training
@@ -13,9 +24,7 @@ loop of a builder shows a `progress_bar` (elapsed<remaining) named after the bui
 
 from __future__ import annotations
 
-import json
 import logging
-import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -26,11 +35,16 @@ from typing import Any
 
 import torch
 
-from mmalign.registry import Registry
+from mmalign.registry import Discovery, Registry
 
 log = logging.getLogger(__name__)
 
 BUILDERS: Registry[Callable[[Path], None]] = Registry("tiny model builder")
+
+ENTRY_POINT_GROUP = "mmalign.tiny_builders"
+
+DISCOVERY = Discovery(BUILDERS, __name__, ENTRY_POINT_GROUP)
+"""Finds the builders: the submodules of this package, then the ``mmalign.tiny_builders`` entry points."""
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -97,24 +111,18 @@ def tiny_causal_lm(tokenizer: Any, **overrides: Any) -> torch.nn.Module:
     return model
 
 
-BUILDER_MODULES = (
-    "mmalign.tiny_flow",
-    "mmalign.tiny_flux",
-    "mmalign.tiny_ddim",
-    "mmalign.tiny_vlm",
-    "mmalign.tiny_shapes",
-    "mmalign.tiny_clip",
-)
-"""Modules that register more builders, imported on first use (not at import: they import this module)."""
-
-
 def load_builders() -> list[str]:
-    """Import every module of `BUILDER_MODULES` (registering its builders); returns the builder names."""
-    import importlib
+    """Import every submodule of this package and every ``mmalign.tiny_builders`` entry point (registering
+    their builders; a broken entry point is skipped, see `DISCOVERY.errors`); returns the builder names.
 
-    for module in BUILDER_MODULES:
-        importlib.import_module(module)
-    return BUILDERS.names()
+    Submodules are imported on first use, not at import: they import this package, and some of them
+    import the policies' component loaders and diffusers."""
+    return DISCOVERY.names()
+
+
+def get_builder(name: str) -> Callable[[Path], None]:
+    """The builder `name`, importing what registers it (`DISCOVERY.get`); `RegistryError` if unknown."""
+    return DISCOVERY.get(name)
 
 
 # ----------------------------------------------------------------------------- progress
@@ -190,8 +198,7 @@ def build(name: str, path: str | Path, *, announce: bool = True) -> Path:
     With `announce`, one line on stderr says what is built where and roughly how long it takes, and
     another how long it took; the builder's loops show `progress_bar`s either way."""
     path = Path(path)
-    load_builders()
-    builder = BUILDERS.get(name)
+    builder = get_builder(name)
     meta = BUILDERS.meta(name)
     if announce:
         print(
@@ -223,87 +230,3 @@ def ensure_model(name_or_path: str, builder: str | None) -> str:
     if builder and not Path(name_or_path).exists():
         build(builder, name_or_path)  # announces itself on stderr
     return name_or_path
-
-
-# ----------------------------------------------------------------------------- arithmetic task
-
-ARITH_PROMPT = "Q: {question} = ?\nA:"
-
-
-def arithmetic_rows(n: int, seed: int, max_operand: int = 19) -> list[dict[str, str]]:
-    """Rows of the synthetic addition task: {"question": "7 + 5", "answer": "12"}."""
-    rng = random.Random(seed)
-    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
-    rng.shuffle(pairs)
-    return [{"question": f"{a} + {b}", "answer": str(a + b)} for a, b in pairs[:n]]
-
-
-def _arith_completion(answer: int) -> str:
-    return f" <answer>{answer}</answer>"
-
-
-@BUILDERS.register("text_reasoning", minutes=1.5, phases=2)
-def build_text_reasoning(
-    path: Path,
-    sharp_steps: int = 800,
-    blur_steps: int = 300,
-    seed: int = 0,
-    p_correct: float = 0.35,
-    max_operand: int = 9,
-    **model_kwargs: Any,
-) -> None:
-    """Tiny LM warm-started on the addition task, then blurred so that RL has something to fix.
-
-    Phase 1 (`sharp_steps`) teaches the format and the sums; phase 2 (`blur_steps`) fine-tunes on
-    noisy answers, correct with probability `p_correct` and otherwise off by one or two. The base
-    model therefore samples the right answer only about `p_correct` of the time at temperature 1,
-    while its errors stay close to the truth: a sensible weak "base model" that GRPO can sharpen.
-    """
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    rows = arithmetic_rows((max_operand + 1) ** 2, seed=1234, max_operand=max_operand)
-    texts = [ARITH_PROMPT.format(**r) + _arith_completion(int(r["answer"])) for r in rows]
-    tokenizer = train_bpe_tokenizer(texts + [_arith_completion(i) for i in range(-3, 45)], vocab_size=400)
-    model = tiny_causal_lm(tokenizer, **model_kwargs)
-    model.train()
-
-    def batch_of(noisy: bool, size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        seqs, prompt_lens = [], []
-        for r in rng.sample(rows, size):
-            ans = int(r["answer"])
-            if noisy and rng.random() >= p_correct:
-                ans += rng.choice([-2, -1, 1, 2])
-            prompt = tokenizer(ARITH_PROMPT.format(**r))["input_ids"]
-            comp = tokenizer(_arith_completion(ans))["input_ids"] + [tokenizer.eos_token_id]
-            seqs.append(prompt + comp)
-            prompt_lens.append(len(prompt))
-        width = max(map(len, seqs))
-        ids = torch.full((size, width), tokenizer.pad_token_id)
-        labels = torch.full((size, width), -100)
-        att = torch.zeros((size, width), dtype=torch.long)
-        for i, (s, pl) in enumerate(zip(seqs, prompt_lens, strict=True)):
-            ids[i, : len(s)] = torch.tensor(s)
-            labels[i, pl : len(s)] = torch.tensor(s[pl:])
-            att[i, : len(s)] = 1
-        return ids, att, labels
-
-    for phase, steps, lr in (("sharp", sharp_steps, 3e-3), ("blur", blur_steps, 1e-3)):
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        for _ in progress_bar(range(steps), f"LM warm start, {phase} phase"):
-            ids, att, labels = batch_of(noisy=phase == "blur")
-            loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model.eval()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    meta = {
-        "builder": "text_reasoning",
-        "sharp_steps": sharp_steps,
-        "blur_steps": blur_steps,
-        "seed": seed,
-        "p_correct": p_correct,
-        "max_operand": max_operand,
-    }
-    (path / "mmalign_tiny.json").write_text(json.dumps(meta))

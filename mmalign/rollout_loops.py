@@ -1,0 +1,452 @@
+"""Rollout loops: how a text or VLM policy turns a dataset row into the sequence it trains on.
+
+A loop is chosen by ``rollout.loop`` (``rollout.loop_kwargs`` are its options) and handed to the
+policy's constructor (``TextPolicy(..., loop=...)``; `VLMPolicy` likewise). Two are registered:
+
+``single_turn``
+    One completion per sample, exactly as the policy always sampled (`TextPolicy.single_turn_rollout`).
+
+``multi_turn``
+    Generated turns alternate with content an **environment** appends to the conversation (a tool's
+    answer, a zoomed crop of the image, a hint). The environment is a function the pipeline supplies
+    (or ``loop_kwargs.environment: "package.module:function"``)::
+
+        def env(turn: TurnContext) -> Done | Insert: ...
+
+    It is called once per sample after each generated turn, with that turn's text, the sample's dataset
+    row and the conversation so far, and answers `Done` (the conversation is over) or
+    ``Insert(text=..., images=[...], role="user")`` (content appended before the next turn). Under a chat
+    template the insertion becomes a message of ``role`` followed by the opening of the next assistant
+    turn, rendered by the policy's own chat template (`TextPolicy.insert_text`); ``role=None`` appends
+    ``text`` verbatim. Each turn is one batched ``generate`` over the samples still active (all G samples
+    of every prompt together).
+
+    Options: ``max_turns`` (generated turns, default 4); ``max_tokens_per_turn`` (default
+    ``rollout.max_new_tokens``); ``max_insert_tokens`` (tokens of one insertion, default 512);
+    ``max_completion_tokens``: the cap on the completion region (generated + inserted tokens; default
+    ``max_turns * max_tokens_per_turn + (max_turns - 1) * max_insert_tokens``, which never binds). Each
+    turn generates at most ``min(max_tokens_per_turn, cap - tokens so far)``; an insertion longer than
+    ``max_insert_tokens``, or one that would leave no room for one more generated token under the cap,
+    ends the sample instead. ``reward_text``: what ``outputs["texts"]`` holds (below).
+
+What the rollout holds (both loops; the multi-turn one fills the completion region with several turns):
+
+- the **completion region** (``payload["completion_ids"]``, Long[B,T], right-padded) is everything after
+  the prompt: generated turns and inserted content, in order. ``payload["completion_attention_mask"]``
+  marks its real tokens (the model attends to generated AND inserted tokens); ``Rollout.mask`` marks the
+  actions, i.e. only the generated tokens (each turn up to and including its EOS / stop string): inserted
+  tokens and padding never take part in the loss. One action = one completion-region position, so every
+  Float[B,T] tensor (``logp_old``, ``logp_ref``, ...) lines up with ``completion_ids``; log-probs at
+  positions outside ``mask`` are 0.
+- VLM: ``payload["completion_mm_token_type_ids"]`` (Long[B,T]) types the inserted image tokens;
+  ``pixel_values[i]`` / ``image_grid_thw[i]`` hold ALL images of sample i in order (prompt images, then
+  inserted ones) and ``payload["num_prompt_images"]`` (Long[B]) says how many of them the prompt has.
+- ``outputs["texts"]`` (what rewards read as ``batch.texts``): with ``reward_text: conversation`` (the
+  default) the decoded completion region, i.e. every generated turn AND the inserted content after the
+  prompt (special tokens skipped, exactly as single-turn texts are decoded); with ``last_turn`` only the
+  last generated turn. Always: ``outputs["turns"]`` (per sample, the list of generated turn texts),
+  ``outputs["inserted_texts"]`` (per sample, the environment's ``text`` of each insertion),
+  ``outputs["num_turns"]`` (Long[B]), ``outputs["num_tokens"]`` (generated tokens = ``mask.sum(1)``),
+  ``outputs["num_inserted_tokens"]`` (Long[B]), ``outputs["stop_reasons"]`` (per sample: ``done``,
+  ``max_turns``, ``insert_too_long`` or ``max_completion_tokens``) and ``outputs["truncated"]`` (Bool[B]):
+  True when a limit ended the sample (any stop reason but ``done``) or its last turn was cut at its token
+  budget without EOS / stop string.
+
+A new loop subclasses `RolloutLoop`, registers with ``@LOOPS.register(name)`` and drives the policy
+through `TurnPolicy` (the primitives `TextPolicy` and `VLMPolicy` implement).
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+
+from mmalign.registry import Registry, RegistryError, option_checked
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from mmalign.batch import Rollout
+
+__all__ = [
+    "DONE",
+    "LOOPS",
+    "Conversation",
+    "Done",
+    "Environment",
+    "Insert",
+    "MultiTurn",
+    "RolloutLoop",
+    "Segment",
+    "SingleTurn",
+    "TurnContext",
+    "TurnPolicy",
+    "get",
+    "loop_from_config",
+    "make_loop",
+    "names",
+]
+
+
+# ----------------------------------------------------------------------------- what an environment sees
+
+
+@dataclass(frozen=True)
+class Done:
+    """An environment's answer: the conversation is over; the turn just generated is the last one."""
+
+
+DONE = Done()
+
+
+@dataclass(frozen=True)
+class Insert:
+    """An environment's answer: append this content to the conversation, then generate another turn.
+
+    ``images`` (PIL images, or paths) need a VLM policy. ``role``: the chat role of the inserted message
+    (``"user"``, ``"tool"`` ... whatever the chat template accepts); ``None`` appends ``text`` verbatim
+    with no chat formatting (no images then). Inserted tokens are attended to but never trained."""
+
+    text: str = ""
+    images: Sequence[Any] = ()
+    role: str | None = "user"
+
+
+@dataclass
+class Segment:
+    """A contiguous piece of a sample's completion region: one generated turn or one insertion."""
+
+    ids: list[int]
+    trained: bool
+    """Generated by the policy (its tokens are actions in the loss) or inserted (attended, never trained)."""
+    text: str
+    """Generated: the decoded turn (special tokens skipped). Inserted: the environment's `Insert.text`."""
+    finished: bool = True
+    """Generated: the turn ended with EOS or a stop string (False: cut at its token budget)."""
+    token_types: list[int] | None = None
+    """VLM: multimodal token types of `ids` (0 text, 1 image); None means all text."""
+    vision: dict[str, Tensor | None] = field(default_factory=dict)
+    """VLM: the processor's vision tensors of the inserted images (``pixel_values``, ``image_grid_thw``)."""
+    images: list[Any] = field(default_factory=list)
+    """The inserted images (as loaded)."""
+
+
+@dataclass
+class Conversation:
+    """One sample while a loop runs: its prompt (encoded by the policy) and the segments after it."""
+
+    index: int
+    """Position of the sample in the rollout."""
+    group_index: int
+    """Which of the G samples of its prompt (0 .. G-1)."""
+    row: dict[str, Any]
+    """The dataset row."""
+    prompt: Any
+    """The policy's encoding of the prompt (token ids; processor outputs for a VLM); loops do not read it."""
+    segments: list[Segment] = field(default_factory=list)
+    stop_reason: str = ""
+    """Why the sample ended: ``done``, ``max_turns``, ``insert_too_long``, ``max_completion_tokens``."""
+    truncated: bool = False
+
+    @property
+    def length(self) -> int:
+        """Tokens in the completion region so far."""
+        return sum(len(s.ids) for s in self.segments)
+
+    @property
+    def turns(self) -> list[str]:
+        """The generated turns' texts, in order."""
+        return [s.text for s in self.segments if s.trained]
+
+    @property
+    def inserted_texts(self) -> list[str]:
+        return [s.text for s in self.segments if not s.trained]
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """What the environment is called with after each generated turn of one sample."""
+
+    conversation: Conversation
+    """The sample's conversation (live: it grows as the loop goes on)."""
+    turn: int
+    """0-based index of the turn just generated."""
+    text: str
+    """That turn's decoded text (special tokens skipped)."""
+    finished: bool
+    """The turn ended with EOS or a stop string (False: it was cut at its token budget)."""
+    turns: tuple[str, ...] = ()
+    """All generated turns so far, this one last (a snapshot taken at the call)."""
+    inserted_texts: tuple[str, ...] = ()
+    """The texts of the insertions so far (a snapshot taken at the call)."""
+
+    @property
+    def row(self) -> dict[str, Any]:
+        """The sample's dataset row (every column: answers, image paths, tool state keys ...)."""
+        return self.conversation.row
+
+    @property
+    def sample_index(self) -> int:
+        return self.conversation.index
+
+    @property
+    def group_index(self) -> int:
+        return self.conversation.group_index
+
+
+Environment = Callable[[TurnContext], "Done | Insert"]
+"""``env(turn: TurnContext) -> Done | Insert``: see the module docstring."""
+
+
+class TurnPolicy(Protocol):
+    """The primitives a policy offers to rollout loops (`TextPolicy` and `VLMPolicy` implement them)."""
+
+    max_new_tokens: int
+
+    def single_turn_rollout(
+        self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool
+    ) -> Rollout:
+        """One completion per sample (the policy's plain sampling)."""
+        ...
+
+    def start_conversations(self, rows: list[dict[str, Any]], group_size: int) -> list[Conversation]:
+        """`group_size` empty conversations per row, group by group (prompt encoded once per row)."""
+        ...
+
+    def generate_turn(self, conversations: list[Conversation], budgets: list[int]) -> list[Segment]:
+        """One generated turn per conversation (batched), of at most ``budgets[i]`` tokens each, cut after
+        its EOS / stop string. The conversations are not modified."""
+        ...
+
+    def insert_segment(self, conversation: Conversation, insert: Insert) -> Segment:
+        """The tokens of `insert` as they follow `conversation` (chat formatting, image tokens)."""
+        ...
+
+    def finish_conversations(
+        self,
+        rows: list[dict[str, Any]],
+        group_size: int,
+        conversations: list[Conversation],
+        *,
+        compute_logp: bool,
+    ) -> Rollout:
+        """The `Rollout` of finished conversations (payload, loss mask, texts, per-turn outputs)."""
+        ...
+
+
+# ----------------------------------------------------------------------------- loops
+
+LOOPS: Registry[type[RolloutLoop]] = Registry("rollout loop")
+
+
+class RolloutLoop(abc.ABC):
+    """Turns rows into a `Rollout` through a `TurnPolicy`. Subclasses take their options as keyword
+    arguments (``rollout.loop_kwargs``) plus ``environment``."""
+
+    name: ClassVar[str] = ""
+    multi_turn: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def rollout(
+        self, policy: TurnPolicy, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool
+    ) -> Rollout: ...
+
+
+@LOOPS.register("single_turn")
+class SingleTurn(RolloutLoop):
+    """One completion per sample (the default)."""
+
+    name = "single_turn"
+
+    def __init__(self, *, environment: Environment | None = None) -> None:
+        self.environment = environment  # not used: a pipeline may always supply one
+
+    def rollout(
+        self, policy: TurnPolicy, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool
+    ) -> Rollout:
+        return policy.single_turn_rollout(rows, group_size, compute_logp=compute_logp)
+
+
+@LOOPS.register("multi_turn")
+class MultiTurn(RolloutLoop):
+    """Generated turns alternate with environment content (text, images) appended to the conversation."""
+
+    name = "multi_turn"
+    multi_turn = True
+
+    def __init__(
+        self,
+        *,
+        environment: Environment | None = None,
+        max_turns: int = 4,
+        max_tokens_per_turn: int | None = None,
+        max_insert_tokens: int = 512,
+        max_completion_tokens: int | None = None,
+        reward_text: Literal["conversation", "last_turn"] = "conversation",
+    ) -> None:
+        if environment is None:
+            raise ValueError(
+                "the multi_turn rollout loop needs an environment: a function TurnContext -> Done | Insert "
+                "(supplied by the pipeline, or loop_kwargs.environment: 'package.module:function')"
+            )
+        if not callable(environment):
+            raise TypeError(f"the multi_turn environment must be callable, got {environment!r}")
+        for key, value in (
+            ("max_turns", max_turns),
+            ("max_tokens_per_turn", max_tokens_per_turn),
+            ("max_insert_tokens", max_insert_tokens),
+            ("max_completion_tokens", max_completion_tokens),
+        ):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"multi_turn option {key!r} must be an integer >= 1, got {value!r}")
+        if reward_text not in ("conversation", "last_turn"):
+            raise ValueError(
+                f"multi_turn option 'reward_text' must be 'conversation' or 'last_turn', got {reward_text!r}"
+            )
+        self.environment = environment
+        self.max_turns = max_turns
+        self.max_tokens_per_turn = max_tokens_per_turn
+        self.max_insert_tokens = max_insert_tokens
+        self.max_completion_tokens = max_completion_tokens
+        self.reward_text = reward_text
+
+    def limits(self, policy: TurnPolicy) -> tuple[int, int]:
+        """(tokens per turn, cap on the completion region) for `policy`."""
+        per_turn = self.max_tokens_per_turn or policy.max_new_tokens
+        cap = self.max_completion_tokens
+        if cap is None:
+            cap = self.max_turns * per_turn + (self.max_turns - 1) * self.max_insert_tokens
+        return per_turn, cap
+
+    def rollout(
+        self, policy: TurnPolicy, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool
+    ) -> Rollout:
+        per_turn, cap = self.limits(policy)
+        conversations = policy.start_conversations(rows, group_size)
+        active = list(conversations)
+        for turn in range(self.max_turns):
+            if not active:
+                break
+            budgets = [min(per_turn, cap - c.length) for c in active]
+            segments = policy.generate_turn(active, budgets)
+            still: list[Conversation] = []
+            for conv, seg in zip(active, segments, strict=True):
+                conv.segments.append(seg)
+                reply = self._ask(conv, turn, seg)
+                if isinstance(reply, Done):
+                    conv.stop_reason, conv.truncated = "done", not seg.finished
+                    continue
+                if turn + 1 == self.max_turns:
+                    conv.stop_reason, conv.truncated = "max_turns", True
+                    continue
+                inserted = policy.insert_segment(conv, reply)
+                if len(inserted.ids) > self.max_insert_tokens:
+                    conv.stop_reason, conv.truncated = "insert_too_long", True
+                    continue
+                if conv.length + len(inserted.ids) + 1 > cap:
+                    conv.stop_reason, conv.truncated = "max_completion_tokens", True
+                    continue
+                conv.segments.append(inserted)
+                still.append(conv)
+            active = still
+        rollout = policy.finish_conversations(rows, group_size, conversations, compute_logp=compute_logp)
+        if self.reward_text == "last_turn":
+            rollout.outputs["texts"] = [c.turns[-1] for c in conversations]
+        return rollout
+
+    def _ask(self, conv: Conversation, turn: int, seg: Segment) -> Done | Insert:
+        ctx = TurnContext(
+            conversation=conv,
+            turn=turn,
+            text=seg.text,
+            finished=seg.finished,
+            turns=tuple(conv.turns),
+            inserted_texts=tuple(conv.inserted_texts),
+        )
+        env = self.environment
+        assert env is not None
+        try:
+            reply = env(ctx)
+        except Exception as e:
+            raise RuntimeError(
+                f"rollout environment {_name(env)} failed on sample {conv.index} (turn {turn}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        if not isinstance(reply, Done | Insert):
+            raise TypeError(
+                f"rollout environment {_name(env)} returned {type(reply).__name__} on sample {conv.index} "
+                f"(turn {turn}); it must return mmalign.rollout_loops.Done or Insert"
+            )
+        return reply
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+def get(name: str) -> type[RolloutLoop]:
+    return LOOPS.get(name)
+
+
+def names() -> list[str]:
+    return LOOPS.names()
+
+
+def make_loop(name: str, *, environment: Environment | None = None, **options: Any) -> RolloutLoop:
+    """The loop registered as `name` with its options; unknown names raise `RegistryError`, unknown
+    options `TypeError`, bad values or a missing environment `ValueError`."""
+    cls = LOOPS.get(name)
+    return option_checked("rollout loop", name, cls, 0)(environment=environment, **options)
+
+
+def resolve_environment(spec: str) -> Environment:
+    """``"package.module:function"`` -> the function (an environment named in ``loop_kwargs``)."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"an environment is named as 'package.module:function', got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import the environment {spec!r}: {e}") from None
+    if not callable(obj):
+        raise ValueError(f"the environment {spec!r} is not callable")
+    return obj
+
+
+def loop_from_config(cfg: Any, environment: Environment | None = None) -> RolloutLoop:
+    """The loop named by ``cfg.rollout.loop`` with ``cfg.rollout.loop_kwargs``; a pipeline passes its
+    environment (``loop_kwargs.environment: "package.module:function"`` names one instead). Problems are
+    `ConfigError`s naming the key."""
+    from mmalign.config import ConfigError
+
+    r = cfg.rollout
+    source = getattr(cfg, "source", "config")
+    options = dict(r.loop_kwargs)
+    spec = options.pop("environment", None)
+    try:
+        cls = LOOPS.get(r.loop)
+    except RegistryError as e:
+        raise ConfigError(f"{source}: key 'rollout.loop': {e}") from None
+    if spec is not None:
+        try:
+            environment = resolve_environment(str(spec))
+        except ValueError as e:
+            raise ConfigError(f"{source}: key 'rollout.loop_kwargs.environment': {e}") from None
+    if cls.multi_turn and environment is None:
+        raise ConfigError(
+            f"{source}: key 'rollout.loop': {r.loop!r} needs an environment (a function TurnContext -> "
+            f"Done | Insert) and pipeline {getattr(cfg, 'pipeline', '?')!r} supplies none; name one with "
+            f"rollout.loop_kwargs.environment: 'package.module:function'"
+        )
+    try:
+        return make_loop(r.loop, environment=environment, **options)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: key 'rollout.loop_kwargs': {e}") from None

@@ -1,0 +1,136 @@
+"""A tiny FLUX.1-style pipeline built offline from config kwargs (tests, quickstart).
+
+`build_tiny_flux(path)` writes a folder with the layout of a real FLUX.1 (dev / schnell) diffusers folder
+(see `mmalign.policies.flux_components`), at toy size:
+
+- ``transformer/``: a ``FluxTransformer2DModel`` (one double-stream and one single-stream block, 2 heads of
+  16 dims; ``in_channels`` = 4 x the VAE's latent channels, since Flux works on 2x2-packed latents);
+- ``vae/``: an ``AutoencoderKL`` with ``scaling_factor`` and ``shift_factor`` set;
+- ``scheduler/``: a ``FlowMatchEulerDiscreteScheduler`` with ``use_dynamic_shifting=True`` and Flux's
+  resolution-dependent shift settings;
+- ``text_encoder/`` + ``tokenizer/``: a ``CLIPTextModel`` with the byte-level CLIP tokenizer of
+  `mmalign.tiny.sd3`;
+- ``text_encoder_2/`` + ``tokenizer_2/``: a ``T5EncoderModel`` with the character T5 tokenizer of
+  `mmalign.tiny.sd3`;
+- ``model_index.json`` naming ``FluxPipeline``.
+
+Each part is written with ``save_pretrained`` (`FluxComponents.save_pretrained`) and
+`mmalign.policies.flux_components.load_flux_components` loads it back with ``from_pretrained`` per
+component -- the path a real FLUX.1 folder takes. Nothing is downloaded.
+
+Builder registered in `mmalign.tiny.BUILDERS`: ``flux_tiny``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mmalign.policies.flux_components import FluxComponents
+from mmalign.tiny import BUILDERS
+from mmalign.tiny.sd3 import TOKEN_LENGTH, clip_byte_tokenizer, t5_char_tokenizer
+
+__all__ = ["build_tiny_flux"]
+
+
+def build_tiny_flux(
+    path: str | Path,
+    *,
+    guidance_embeds: bool = True,
+    image_size: int = 16,
+    latent_channels: int = 4,
+    clip_hidden: int = 16,
+    t5_hidden: int = 32,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny FLUX.1-style folder at `path` (random weights, ~100k parameters); see the module docstring.
+
+    ``guidance_embeds`` True gives a FLUX.1-dev-like transformer (distilled guidance embedding), False a
+    schnell-like one. The VAE downsamples by 2, so ``image_size`` pixels give ``image_size / 2`` latents
+    (the VAE's ``sample_size``), which must be even for the 2x2 packing.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    if image_size % 4:
+        raise ValueError(
+            f"image_size must be a multiple of 4 (even latents after the 2x VAE), got {image_size}"
+        )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * latent_channels,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=t5_hidden,
+        pooled_projection_dim=clip_hidden,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=image_size,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    tokenizer = clip_byte_tokenizer()
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=clip_hidden,
+            intermediate_size=2 * clip_hidden,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=TOKEN_LENGTH,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    tokenizer_2 = t5_char_tokenizer()
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=t5_hidden,
+            d_kv=8,
+            d_ff=2 * t5_hidden,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer_2.pad_token_id,
+            eos_token_id=tokenizer_2.eos_token_id,
+            decoder_start_token_id=tokenizer_2.pad_token_id,
+        )
+    )
+    FluxComponents(
+        transformer, vae, scheduler, text_encoder, tokenizer, text_encoder_2, tokenizer_2
+    ).save_pretrained(path)
+    return path
+
+
+@BUILDERS.register("flux_tiny", minutes=0.05)
+def _build_registered(path: Path) -> None:
+    build_tiny_flux(path)
