@@ -242,9 +242,9 @@ class GroupTrainer:
         rollout.group = rollout.group + offset
         self._round += 1
         t0 = time.perf_counter()
-        # outputs that cost time (pixels decoded from latents) are made only when a reward needs them
+        # outputs that cost time (such as pixels from latents) are made only when a reward needs them
         self.policy.materialize(rollout, self.reward_set.needs)
-        self._timers["materialize"] += time.perf_counter() - t0
+        self._timers["materialize"] = self._timers.get("materialize", 0.0) + time.perf_counter() - t0
         rewards = self.reward_set(rollout).to(rollout.group.device)
         self._timers["reward"] += time.perf_counter() - t0
         rollout.rewards = rewards

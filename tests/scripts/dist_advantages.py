@@ -19,13 +19,15 @@ from accelerate.utils import gather_object
 
 from mmalign.batch import Rollout
 from mmalign.config import config_from_dict
+from mmalign.policies.base import ActionStats, Policy
 from mmalign.trainer import GroupTrainer
 from pipelines import Components
 from rewards import RewardSet
 
 
-class FakePolicy:
-    """Outputs depend only on (prompt, sample index): the same rollouts in any process layout."""
+class FakePolicy(Policy):
+    """Outputs depend only on (prompt, sample index): the same rollouts in any process layout. Only sampling
+    is used (the script calls `make_rollout`); the rest of the contract is not needed here."""
 
     def __init__(self) -> None:
         self.model = torch.nn.Linear(2, 1)
@@ -50,6 +52,21 @@ class FakePolicy:
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return list(self.model.parameters())
+
+    def evaluate(self, rollout: Rollout) -> ActionStats:
+        raise NotImplementedError("the script only samples")
+
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        raise NotImplementedError("the script only samples")
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state)
+
+    def save(self, path: Any) -> None:
+        raise NotImplementedError("the script only samples")
 
 
 def main() -> None:
