@@ -131,12 +131,19 @@ class GroupTrainer:
         self.estimator_takes_steps = adv_lib.accepts_step_rewards(a.estimator)
         """The estimator turns per-step process rewards into Float[B,T] advantages (e.g. grpo_process)."""
         self.aux_coefs = dict(a.aux_coefs)
-        if self.estimator_takes_steps and not self.reward_set.per_step_names:
+        """Coefficients of the policy's auxiliary loss terms (`ActionStats.aux_losses`), by name."""
+        per_step = list(getattr(self.reward_set, "per_step_names", []))
+        if per_step and not self.estimator_takes_steps:
+            raise ConfigError(
+                f"{cfg.source}: key 'algorithm.estimator': the rewards {per_step} give per-step (process) "
+                f"rewards, which {a.estimator!r} ignores; use an estimator that takes them "
+                f"({', '.join(n for n in adv_lib.names() if adv_lib.accepts_step_rewards(n))})"
+            )
+        if self.estimator_takes_steps and not per_step:
             raise ConfigError(
                 f"{cfg.source}: key 'algorithm.estimator': {a.estimator!r} turns per-step (process) rewards into "
                 f"advantages, but no reward in 'rewards' declares per_step"
             )
-        """Coefficients of the policy's auxiliary loss terms (`ActionStats.aux_losses`), by name."""
         self.extra_samples = adv_lib.extra_samples(a.estimator)
         self.loss_fn = loss_lib.get(a.loss)
         try:
@@ -233,9 +240,8 @@ class GroupTrainer:
         round_base = self._round * pps
         mine = idx[self.rank * self.local_prompts : (self.rank + 1) * self.local_prompts]
         rows = [self.rows[i] for i in mine]
-        self.policy.on_train_step(
-            self.step
-        )  # schedules of the policy, weight syncs of its sampler; resume-safe
+        # schedules of the policy, weight syncs of its sampler; resume-safe
+        self.policy.on_train_step(self.step)
         rollout = self.policy.rollout(rows, self.samples_per_group, compute_logp=self.need_logp_old)
         # global group ids: position of the prompt in this step's global list, offset per round
         offset = self._round * self.cfg.rollout.prompts_per_step + self.rank * self.local_prompts

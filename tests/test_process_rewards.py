@@ -237,3 +237,49 @@ def test_reward_set_into_grpo_process():
     p1 = 2 / (math.sqrt(8) + 1e-4)
     expected = torch.tensor([[-o - p0, -o - p1, -o, 0.0], [o + p0, o + p1, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     torch.testing.assert_close(a, expected)
+
+
+def test_trainer_refuses_a_per_step_reward_with_an_estimator_that_ignores_it(tmp_path) -> None:
+    """Both mismatches are ConfigErrors naming 'algorithm.estimator' when the trainer is built, before any
+    sampling: a per-step reward with `grpo`, and `grpo_process` without a per-step reward."""
+    import pytest
+    import torch
+
+    from mmalign.config import ConfigError, config_from_dict
+    from mmalign.trainer import GroupTrainer
+    from pipelines import Components
+    from rewards import RewardSet, register_reward
+    from rewards.base import REGISTRY
+
+    def every_step(batch):
+        return batch.mask.float()
+
+    every_step.per_step = True
+
+    def outcome(batch):
+        return [1.0] * len(batch)
+
+    class Stub:
+        model = torch.nn.Linear(1, 1)
+
+    register_reward("_every_step_for_test")(every_step)
+    register_reward("_outcome_for_test")(outcome)
+    try:
+        for estimator, rewards in (
+            ("grpo", ["_every_step_for_test"]),
+            ("grpo_process", ["_outcome_for_test"]),
+        ):
+            cfg = config_from_dict(
+                {
+                    "pipeline": "x",
+                    "output_dir": str(tmp_path / estimator),
+                    "rewards": [{"name": n} for n in rewards],
+                    "algorithm": {"estimator": estimator},
+                }
+            )
+            comps = Components(policy=Stub(), rewards=RewardSet(cfg.rewards), data=[{"prompt": "q"}])
+            with pytest.raises(ConfigError, match="algorithm.estimator"):
+                GroupTrainer(cfg, comps)
+    finally:
+        REGISTRY.unregister("_every_step_for_test")
+        REGISTRY.unregister("_outcome_for_test")
