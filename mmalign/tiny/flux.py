@@ -29,7 +29,7 @@ import torch
 
 from mmalign.policies.flux_components import FluxComponents
 from mmalign.tiny import BUILDERS
-from mmalign.tiny.sd3 import TOKEN_LENGTH, clip_byte_tokenizer, t5_char_tokenizer
+from mmalign.tiny.sd3 import TOKEN_LENGTH, clip_byte_tokenizer, t5_char_tokenizer, tiny_t5_encoder
 
 __all__ = ["build_tiny_flux"]
 
@@ -51,7 +51,7 @@ def build_tiny_flux(
     (the VAE's ``sample_size``), which must be even for the 2x2 packing.
     """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     if image_size % 4:
         raise ValueError(
@@ -111,20 +111,7 @@ def build_tiny_flux(
         )
     )
     tokenizer_2 = t5_char_tokenizer()
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=t5_hidden,
-            d_kv=8,
-            d_ff=2 * t5_hidden,
-            num_layers=1,
-            num_heads=2,
-            relative_attention_num_buckets=8,
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-            decoder_start_token_id=tokenizer_2.pad_token_id,
-        )
-    )
+    text_encoder_2 = tiny_t5_encoder(tokenizer_2, t5_hidden)
     FluxComponents(
         transformer, vae, scheduler, text_encoder, tokenizer, text_encoder_2, tokenizer_2
     ).save_pretrained(path)

@@ -99,6 +99,27 @@ def _tiny_clip(tokenizer: Any, hidden: int, projection: int) -> torch.nn.Module:
     )
 
 
+def tiny_t5_encoder(tokenizer: Any, hidden: int) -> torch.nn.Module:
+    """A one-layer ``T5EncoderModel`` of width `hidden` for the character T5 tokenizer (SD3's third and
+    Flux's second text encoder in the tiny builders)."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=hidden,
+            d_kv=8,
+            d_ff=2 * hidden,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
+
+
 def build_tiny_sd3(
     path: str | Path,
     *,
@@ -162,24 +183,9 @@ def build_tiny_sd3(
             extra["tokenizer_2"], text_hidden // 2, pooled_dim - pooled_dim // 2
         )
     if text_encoders == 3:
-        from transformers import T5Config, T5EncoderModel
-
         tok3 = t5_char_tokenizer()
         extra["tokenizer_3"] = tok3
-        extra["text_encoder_3"] = T5EncoderModel(
-            T5Config(
-                vocab_size=len(tok3),
-                d_model=text_hidden,
-                d_kv=8,
-                d_ff=2 * text_hidden,
-                num_layers=1,
-                num_heads=2,
-                relative_attention_num_buckets=8,
-                pad_token_id=tok3.pad_token_id,
-                eos_token_id=tok3.eos_token_id,
-                decoder_start_token_id=tok3.pad_token_id,
-            )
-        )
+        extra["text_encoder_3"] = tiny_t5_encoder(tok3, text_hidden)
     c = SD3Components(transformer, vae, scheduler, text_encoder, tokenizer, **extra)
     c.save_pretrained(path)
     return path
