@@ -27,7 +27,9 @@ policy's constructor (``TextPolicy(..., loop=...)``; `VLMPolicy` likewise). Two 
     ``max_turns * max_tokens_per_turn + (max_turns - 1) * max_insert_tokens``, which never binds). Each
     turn generates at most ``min(max_tokens_per_turn, cap - tokens so far)``; an insertion longer than
     ``max_insert_tokens``, or one that would leave no room for one more generated token under the cap,
-    ends the sample instead. ``reward_text``: what ``outputs["texts"]`` holds (below).
+    ends the sample instead (an insertion is never cut, so an image is never split). ``reward_text``: what
+    ``outputs["texts"]`` holds (below). ``mask_over_turn`` (default False): samples that reach
+    ``max_turns`` still wanting to go on get no loss (``outputs["exclude_from_loss"]``).
 
 What the rollout holds (both loops; the multi-turn one fills the completion region with several turns):
 
@@ -51,6 +53,11 @@ What the rollout holds (both loops; the multi-turn one fills the completion regi
   ``max_turns``, ``insert_too_long`` or ``max_completion_tokens``) and ``outputs["truncated"]`` (Bool[B]):
   True when a limit ended the sample (any stop reason but ``done``) or its last turn was cut at its token
   budget without EOS / stop string.
+- ``outputs["env_state"]`` (both loops; per sample a dict): what the environment wrote into
+  ``TurnContext.state`` (`Conversation.state`); ``{}`` for single-turn rollouts and untouched samples.
+- ``outputs["exclude_from_loss"]`` (Bool[B], multi_turn with ``mask_over_turn: true``): the samples stopped
+  at the turn cap (``stop_reason == "max_turns"``). The trainer computes advantages with them (they count
+  in their group's statistics) and then drops them from the loss (over-turn masking).
 
 A new loop subclasses `RolloutLoop`, registers with ``@LOOPS.register(name)`` and drives the policy
 through `TurnPolicy` (the primitives `TextPolicy` and `VLMPolicy` implement).
@@ -150,6 +157,10 @@ class Conversation:
     stop_reason: str = ""
     """Why the sample ended: ``done``, ``max_turns``, ``insert_too_long``, ``max_completion_tokens``."""
     truncated: bool = False
+    state: dict[str, Any] = field(default_factory=dict)
+    """The environment's per-sample scratch space (tool state, the views of a visual search, the final
+    answer it parsed ...); the rollout exposes it as ``outputs["env_state"]``. Keep it JSON-serialisable:
+    the trainer writes it beside each sample in the run directory."""
 
     @property
     def length(self) -> int:
@@ -185,8 +196,14 @@ class TurnContext:
 
     @property
     def row(self) -> dict[str, Any]:
-        """The sample's dataset row (every column: answers, image paths, tool state keys ...)."""
+        """The sample's dataset row (every column: answers, image paths ...). Shared by the G samples of a
+        prompt: write per-sample state into `state`, never into the row."""
         return self.conversation.row
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The sample's `Conversation.state` (per-sample, writable; becomes ``outputs["env_state"]``)."""
+        return self.conversation.state
 
     @property
     def sample_index(self) -> int:
@@ -267,7 +284,9 @@ class SingleTurn(RolloutLoop):
     def rollout(
         self, policy: TurnPolicy, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool
     ) -> Rollout:
-        return policy.single_turn_rollout(rows, group_size, compute_logp=compute_logp)
+        rollout = policy.single_turn_rollout(rows, group_size, compute_logp=compute_logp)
+        rollout.outputs.setdefault("env_state", [{} for _ in range(len(rollout))])
+        return rollout
 
 
 @LOOPS.register("multi_turn")
@@ -286,6 +305,7 @@ class MultiTurn(RolloutLoop):
         max_insert_tokens: int = 512,
         max_completion_tokens: int | None = None,
         reward_text: Literal["conversation", "last_turn"] = "conversation",
+        mask_over_turn: bool = False,
     ) -> None:
         if environment is None:
             raise ValueError(
@@ -312,6 +332,11 @@ class MultiTurn(RolloutLoop):
         self.max_insert_tokens = max_insert_tokens
         self.max_completion_tokens = max_completion_tokens
         self.reward_text = reward_text
+        if not isinstance(mask_over_turn, bool):
+            raise ValueError(
+                f"multi_turn option 'mask_over_turn' must be true or false, got {mask_over_turn!r}"
+            )
+        self.mask_over_turn = mask_over_turn
 
     def limits(self, policy: TurnPolicy) -> tuple[int, int]:
         """(tokens per turn, cap on the completion region) for `policy`."""
@@ -355,6 +380,13 @@ class MultiTurn(RolloutLoop):
         rollout = policy.finish_conversations(rows, group_size, conversations, compute_logp=compute_logp)
         if self.reward_text == "last_turn":
             rollout.outputs["texts"] = [c.turns[-1] for c in conversations]
+        rollout.outputs["env_state"] = [c.state for c in conversations]
+        if self.mask_over_turn:
+            import torch
+
+            rollout.outputs["exclude_from_loss"] = torch.tensor(
+                [c.stop_reason == "max_turns" for c in conversations], dtype=torch.bool
+            )
         return rollout
 
     def _ask(self, conv: Conversation, turn: int, seg: Segment) -> Done | Insert:

@@ -255,7 +255,13 @@ class GroupTrainer:
         self._timers["reward"] += time.perf_counter() - t0
         rollout.rewards = rewards
         rollout.reward_names = list(self.reward_set.names)
+        self._reward_extra = dict(getattr(self.reward_set, "last_metrics", {}) or {})
         g_rewards, g_group = self._gather(rewards), self._gather(rollout.group)
+        # callbacks that follow the rewards (curricula): the GLOBAL batch in global group order, so their
+        # decisions are the same on every process and for any number of processes
+        for cb in self.callbacks:
+            if hasattr(cb, "on_rewards"):
+                cb.on_rewards(self, g_rewards, g_group, list(self.reward_set.names))
         g_actions = self._gather(rollout.mask.sum(dim=1).to(rollout.group.device))
         # feedback for adaptive prompt samplers, from the GLOBAL batch so every rank's sampler agrees
         total = adv_lib.combine_rewards(g_rewards, self.reward_set.weights.tolist())
@@ -322,6 +328,10 @@ class GroupTrainer:
             if adv.dim() == 2:  # per-step advantages: back to this process's number of actions
                 adv = adv[:, : rollout.mask.shape[1]]
             rollout.advantages = adv.to(rollout.mask.device)
+            excluded = rollout.outputs.get("exclude_from_loss")
+            if isinstance(excluded, Tensor) and bool(excluded.any()):
+                # e.g. over-turn masking: these samples counted in their group's statistics, not in the loss
+                rollout.mask = rollout.mask & ~excluded[:, None].to(rollout.mask.device)
             keep_local = self._local_slice(keep, n_local)
             if not bool(keep_local.all()):
                 rollout.mask = rollout.mask & keep_local[:, None].to(rollout.mask.device)
@@ -359,6 +369,7 @@ class GroupTrainer:
             "reward/std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
         }
         m.update(self.reward_set.stats(g_rewards))
+        m.update(self._mean_over_processes(getattr(self, "_reward_extra", {})))
         _, stds = filter_lib.group_std(total, g_group)
         m["zero_std_frac"] = float((stds == 0).float().mean())
         nan_groups = self.reward_set.nan_groups(g_rewards, g_group)
@@ -380,6 +391,18 @@ class GroupTrainer:
         for name, values in self.policy.rollout_stats(rollout).items():
             m[name] = float(self._gather(values.float().mean().reshape(1)).mean())
         return m
+
+    def _mean_over_processes(self, values: dict[str, float]) -> dict[str, float]:
+        """Each key's mean over the processes that report it (keys may differ between processes)."""
+        if self.world == 1:
+            return dict(values)
+        from accelerate.utils import gather_object
+
+        merged: dict[str, list[float]] = defaultdict(list)
+        for part in gather_object([values]):
+            for key, value in part.items():
+                merged[key].append(float(value))
+        return {key: sum(v) / len(v) for key, v in sorted(merged.items())}
 
     # ----------------------------------------------------------------- update
     def _global_sum(self, x: float) -> float:
@@ -579,6 +602,9 @@ class GroupTrainer:
                         f"training stopped at step {self.step + 1}: {e}\n"
                         f"  kept: {kept}; {where}" + (" (continue with --resume)" if ckpt else "")
                     ) from e
+                for cb in self.callbacks:  # they may add their numbers to `m` (a curriculum's threshold)
+                    if hasattr(cb, "on_step_end"):
+                        cb.on_step_end(self, self.step, m)
                 self.history.append(m)
                 if metrics_f is not None and (self.step % t.log_every == 0 or self.step == t.steps):
                     metrics_f.write(json.dumps(rundir.jsonable(m)) + "\n")
@@ -586,9 +612,6 @@ class GroupTrainer:
                     os.fsync(metrics_f.fileno())
                 if self.step % t.sample_every == 0 or self.step == 1:
                     self.dump_samples(self._last_batch)
-                for cb in self.callbacks:
-                    if hasattr(cb, "on_step_end"):
-                        cb.on_step_end(self, self.step, m)
                 if self.step % t.save_every == 0 or self.step == t.steps:
                     self.save_checkpoint()
                 bar.set_postfix(
@@ -628,6 +651,9 @@ class GroupTrainer:
             for key in self.sample_columns:
                 if key in batch.columns:
                     row[key] = batch.columns[key][i]
+            state = batch.outputs.get("env_state")
+            if isinstance(state, list) and len(state) == len(batch) and state[i]:
+                row["env_state"] = state[i]  # what a multi-turn environment recorded (views, tool calls)
             rows.append(row)
         if self.world > 1:
             rows = gather_object(rows)

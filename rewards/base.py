@@ -30,6 +30,10 @@ styles are told apart by the signature:
 
 A function's ``needs`` attribute, if set, overrides the default ``{"texts"}``.
 
+A reward may report extra numbers about a call (how many answers could not be parsed, ...) by setting
+``self.last_metrics = {"unparsed_frac": 0.25}`` in ``__call__``: `RewardSet.last_metrics` collects them
+as ``reward/<column>/<key>`` and the trainer logs them with the step's metrics (mean over processes).
+
 Outcome and process rewards. An outcome reward (the default) returns Float[B], one number per
 sample. A process (per-step) reward declares ``per_step = True`` (a class attribute of a `Reward`
 subclass, or an attribute ``fn.per_step = True`` of a function, like ``fn.needs``) and returns
@@ -465,6 +469,9 @@ class RewardSet:
                 raise self._config_error(source, f"{key}[{i}].kwargs", e) from e
             except (KeyError, ImportError, AttributeError) as e:
                 raise self._config_error(source, f"{key}[{i}].name", e) from e
+        self.last_metrics: dict[str, float] = {}
+        """Extra numbers the rewards reported on the last call (a reward sets ``self.last_metrics``, a dict
+        of floats, while scoring): ``reward/<column>/<key>``, e.g. ``reward/box_iou/unparsed_frac``."""
 
     @staticmethod
     def _config_error(source: str | None, key: str, err: Exception) -> Exception:
@@ -560,12 +567,17 @@ class RewardSet:
         per_step = self.is_per_step
         cols = []
         steps: list[tuple[float, Tensor]] = []
+        self.last_metrics = {}
         with torch.no_grad():
             for k, reward in enumerate(self.rewards):
+                if isinstance(getattr(reward, "last_metrics", None), dict):
+                    reward.last_metrics = {}  # a reward that sets none this call reports none
                 try:
                     out = reward(batch)
                 except Exception as e:
                     raise RewardError(f"{self._label(k)} failed: {type(e).__name__}: {e}") from e
+                for key, value in (getattr(reward, "last_metrics", None) or {}).items():
+                    self.last_metrics[f"reward/{self.specs[k].column}/{key}"] = float(value)
                 if per_step[k]:
                     col, step = self._validate_steps(k, out, n, mask)
                     steps.append((float(self.specs[k].weight), step))

@@ -328,7 +328,9 @@ class TextPolicy(Policy):
 
     def rollout_stats(self, rollout: Rollout) -> dict[str, Tensor]:
         """Completion length (generated tokens) and the share of truncated samples; multi-turn rollouts add
-        the number of generated turns and of inserted tokens."""
+        the number of generated turns, of inserted tokens, ``tool_call_rate`` (the share of samples into
+        which the environment inserted anything: tool use collapsing to 0 is the classic failure of
+        multi-turn RL) and ``over_turn_frac`` (samples stopped at ``max_turns``)."""
         stats: dict[str, Tensor] = {}
         n_tok = rollout.outputs.get("num_tokens")
         if isinstance(n_tok, Tensor):
@@ -340,6 +342,12 @@ class TextPolicy(Policy):
             value = rollout.outputs.get(key)
             if isinstance(value, Tensor):
                 stats[name] = value.float()
+        inserted = rollout.outputs.get("num_inserted_tokens")
+        if isinstance(inserted, Tensor):
+            stats["tool_call_rate"] = (inserted > 0).float()
+        reasons = rollout.outputs.get("stop_reasons")
+        if isinstance(reasons, list) and len(reasons) == len(rollout):
+            stats["over_turn_frac"] = torch.tensor([r == "max_turns" for r in reasons], dtype=torch.float32)
         return stats
 
     def sync_engine(self, step: int = 0) -> None:
