@@ -431,7 +431,7 @@ class CurriculumCallback:
             self._resumed = False
             out = getattr(trainer, "out", None)
             if getattr(trainer, "is_main", True) and out is not None:  # drop transitions after the checkpoint
-                kept = [x for x in self.curriculum.transitions if t is None or x is not t]
+                kept = self.curriculum.transitions[: -1 if t is not None else None]  # t: this step's
                 (Path(out) / self.LOG_FILE).write_text("".join(json.dumps(x) + "\n" for x in kept))
         if t is None:
             return
