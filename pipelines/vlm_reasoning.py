@@ -100,7 +100,7 @@ def load_vlm_rows(
     try:
         rows = load_rows(source, template, max_rows)
     except DataError:
-        if opts.on_bad_row == "error":
+        if opts.on_bad_row == "error" or source.startswith("hf:"):  # skipping reads local JSONL line by line
             raise
         rows = _load_skipping(source, template, max_rows)
     out, skipped = [], 0
