@@ -18,6 +18,7 @@ from typing import Any, Literal
 from mmalign.config import Config
 from mmalign.data import DataError, load_rows
 from mmalign.policies.vlm import VLMPolicy
+from mmalign.rollout_loops import Environment
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
 from pipelines.text_reasoning import policy_kwargs
@@ -154,12 +155,13 @@ def _load_skipping(source: str, template: str, max_rows: int | None) -> list[dic
     return rows
 
 
-def build_vlm_policy(cfg: Config) -> VLMPolicy:
+def build_vlm_policy(cfg: Config, environment: Environment | None = None) -> VLMPolicy:
     """The `VLMPolicy` described by `cfg.model`, `cfg.rollout` and the `options:` section
     (``model.shared_prefix``: the shared-prefix log-prob forward where the model family supports it;
-    ``rollout.loop``: ``single_turn`` or ``multi_turn`` with ``rollout.loop_kwargs.environment``)."""
+    ``rollout.loop``: ``single_turn`` or ``multi_turn`` with the pipeline's `environment` or
+    ``rollout.loop_kwargs.environment``)."""
     opts = vlm_options(cfg)
-    kwargs = policy_kwargs(cfg)  # checks the rollout loop before the model is built or loaded
+    kwargs = policy_kwargs(cfg, environment)  # checks the rollout loop before the model is built or loaded
     path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
     return VLMPolicy.from_pretrained(
         path,
