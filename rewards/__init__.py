@@ -21,6 +21,7 @@ from .base import (
     names,
     register_reward,
 )
+from .boxes import BoxCenter, BoxF1, BoxGIoU, IoUAt, IoUSweep
 from .image import (
     AestheticScore,
     ClipScore,
@@ -48,7 +49,12 @@ __all__ = [
     "REGISTRY",
     "BMAS",
     "AnswerAccuracy",
+    "BoxCenter",
+    "BoxF1",
+    "BoxGIoU",
     "BoxIoU",
+    "IoUAt",
+    "IoUSweep",
     "FormatReward",
     "FunctionReward",
     "MixedAccuracy",

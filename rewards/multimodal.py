@@ -2,12 +2,13 @@ r"""Multimodal accuracy rewards (the "Mixed-R1 family"): `multiple_choice`, `box
 
 - ``multiple_choice``: the choice letter of the completion against a reference letter.
 - ``box_iou``: IoU of the completion's bounding box with a reference box, with the coordinate
-  conventions of the usual VLMs (absolute pixels, Qwen2-VL's 0-1000 grid, pixels of the resized input).
+  conventions of the usual VLMs (absolute pixels, Qwen2-VL's 0-1000 grid, pixels of the resized input);
+  it lives in `rewards.boxes` with the other grounding rewards and is re-exported here.
 - ``bmas``: bidirectional max-average cosine similarity of token embeddings (open-ended answers).
 - ``mixed_accuracy``: picks one of the above (or `answer_accuracy`) per sample from a dataset column.
 
-The helpers `parse_choice`, `extract_choice`, `parse_box`, `iou`, `rescale_box`, `trigram_embed`
-and `bmas_score` are public so pipelines and tests can use them on their own. Answer extraction
+The helpers `parse_choice`, `extract_choice`, `parse_box`, `iou`, `rescale_box` (the box ones
+re-exported from `rewards.boxes`), `trigram_embed` and `bmas_score` are public so pipelines and tests can use them on their own. Answer extraction
 (``\boxed{}``, ``<answer>`` tags) reuses `rewards.text`.
 """
 
@@ -26,17 +27,22 @@ import torch
 from torch import Tensor
 
 from .base import Reward, RewardBatch, _check_options, register_reward
-from .text import EXTRACT_MODES, AnswerAccuracy, extract_answer, extract_boxed, extract_tag, parse_number
+from .boxes import COORDS, Box, BoxIoU, box_area, iou, order_box, parse_box, rescale_box
+from .text import EXTRACT_MODES, AnswerAccuracy, extract_answer, extract_boxed, extract_tag
 
 __all__ = [
     "BMAS",
+    "COORDS",
+    "Box",
     "BoxIoU",
     "HFTokenEmbedder",
     "MixedAccuracy",
     "MultipleChoice",
     "bmas_score",
+    "box_area",
     "extract_choice",
     "iou",
+    "order_box",
     "parse_box",
     "parse_choice",
     "rescale_box",
@@ -44,7 +50,6 @@ __all__ = [
     "trigram_tokens",
 ]
 
-Box = tuple[float, float, float, float]
 TokenEmbedFn = Callable[[Sequence[str]], Sequence[Tensor]]
 
 log = logging.getLogger(__name__)
@@ -198,223 +203,6 @@ class MultipleChoice(Reward):
         return torch.tensor(
             [self.score(t, r) for t, r in zip(batch.texts, refs, strict=True)], dtype=torch.float32
         )
-
-
-# ================================================================================ boxes / IoU
-_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
-_BOX_RES = (
-    # [x1, y1, x2, y2] (also inside {"bbox_2d": [...]}) or (x1, y1, x2, y2)
-    re.compile(rf"\[\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*\]"),
-    re.compile(rf"\(\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*\)"),
-    # (x1,y1),(x2,y2) as Qwen-VL's <box>(x1,y1),(x2,y2)</box>
-    re.compile(rf"\(\s*({_NUM})\s*,\s*({_NUM})\s*\)\s*(?:,|-|to)?\s*\(\s*({_NUM})\s*,\s*({_NUM})\s*\)"),
-)
-
-
-def order_box(box: Sequence[float]) -> Box | None:
-    """(x1, y1, x2, y2) with x1 <= x2 and y1 <= y2 (swapped if needed); None unless 4 finite numbers."""
-    if isinstance(box, str | bytes) or len(box) != 4:
-        return None
-    vals = [parse_number(v) for v in box]
-    if any(v is None for v in vals):
-        return None
-    x1, y1, x2, y2 = vals  # type: ignore[misc]
-    return (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2))
-
-
-def _last_box(text: str) -> Box | None:
-    best: tuple[int, Box] | None = None
-    for rx in _BOX_RES:
-        for m in rx.finditer(text):
-            box = order_box([float(g) for g in m.groups()])
-            if box is not None and (best is None or m.end() > best[0]):
-                best = (m.end(), box)
-    return best[1] if best else None
-
-
-def parse_box(text: str, tag: str = "answer") -> Box | None:
-    """The last box written in `text`, as (x1, y1, x2, y2) with x1 <= x2, y1 <= y2; else None.
-
-    Forms: ``[x1, y1, x2, y2]``, ``{"bbox_2d": [x1, y1, x2, y2], ...}`` (Qwen2.5-VL's JSON, also in a
-    ```json fence or a list of objects), ``(x1, y1, x2, y2)`` and ``(x1,y1),(x2,y2)``. Boxes inside the
-    last ``<answer>...</answer>`` take precedence; without a box there, the last box anywhere counts.
-    """
-    inner = extract_tag(text, tag)
-    if inner is not None:
-        box = _last_box(inner)
-        if box is not None:
-            return box
-    return _last_box(text)
-
-
-def box_area(box: Sequence[float]) -> float:
-    b = order_box(box)
-    return 0.0 if b is None else (b[2] - b[0]) * (b[3] - b[1])
-
-
-def iou(a: Sequence[float], b: Sequence[float]) -> float:
-    """Intersection over union of two (x1, y1, x2, y2) boxes (corners ordered first); 0 if either is
-    degenerate (zero area) or not a box."""
-    a_, b_ = order_box(a), order_box(b)
-    if a_ is None or b_ is None:
-        return 0.0
-    area_a, area_b = box_area(a_), box_area(b_)
-    if area_a <= 0 or area_b <= 0:
-        return 0.0
-    iw = min(a_[2], b_[2]) - max(a_[0], b_[0])
-    ih = min(a_[3], b_[3]) - max(a_[1], b_[1])
-    inter = max(iw, 0.0) * max(ih, 0.0)
-    return inter / (area_a + area_b - inter)
-
-
-def rescale_box(box: Sequence[float], from_size: Sequence[float], to_size: Sequence[float]) -> Box:
-    """Map a box between two coordinate frames given as (width, height):
-    x' = x * W_to / W_from, y' = y * H_to / H_from."""
-    (fw, fh), (tw, th) = from_size, to_size
-    if min(fw, fh, tw, th) <= 0:
-        raise ValueError(
-            f"sizes must be positive, got from_size={tuple(from_size)}, to_size={tuple(to_size)}"
-        )
-    sx, sy = tw / fw, th / fh
-    x1, y1, x2, y2 = (float(v) for v in box)
-    return (x1 * sx, y1 * sy, x2 * sx, y2 * sy)
-
-
-COORDS = ("absolute", "norm1000", "resized")
-
-
-@register_reward("box_iou")
-class BoxIoU(Reward):
-    """IoU of the completion's bounding box with the reference box (absolute / norm1000 / resized coords).
-
-    The box is parsed with `parse_box` (last box wins, <answer> content first); a completion without
-    a box scores 0, reversed corners are swapped, a zero-area box scores 0. The reference column
-    (``box_column``, "box") holds [x1, y1, x2, y2] (or a string of it) in absolute pixels of the
-    ORIGINAL image; ``None`` gives NaN. ``coords`` says how the completion's box is written, with
-    (W, H) the original size (columns ``width_column``/``height_column``, "image_width"/"image_height")
-    and (W_r, H_r) the model's resized input (``resized_width_column``/``resized_height_column``,
-    "resized_width"/"resized_height", filled in by the VLM policy):
-
-    - "absolute": original pixels, used as is;
-    - "norm1000": Qwen2-VL's 0..1000 grid, x_abs = x / 1000 * W, y_abs = y / 1000 * H;
-    - "resized": pixels of the resized input, x_abs = x * W / W_r, y_abs = y * H / H_r.
-
-    Boxes are not clipped to the image. Score: with ``threshold`` None and ``dense`` True (default)
-    the IoU; ``dense=False`` gives 1 if IoU >= ``threshold`` else 0 (a threshold is then required);
-    ``threshold`` with ``dense=True`` gives the IoU where IoU >= threshold, else 0.
-    """
-
-    needs = {"texts"}
-
-    def __init__(
-        self,
-        *,
-        box_column: str = "box",
-        coords: str = "absolute",
-        width_column: str = "image_width",
-        height_column: str = "image_height",
-        resized_width_column: str = "resized_width",
-        resized_height_column: str = "resized_height",
-        threshold: float | None = None,
-        dense: bool = True,
-        tag: str = "answer",
-    ) -> None:
-        if coords not in COORDS:
-            raise ValueError(f"reward {self.name!r}: coords={coords!r}; choose one of {COORDS}")
-        if threshold is not None and not 0.0 <= float(threshold) <= 1.0:
-            raise ValueError(f"reward {self.name!r}: threshold must be in [0, 1], got {threshold!r}")
-        if not dense and threshold is None:
-            raise ValueError(f"reward {self.name!r}: dense=False (a 1/0 reward) needs a threshold")
-        self.box_column = box_column
-        self.coords = coords
-        self.width_column, self.height_column = width_column, height_column
-        self.resized_width_column, self.resized_height_column = resized_width_column, resized_height_column
-        self.threshold = None if threshold is None else float(threshold)
-        self.dense = dense
-        self.tag = tag
-
-    def _reference(self, ref: Any) -> Box:
-        if hasattr(ref, "tolist"):  # a tensor / numpy array
-            ref = ref.tolist()
-        box = (
-            parse_box(ref, self.tag)
-            if isinstance(ref, str)
-            else order_box(ref)
-            if isinstance(ref, Sequence)
-            else None
-        )
-        if box is None:
-            raise ValueError(f"reward {self.name!r}: reference box {ref!r} is not [x1, y1, x2, y2]")
-        return box
-
-    @staticmethod
-    def _size(name: str, w: Any, h: Any, row: int) -> tuple[float, float]:
-        pw, ph = parse_number(w), parse_number(h)
-        if pw is None or ph is None or pw <= 0 or ph <= 0:
-            raise ValueError(f"row {row}: {name} size ({w!r}, {h!r}) is not two positive numbers")
-        return pw, ph
-
-    def to_absolute(
-        self, box: Box, original: tuple[float, float] | None, resized: tuple[float, float] | None
-    ) -> Box:
-        """The completion's box in absolute pixels of the original image (see the class docstring)."""
-        if self.coords == "absolute":
-            return box
-        assert original is not None
-        if self.coords == "norm1000":
-            return rescale_box(box, (1000.0, 1000.0), original)
-        assert resized is not None
-        return rescale_box(box, resized, original)
-
-    def score_iou(self, value: float) -> float:
-        if self.threshold is None:
-            return value
-        hit = value >= self.threshold
-        return (value if hit else 0.0) if self.dense else float(hit)
-
-    def __call__(self, batch: RewardBatch) -> Tensor:
-        texts = batch.texts
-        refs = _column(self, batch, self.box_column, "reference box")
-        n = len(texts)
-        widths = heights = rws = rhs = [None] * n
-        if self.coords != "absolute":
-            widths = _column(self, batch, self.width_column, f"image width (coords={self.coords!r})")
-            heights = _column(self, batch, self.height_column, f"image height (coords={self.coords!r})")
-        if self.coords == "resized":
-            rws = _column(self, batch, self.resized_width_column, "resized width (coords='resized')")
-            rhs = _column(self, batch, self.resized_height_column, "resized height (coords='resized')")
-        out = []
-        unparsed: list[int] = []
-        for i in range(n):
-            if refs[i] is None:
-                out.append(math.nan)
-                continue
-            ref = self._reference(refs[i])
-            pred = parse_box(texts[i], self.tag)
-            if pred is None:
-                out.append(0.0)
-                unparsed.append(i)
-                continue
-            original = (
-                self._size("original image", widths[i], heights[i], i) if self.coords != "absolute" else None
-            )
-            resized = self._size("resized image", rws[i], rhs[i], i) if self.coords == "resized" else None
-            out.append(self.score_iou(iou(self.to_absolute(pred, original, resized), ref)))
-        self.last_unparsed = len(unparsed)
-        if unparsed:
-            i = unparsed[0]
-            source = batch.get("_source")
-            where = f" ({source[i]})" if isinstance(source, list) and source[i] else ""
-            log.warning(
-                "reward %r: no box could be parsed from %d of %d completions (scored 0), e.g. sample %d%s: %r",
-                self.name,
-                len(unparsed),
-                n,
-                i,
-                where,
-                texts[i][:120],
-            )
-        return torch.tensor(out, dtype=torch.float32)
 
 
 # ======================================================================================= BMAS
