@@ -301,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", help="report file (default OUTPUT_DIR/eval.json)")
     ev.set_defaults(func=cmd_eval)
 
+    gr = sub.add_parser(
+        "grounding",
+        help="grounding data: convert COCO / RefCOCO annotations to JSONL rows, or check a JSONL file",
+        add_help=False,
+    )
+    gr.add_argument("args", nargs=argparse.REMAINDER, help="see `mmalign grounding --help`")
+    # (main() hands `mmalign grounding ...` to pipelines.grounding.main before this parser runs)
+
     ls = sub.add_parser("list", help="show what is registered")
     ls.add_argument(
         "what",
@@ -313,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["grounding"]:  # its own parser (convert / check), options such as --help included
+        from pipelines import grounding
+
+        return grounding.main(argv[1:], prog="mmalign grounding")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -593,10 +593,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], stats: Mapping[str, int] | None
 # ----------------------------------------------------------------------------- command line
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.grounding", description="Convert and check grounding data (JSONL rows)."
-    )
+def _parser(prog: str = "python -m pipelines.grounding") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Convert and check grounding data (JSONL rows).")
     sub = p.add_subparsers(dest="command", required=True)
     conv = sub.add_parser("convert", help="convert a public annotation format to grounding JSONL")
     fmt = conv.add_subparsers(dest="format", required=True)
@@ -636,9 +634,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m pipelines.grounding") -> int:
     """The command line (see the module docstring); 0 on success, 1 on a data error (printed to stderr)."""
-    args = _parser().parse_args(argv)
+    args = _parser(prog).parse_args(argv)
     try:
         if args.command == "convert":
             if args.format == "coco":

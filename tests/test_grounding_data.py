@@ -477,3 +477,11 @@ def test_cli_convert_then_check(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert f"{bad}:1: box [0, 0, 99, 10] lies outside the 64x48 image" in capsys.readouterr().err
     assert main(["check", str(bad), "--skip-bad"]) == 0
     assert "1 rows OK" in capsys.readouterr().out
+    # the same through the mmalign command line
+    from mmalign.cli import main as mmalign_main
+
+    assert mmalign_main(["grounding", "check", str(bad), "--skip-bad"]) == 0
+    assert "1 rows OK" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        mmalign_main(["grounding", "--help"])
+    assert "usage: mmalign grounding" in capsys.readouterr().out
