@@ -32,6 +32,7 @@ from .image import (
 )
 from .multimodal import BMAS, BoxIoU, MixedAccuracy, MultipleChoice
 from .safety import ClassifierFlag, ClipConceptFlag, ClipSteering, ColourPresent
+from .search import CropKeepsTarget, SearchFormat, ToolUseBonus, TurnsUsed
 from .text import AnswerAccuracy, FormatReward, OverlongPenalty
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "ClassifierFlag",
     "ClipConceptFlag",
     "ClipSteering",
+    "CropKeepsTarget",
     "ColourPresent",
     "ENTRY_POINT_GROUP",
     "REGISTRY",
@@ -60,6 +62,9 @@ __all__ = [
     "MixedAccuracy",
     "MultipleChoice",
     "OverlongPenalty",
+    "SearchFormat",
+    "ToolUseBonus",
+    "TurnsUsed",
     "Reward",
     "RewardBatch",
     "RewardError",
