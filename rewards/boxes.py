@@ -445,6 +445,30 @@ class _BoxReward(Reward):
     needs_original_size = False  # True: the score needs (W, H) even for coords="absolute"
     unparsed_score = 0.0  # the score of a completion without a box (the worst value of the reward)
 
+    def __init__(
+        self,
+        *,
+        box_column: str = "boxes",
+        coords: str = "absolute",
+        width_column: str = "image_width",
+        height_column: str = "image_height",
+        resized_width_column: str = "resized_width",
+        resized_height_column: str = "resized_height",
+        tag: str = "answer",
+        box_key: str | None = None,
+    ) -> None:
+        """The options every box reward takes (a reward with no options of its own inherits this)."""
+        self._init_common(
+            box_column,
+            coords,
+            width_column,
+            height_column,
+            resized_width_column,
+            resized_height_column,
+            tag,
+            box_key,
+        )
+
     def _init_common(
         self,
         box_column: str,
@@ -867,29 +891,6 @@ class BoxF1(_BoxReward):
     __doc__ = (__doc__ or "") + _COMMON_DOC
     multi_box = True
 
-    def __init__(
-        self,
-        *,
-        box_column: str = "boxes",
-        coords: str = "absolute",
-        width_column: str = "image_width",
-        height_column: str = "image_height",
-        resized_width_column: str = "resized_width",
-        resized_height_column: str = "resized_height",
-        tag: str = "answer",
-        box_key: str | None = None,
-    ) -> None:
-        self._init_common(
-            box_column,
-            coords,
-            width_column,
-            height_column,
-            resized_width_column,
-            resized_height_column,
-            tag,
-            box_key,
-        )
-
     def score(self, preds: list[Box], refs: list[Box], original: Size | None) -> float:
         return box_f1(preds, refs)
 
@@ -903,29 +904,6 @@ class IoUSweep(_BoxReward):
     """
 
     __doc__ = (__doc__ or "") + _COMMON_DOC
-
-    def __init__(
-        self,
-        *,
-        box_column: str = "boxes",
-        coords: str = "absolute",
-        width_column: str = "image_width",
-        height_column: str = "image_height",
-        resized_width_column: str = "resized_width",
-        resized_height_column: str = "resized_height",
-        tag: str = "answer",
-        box_key: str | None = None,
-    ) -> None:
-        self._init_common(
-            box_column,
-            coords,
-            width_column,
-            height_column,
-            resized_width_column,
-            resized_height_column,
-            tag,
-            box_key,
-        )
 
     def score(self, preds: list[Box], refs: list[Box], original: Size | None) -> float:
         return iou_sweep_accuracy(best_iou(preds[-1], refs))

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .base import Reward, RewardBatch, _check_options, register_reward
-from .boxes import COORDS, Box, BoxIoU, box_area, iou, order_box, parse_box, rescale_box
+from .boxes import COORDS, Box, BoxIoU, _column, box_area, iou, order_box, parse_box, rescale_box
 from .text import EXTRACT_MODES, AnswerAccuracy, extract_answer, extract_boxed, extract_tag
 
 __all__ = [
@@ -53,15 +53,6 @@ __all__ = [
 TokenEmbedFn = Callable[[Sequence[str]], Sequence[Tensor]]
 
 log = logging.getLogger(__name__)
-
-
-def _column(reward: Reward, batch: RewardBatch, column: str, what: str) -> list[Any]:
-    if column not in batch.columns:
-        raise KeyError(
-            f"reward {reward.name!r}: {what} column {column!r} is not in the dataset; "
-            f"available columns: {sorted(batch.columns) or 'none'}"
-        )
-    return batch.columns[column]
 
 
 # =========================================================================== multiple choice
