@@ -50,16 +50,14 @@ from typing import Any
 
 import torch
 
-from mmalign.tiny import BUILDERS, EOS, progress_bar, train_bpe_tokenizer
+from mmalign.tiny import BUILDERS, progress_bar, train_bpe_tokenizer
 from mmalign.tiny.vlm import (
     IM_END,
     IM_START,
-    IMAGE_PAD,
-    VIDEO_PAD,
-    VISION_END,
-    VISION_START,
     VLM_CHAT_TEMPLATE,
     VLM_SPECIALS,
+    qwen2_vl_model,
+    special_token_ids,
 )
 
 MAP_SIZE = 224
@@ -301,9 +299,7 @@ def geovis_vlm(
 ) -> torch.nn.Module:
     """A tiny Qwen2-VL (about 1M parameters): `layers` text layers of width `hidden` (4 heads), a vision
     tower of `vision_depth` blocks of width `vision_dim`; the same token ids as `mmalign.tiny.vlm.tiny_vlm`."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in [EOS, *VLM_SPECIALS]}
+    ids = special_token_ids(tokenizer)
     half = hidden // 4 // 2  # head_dim / 2 rotary pairs, split over (t, h, w), highest frequencies first
     section = [half - 2 * (7 * half // 16), 7 * half // 16, 7 * half // 16]
     text = dict(
@@ -329,20 +325,7 @@ def geovis_vlm(
         spatial_merge_size=2,
         temporal_patch_size=2,
     )
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids[IMAGE_PAD],
-        video_token_id=ids[VIDEO_PAD],
-        vision_start_token_id=ids[VISION_START],
-        vision_end_token_id=ids[VISION_END],
-        tie_word_embeddings=True,
-    )
-    model = Qwen2VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = [ids[IM_END], ids[EOS]]
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = None
-    return model
+    return qwen2_vl_model(tokenizer, text, vision)
 
 
 @BUILDERS.register("geovis_random", minutes=0.05)

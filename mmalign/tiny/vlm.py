@@ -74,11 +74,36 @@ def tiny_vlm_processor(texts: list[str], *, min_pixels: int = PIXELS, max_pixels
     )
 
 
-def tiny_vlm(tokenizer: Any, **text_overrides: Any) -> torch.nn.Module:
-    """A Qwen2-VL of ~150k parameters (2 text layers of width 64, a 1-block vision tower of width 32)."""
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The ids of EOS and the Qwen2-VL special tokens in `tokenizer`."""
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in [EOS, *VLM_SPECIALS]}
+
+
+def qwen2_vl_model(tokenizer: Any, text: dict[str, Any], vision: dict[str, Any]) -> torch.nn.Module:
+    """A `Qwen2VLForConditionalGeneration` from text / vision config kwargs, wired to `tokenizer`'s special
+    tokens (image / video pads, vision start / end; EOS and <|im_end|> end generation; tied embeddings)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in [EOS, *VLM_SPECIALS]}
+    ids = special_token_ids(tokenizer)
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=True,
+    )
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = [ids[IM_END], ids[EOS]]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def tiny_vlm(tokenizer: Any, **text_overrides: Any) -> torch.nn.Module:
+    """A Qwen2-VL of ~150k parameters (2 text layers of width 64, a 1-block vision tower of width 32)."""
+    ids = special_token_ids(tokenizer)
     text: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -103,20 +128,7 @@ def tiny_vlm(tokenizer: Any, **text_overrides: Any) -> torch.nn.Module:
         spatial_merge_size=2,
         temporal_patch_size=2,
     )
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids[IMAGE_PAD],
-        video_token_id=ids[VIDEO_PAD],
-        vision_start_token_id=ids[VISION_START],
-        vision_end_token_id=ids[VISION_END],
-        tie_word_embeddings=True,
-    )
-    model = Qwen2VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = [ids[IM_END], ids[EOS]]
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = None
-    return model
+    return qwen2_vl_model(tokenizer, text, vision)
 
 
 def _corpus() -> list[str]:
