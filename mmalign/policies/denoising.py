@@ -27,6 +27,23 @@ Hooks a subclass overrides (`FlowPolicy` and `DDIMPolicy` are the worked example
   default. A guided SDE adds s * grad r here: the sample and its log-prob are those of the shifted mean, the
   shift of every trained step is stored (``payload["mean_shift"]``) and re-scoring adds it again.
 - `_num_trainable_steps()`: how many leading steps have std > 0.
+- ``row_conditioning_keys`` (attribute, ``()``) / `row_conditioning(columns, group) -> {key: Float[B, ...]}`:
+  per-sample conditioning built from the rows' dataset columns (a source video's latents, a control tensor)
+  rather than from the prompt. It is merged into ``cond`` (the network sees it in `predict`), stored in the
+  payload under its keys and read back by `_score`, so re-scoring sees exactly what sampling saw; the
+  negative branch of two-branch CFG gets the same tensors (`_cfg_inputs`). Default: nothing.
+- `initial_latents(group, cond, columns) -> Float[B, *latent_shape]`: the state the first step starts from
+  (default `_initial_noise`; SDEdit: source latents noised to the schedule's first sigma).
+- `num_denoising_steps()`: the steps a rollout runs (default ``num_steps``; SDEdit runs only the steps after
+  its strength, and `schedule` then holds that many).
+- `_trainable_offset()`: the first step that can be trained (default 0). The trainable steps are the
+  `_num_trainable_steps` consecutive steps from there; the other steps run as deterministic ODE steps (a
+  two-expert model training only its low-noise expert trains a suffix of the steps).
+- `rollout_outputs(rollout)`: adds what the rewards read besides the latents (default: nothing; a video
+  editing policy adds the source videos and edit masks).
+
+``columns`` (what the row hooks and the rewards see) holds every column any row of the batch has, None
+where a row lacks it.
 
 The base also holds the trained-step selection (`_trained_steps`: a random or MixGRPO sliding window of
 ``window_size`` steps, else a random ``train_fraction`` of the steps per sample), the reference network
@@ -252,6 +269,9 @@ class DenoisingPolicy(Policy):
 
     conditioning_keys: tuple[str, ...] = ("prompt_embeds",)
     """Keys of `encode_conditioning`'s result (also the payload keys of the prompt conditioning)."""
+    row_conditioning_keys: tuple[str, ...] = ()
+    """Keys of `row_conditioning`'s result (per-sample conditioning from the rows; also payload keys). A
+    policy whose row conditioning depends on its options sets this per instance."""
     schedule_keys: tuple[str, ...] = ()
     """Keys of `schedule`'s result (also payload keys)."""
 
@@ -385,17 +405,26 @@ class DenoisingPolicy(Policy):
         lo, hi = self._window_bounds
         return int(torch.randint(lo, hi + 1, (1,), generator=self.generator))
 
+    def _trainable_offset(self) -> int:
+        """The first denoising step that can be trained (default 0): the trainable steps are the
+        `_num_trainable_steps` consecutive steps from here; windows and subsets index into them."""
+        return 0
+
+    def num_denoising_steps(self) -> int:
+        """How many denoising steps a rollout runs (default ``num_steps``); `schedule` holds that many."""
+        return self.num_steps
+
     def _trained_steps(self, batch: int) -> Tensor:
         """Long[B, T]: the (sorted) step indices whose transitions are trained, per sample."""
-        n = self._num_trainable_steps()
+        n, off = self._num_trainable_steps(), self._trainable_offset()
         if self.window_size is not None:
-            start = self._window_start(n)
+            start = self._window_start(n) + off
             return torch.arange(start, start + self.window_size).expand(batch, -1).clone()
         t = max(1, math.ceil(self.train_fraction * n))
         if t == n:
-            return torch.arange(n).expand(batch, -1).clone()
+            return (torch.arange(n) + off).expand(batch, -1).clone()
         perm = torch.stack([torch.randperm(n, generator=self.generator)[:t] for _ in range(batch)])
-        return perm.sort(dim=1).values
+        return perm.sort(dim=1).values + off
 
     # ------------------------------------------------------------------ hooks
     def encode_conditioning(self, prompts: list[str]) -> dict[str, Tensor]:
@@ -444,6 +473,23 @@ class DenoisingPolicy(Policy):
     def _shifts_mean(self) -> bool:
         return type(self).shift_step_mean is not DenoisingPolicy.shift_step_mean
 
+    def row_conditioning(self, columns: dict[str, list[Any]], group: Tensor) -> dict[str, Tensor]:
+        """{key of ``row_conditioning_keys``: Float[B, ...]} built from the dataset `columns` (one entry per
+        sample) on the policy's device; merged into the prompt conditioning and stored in the payload.
+        Default: {} (conditioning comes from the prompts only)."""
+        return {}
+
+    def initial_latents(
+        self, group: Tensor, cond: dict[str, Tensor], columns: dict[str, list[Any]]
+    ) -> Tensor:
+        """Float[B, *latent_shape]: the latents the first denoising step starts from (default: standard
+        normal noise, `_initial_noise`). `cond` holds the prompt and row conditioning of every sample."""
+        return self._initial_noise(group)
+
+    def rollout_outputs(self, rollout: Rollout) -> None:
+        """Add outputs the rewards read besides ``latents`` to a fresh `rollout` (default: nothing)."""
+        return None
+
     # ------------------------------------------------------------------ conditioning
     def conditioning(self, prompts: list[str]) -> dict[str, Tensor]:
         """`encode_conditioning` in fp32 on the policy's device, each distinct prompt encoded once (cached)."""
@@ -460,9 +506,13 @@ class DenoisingPolicy(Policy):
 
     def _cfg_inputs(self, cond: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
         """The conditioning of a two-branch CFG call: the empty prompt's (negative) for `batch` samples, then
-        `cond`; the network's input is doubled the same way and its output split by `_cfg_combine`."""
+        `cond`; the network's input is doubled the same way and its output split by `_cfg_combine`. Row
+        conditioning (``row_conditioning_keys``) is repeated as is in the negative branch."""
         neg = self.conditioning([""])
-        return {k: torch.cat([neg[k].expand(batch, *([-1] * (v.ndim - 1))), v]) for k, v in cond.items()}
+        return {  # row conditioning (not from the prompt) is the same in both branches
+            k: torch.cat([neg[k].expand(batch, *([-1] * (v.ndim - 1))) if k in neg else v, v])
+            for k, v in cond.items()
+        }
 
     def _cfg_combine(self, out: Tensor) -> tuple[Tensor, Tensor]:
         """(u + w (c - u), c) of a two-branch output [u; c]."""
@@ -485,9 +535,17 @@ class DenoisingPolicy(Policy):
         """Sample `group_size` latents for each row's ``prompt`` (see `Policy.rollout`)."""
         prompts = [str(r["prompt"]) for r in rows for _ in range(group_size)]
         group = torch.arange(len(rows)).repeat_interleave(group_size)
-        columns = {key: [r.get(key) for r in rows for _ in range(group_size)] for key in rows[0]}
+        keys = dict.fromkeys(k for r in rows for k in r)  # every row's columns (None where a row lacks one)
+        columns = {key: [r.get(key) for r in rows for _ in range(group_size)] for key in keys}
         b, dev = len(prompts), self.device
         cond = self.conditioning(prompts)
+        row_cond = self.row_conditioning(columns, group)
+        if tuple(row_cond) != tuple(self.row_conditioning_keys):
+            raise RuntimeError(
+                f"row_conditioning() returned {tuple(row_cond)}, expected row_conditioning_keys "
+                f"{tuple(self.row_conditioning_keys)}"
+            )
+        cond.update(row_cond)
         table = self.schedule()
         if tuple(table) != self.schedule_keys:
             raise RuntimeError(
@@ -495,13 +553,13 @@ class DenoisingPolicy(Policy):
             )
         steps = self._trained_steps(b)
         t = steps.shape[1]
-        n_sde = self._num_trainable_steps()
+        n_sde, off = self._num_trainable_steps(), self._trainable_offset()
         window = set(steps[0].tolist()) if self.window_size is not None else None
         score_cond = compute_logp and not self.train_guidance and self.guidance_scale > 1.0
         shifting = self._shifts_mean()
         generator = self.generator if dev.type == "cpu" else None
 
-        x = self._initial_noise(group)
+        x = self.initial_latents(group, cond, columns)
         lat = torch.zeros((b, t, *x.shape[1:]), device=dev)
         nxt = torch.zeros_like(lat)
         shifts = torch.zeros_like(lat) if shifting else None
@@ -510,11 +568,11 @@ class DenoisingPolicy(Policy):
         table_d = {k: v.to(dev) for k, v in table.items()}
         was_training = self.model.training
         self.model.eval()
-        for i in range(self.num_steps):
+        for i in range(self.num_denoising_steps()):
             sched = {k: (v[i] if v.ndim else v).expand(b) for k, v in table_d.items()}
             sched["step_index"] = torch.full((b,), i, dtype=torch.long, device=dev)
             pred, pred_c = self.predict(self.model, x, sched, cond, guided=True)
-            if i >= n_sde or (window is not None and i not in window):
+            if not off <= i < off + n_sde or (window is not None and i not in window):
                 x = self.ode_step(pred, x, sched)
                 continue
             delta: list[Tensor] = []
@@ -554,6 +612,7 @@ class DenoisingPolicy(Policy):
         )
         if compute_logp:
             rollout.logp_old = logp.cpu()
+        self.rollout_outputs(rollout)
         return rollout
 
     def _recording_shift(
@@ -611,7 +670,7 @@ class DenoisingPolicy(Policy):
     ) -> tuple[Tensor, Tensor | None]:
         """(log-probs Float[B, T] of the stored trained transitions under `model`, KL Float[B, T] or None)."""
         p = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in rollout.payload.items()}
-        cond = {k: p[k] for k in self.conditioning_keys}
+        cond = {k: p[k] for k in (*self.conditioning_keys, *self.row_conditioning_keys)}
         logps, kls = [], []
         for j in range(rollout.num_actions):
             x, x_next = p["latents"][:, j], p["next_latents"][:, j]

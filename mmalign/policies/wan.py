@@ -1,0 +1,753 @@
+"""Wan 2.1 / 2.2 video flow-matching models as GRPO policies: `WanPolicy`, text to video and video editing.
+
+`WanPolicy` is a `mmalign.policies.flow.FlowPolicy` in everything that does not depend on the network: the
+step kinds of `mmalign.sde` (``flow_sde``, ``cps``, ``dance``) with their ``noise_level``, the trained-step
+selection (``train_fraction``, random and sliding windows), classifier-free guidance (``guidance_scale``,
+``train_guidance``), the payload of stored transitions, `evaluate` / the reference / the KL on step means and
+the private generator -- all through `mmalign.policies.denoising.DenoisingPolicy`'s hooks; no loop is copied
+here (it inherits FlowPolicy's step methods but has its own constructor: no SD3 text encoders). What Wan
+changes:
+
+- **Video latents** [B, C, F, h, w]: `latent_shape` is (z_dim, F_lat, h, w) with F_lat = (num_frames - 1) //
+  temporal + 1, h = height / spatial, w = width / spatial, the factors read from the VAE config
+  (`mmalign.policies.wan_components.vae_factors`). ``num_frames`` must be 1 + a multiple of the temporal factor,
+  ``height`` / ``width`` multiples of the spatial factor times the transformer's patch (the constructor says
+  which config key to look at otherwise).
+- **Prompt encoding**: UMT5 states exactly as ``WanPipeline`` (``max_sequence_length`` tokens, default 512,
+  zeros past each prompt's length); no pooled embedding. The CFG negative prompt is the empty prompt.
+- **Network call** (`predict`): ``WanTransformer3DModel(hidden_states, timestep = sigma * num_train_timesteps,
+  encoder_hidden_states)``; the timestep stays fp32 (Wan keeps its time embedder in fp32). A folder with
+  ``expand_timesteps`` (Wan2.2 TI2V-5B) is run with one timestep per sample, which for text to video equals
+  the pipeline's per-token timesteps up to float rounding; its image conditioning is not supported.
+- **Sigmas**: the ``FlowMatchEulerDiscreteScheduler``'s ``set_timesteps(num_steps)`` (shifted by its
+  ``shift``; a real folder's UniPC ``flow_shift`` becomes that shift, see `wan_components`), as ``WanPipeline``
+  sets them.
+- **Decoding** (`decode_latents`, only when a reward needs ``videos``): the whole clip through the Wan VAE,
+  un-normalised with ``latents_mean`` / ``latents_std`` as ``WanPipeline`` does; Float[B, F, 3, H, W] in [0, 1] on
+  the CPU, stored as ``outputs["videos"]`` by `DenoisingPolicy.decode`.
+
+**Editing** (``condition``). Rows carry ``source_video`` (a path: a frame folder, a video file or a ``.npy``,
+read with `mmalign.video.read_video` at ``num_frames`` x ``height`` x ``width``), optionally ``edit_mask`` (a
+path for `mmalign.video.read_mask`; 1 = the region the edit may change) and, for VACE, ``reference_frames``.
+Whatever the condition, when the rows carry them the rollout sets ``outputs["source_videos"]`` (Float[B, F, 3,
+H, W]) and ``outputs["edit_masks"]`` (Float[B, F, H, W]; a row without a mask gets ones) for the rewards.
+
+- ``none``: text to video; the source columns are only passed on to the rewards.
+- ``concat`` (VIVA's channel-concat scheme): the transformer has in_channels = 2 z_dim; its input is
+  ``cat([x_t, source_latents], dim=1)`` and its output z_dim channels. The source latents (the normalised VAE
+  latents of the source video, Float[B, z, F_lat, h, w]) are row conditioning: stored in the payload as
+  ``source_latents`` and re-scoring uses the stored ones.
+- ``sdedit`` (SDEdit, any text-to-video checkpoint): the source latents noised to the sigma
+  s = ``sdedit_strength``, ``x = (1 - s) z_src + s eps`` (diffusers' ``scale_noise``), then the steps of the
+  ``num_steps``-step schedule below s: the sigmas run are ``[s, every schedule sigma < s - 0.001 ..., 0]``
+  (`SDEDIT_MIN_FIRST_STEP`), so the first step goes from s to the next schedule sigma (`num_denoising_steps` of them; s = 1 is text to video). Only
+  those steps are actions; windows and ``train_fraction`` index into them. (diffusers'
+  ``WanVideoToVideoPipeline`` instead keeps the last ``int(num_steps * strength)`` schedule steps, so its start
+  sigma is a shifted schedule sigma, not the strength.)
+- ``vace`` (``WanVACETransformer3DModel``): the control tensor of `wan_components.vace_control_tensor`
+  (VAE(video * (1 - m)), VAE(video * m) and the mask folded s x s into s^2 channels, 96 channels for the real
+  model) is the ``control_hidden_states`` of every call (``control_hidden_states_scale`` =
+  ``conditioning_scale`` for every VACE layer), stored in the payload as ``control_latents``. A row without an
+  ``edit_mask`` regenerates everything (mask of ones, the pipeline's default). ``num_reference_frames`` = R > 0:
+  every row's ``reference_frames`` (a path, or a list of paths, read with `mmalign.video.read_video`; R
+  frames in all) are letterboxed and prepended as ``WanVACEPipeline`` does; the latents then have F_lat + R
+  frames and `decode_latents` drops the first R.
+
+With classifier-free guidance the negative (empty-prompt) branch gets the same source latents / control
+tensor as the conditional one (as ``WanVACEPipeline`` does), so the guidance is on the instruction only.
+
+The per-sample source tensors are cached per path on the CPU, least recently used dropped first: pixels up
+to `PIXEL_CACHE_BYTES`, latents / control tensors up to `LATENT_CACHE_BYTES` (their VAE encoding is
+deterministic: the posterior's mode), so each distinct source is read and encoded once while it stays cached.
+
+**Two experts** (Wan2.2 A14B: ``transformer`` for high noise, ``transformer_2`` for low noise). As
+``WanPipeline``, step i uses ``transformer`` when its timestep ``scheduler.timesteps[i] >= boundary_ratio *
+num_train_timesteps`` and ``transformer_2`` otherwise (``boundary_ratio`` from ``model_index.json``, or the
+option). The schedule carries the expert of every step (``expert``: 0 high, 1 low), so the payload records
+which expert produced each trained step and re-scoring calls the same one; `rollout_stats` reports
+``expert_high_share`` / ``expert_low_share`` of the trained steps. ``model`` is then a `WanExperts` module
+holding both (one forward dispatches each sample to its expert, so a DDP wrapper sees one call).
+``train_expert``: ``both`` trains both; ``high`` / ``low`` trains one and freezes the other, and only the
+stochastic steps of the trained expert are trainable actions (the other expert's steps run as deterministic
+ODE steps; windows and ``train_fraction`` index into the trained expert's steps). Under LoRA each trained
+expert gets its own adapter; without LoRA the KL reference copies only the trained expert and shares the
+frozen one. The CFG scale is the same for both experts (``WanPipeline``'s ``guidance_scale_2``
+is not exposed).
+
+**LoRA** targets (`WAN_LORA_TARGETS`): the attention projections of the self- and cross-attention of every
+block (``to_q``, ``to_k``, ``to_v``, ``to_out.0``; in a VACE model the VACE blocks' too) and the feed-forward
+layers (``ffn.net.0.proj``, ``ffn.net.2``). ``lora.target_modules`` given as a list replaces the set.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmalign.batch import Rollout
+from mmalign.config import LoraConfig
+from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings, add_lora
+from mmalign.policies.flow import _DTYPES, FlowPolicy
+from mmalign.policies.wan_components import (
+    WAN_MAX_SEQUENCE_LENGTH,
+    WanComponents,
+    decode_video,
+    encode_video,
+    latent_frames,
+    vace_control_tensor,
+    vae_factors,
+)
+
+__all__ = [
+    "CONDITIONS",
+    "LATENT_CACHE_BYTES",
+    "PIXEL_CACHE_BYTES",
+    "SDEDIT_MIN_FIRST_STEP",
+    "TRAIN_EXPERTS",
+    "WAN_LORA_TARGETS",
+    "WanExperts",
+    "WanPolicy",
+]
+
+CONDITIONS = ("none", "concat", "sdedit", "vace")
+"""What conditions the video besides the prompt (see the module docstring)."""
+TRAIN_EXPERTS = ("high", "low", "both")
+"""Which expert of a two-expert model trains."""
+WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+"""Attention projections and feed-forward layers of Wan's blocks (``target_modules: all-linear``)."""
+SDEDIT_MIN_FIRST_STEP = 1e-3
+"""``sdedit``: schedule sigmas less than this below the strength are dropped, so the first step (from the
+strength to the next schedule sigma) is never a near-zero step (whose tiny std would make extreme log-probs)."""
+PIXEL_CACHE_BYTES = 4 * 2**30
+"""CPU memory for the source videos / masks / reference frames kept as pixels (by path; least recently used
+dropped first; one fp32 81 x 480 x 832 clip is 0.39 GiB)."""
+LATENT_CACHE_BYTES = 4 * 2**30
+"""CPU memory for the source latents / VACE control tensors kept (by path; one real 81 x 480 x 832 control
+tensor is 50 MB, source latents 8 MB)."""
+
+
+class _LRU(OrderedDict):
+    """A CPU tensor cache holding at most `budget` bytes (least recently used dropped first; the newest entry
+    is always kept)."""
+
+    def __init__(self, budget: int) -> None:
+        super().__init__()
+        self.budget = budget
+        self.used = 0
+
+    def get_or(self, key: Any, make: Any) -> Tensor:
+        """The tensor cached under `key`, else ``make()`` moved to the CPU and cached."""
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = make().cpu()
+        self[key] = value
+        self.used += value.nbytes
+        while self.used > self.budget and len(self) > 1:
+            self.used -= self.popitem(last=False)[1].nbytes
+        return value
+
+
+class WanExperts(torch.nn.Module):
+    """Wan2.2's two experts as one module: ``high`` (the folder's ``transformer``) and ``low``
+    (``transformer_2``). `forward` takes the transformer's keywords plus ``expert`` Long[B] (0 high, 1 low) and
+    runs each sample through its expert (one call per expert present), so `evaluate` and a DDP wrapper see a
+    single module and a single forward."""
+
+    def __init__(self, high: torch.nn.Module, low: torch.nn.Module) -> None:
+        super().__init__()
+        self.high = high
+        self.low = low
+
+    @property
+    def config(self) -> Any:
+        """The high-noise expert's config (both experts share the architecture)."""
+        return self.high.config
+
+    def experts(self) -> list[torch.nn.Module]:
+        return [self.high, self.low]
+
+    def forward(
+        self,
+        *,
+        expert: Tensor,
+        hidden_states: Tensor,
+        timestep: Tensor,
+        encoder_hidden_states: Tensor,
+        control_hidden_states: Tensor | None = None,
+        control_hidden_states_scale: Tensor | None = None,
+        return_dict: bool = False,
+    ) -> tuple[Tensor]:
+        """(output Float[B, ...],): each sample's prediction from the expert `expert` names."""
+        del return_dict
+        extra = (
+            {}
+            if control_hidden_states_scale is None
+            else {"control_hidden_states_scale": control_hidden_states_scale}
+        )
+        batched = {
+            "hidden_states": hidden_states,
+            "timestep": timestep,
+            "encoder_hidden_states": encoder_hidden_states,
+        }
+        if control_hidden_states is not None:
+            batched["control_hidden_states"] = control_hidden_states
+        out: Tensor | None = None
+        for e, module in enumerate(self.experts()):
+            idx = (expert == e).nonzero().flatten()
+            if idx.numel() == 0:
+                continue
+            if idx.numel() == expert.numel():
+                return (module(**batched, **extra, return_dict=False)[0],)
+            part = module(**{k: v[idx] for k, v in batched.items()}, **extra, return_dict=False)[0]
+            if out is None:
+                out = part.new_zeros((expert.shape[0], *part.shape[1:]))
+            out = out.index_copy(0, idx, part)
+        if out is None:
+            raise ValueError("WanExperts.forward got an empty batch")
+        return (out,)
+
+    def _adapted(self) -> list[torch.nn.Module]:
+        return [m for m in self.experts() if getattr(m, "_hf_peft_config_loaded", False)]
+
+    def disable_adapters(self) -> None:
+        """Disable the LoRA adapter of every expert that has one (the reference network)."""
+        for m in self._adapted():
+            m.disable_adapters()
+
+    def enable_adapters(self) -> None:
+        for m in self._adapted():
+            m.enable_adapters()
+
+
+class WanPolicy(FlowPolicy):
+    """A Wan video transformer (one or two experts) as a GRPO policy. See the module docstring."""
+
+    conditioning_keys = ("prompt_embeds",)
+    schedule_keys = ("sigmas", "sigmas_next", "sigma_max_fallback", "expert")
+
+    def __init__(
+        self,
+        transformer: torch.nn.Module,
+        vae: torch.nn.Module,
+        scheduler: Any,
+        text_encoder: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        transformer_2: torch.nn.Module | None = None,
+        boundary_ratio: float | None = None,
+        train_expert: str = "both",
+        sampler: SamplerSettings | None = None,
+        num_frames: int = 81,
+        height: int = 480,
+        width: int = 832,
+        max_sequence_length: int = WAN_MAX_SEQUENCE_LENGTH,
+        condition: str = "none",
+        sdedit_strength: float = 0.8,
+        conditioning_scale: float = 1.0,
+        num_reference_frames: int = 0,
+        need_reference: bool = False,
+        lora: bool = False,
+        **sampler_kwargs: Any,
+    ) -> None:
+        """`transformer` (+ `transformer_2` and `boundary_ratio` for Wan2.2's two experts), `vae`
+        (``AutoencoderKLWan``), `scheduler` (``FlowMatchEulerDiscreteScheduler``), `text_encoder` (UMT5) and
+        `tokenizer`. ``num_frames`` / ``height`` / ``width``: the video size in pixels (``WanPipeline``'s
+        defaults 81 x 480 x 832). ``condition``, ``sdedit_strength`` (in (0, 1]), ``conditioning_scale`` (VACE)
+        and ``num_reference_frames`` (VACE) as in the module docstring; ``train_expert``: ``high`` / ``low`` /
+        ``both``. `lora`: the trained expert(s) already carry an adapter (`from_pretrained` adds it). The
+        sampler settings as for `FlowPolicy` (``sampler=`` or its fields as keywords)."""
+        sampler = self._settings(sampler, sampler_kwargs)
+        if sampler.sde_kind not in FLOW_SDE_KINDS:
+            raise ValueError(
+                f"{type(self).__name__} samples with sde_kind {', '.join(FLOW_SDE_KINDS)}; got {sampler.sde_kind!r}"
+            )
+        if condition not in CONDITIONS:
+            raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}; got {condition!r}")
+        if train_expert not in TRAIN_EXPERTS:
+            raise ValueError(f"train_expert must be one of {', '.join(TRAIN_EXPERTS)}; got {train_expert!r}")
+        if (transformer_2 is None) != (boundary_ratio is None):
+            raise ValueError(
+                "boundary_ratio is needed exactly when there is a second expert (transformer_2/ in the folder); "
+                f"got boundary_ratio={boundary_ratio} with {'a' if transformer_2 is not None else 'no'} transformer_2"
+            )
+        if transformer_2 is None and train_expert != "both":
+            raise ValueError(
+                f"train_expert {train_expert!r} needs a two-expert model (a folder with transformer_2/); "
+                "a single-transformer model trains with train_expert: both"
+            )
+        if boundary_ratio is not None and not 0 < boundary_ratio < 1:
+            raise ValueError(f"boundary_ratio must be in (0, 1), got {boundary_ratio}")
+        if not 0 < sdedit_strength <= 1:
+            raise ValueError(f"sdedit_strength must be in (0, 1], got {sdedit_strength}")
+        if num_reference_frames < 0 or (num_reference_frames and condition != "vace"):
+            raise ValueError(
+                f"num_reference_frames must be >= 0 and is only used with condition: vace; got "
+                f"{num_reference_frames} with condition {condition!r}"
+            )
+        if max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+
+        self.condition = condition
+        self.sdedit_strength = float(sdedit_strength)
+        self.conditioning_scale = float(conditioning_scale)
+        self.num_reference_frames = int(num_reference_frames)
+        self.boundary_ratio = boundary_ratio
+        self.train_expert = train_expert
+        self.max_sequence_length = max_sequence_length
+        self.num_frames, self.height, self.width = int(num_frames), int(height), int(width)
+        self.transformer, self.transformer_2 = transformer, transformer_2
+        self._check_architecture(transformer, vae)
+        if transformer_2 is not None:
+            self._check_architecture(transformer_2, vae)
+        self.temporal_factor, self.spatial_factor = vae_factors(vae)
+        self._check_size(transformer)
+
+        if transformer_2 is not None:
+            for name, module in (("high", transformer), ("low", transformer_2)):
+                if train_expert not in (name, "both"):
+                    module.requires_grad_(False)
+            model: torch.nn.Module = WanExperts(transformer, transformer_2)
+        else:
+            model = transformer
+        # a frozen expert is its own reference: copy only the trained one (a 14B expert is 28 GB in bf16)
+        share = transformer_2 is not None and train_expert != "both" and need_reference and not lora
+        self._init_denoising(
+            model,
+            vae,
+            sampler,
+            latent_size=self.height // self.spatial_factor,
+            need_reference=need_reference and not share,
+            lora=lora,
+        )
+        if share:
+            self.need_reference = self.kl_in_evaluate = True
+            trained = transformer if train_expert == "high" else transformer_2
+            ref = copy.deepcopy(trained).eval().requires_grad_(False)
+            pair = (ref, transformer_2) if train_expert == "high" else (transformer, ref)
+            self.ref_model = WanExperts(*pair)
+        self.scheduler = scheduler
+        self.components = WanComponents(  # type: ignore[assignment]
+            transformer,
+            self.vae,
+            scheduler,
+            text_encoder,
+            tokenizer,
+            transformer_2=transformer_2,
+            boundary_ratio=boundary_ratio,
+        )
+        text_encoder.eval().requires_grad_(False)
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.row_conditioning_keys = {"concat": ("source_latents",), "vace": ("control_latents",)}.get(
+            condition, ()
+        )
+        self._pixels: _LRU = _LRU(PIXEL_CACHE_BYTES)
+        self._latents: _LRU = _LRU(LATENT_CACHE_BYTES)
+
+        sig = self.sigmas()
+        self.stochastic_steps = self._stochastic_steps(sig)
+        """Step indices (of the steps a rollout runs) whose std is > 0, ascending (a prefix)."""
+        if not self.stochastic_steps:
+            raise ValueError(
+                f"{self.sde_kind} with num_steps={self.num_steps} has no stochastic step to train"
+            )
+        self.step_experts = self._step_experts()
+        """Long[steps a rollout runs]: the expert of every step (0: transformer, 1: transformer_2)."""
+        trainable = [
+            i
+            for i in self.stochastic_steps
+            if train_expert == "both" or int(self.step_experts[i]) == (0 if train_expert == "high" else 1)
+        ]
+        if not trainable:
+            raise ValueError(
+                f"train_expert {train_expert!r}: no stochastic step of the {self.num_denoising_steps()} steps "
+                f"run uses the {train_expert}-noise expert (boundary_ratio={boundary_ratio}, num_steps="
+                f"{self.num_steps}); change boundary_ratio, num_steps or train_expert"
+            )
+        if trainable != list(range(trainable[0], trainable[-1] + 1)):
+            raise ValueError(
+                f"the trainable steps of train_expert {train_expert!r} are not consecutive: {trainable}"
+            )
+        self.trainable_steps = trainable
+        """The step indices that can be trained: consecutive (a prefix for high, a suffix for low)."""
+        self._init_trained_steps()
+
+    # ------------------------------------------------------------------ checks
+    def _check_architecture(self, transformer: torch.nn.Module, vae: torch.nn.Module) -> None:
+        cfg, z = transformer.config, int(vae.config.z_dim)
+        is_vace = hasattr(cfg, "vace_layers")
+        if is_vace != (self.condition == "vace"):
+            raise ValueError(
+                f"condition {self.condition!r} with a {type(transformer).__name__}: condition vace needs a "
+                "WanVACETransformer3DModel (transformer/config.json _class_name) and a VACE transformer needs "
+                "condition: vace"
+            )
+        want = 2 * z if self.condition == "concat" else z
+        if int(cfg.in_channels) != want:
+            raise ValueError(
+                f"transformer/config.json in_channels={cfg.in_channels}, but condition {self.condition!r} with "
+                f"the VAE's z_dim={z} needs {want}"
+                + (" (noisy latents and source latents concatenated)" if self.condition == "concat" else "")
+            )
+        if int(cfg.out_channels or cfg.in_channels) != z:
+            raise ValueError(f"transformer/config.json out_channels={cfg.out_channels}, expected z_dim={z}")
+
+    def _check_size(self, transformer: torch.nn.Module) -> None:
+        t, s = self.temporal_factor, self.spatial_factor
+        pt, ph, pw = (int(p) for p in transformer.config.patch_size)
+        if self.num_frames < 1 or (self.num_frames - 1) % t:
+            raise ValueError(
+                f"num_frames must be 1 + a multiple of the VAE's temporal factor {t} (vae/config.json "
+                f"temperal_downsample), got {self.num_frames}"
+            )
+        if self.height % (s * ph) or self.width % (s * pw) or self.height < 1 or self.width < 1:
+            raise ValueError(
+                f"height and width must be multiples of {s * ph} and {s * pw} (the VAE's spatial factor {s} times "
+                f"the transformer's patch_size {[pt, ph, pw]}), got {self.height}x{self.width}"
+            )
+        f = latent_frames(self.num_frames, t) + self.num_reference_frames
+        if f % pt:
+            raise ValueError(
+                f"{f} latent frames are not a multiple of the transformer's temporal patch {pt} "
+                "(transformer/config.json patch_size); change num_frames"
+            )
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_pretrained(  # type: ignore[override]
+        cls,
+        name_or_path: str | Path,
+        *,
+        dtype: str = "float32",
+        lora: LoraConfig | None = None,
+        **kwargs: Any,
+    ) -> WanPolicy:
+        """Load a Wan folder or hub id (`mmalign.policies.wan_components.load_wan_components`). With
+        ``lora.enabled`` each trained expert (``train_expert``) gets a peft LoRA adapter on
+        `WAN_LORA_TARGETS` and only the adapters train; the reference is then the experts with adapters off.
+        A ``boundary_ratio`` keyword overrides the folder's. Other kwargs go to the constructor."""
+        from mmalign.policies.wan_components import load_wan_components
+
+        c = load_wan_components(name_or_path, dtype=_DTYPES[dtype])
+        train_expert = kwargs.get("train_expert", "both")
+        boundary = kwargs.pop("boundary_ratio", None)
+        if boundary is None:
+            boundary = c.boundary_ratio
+        use_lora = False
+        for which, module in (("high", c.transformer), ("low", c.transformer_2)):
+            if module is not None and (c.transformer_2 is None or train_expert in (which, "both")):
+                use_lora = add_lora(module, lora, WAN_LORA_TARGETS) or use_lora
+        return cls(
+            c.transformer,
+            c.vae,
+            c.scheduler,
+            c.text_encoder,
+            c.tokenizer,
+            transformer_2=c.transformer_2,
+            boundary_ratio=boundary,
+            lora=use_lora,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------ prompts, shapes and sigmas
+    def encode_conditioning(self, prompts: list[str]) -> dict[str, Tensor]:
+        dev = next(self.text_encoder.parameters()).device
+        pe = self.components.encode_prompt(prompts, dev, max_sequence_length=self.max_sequence_length)
+        return {"prompt_embeds": pe.to(self.device)}
+
+    def encode_prompt(self, prompts: list[str]) -> Tensor:  # type: ignore[override]
+        """Float[B, max_sequence_length, D] in fp32 on the policy's device; each distinct prompt once."""
+        return self.conditioning(prompts)["prompt_embeds"]
+
+    def latent_frames(self) -> int:
+        """Latent frames of a sample: (num_frames - 1) // temporal + 1, plus the VACE reference frames."""
+        return latent_frames(self.num_frames, self.temporal_factor) + self.num_reference_frames
+
+    def latent_shape(self) -> tuple[int, ...]:
+        """(z_dim, F_lat, h, w): F_lat = `latent_frames`, h = height / spatial, w = width / spatial."""
+        s = self.spatial_factor
+        return (int(self.vae.config.z_dim), self.latent_frames(), self.height // s, self.width // s)
+
+    def _full_schedule(self) -> tuple[Tensor, Tensor]:
+        """(sigmas Float[num_steps + 1], timesteps Float[num_steps]) of ``set_timesteps(num_steps)``, fp32 on
+        the CPU, as ``WanPipeline`` sets them."""
+        self.scheduler.set_timesteps(self.num_steps)
+        sig = self.scheduler.sigmas.detach().to("cpu", torch.float32)
+        return sig, self.scheduler.timesteps.detach().to("cpu", torch.float32)
+
+    def _run_schedule(self) -> tuple[Tensor, Tensor]:
+        """(sigmas Float[n + 1], timesteps Float[n]) of the n steps a rollout runs: the full schedule, or with
+        ``sdedit`` the strength s followed by the schedule's sigmas below s (timestep s * num_train_timesteps
+        for the first step, the scheduler's own for the others)."""
+        sig, t = self._full_schedule()
+        if self.condition != "sdedit":
+            return sig, t
+        s = torch.tensor([self.sdedit_strength], dtype=torch.float32)
+        below = sig[:-1] < s - SDEDIT_MIN_FIRST_STEP
+        n_train = float(self.scheduler.config.num_train_timesteps)
+        return torch.cat([s, sig[:-1][below], sig[-1:]]), torch.cat([s * n_train, t[below]])
+
+    def num_denoising_steps(self) -> int:
+        """``num_steps``, or with ``sdedit`` the steps from the strength s down (1 + the schedule sigmas in
+        (0, s))."""
+        return len(self._run_schedule()[1])
+
+    def sigmas(self) -> Tensor:
+        """Float[num_denoising_steps + 1]: the scheduler's shifted sigmas of ``set_timesteps(num_steps)``
+        (as ``WanPipeline``), from 1 -- or with ``sdedit`` from the strength -- down to 0; fp32 on the CPU."""
+        return self._run_schedule()[0]
+
+    def _step_experts(self) -> Tensor:
+        """Long[num_denoising_steps]: 0 (``transformer``) where the step's timestep >= boundary_ratio *
+        num_train_timesteps, else 1 (``transformer_2``) -- ``WanPipeline``'s rule on the scheduler's timesteps."""
+        t = self._run_schedule()[1]
+        if self.boundary_ratio is None:
+            return torch.zeros(len(t), dtype=torch.long)
+        return (t < self.boundary_ratio * self.scheduler.config.num_train_timesteps).long()
+
+    def schedule(self) -> dict[str, Tensor]:
+        """sigma and sigma' of every step run, the ``flow_sde`` sigma_max fallback (the full schedule's second
+        sigma, used where sigma = 1) and the expert of every step."""
+        full = self._full_schedule()[0]
+        sig = self.sigmas()
+        fallback = float(full[1]) if self.num_steps > 1 else 0.5
+        return {
+            "sigmas": sig[:-1],
+            "sigmas_next": sig[1:],
+            "sigma_max_fallback": torch.tensor(fallback),
+            "expert": self._step_experts(),
+        }
+
+    def _stochastic_steps(self, sig: Tensor) -> list[int]:
+        n = self.num_denoising_steps()
+        if self.sde_kind == "cps":
+            return [i for i in range(n) if float(sig[i + 1]) > 0]
+        return list(range(n))
+
+    def _trainable_offset(self) -> int:
+        return self.trainable_steps[0]
+
+    def _num_trainable_steps(self) -> int:
+        return len(self.trainable_steps)
+
+    # ------------------------------------------------------------------ rows: sources, masks, references
+    def _column(self, columns: dict[str, list[Any]], key: str, b: int) -> list[Any]:
+        return list(columns.get(key) or [None] * b)
+
+    def _video(self, path: Any) -> Tensor:
+        """Float[F, 3, H, W] in [0, 1] of the source video at `path` at the policy's frames and size."""
+        from mmalign.video import read_video
+
+        key = ("video", str(path))
+        return self._pixels.get_or(
+            key, lambda: read_video(path, num_frames=self.num_frames, size=(self.height, self.width))
+        )
+
+    def _mask(self, path: Any) -> Tensor:
+        """Float[F, H, W] in {0, 1} of the edit mask at `path` at the policy's frames and size."""
+        from mmalign.video import read_mask
+
+        key = ("mask", str(path))
+        return self._pixels.get_or(
+            key, lambda: read_mask(path, num_frames=self.num_frames, size=(self.height, self.width))
+        )
+
+    def _references(self, value: Any) -> list[Tensor]:
+        """The reference frames of a row, each Float[3, h, w] in [0, 1] at its own size: `value` is a path or
+        a list of paths, each read with `mmalign.video.read_video` (every frame of each is a reference)."""
+        from mmalign.video import read_video
+
+        paths = [value] if isinstance(value, str | Path) else list(value)
+        stacks = [self._pixels.get_or(("refs", str(p)), lambda p=p: read_video(p)) for p in paths]
+        return [frame for stack in stacks for frame in stack]
+
+    def _source_paths(self, columns: dict[str, list[Any]], b: int) -> list[Any]:
+        paths = self._column(columns, "source_video", b)
+        if any(p is None for p in paths):
+            need = (
+                f"condition {self.condition!r} needs"
+                if self.condition != "none"
+                else "some rows carry a source_video, so give one in"
+            )
+            raise ValueError(
+                f"{need} a source_video in every row (a path: a folder of frames, a video file or a .npy)"
+            )
+        return paths
+
+    def source_videos(self, columns: dict[str, list[Any]], b: int) -> Tensor | None:
+        """Float[B, F, 3, H, W] of the rows' ``source_video`` (None when no row has one)."""
+        paths = self._column(columns, "source_video", b)
+        if all(p is None for p in paths):
+            return None
+        return torch.stack([self._video(p) for p in self._source_paths(columns, b)])
+
+    def edit_masks(self, columns: dict[str, list[Any]], b: int) -> Tensor | None:
+        """Float[B, F, H, W] of the rows' ``edit_mask`` (ones for a row without; None when no row has one)."""
+        paths = self._column(columns, "edit_mask", b)
+        if all(p is None for p in paths):
+            return None
+        ones = torch.ones(self.num_frames, self.height, self.width)
+        return torch.stack([ones if p is None else self._mask(p) for p in paths])
+
+    def source_latents(self, columns: dict[str, list[Any]], b: int) -> Tensor:
+        """Float[B, z, F_lat, h, w] on the policy's device: the normalised VAE latents of the source videos."""
+        rows = []
+        for p in self._source_paths(columns, b):
+            rows.append(
+                self._latents.get_or(
+                    ("latents", str(p)), lambda p=p: encode_video(self.vae, self._video(p)[None])[0]
+                )
+            )
+        return torch.stack(rows).to(self.device)
+
+    def control_latents(self, columns: dict[str, list[Any]], b: int) -> Tensor:
+        """Float[B, 2 z + s^2, F_lat, h, w] on the policy's device: the VACE control tensor of every row
+        (`wan_components.vace_control_tensor`), cached per (video, mask, references)."""
+        videos = self._source_paths(columns, b)
+        masks = self._column(columns, "edit_mask", b)
+        refs = self._column(columns, "reference_frames", b)
+        patch = int(self.transformer.config.patch_size[1])
+        rows = []
+        for v, m, r in zip(videos, masks, refs, strict=True):
+            key = ("control", str(v), str(m), repr(r))
+
+            def make(v: Any = v, m: Any = m, r: Any = r) -> Tensor:
+                mask = None if m is None else self._mask(m)[None]
+                ref_list = None
+                if self.num_reference_frames:
+                    stack = self._references(r) if r is not None else []
+                    if r is None or len(stack) != self.num_reference_frames:
+                        raise ValueError(
+                            f"num_reference_frames is {self.num_reference_frames}: every row's reference_frames "
+                            f"must hold that many frames; got {0 if r is None else len(stack)} for {v}"
+                        )
+                    ref_list = [stack]
+                return vace_control_tensor(
+                    self.vae, self._video(v)[None], mask, patch_size=patch, reference_frames=ref_list
+                )[0]
+
+            rows.append(self._latents.get_or(key, make))
+        return torch.stack(rows).to(self.device)
+
+    # ------------------------------------------------------------------ rollout hooks
+    def row_conditioning(self, columns: dict[str, list[Any]], group: Tensor) -> dict[str, Tensor]:
+        """``source_latents`` (concat) or ``control_latents`` (vace) of every sample; nothing otherwise."""
+        b = int(group.shape[0])
+        refs = self._column(columns, "reference_frames", b)
+        if self.condition != "vace" and any(r is not None and len(r) for r in refs):
+            raise ValueError(
+                "rows carry reference_frames, which only condition: vace (with num_reference_frames) uses"
+            )
+        if self.condition == "concat":
+            return {"source_latents": self.source_latents(columns, b)}
+        if self.condition == "vace":
+            return {"control_latents": self.control_latents(columns, b)}
+        return {}
+
+    def initial_latents(
+        self, group: Tensor, cond: dict[str, Tensor], columns: dict[str, list[Any]]
+    ) -> Tensor:
+        """Noise; with ``sdedit`` the source latents noised to the strength s: (1 - s) z + s eps."""
+        noise = self._initial_noise(group)
+        if self.condition != "sdedit":
+            return noise
+        z = self.source_latents(columns, int(group.shape[0])).to(noise)
+        s = float(self.sigmas()[0])  # the strength, as fp32
+        return (1 - s) * z + s * noise
+
+    def rollout_outputs(self, rollout: Rollout) -> None:
+        """``source_videos`` and ``edit_masks`` for the rewards, when the rows carry them."""
+        b = len(rollout.prompts)
+        videos = self.source_videos(rollout.columns, b)
+        if videos is not None:
+            rollout.outputs["source_videos"] = videos
+        masks = self.edit_masks(rollout.columns, b)
+        if masks is not None:
+            rollout.outputs["edit_masks"] = masks
+
+    def rollout_stats(self, rollout: Rollout) -> dict[str, Tensor]:
+        """With two experts: the share of each sample's trained steps each expert produced."""
+        if self.transformer_2 is None or "expert" not in rollout.payload:
+            return {}
+        e = rollout.payload["expert"].float()
+        return {"expert_high_share": (e == 0).float().mean(dim=1), "expert_low_share": e.mean(dim=1)}
+
+    # ------------------------------------------------------------------ model
+    def predict(
+        self,
+        model: torch.nn.Module,
+        latents: Tensor,
+        sched: dict[str, Tensor],
+        cond: dict[str, Tensor],
+        *,
+        guided: bool = True,
+    ) -> tuple[Tensor, Tensor]:
+        """(velocity, conditional velocity), fp32 [B, z, F, h, w]: one call of the transformer (both CFG
+        branches batched when `guided` and ``guidance_scale`` > 1) with the source latents concatenated on
+        the channels (concat) or the control tensor (vace); two experts: each sample's step expert."""
+        dtype = next(model.parameters()).dtype
+        b = latents.shape[0]
+        t = sched["sigmas"] * float(self.scheduler.config.num_train_timesteps)
+        expert = sched["expert"]
+        use_cfg = guided and self.guidance_scale > 1.0
+        x = latents
+        if use_cfg:
+            cond = self._cfg_inputs(cond, b)
+            x, t, expert = torch.cat([x, x]), torch.cat([t, t]), torch.cat([expert, expert])
+        if self.condition == "concat":
+            x = torch.cat([x, cond["source_latents"].to(x)], dim=1)
+        kw: dict[str, Any] = {}
+        if self.condition == "vace":
+            n_layers = len(self.transformer.config.vace_layers)
+            kw["control_hidden_states"] = cond["control_latents"].to(dtype)
+            kw["control_hidden_states_scale"] = torch.full(
+                (n_layers,), self.conditioning_scale, device=x.device, dtype=dtype
+            )
+        if self.transformer_2 is not None:
+            kw["expert"] = expert
+        v = model(
+            hidden_states=x.to(dtype),
+            timestep=t.float(),
+            encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+            return_dict=False,
+            **kw,
+        )[0].float()
+        return self._cfg_combine(v) if use_cfg else (v, v)
+
+    # ------------------------------------------------------------------ decoding and saving
+    def decode_latents(self, z: Tensor) -> Tensor:
+        """Float[B, F, 3, H, W] in [0, 1] on the CPU: the whole clip through the Wan VAE (without the VACE
+        reference frames), un-normalised with ``latents_mean`` / ``latents_std`` as ``WanPipeline``."""
+        return decode_video(self.vae, z[:, :, self.num_reference_frames :])
+
+    def _merged(self, module: torch.nn.Module, path: Path, subfolder: str) -> torch.nn.Module:
+        """`module` as saved in ``path/subfolder``: with a LoRA adapter, also written alone to
+        ``path/<subfolder>_lora`` and merged into a returned copy; else the module itself."""
+        if not getattr(module, "_hf_peft_config_loaded", False):
+            return module
+        module.save_lora_adapter(str(path / f"{subfolder}_lora"))
+        merged = copy.deepcopy(module)
+        merged.fuse_lora()
+        merged.unload_lora()
+        return merged
+
+    def save(self, path: str | Path) -> None:
+        """Write the whole Wan folder (loadable by `WanPolicy.from_pretrained` and diffusers' ``WanPipeline``
+        / ``WanVACEPipeline``). Under LoRA each adapted expert is merged into a copy, and its adapter also
+        saved alone in ``transformer_lora/`` / ``transformer_2_lora/``."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        t2 = (
+            self._merged(self.transformer_2, path, "transformer_2")
+            if self.transformer_2 is not None
+            else None
+        )
+        self.components.save_pretrained(
+            path, transformer=self._merged(self.transformer, path, "transformer"), transformer_2=t2
+        )

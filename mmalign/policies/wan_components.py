@@ -1,0 +1,421 @@
+"""The Wan video folder loader and the Wan-specific tensor helpers `mmalign.policies.wan.WanPolicy` builds on.
+
+**Folder layout** (diffusers' ``WanPipeline`` / ``WanVACEPipeline``): ``model_index.json``, ``transformer/``
+(``WanTransformer3DModel``, or ``WanVACETransformer3DModel`` when its ``config.json`` names that class),
+optional ``transformer_2/`` (Wan2.2 A14B: the low-noise expert; ``model_index.json`` then holds
+``boundary_ratio``), ``vae/`` (``AutoencoderKLWan``), ``scheduler/``, ``text_encoder/`` (``UMT5EncoderModel``)
+and ``tokenizer/``. `load_wan_components` reads it with ``from_pretrained`` per component (a local folder or a
+hub id); `WanComponents.save_pretrained` writes it (``WanPipeline.from_pretrained`` loads the result).
+
+**Scheduler.** The policies sample with diffusers' ``FlowMatchEulerDiscreteScheduler`` sigmas (Euler /
+flow-SDE steps of `mmalign.sde`). Real Wan checkpoints ship a ``UniPCMultistepScheduler`` with
+``use_flow_sigmas`` and a ``flow_shift`` (3.0 at 480p, 5.0 at 720p); `load_wan_components` then builds
+``FlowMatchEulerDiscreteScheduler(num_train_timesteps=..., shift=flow_shift)`` instead -- the same shifted
+flow sigmas, stepped by Euler rather than UniPC's multistep corrector -- and `WanComponents.save_pretrained`
+writes that flow-matching scheduler (so a saved policy samples in diffusers exactly as it trained). A folder
+whose scheduler is already a ``FlowMatchEulerDiscreteScheduler`` is used as is.
+
+**Prompt encoding** (`encode_prompt`): exactly diffusers' ``WanPipeline._get_t5_prompt_embeds``: each prompt
+cleaned (``prompt_clean``: ftfy when installed, HTML unescaping, whitespace collapsing), tokenized to
+``max_sequence_length`` (default 512) with the attention mask, UMT5's ``last_hidden_state`` cut to each
+prompt's own token count and zero-padded back to ``max_sequence_length``.
+
+**VAE.** `vae_factors` reads the factors from the VAE config: temporal ``2 ** sum(temperal_downsample)``,
+spatial ``2 ** len(temperal_downsample)`` (times ``patch_size`` for the Wan2.2 TI2V VAE), checked against the
+config's ``scale_factor_temporal`` / ``scale_factor_spatial`` (what diffusers' pipelines read) where they are
+set. `encode_video` and `decode_video` normalise latents as the pipelines do: ``(z - latents_mean) /
+latents_std`` per channel, on the distribution's mode (``sample_mode="argmax"``). Videos in this module are
+Float[B, F, 3, H, W] in [0, 1] (the layout of ``outputs["videos"]``); the VAE sees [B, 3, F, H, W] in [-1, 1].
+
+**VACE control tensor** (`vace_control_tensor`): what ``WanVACEPipeline.prepare_video_latents`` and
+``prepare_masks`` compute, for any batch size (the pipeline refuses batch > 1): channels ``[VAE(video * (1 -
+m)), VAE(video * m), unshuffle(m)]`` = 2 z_dim + s^2 (96 for the real model: 16 + 16 + 64), with m the
+binarised mask (> 0.5) and s the VAE's spatial factor; ``unshuffle`` folds each s x s pixel block of the mask
+into s^2 channels (row offset major) and resamples the frames to the latent frames (``nearest-exact``).
+Reference frames (``WanVACEPipeline``'s ``reference_images``) are letterboxed onto a white canvas of the video's
+size, encoded alone, given zeros for the second half of the latent channels and a zero mask, and prepended on
+the frame axis one latent frame each, in turn (so the last reference given ends up first, as in the
+pipeline).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "WAN_MAX_SEQUENCE_LENGTH",
+    "WanComponents",
+    "decode_video",
+    "encode_prompt",
+    "encode_video",
+    "flow_scheduler",
+    "latent_frames",
+    "latent_stats",
+    "letterbox_reference",
+    "load_wan_components",
+    "vace_control_tensor",
+    "vace_mask_channels",
+    "vae_factors",
+]
+
+WAN_MAX_SEQUENCE_LENGTH = 512
+"""``WanPipeline``'s default ``max_sequence_length`` (UMT5 tokens per prompt)."""
+
+
+@dataclass
+class WanComponents:
+    """The loaded pieces of a Wan folder. ``transformer_2`` (the Wan2.2 low-noise expert) and
+    ``boundary_ratio`` (where the experts switch) come together or not at all."""
+
+    transformer: torch.nn.Module
+    vae: torch.nn.Module
+    scheduler: Any
+    text_encoder: torch.nn.Module
+    tokenizer: Any
+    transformer_2: torch.nn.Module | None = None
+    boundary_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.transformer_2 is None) != (self.boundary_ratio is None):
+            raise ValueError(
+                "transformer_2 and boundary_ratio go together (model_index.json of a Wan2.2 two-expert folder "
+                f"holds both); got transformer_2={'set' if self.transformer_2 is not None else None}, "
+                f"boundary_ratio={self.boundary_ratio}"
+            )
+        if self.boundary_ratio is not None and not 0 < self.boundary_ratio < 1:
+            raise ValueError(f"boundary_ratio must be in (0, 1), got {self.boundary_ratio}")
+
+    @property
+    def is_vace(self) -> bool:
+        """True when the transformer is a ``WanVACETransformer3DModel`` (it takes a control tensor)."""
+        return hasattr(self.transformer.config, "vace_layers")
+
+    def encode_prompt(
+        self, prompts: list[str], device: torch.device | str = "cpu", *, max_sequence_length: int
+    ) -> Tensor:
+        """Float[B, max_sequence_length, D] of `prompts`; see `encode_prompt`."""
+        return encode_prompt(self.text_encoder, self.tokenizer, prompts, device, max_sequence_length)
+
+    def save_pretrained(
+        self,
+        path: str | Path,
+        *,
+        transformer: torch.nn.Module | None = None,
+        transformer_2: torch.nn.Module | None = None,
+    ) -> None:
+        """Write every component to its subfolder of `path` and a diffusers ``model_index.json``
+        (``WanVACEPipeline`` for a VACE transformer, else ``WanPipeline``; ``boundary_ratio`` and
+        ``transformer_2`` as ``[null, null]`` when there is one expert). `transformer` / `transformer_2`
+        override the experts saved (merged LoRA copies)."""
+        import diffusers
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        t1 = transformer if transformer is not None else self.transformer
+        t2 = transformer_2 if transformer_2 is not None else self.transformer_2
+        t1.save_pretrained(path / "transformer")
+        if t2 is not None:
+            t2.save_pretrained(path / "transformer_2")
+        self.vae.save_pretrained(path / "vae")
+        self.scheduler.save_pretrained(path / "scheduler")
+        self.text_encoder.save_pretrained(path / "text_encoder")
+        self.tokenizer.save_pretrained(path / "tokenizer")
+
+        def entry(part: Any) -> list[str | None]:
+            if part is None:
+                return [None, None]
+            lib = "diffusers" if type(part).__module__.startswith("diffusers") else "transformers"
+            return [lib, type(part).__name__]
+
+        index: dict[str, Any] = {
+            "_class_name": "WanVACEPipeline" if self.is_vace else "WanPipeline",
+            "_diffusers_version": diffusers.__version__,
+            "boundary_ratio": self.boundary_ratio,
+            "scheduler": entry(self.scheduler),
+            "text_encoder": entry(self.text_encoder),
+            "tokenizer": entry(self.tokenizer),
+            "transformer": entry(t1),
+            "transformer_2": entry(t2),
+            "vae": entry(self.vae),
+        }
+        if not self.is_vace:
+            index["expand_timesteps"] = False
+        (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _load_config(path: str, subfolder: str | None = None) -> dict[str, Any]:
+    """A component's config (``config.json``; ``scheduler_config.json`` for ``scheduler``) or, without
+    `subfolder`, ``model_index.json``, from a local folder or a hub id."""
+    from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+
+    name = {None: "model_index.json", "scheduler": "scheduler_config.json"}.get(subfolder, "config.json")
+    local = Path(path) / (subfolder or "") / name
+    if local.is_file():
+        return json.loads(local.read_text())
+    if subfolder is None:
+        return dict(DiffusionPipeline.load_config(path))
+    loader = FlowMatchEulerDiscreteScheduler if subfolder == "scheduler" else WanTransformer3DModel
+    return dict(loader.load_config(path, subfolder=subfolder))
+
+
+def flow_scheduler(path: str) -> Any:
+    """The ``FlowMatchEulerDiscreteScheduler`` the policy samples with, from ``path/scheduler``: the folder's
+    own when it is one, else (a real Wan folder's ``UniPCMultistepScheduler``) one with ``shift`` =
+    its ``flow_shift`` and the same ``num_train_timesteps`` (see the module docstring)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    cfg = _load_config(path, "scheduler")
+    name = cfg.get("_class_name", "")
+    if name == "FlowMatchEulerDiscreteScheduler":
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+    if "flow_shift" not in cfg:
+        raise ValueError(
+            f"{path}/scheduler/scheduler_config.json: a {name or 'scheduler'} without flow_shift; a Wan folder "
+            "needs a FlowMatchEulerDiscreteScheduler or a flow-sigma scheduler with flow_shift (UniPC)"
+        )
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=int(cfg.get("num_train_timesteps", 1000)), shift=float(cfg["flow_shift"])
+    )
+
+
+def _transformer_class(path: str, subfolder: str) -> Any:
+    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
+
+    name = _load_config(path, subfolder).get("_class_name", "WanTransformer3DModel")
+    classes = {
+        "WanTransformer3DModel": WanTransformer3DModel,
+        "WanVACETransformer3DModel": WanVACETransformer3DModel,
+    }
+    if name not in classes:
+        raise ValueError(
+            f"{path}/{subfolder}/config.json: _class_name {name!r} is not a Wan transformer "
+            f"({', '.join(classes)})"
+        )
+    return classes[name]
+
+
+def load_wan_components(path: str | Path, *, dtype: torch.dtype = torch.float32) -> WanComponents:
+    """Load a Wan pipeline folder (or hub id) `path` component by component with ``from_pretrained``: the
+    transformer class from ``transformer/config.json``, ``transformer_2/`` and ``boundary_ratio`` from
+    ``model_index.json`` when present, the scheduler through `flow_scheduler`. The VAE is loaded in fp32
+    (as diffusers' Wan examples do; its decode is sensitive to bf16) unless `dtype` is fp32 anyway."""
+    from diffusers import AutoencoderKLWan
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    path = str(path)
+    index = _load_config(path)
+    t2_entry = index.get("transformer_2")
+    has_t2 = isinstance(t2_entry, list | tuple) and t2_entry[0] is not None
+    boundary = index.get("boundary_ratio")
+    if has_t2 and boundary is None:
+        raise ValueError(f"{path}/model_index.json: transformer_2 is set but boundary_ratio is null")
+    transformer_2 = None
+    if has_t2:
+        transformer_2 = _transformer_class(path, "transformer_2").from_pretrained(
+            path, subfolder="transformer_2", torch_dtype=dtype
+        )
+    return WanComponents(
+        transformer=_transformer_class(path, "transformer").from_pretrained(
+            path, subfolder="transformer", torch_dtype=dtype
+        ),
+        vae=AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32),
+        scheduler=flow_scheduler(path),
+        text_encoder=UMT5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=dtype),
+        tokenizer=AutoTokenizer.from_pretrained(path, subfolder="tokenizer"),
+        transformer_2=transformer_2,
+        boundary_ratio=float(boundary) if has_t2 else None,
+    )
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+@torch.no_grad()
+def encode_prompt(
+    text_encoder: torch.nn.Module,
+    tokenizer: Any,
+    prompts: list[str],
+    device: torch.device | str = "cpu",
+    max_sequence_length: int = WAN_MAX_SEQUENCE_LENGTH,
+) -> Tensor:
+    """Float[B, max_sequence_length, D] (the text encoder's dtype): ``WanPipeline._get_t5_prompt_embeds``
+    -- cleaned prompts, UMT5 states with the attention mask, zeros beyond each prompt's token count."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    cleaned = [prompt_clean(p) for p in prompts]
+    tok = tokenizer(
+        cleaned,
+        padding="max_length",
+        max_length=max_sequence_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    ids, mask = tok.input_ids.to(device), tok.attention_mask.to(device)
+    lens = mask.gt(0).sum(dim=1).long()
+    states = text_encoder(ids, mask).last_hidden_state
+    pad = torch.arange(states.shape[1], device=states.device)[None, :] >= lens[:, None]
+    return states.masked_fill(pad[..., None], 0.0)
+
+
+# ----------------------------------------------------------------------------- VAE
+
+
+def vae_factors(vae: torch.nn.Module) -> tuple[int, int]:
+    """(temporal, spatial) downsampling factors of an ``AutoencoderKLWan`` from its config: temporal
+    ``2 ** sum(temperal_downsample)``, spatial ``2 ** len(temperal_downsample)`` (times ``patch_size``
+    where set). Raises if the config's ``scale_factor_temporal`` / ``scale_factor_spatial`` (what diffusers'
+    Wan pipelines read) disagree."""
+    cfg = vae.config
+    down = list(cfg.temperal_downsample)
+    temporal = 2 ** sum(bool(d) for d in down)
+    spatial = 2 ** len(down) * int(getattr(cfg, "patch_size", None) or 1)
+    for key, derived in (("scale_factor_temporal", temporal), ("scale_factor_spatial", spatial)):
+        given = getattr(cfg, key, None)
+        if given is not None and int(given) != derived:
+            raise ValueError(
+                f"vae/config.json: {key}={given} disagrees with temperal_downsample={down} "
+                f"(which gives {derived}); fix the config so diffusers' pipelines and the policy agree"
+            )
+    return temporal, spatial
+
+
+def latent_frames(num_frames: int, temporal: int) -> int:
+    """Latent frames of a `num_frames` video: ``(num_frames - 1) // temporal + 1`` (Wan's causal VAE keeps
+    the first frame alone)."""
+    return (num_frames - 1) // temporal + 1
+
+
+def latent_stats(vae: torch.nn.Module, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """(mean, std), each Float[1, z_dim, 1, 1, 1] fp32: the VAE config's ``latents_mean`` / ``latents_std``."""
+    cfg = vae.config
+    z = int(cfg.z_dim)
+    mean = torch.tensor(cfg.latents_mean, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
+    std = torch.tensor(cfg.latents_std, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
+    return mean, std
+
+
+def _vae_dtype(vae: torch.nn.Module) -> torch.dtype:
+    return next(vae.parameters()).dtype
+
+
+@torch.no_grad()
+def _encode_raw(vae: torch.nn.Module, pixels: Tensor) -> Tensor:
+    """Normalised latents Float[1, z, f, h, w] (fp32) of one clip [1, 3, F, H, W] in [-1, 1]: the mode of
+    the VAE posterior, then ``(z - mean) / std`` computed as the pipelines do (times 1 / std)."""
+    mean, std = latent_stats(vae, pixels.device)
+    z = vae.encode(pixels.to(_vae_dtype(vae))).latent_dist.mode()
+    return (z.float() - mean) * (1.0 / std)
+
+
+@torch.no_grad()
+def encode_video(vae: torch.nn.Module, video: Tensor) -> Tensor:
+    """Float[B, z, f, h, w] normalised latents (fp32) of videos Float[B, F, 3, H, W] in [0, 1], each video
+    encoded on its own (as ``WanVideoToVideoPipeline.prepare_latents`` does)."""
+    pixels = (video.movedim(2, 1) * 2 - 1).to(next(vae.parameters()).device)
+    return torch.cat([_encode_raw(vae, pixels[i : i + 1]) for i in range(pixels.shape[0])])
+
+
+@torch.no_grad()
+def decode_video(vae: torch.nn.Module, latents: Tensor) -> Tensor:
+    """Float[B, F, 3, H, W] in [0, 1] on the CPU of normalised latents [B, z, f, h, w]: ``z * std + mean``
+    (the pipelines' ``z / (1 / std) + mean``), the VAE's decode of the whole clip, ``x / 2 + 0.5`` clamped."""
+    dev = next(vae.parameters()).device
+    mean, std = latent_stats(vae, dev)
+    dtype = _vae_dtype(vae)
+    z = latents.to(dev, dtype) / (1.0 / std).to(dtype) + mean.to(dtype)
+    video = vae.decode(z, return_dict=False)[0].float()
+    return (video / 2 + 0.5).clamp(0, 1).movedim(1, 2).cpu()
+
+
+# ----------------------------------------------------------------------------- VACE
+
+
+def vace_mask_channels(mask: Tensor, spatial: int, temporal: int, patch: int = 1) -> Tensor:
+    """Float[B, s*s, f, h, w]: ``WanVACEPipeline.prepare_masks`` for a batch of masks Float[B, F, H, W]
+    (already binarised): each s x s block folded into s^2 channels (row offset major), then the frames
+    resampled to ``f = ceil(F / temporal)`` with ``nearest-exact``. H and W must be multiples of
+    ``spatial * patch`` (the pipeline's own requirement)."""
+    b, f, h, w = mask.shape
+    base = spatial * patch
+    if h % base or w % base:
+        raise ValueError(
+            f"the mask is {h}x{w} pixels; height and width must be multiples of the VAE's spatial factor "
+            f"times the transformer's patch size ({spatial} * {patch} = {base})"
+        )
+    nh, nw = h // spatial, w // spatial
+    m = mask.view(b, f, nh, spatial, nw, spatial).permute(0, 3, 5, 1, 2, 4).flatten(1, 2)
+    new_f = (f + temporal - 1) // temporal
+    return torch.nn.functional.interpolate(m, size=(new_f, nh, nw), mode="nearest-exact")
+
+
+def letterbox_reference(image: Tensor, height: int, width: int) -> Tensor:
+    """Float[3, height, width] in [-1, 1]: a reference image Float[3, h, w] in [0, 1] resized (bilinear,
+    aspect kept) to fit and centred on a white canvas -- ``WanVACEPipeline.preprocess_conditions``."""
+    img = image.float()[None] * 2 - 1
+    h, w = img.shape[-2:]
+    scale = min(height / h, width / w)
+    nh, nw = int(h * scale), int(w * scale)
+    resized = torch.nn.functional.interpolate(img, size=(nh, nw), mode="bilinear", align_corners=False)[0]
+    canvas = torch.ones(3, height, width, dtype=resized.dtype)
+    top, left = (height - nh) // 2, (width - nw) // 2
+    canvas[:, top : top + nh, left : left + nw] = resized
+    return canvas
+
+
+@torch.no_grad()
+def vace_control_tensor(
+    vae: torch.nn.Module,
+    video: Tensor,
+    mask: Tensor | None = None,
+    *,
+    patch_size: int = 1,
+    reference_frames: list[Tensor] | list[list[Tensor]] | None = None,
+) -> Tensor:
+    """Float[B, 2 z + s^2, R + f, h, w] (fp32): the VACE control tensor of videos Float[B, F, 3, H, W] in
+    [0, 1] and masks Float[B, F, H, W] (1 = regenerate; None: all ones, as the pipeline's default), for any
+    batch size; see the module docstring for the channel layout. `patch_size`: the transformer's spatial
+    patch (``config.patch_size[1]``), which H and W must be multiples of times the VAE's spatial factor.
+    `reference_frames`: per video, R images in [0, 1] (a Float[R, 3, h', w'] stack or a list of Float[3, h',
+    w'] of any sizes; the same R for every video), prepended as ``WanVACEPipeline`` does with
+    ``reference_images``."""
+    b, _, _, height, width = video.shape
+    temporal, spatial = vae_factors(vae)
+    dev = next(vae.parameters()).device
+    pixels = (video.float().movedim(2, 1) * 2 - 1).to(dev)  # [B, 3, F, H, W] in [-1, 1]
+    m = torch.ones_like(video[:, :, 0]) if mask is None else mask.float()
+    m = torch.where(m > 0.5, 1.0, 0.0).to(dev)
+    m5 = m[:, None]
+    rows = []
+    for i in range(b):
+        inactive = _encode_raw(vae, pixels[i : i + 1] * (1 - m5[i : i + 1]))
+        reactive = _encode_raw(vae, pixels[i : i + 1] * m5[i : i + 1])
+        rows.append(torch.cat([inactive, reactive], dim=1))
+    latents = torch.cat(rows)
+    masks = vace_mask_channels(m, spatial, temporal, patch_size)
+    if reference_frames is not None:
+        counts = {len(r) for r in reference_frames}
+        if len(reference_frames) != b or len(counts) != 1:
+            raise ValueError(
+                f"reference_frames: one stack per video with the same number of frames each; got "
+                f"{[len(r) for r in reference_frames]} for {b} videos"
+            )
+        lat_rows, mask_rows = [], []
+        for i, refs in enumerate(reference_frames):
+            lat_i = latents[i]
+            for ref in refs:  # as the pipeline: each reference prepended in turn
+                canvas = letterbox_reference(ref, height, width).to(dev)
+                r = _encode_raw(vae, canvas[None, :, None])[0]  # [z, 1, h, w]
+                lat_i = torch.cat([torch.cat([r, torch.zeros_like(r)]), lat_i], dim=1)
+            lat_rows.append(lat_i)
+            n_ref = len(refs)
+            mask_rows.append(torch.cat([torch.zeros_like(masks[i][:, :n_ref]), masks[i]], dim=1))
+        latents, masks = torch.stack(lat_rows), torch.stack(mask_rows)
+    return torch.cat([latents, masks.to(latents.dtype)], dim=1)

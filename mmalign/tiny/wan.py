@@ -1,0 +1,163 @@
+"""Tiny Wan video pipelines built offline from config kwargs (random weights, a few hundred thousand
+parameters, built in about a second).
+
+`build_tiny_wan(path)` writes a folder with the layout of a real Wan 2.1 / 2.2 folder (``model_index.json``,
+``transformer/``, optional ``transformer_2/``, ``vae/``, ``scheduler/``, ``text_encoder/`` (a one-layer
+``UMT5EncoderModel``), ``tokenizer/`` (the character-level T5 tokenizer of `mmalign.tiny.sd3`)) through
+`mmalign.policies.wan_components.WanComponents.save_pretrained`; `load_wan_components` and diffusers'
+``WanPipeline.from_pretrained`` load it back with ``from_pretrained`` per component.
+
+The tiny VAE downsamples less than the real one (``temperal_downsample=[False, True]``: 2x in time, 4x in
+space; its config's ``scale_factor_temporal`` / ``scale_factor_spatial`` say the same, so diffusers' pipelines
+agree), with ``z_dim`` 4 and made-up ``latents_mean`` / ``latents_std`` (so the normalisation is exercised).
+The target size is 9 frames of 32 x 32 pixels: 5 latent frames of 8 x 8, patches (1, 2, 2).
+
+Builders registered in `mmalign.tiny.BUILDERS`:
+
+- ``wan_t2v_tiny``: text to video (``WanTransformer3DModel``, in_channels = z_dim).
+- ``wan_concat_tiny``: channel-concat editing (VIVA's scheme): in_channels = 2 z_dim (noisy latents, then
+  the source video's latents), out_channels = z_dim.
+- ``wan_vace_tiny``: ``WanVACETransformer3DModel`` with VACE blocks at layers 0 and 1 and
+  ``vace_in_channels`` = 2 z_dim + s^2 (s = the VAE's spatial factor: 4 + 4 + 16 = 24).
+- ``wan22_tiny``: Wan2.2 A14B style: two experts (``transformer`` high noise, ``transformer_2`` low noise,
+  ``boundary_ratio`` 0.875) and, like the real folders, a ``UniPCMultistepScheduler`` with ``flow_shift``
+  (which the loader turns into a flow-matching Euler scheduler).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmalign.policies.wan_components import WanComponents
+from mmalign.tiny import BUILDERS
+
+__all__ = ["CONDITIONS", "build_tiny_wan"]
+
+CONDITIONS = ("none", "concat", "vace")
+"""What the tiny transformer is built for (``none``: text to video, also what SDEdit uses)."""
+
+
+def _tiny_umt5(tokenizer: Any, hidden: int) -> torch.nn.Module:
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=hidden,
+            d_kv=8,
+            d_ff=2 * hidden,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
+
+
+def build_tiny_wan(
+    path: str | Path,
+    *,
+    condition: str = "none",
+    two_experts: bool = False,
+    boundary_ratio: float = 0.875,
+    z_dim: int = 4,
+    text_hidden: int = 16,
+    num_layers: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny Wan folder at `path` (see the module docstring). `condition`: ``none``, ``concat``
+    (in_channels doubled) or ``vace`` (a VACE transformer); `two_experts`: add ``transformer_2`` (same
+    architecture, other weights) and ``boundary_ratio``, with a UniPC flow scheduler as Wan2.2 ships."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        UniPCMultistepScheduler,
+        WanTransformer3DModel,
+        WanVACETransformer3DModel,
+    )
+
+    from mmalign.tiny.sd3 import t5_char_tokenizer
+
+    if condition not in CONDITIONS:
+        raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}; got {condition!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    down = [False, True]  # 2x in time, 4x in space
+    temporal, spatial = 2 ** sum(down), 2 ** len(down)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=down,
+        latents_mean=[round(0.1 * (i - z_dim / 2), 3) for i in range(z_dim)],
+        latents_std=[round(0.8 + 0.3 * i, 3) for i in range(z_dim)],
+        scale_factor_temporal=temporal,
+        scale_factor_spatial=spatial,
+    )
+    arch: dict[str, Any] = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=2 * z_dim if condition == "concat" else z_dim,
+        out_channels=z_dim,
+        text_dim=text_hidden,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=num_layers,
+        rope_max_seq_len=32,
+    )
+
+    def transformer() -> torch.nn.Module:
+        if condition == "vace":
+            return WanVACETransformer3DModel(
+                **arch, vace_layers=list(range(num_layers)), vace_in_channels=2 * z_dim + spatial**2
+            )
+        return WanTransformer3DModel(**arch)
+
+    high = transformer()
+    low = transformer() if two_experts else None
+    if two_experts:
+        scheduler: Any = UniPCMultistepScheduler(
+            num_train_timesteps=1000, use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction"
+        )
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    tokenizer = t5_char_tokenizer()
+    components = WanComponents(
+        high,
+        vae,
+        scheduler,
+        _tiny_umt5(tokenizer, text_hidden),
+        tokenizer,
+        transformer_2=low,
+        boundary_ratio=boundary_ratio if two_experts else None,
+    )
+    components.save_pretrained(path)
+    return path
+
+
+@BUILDERS.register("wan_t2v_tiny", minutes=0.05)
+def _build_t2v(path: Path) -> None:
+    build_tiny_wan(path)
+
+
+@BUILDERS.register("wan_concat_tiny", minutes=0.05)
+def _build_concat(path: Path) -> None:
+    build_tiny_wan(path, condition="concat")
+
+
+@BUILDERS.register("wan_vace_tiny", minutes=0.05)
+def _build_vace(path: Path) -> None:
+    build_tiny_wan(path, condition="vace")
+
+
+@BUILDERS.register("wan22_tiny", minutes=0.05)
+def _build_wan22(path: Path) -> None:
+    build_tiny_wan(path, two_experts=True)
