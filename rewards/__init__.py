@@ -5,6 +5,7 @@ names; ``load_reward(spec, **options)`` builds one from a name, an entry point o
 ``mmalign.rewards`` or a ``package.module:Class`` path; ``RewardSet`` evaluates a config's list.
 """
 
+from . import video as video  # registers the video rewards (rewards/video.py)
 from .base import (
     ENTRY_POINT_GROUP,
     REGISTRY,

@@ -47,6 +47,15 @@ def random_vlm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def shapes_clip_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny CLIP trained on the shapes world (the `clip_shapes_tiny` builder), built once per session
+    (~40 s on 2 cores): the reward model of the safe-diffusion and video tests."""
+    from mmalign import tiny
+
+    return tiny.build("clip_shapes_tiny", tmp_path_factory.mktemp("models") / "clip-shapes", announce=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_sd3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SD3-layout flow-matching folder, random weights: transformer, VAE, two CLIPs and a T5
     (the `flow_sd3_tiny_3enc` builder), a few seconds once."""

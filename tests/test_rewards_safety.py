@@ -50,11 +50,9 @@ def random_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny CLIP trained on the shapes world, built through the tiny-builder registry."""
-    from mmalign.tiny import build
-
-    return build("clip_shapes_tiny", tmp_path_factory.mktemp("clip") / "clip-shapes")
+def trained_clip(shapes_clip_dir: Path) -> Path:
+    """The tiny CLIP trained on the shapes world, built through the tiny-builder registry (conftest)."""
+    return shapes_clip_dir
 
 
 def by_hand(path: Path, images: torch.Tensor, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
