@@ -142,8 +142,11 @@ def _prompt_rows(args: argparse.Namespace, cfg: Config) -> list[dict] | None:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    """Generate `n` samples per prompt from a checkpoint: a PNG grid (images) or a JSONL (texts)."""
+    """Generate `n` samples per prompt from a checkpoint: a PNG grid (images; for videos, of frame strips),
+    media files (mp4 + frame strip per video) and a JSONL."""
     import json
+
+    import torch
 
     from mmalign import rundir
     from mmalign.evaluation import eval_rows, generate, load_weights, save_grid
@@ -163,6 +166,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
     )
     out.mkdir(parents=True, exist_ok=True)
     images = r.outputs.get("images")
+    videos = r.outputs.get("videos")
+    if images is None and videos is not None:  # a grid of frame strips (up to 8 frames of each video)
+        idx = torch.linspace(0, videos.shape[1] - 1, min(videos.shape[1], 8)).round().long()
+        images = torch.cat(list(videos[:, idx].movedim(1, 0)), dim=-1)
     views = components.policy.sample_view(r)  # type: ignore[attr-defined]
     with (out / "samples.jsonl").open("w") as f:
         for i in range(len(r)):
@@ -174,7 +181,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     what = f"{len(rows)} prompts x {args.n} samples ({'checkpoint ' + str(ckpt) if ckpt else 'base model'})"
     if images is not None:
         grid = save_grid(images, out / "grid.png", ncols=args.n)
-        print(f"{what}: grid {grid} (a row per prompt), media/ and samples.jsonl in {out}")
+        kind = "frame strips, " if videos is not None else ""
+        print(f"{what}: grid {grid} ({kind}a row per prompt), media/ and samples.jsonl in {out}")
     else:
         print(f"{what}: {out / 'samples.jsonl'}")
     return 0

@@ -190,7 +190,8 @@ def save_frame_strip(video: Tensor, path: str | Path, max_frames: int = 8) -> Pa
 
 
 def save_video(video: Tensor, path: str | Path, fps: int = 8) -> Path:
-    """Write a Float[F,3,H,W] video in [0, 1] as H.264 mp4 with PyAV (its wheel carries the encoder)."""
+    """Write a Float[F,3,H,W] video in [0, 1] as H.264 mp4 with PyAV (its wheel carries the encoder). H.264's
+    yuv420p needs even sides: an odd height or width is padded by repeating the last row / column."""
     try:
         import av
     except ImportError as e:
@@ -199,14 +200,17 @@ def save_video(video: Tensor, path: str | Path, fps: int = 8) -> Path:
         raise ValueError(f"a video must be Float[F,3,H,W] in [0, 1], got {tuple(video.shape)}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    frames = [_uint8_hwc(frame) for frame in video]
-    h, w = frames[0].shape[:2]
+    import numpy as np
+
+    h, w = video.shape[-2:]
+    # yuv420p needs even sides: an odd side gets one more row / column, a copy of the last (not a resize)
+    frames = [np.pad(_uint8_hwc(frame), ((0, h % 2), (0, w % 2), (0, 0)), mode="edge") for frame in video]
     with av.open(str(path), mode="w") as container:
         stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height = w + w % 2, h + h % 2  # yuv420p needs even sides
+        stream.width, stream.height = w + w % 2, h + h % 2
         stream.pix_fmt = "yuv420p"
         for arr in frames:
-            frame = av.VideoFrame.from_ndarray(arr, format="rgb24").reformat(stream.width, stream.height)
+            frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
     return path

@@ -95,6 +95,8 @@ def _load_array(path: Path) -> np.ndarray:
 
 
 def _to_float(arr: np.ndarray, path: Path) -> Tensor:
+    if arr.dtype == np.bool_:  # a boolean mask
+        return torch.from_numpy(arr.astype(np.float32))
     if arr.dtype == np.uint8:
         return torch.from_numpy(arr.astype(np.float32) / 255.0)
     if np.issubdtype(arr.dtype, np.floating):

@@ -1,7 +1,9 @@
 """The policy contract (`mmalign.policies.base.Policy`), checked for EVERY policy on tiny offline models.
 
 Each test runs for text (`TextPolicy`), VLM (`VLMPolicy`), flow matching (`FlowPolicy`, SD3 layout: two
-CLIPs + T5), Flux (`FluxPolicy`) and DDIM (`DDIMPolicy`), each with full fine-tuning and with LoRA:
+CLIPs + T5), Flux (`FluxPolicy`), DDIM (`DDIMPolicy`) and Wan video (`WanPolicy`: text to video, channel-concat
+editing with a ``source_video`` column, VACE editing with an ``edit_mask``, and Wan2.2's two experts), each with
+full fine-tuning and with LoRA:
 
 - a policy IS a `Policy`;
 - re-evaluating a fresh rollout gives ratio 1 (``evaluate(r).logp == r.logp_old`` on the masked actions);
@@ -14,10 +16,11 @@ CLIPs + T5), Flux (`FluxPolicy`) and DDIM (`DDIMPolicy`), each with full fine-tu
 - `trainable_state_dict` / `load_trainable_state_dict` restore the log-probs exactly, and `save` writes a
   folder that the policy's own `from_pretrained` loads back with the saved weights;
 - two `GroupTrainer` steps change every trainable parameter and no frozen one, with KL 0 at step 1; and
-  `sample_view` shows one sample per rollout entry, of the policy's kind (text or image).
+  `sample_view` shows one sample per rollout entry, of the policy's kind (text, image or video).
 
-The tiny models are built once per session (``tests/conftest.py``) and loaded through each policy's real
-`from_pretrained`; shapes are tiny (2 prompts x 2 samples, 3 denoising steps, 6 new tokens).
+The tiny models are built once per session (``tests/conftest.py``; the Wan folders and the editing rows' source
+clips by this file's session fixtures) and loaded through each policy's real `from_pretrained`; shapes are tiny
+(2 prompts x 2 samples, 3 denoising steps, 6 new tokens, 9 frames of 32 x 32).
 """
 
 from __future__ import annotations
@@ -67,6 +70,62 @@ class ImageMean(Reward):
         return batch.outputs["images"].float().mean(dim=(1, 2, 3))
 
 
+class VideoMean(Reward):
+    """Mean pixel value of the decoded clip: a continuous number, different for every sample."""
+
+    needs = {"videos"}
+
+    def __call__(self, batch: RewardBatch) -> Tensor:
+        return batch.outputs["videos"].float().mean(dim=(1, 2, 3, 4))
+
+
+# ----------------------------------------------------------------------------- the Wan folders and clips
+
+WAN_SIZE = {"num_frames": 9, "height": 32, "width": 32, "max_sequence_length": SEQ}
+"""The tiny Wan builders' target size: 9 frames of 32 x 32 (5 latent frames of 8 x 8)."""
+
+
+def _wan_folder(factory: pytest.TempPathFactory, name: str, **kw: Any) -> Path:
+    from mmalign.tiny.wan import build_tiny_wan
+
+    return build_tiny_wan(factory.mktemp("models") / name, **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_t2v_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _wan_folder(tmp_path_factory, "wan-t2v")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_concat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _wan_folder(tmp_path_factory, "wan-concat", condition="concat")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_vace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _wan_folder(tmp_path_factory, "wan-vace", condition="vace")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _wan_folder(tmp_path_factory, "wan22", two_experts=True)
+
+
+@pytest.fixture(scope="session")
+def wan_media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two 9-frame 32 x 32 source clips and an edit mask, written with `mmalign.video.write_array`."""
+    from mmalign.video import write_array
+
+    root = tmp_path_factory.mktemp("wan-media")
+    g = torch.Generator().manual_seed(0)
+    for name in ("a", "b"):
+        write_array(torch.rand(9, 3, 32, 32, generator=g), root / f"{name}.npz")
+    mask = torch.zeros(9, 32, 32)
+    mask[:, 8:24, 4:20] = 1.0
+    write_array(mask, root / "mask.npz")
+    return root
+
+
 # ----------------------------------------------------------------------------- the policies
 
 
@@ -88,6 +147,18 @@ def _vlm_rows() -> list[dict[str, Any]]:
 
 def _image_rows() -> list[dict[str, Any]]:
     return [{"prompt": "a red cat", "label": 1}, {"prompt": "Two blue dogs, left!", "label": 2}]
+
+
+def _edit_rows(media: Path) -> list[dict[str, Any]]:
+    """Editing rows: each a source clip; the first also an edit mask (the second edits everywhere)."""
+    return [
+        {
+            "prompt": "make the square red",
+            "source_video": str(media / "a.npz"),
+            "edit_mask": str(media / "mask.npz"),
+        },
+        {"prompt": "remove the blue square", "source_video": str(media / "b.npz")},
+    ]
 
 
 def _text_policy(path: Path, **kw: Any) -> Policy:
@@ -122,6 +193,19 @@ def _ddim_policy(path: Path, **kw: Any) -> Policy:
     return DDIMPolicy.from_pretrained(path, num_steps=NUM_STEPS, seed=0, **kw)
 
 
+def _wan_policy(path: Path, **kw: Any) -> Policy:
+    from mmalign.policies.wan import WanPolicy
+
+    return WanPolicy.from_pretrained(path, num_steps=NUM_STEPS, seed=0, **WAN_SIZE, **kw)
+
+
+def _wan_edit_policy(condition: str) -> Callable[..., Policy]:
+    def load(path: Path, **kw: Any) -> Policy:
+        return _wan_policy(path, condition=condition, **kw)
+
+    return load
+
+
 @dataclass(frozen=True)
 class Family:
     """How to build one policy family from its tiny folder, and what it samples."""
@@ -140,6 +224,8 @@ class Family:
     dead_ends: tuple[str, ...] = field(default=())
     """Regexes of trainable parameter names whose gradient is 0 by the architecture itself (no loss of the
     image can reach them), so they may stay unchanged."""
+    media: str | None = None
+    """A session fixture with the rows' media files: then ``rows(media_folder)`` builds the rows."""
 
 
 FAMILIES = {
@@ -177,6 +263,40 @@ FAMILIES = {
             ImageMean,
             ("vae", "text_encoder"),
         ),
+        Family(
+            "wan_t2v",
+            "tiny_wan_t2v_dir",
+            _wan_policy,
+            _image_rows,
+            "video",
+            VideoMean,
+            ("vae", "text_encoder"),
+        ),
+        Family(
+            "wan_concat",
+            "tiny_wan_concat_dir",
+            _wan_edit_policy("concat"),
+            _edit_rows,
+            "video",
+            VideoMean,
+            ("vae", "text_encoder"),
+            media="wan_media_dir",
+        ),
+        Family(
+            "wan_vace",
+            "tiny_wan_vace_dir",
+            _wan_edit_policy("vace"),
+            _edit_rows,
+            "video",
+            VideoMean,
+            ("vae", "text_encoder"),
+            media="wan_media_dir",
+        ),
+        # two experts: with 3 steps (shift 3) the timesteps are 1000, 751 and 9, so step 1 runs the high-noise
+        # expert and steps 2-3 the low-noise one (boundary 875): the gradient test needs both to get gradients
+        Family(
+            "wan22", "tiny_wan22_dir", _wan_policy, _image_rows, "video", VideoMean, ("vae", "text_encoder")
+        ),
     )
 }
 
@@ -198,10 +318,10 @@ LORA_CASES = [c for c in CASES if c.lora]
 class Built:
     """One case's folder, rows and a factory of fresh policies (each test mutates its own)."""
 
-    def __init__(self, case: Case, folder: Path) -> None:
+    def __init__(self, case: Case, folder: Path, media: Path | None = None) -> None:
         self.case, self.folder = case, folder
         self.family = case.family
-        self.rows = case.family.rows()
+        self.rows = case.family.rows() if media is None else case.family.rows(media)
 
     def make(self, *, lora: bool | None = None, **kw: Any) -> Policy:
         use_lora = self.case.lora if lora is None else lora
@@ -217,16 +337,24 @@ class Built:
         return self.family.load(folder, **kw)
 
 
+def _built(request: pytest.FixtureRequest) -> Built:
+    case: Case = request.param
+    media = case.family.media
+    return Built(
+        case,
+        request.getfixturevalue(case.family.model_dir),
+        None if media is None else request.getfixturevalue(media),
+    )
+
+
 @pytest.fixture(params=CASES, ids=lambda c: c.id)
 def built(request: pytest.FixtureRequest) -> Built:
-    case: Case = request.param
-    return Built(case, request.getfixturevalue(case.family.model_dir))
+    return _built(request)
 
 
 @pytest.fixture(params=LORA_CASES, ids=lambda c: c.id)
 def built_lora(request: pytest.FixtureRequest) -> Built:
-    case: Case = request.param
-    return Built(case, request.getfixturevalue(case.family.model_dir))
+    return _built(request)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -497,6 +625,10 @@ def test_two_trainer_steps_change_only_trainable_parameters(built: Built, tmp_pa
         value = view.get(built.family.kind)
         if built.family.kind == "text":
             assert isinstance(value, str)
+        elif built.family.kind == "video":
+            assert isinstance(value, Tensor) and value.dim() == 4 and value.shape[1] == 3
+            assert value.shape[0] == WAN_SIZE["num_frames"]
+            assert float(value.min()) >= 0 and float(value.max()) <= 1
         else:
             assert isinstance(value, Tensor) and value.dim() == 3 and value.shape[0] == 3
             assert float(value.min()) >= 0 and float(value.max()) <= 1
