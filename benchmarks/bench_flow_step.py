@@ -1,7 +1,10 @@
-"""One Flow-GRPO training step (`GroupTrainer.train_step()`) on a tiny SD3-style model: time and peak memory.
+"""One Flow-GRPO training step (`GroupTrainer.train_step()`) on a tiny SD3-style image model (default) or a
+tiny Wan video model (``--family wan``): time and peak memory.
 
     python benchmarks/bench_flow_step.py [--device cpu|cuda --steps 3 --size 128 --prompts 2 --group 8
                                           --num-steps 10 --window 2 --out benchmarks/results/flow_step_cpu.json]
+    python benchmarks/bench_flow_step.py --family wan [--frames 9 --size 64 --text-len 64 --ffn-dim 256
+                                          --out benchmarks/results/flow_step_video_cpu.json]
 
 A 2x2 grid, one configuration per fresh subprocess:
 
@@ -28,6 +31,19 @@ advantages; ``time/reward_s``: decode + reward; ``time/update_s``: log-probs wit
 optimizer), with the decode timed on its own by wrapping `policy.decode`. "CPU s" is the worker's
 user + system CPU time per step; "other CPU" the share of the machine's CPU that other processes
 took during its steps (from /proc/stat).
+
+``--family wan`` (video): the same grid and measurements on a `WanPolicy` (text to video), with ``pixel`` =
+the registered `flicker` reward (``negate=True``: minus the mean absolute difference of adjacent frames; it
+needs ``videos``, so the trainer decodes the whole clip with the Wan VAE) and ``latent`` =
+`bench_latent_energy` on the video latents [B, 16, F_lat, h, w]. The folder (random weights, written with
+`WanComponents.save_pretrained`, loaded with `WanPolicy.from_pretrained` as a real model id would be): a
+``WanTransformer3DModel`` (`--layers` blocks, `--heads` x `--head-dim`, `--ffn-dim`, patch (1, 2, 2),
+text_dim 64, freq_dim 64), an ``AutoencoderKLWan`` with the real model's factors (z_dim 16,
+``temperal_downsample`` [False, True, True]: 4x in time, 8x in space; base_dim 16, dim_mult [1, 2, 4, 4], one
+res block per stage, Wan 2.1's ``latents_mean`` / ``latents_std``), a 2-layer ``UMT5EncoderModel`` (d_model
+64) with the character-level T5 tokenizer of `mmalign.tiny.sd3`, and a flow-matching Euler scheduler
+(shift 3). `--frames` 9 x `--size` 64: 3 latent frames of 8 x 8 (48 video tokens), `--text-len` UMT5
+tokens per prompt. The results go to ``flow_step_video_<device>.json`` by default.
 
 Memory: on CPU, the worker's peak RSS (``ru_maxrss``, after all steps) and its increase over the
 worker's current RSS (VmRSS) just before the first (warm-up) step, i.e. once the libraries are
@@ -59,7 +75,16 @@ sys.path.insert(0, str(ROOT))
 from rewards import Reward, RewardBatch, register_reward  # noqa: E402
 
 CONFIGS = [("pixel", "full"), ("pixel", "window"), ("latent", "full"), ("latent", "window")]
-REWARD_NAMES = {"pixel": "jpeg_compressibility", "latent": "bench_latent_energy"}
+FAMILY_REWARDS = {
+    "sd3": {"pixel": {"name": "jpeg_compressibility"}, "latent": {"name": "bench_latent_energy"}},
+    "wan": {
+        "pixel": {"name": "flicker", "kwargs": {"negate": True}},
+        "latent": {"name": "bench_latent_energy"},
+    },
+}
+"""The reward config entry of each (family, reward kind)."""
+WAN_TEXT_DIM = 64
+"""Hidden size of the Wan family's UMT5 text encoder (the transformer's ``text_dim``)."""
 
 
 @register_reward("bench_latent_energy")
@@ -95,7 +120,84 @@ def _busy_jiffies() -> int:
     return sum(v) - v[3] - (v[4] if len(v) > 4 else 0)  # minus idle and iowait
 
 
+def _count(m: torch.nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
 def build_model(path: Path, args: argparse.Namespace) -> dict[str, int]:
+    """Write the model folder of `args.family` at `path`; returns its parameter counts and latent size."""
+    return build_wan(path, args) if args.family == "wan" else build_sd3(path, args)
+
+
+def build_wan(path: Path, args: argparse.Namespace) -> dict[str, int]:
+    """Write the Wan folder (model_index.json, transformer/, vae/, scheduler/, text_encoder/, tokenizer/)
+    with `WanComponents.save_pretrained` (see the module docstring for the architecture)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from mmalign.policies.wan_components import WanComponents, latent_frames
+    from mmalign.tiny.sd3 import t5_char_tokenizer
+
+    down = [False, True, True]  # the real Wan VAE: 4x in time, 8x in space
+    temporal, spatial = 2 ** sum(down), 2 ** len(down)
+    if args.size % (2 * spatial):
+        raise SystemExit(f"--size must be a multiple of {2 * spatial} (VAE 8x, patch 2), got {args.size}")
+    if (args.frames - 1) % temporal:
+        raise SystemExit(
+            f"--frames must be 1 + a multiple of {temporal} (the VAE's 4x in time), got {args.frames}"
+        )
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=16,
+        z_dim=16,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=1,
+        temperal_downsample=down,
+        scale_factor_temporal=temporal,
+        scale_factor_spatial=spatial,
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=args.heads,
+        attention_head_dim=args.head_dim,
+        in_channels=16,
+        out_channels=16,
+        text_dim=WAN_TEXT_DIM,
+        freq_dim=64,
+        ffn_dim=args.ffn_dim,
+        num_layers=args.layers,
+        rope_max_seq_len=64,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    tokenizer = t5_char_tokenizer()
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=WAN_TEXT_DIM,
+            d_kv=16,
+            d_ff=2 * WAN_TEXT_DIM,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=16,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
+    WanComponents(transformer, vae, scheduler, text_encoder, tokenizer).save_pretrained(path)
+    f_lat, hw = latent_frames(args.frames, temporal), args.size // spatial
+    return {
+        "transformer": _count(transformer),
+        "vae": _count(vae),
+        "vae_decoder": _count(vae.decoder) + _count(vae.post_quant_conv),
+        "text_encoder": _count(text_encoder),
+        "latent_frames": f_lat,
+        "latent_size": hw,
+        "video_tokens": f_lat * (hw // 2) ** 2,
+    }
+
+
+def build_sd3(path: Path, args: argparse.Namespace) -> dict[str, int]:
     """Write the tiny SD3-style folder (transformer/, vae/, scheduler/, text_encoder/, tokenizer/)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
@@ -186,7 +288,23 @@ class Worker:
         torch.set_num_threads(args.threads)
         self.dev = dev = torch.device(args.device)
         window = args.window if args.trained == "window" else None
-        pol = FlowPolicy.from_pretrained(args.model_dir, num_steps=args.num_steps, window_size=window, seed=0)
+        if args.family == "wan":
+            from mmalign.policies.wan import WanPolicy
+
+            pol = WanPolicy.from_pretrained(
+                args.model_dir,
+                num_frames=args.frames,
+                height=args.size,
+                width=args.size,
+                max_sequence_length=args.text_len,
+                num_steps=args.num_steps,
+                window_size=window,
+                seed=0,
+            )
+        else:
+            pol = FlowPolicy.from_pretrained(
+                args.model_dir, num_steps=args.num_steps, window_size=window, seed=0
+            )
         for m in (pol.model, pol.vae, pol.text_encoder):
             m.to(dev)
         self.decode_s: list[float] = []
@@ -209,7 +327,7 @@ class Worker:
                 "pipeline": "bench_flow_step",
                 "output_dir": self.run_dir.name,
                 "rollout": {"group_size": args.group, "prompts_per_step": args.prompts},
-                "rewards": [{"name": REWARD_NAMES[args.reward]}],
+                "rewards": [FAMILY_REWARDS[args.family][args.reward]],
                 "trainer": {
                     "steps": 10**6,
                     "lr": 1e-4,
@@ -276,8 +394,8 @@ class Worker:
         res = {
             "reward": args.reward,
             "trained": args.trained,
-            "reward_name": REWARD_NAMES[args.reward],
-            "decoded": "images" in self.trainer._last_batch.outputs,
+            "reward_name": FAMILY_REWARDS[args.family][args.reward]["name"],
+            "decoded": any(k in self.trainer._last_batch.outputs for k in ("images", "videos")),
             "trained_steps": steps[-1]["trained_steps"],
             "steps": steps,
             "min_step_s": min(s["step_s"] for s in steps),
@@ -347,7 +465,25 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--size", type=int, default=128, help="image size (latents: size / 8)")
+    p.add_argument(
+        "--family",
+        choices=("sd3", "wan"),
+        default="sd3",
+        help="sd3: the tiny SD3-style image model (default); wan: a tiny Wan text-to-video model",
+    )
+    p.add_argument(
+        "--size",
+        type=int,
+        default=None,
+        help="image / frame height and width (latents: size / 8; default 128, with --family wan 64)",
+    )
+    p.add_argument(
+        "--frames", type=int, default=9, help="--family wan: frames per video (1 + a multiple of 4)"
+    )
+    p.add_argument("--text-len", type=int, default=64, help="--family wan: UMT5 tokens per prompt")
+    p.add_argument(
+        "--ffn-dim", type=int, default=256, help="--family wan: the transformer's feed-forward size"
+    )
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="group size (samples per prompt)")
     p.add_argument("--num-steps", type=int, default=10, help="denoising (sampling) steps")
@@ -377,18 +513,25 @@ def main() -> None:
         "--out",
         type=Path,
         default=None,
-        help="results JSON (default benchmarks/results/flow_step_<device>.json)",
+        help="results JSON (default benchmarks/results/flow_step_<device>.json; with --family wan "
+        "flow_step_video_<device>.json)",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--reward", default="pixel", help=argparse.SUPPRESS)
     p.add_argument("--trained", default="full", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.size is None:
+        args.size = 64 if args.family == "wan" else 128
     if args.worker:
         worker_loop(args)
         return
-    out = args.out or HERE / "results" / f"flow_step_{args.device}.json"
+    video = args.family == "wan"
+    out = args.out or HERE / "results" / f"flow_step_{'video_' if video else ''}{args.device}.json"
     common = [
+        f"--family={args.family}",
+        f"--frames={args.frames}",
+        f"--text-len={args.text_len}",
         f"--device={args.device}",
         f"--steps={args.steps}",
         f"--warmup={args.warmup}",
@@ -403,7 +546,7 @@ def main() -> None:
     specs = [s.strip() for s in args.configs.split(",")]
     n_rounds = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "sd3"
+        model_dir = Path(tmp) / args.family
         sizes = build_model(model_dir, args)
 
         def start(spec: str) -> Proc:
@@ -451,12 +594,24 @@ def main() -> None:
                 results.append(pr.ask("result"))
                 pr.p.wait()
     mem = "peak CUDA alloc" if args.device.startswith("cuda") else "peak RSS"
-    print(
-        f"\n{args.prompts} prompts x {args.group} = {args.prompts * args.group} samples, {args.size}x{args.size} "
-        f"images ({sizes['latent_size']}x{sizes['latent_size']}x16 latents), {args.num_steps} sampling steps; "
-        f"transformer {sizes['transformer'] / 1e6:.2f} M, VAE {sizes['vae'] / 1e6:.2f} M parameters; "
-        f"{args.device}, {args.threads} threads; median of {args.steps} steps after {args.warmup} warm-up"
-    )
+    if video:
+        lat = sizes["latent_size"]
+        print(
+            f"\n{args.prompts} prompts x {args.group} = {args.prompts * args.group} samples, {args.frames} frames of "
+            f"{args.size}x{args.size} ({sizes['latent_frames']}x{lat}x{lat}x16 latents, {sizes['video_tokens']} "
+            f"video tokens, {args.text_len} text tokens), {args.num_steps} sampling steps; Wan transformer "
+            f"{sizes['transformer'] / 1e6:.2f} M, VAE {sizes['vae'] / 1e6:.2f} M (decoder "
+            f"{sizes['vae_decoder'] / 1e6:.2f} M), UMT5 {sizes['text_encoder'] / 1e6:.2f} M parameters; "
+            f"pixel = flicker (negated), latent = bench_latent_energy;"
+            f"\n{args.device}, {args.threads} threads; median of {args.steps} steps after {args.warmup} warm-up"
+        )
+    else:
+        print(
+            f"\n{args.prompts} prompts x {args.group} = {args.prompts * args.group} samples, {args.size}x{args.size} "
+            f"images ({sizes['latent_size']}x{sizes['latent_size']}x16 latents), {args.num_steps} sampling steps; "
+            f"transformer {sizes['transformer'] / 1e6:.2f} M, VAE {sizes['vae'] / 1e6:.2f} M parameters; "
+            f"{args.device}, {args.threads} threads; median of {args.steps} steps after {args.warmup} warm-up"
+        )
     head = (
         f"{'reward':<7} {'trained':<8} {'T':>2} {'median (s)':>10} {'fastest':>7} {'CPU s':>6} {'rollout':>7} "
         f"{'decode':>6} {'reward':>6} {'update':>6} {mem + ' (MiB)':>19} {'increase':>8} {'other CPU':>9}"
@@ -488,6 +643,7 @@ def main() -> None:
         k: (str(v) if isinstance(v, Path) else v)
         for k, v in vars(args).items()
         if k not in ("worker", "reward", "trained", "model_dir")
+        and (video or k not in ("family", "frames", "text_len", "ffn_dim"))  # the image JSON stays as it was
     }
     machine = {
         "platform": platform.platform(),
