@@ -78,6 +78,8 @@ SIDES: dict[str, tuple[int, int]] = {
     "below": (0, 1),
 }
 """Relation words -> the direction (dx, dy) from the landmark to the target (image y points down)."""
+BUILDING_PX = (5, 8)
+"""Smallest and largest side of a building (original pixels, drawn uniformly)."""
 LAKE = (45, 85, 175)
 ROAD = (168, 162, 150)
 FIELDS = [(112, 140, 72), (138, 150, 82), (158, 142, 92), (120, 112, 72), (92, 122, 62), (146, 128, 84)]
@@ -153,9 +155,9 @@ def _draw_lake(img: Any, rng: random.Random) -> list[float]:
 
 
 def _beside(lake: Sequence[float], side: str, rng: random.Random, size: int) -> list[float]:
-    """A 5-8 px building 5-10 px beyond the lake's bounding box on `side`, within 6 px of the lake's middle
+    """A building (`BUILDING_PX`, 5-8 px) 5-10 px beyond the lake's bounding box on `side`, within 6 px of the lake's middle
     line (so its place follows from the lake's, which view 0 shows, up to a few pixels)."""
-    s = rng.randint(5, 8)
+    s = rng.randint(*BUILDING_PX)
     dx, dy = SIDES[side]
     cx, cy = (lake[0] + lake[2]) / 2, (lake[1] + lake[3]) / 2
     gap = rng.randint(5, 10)
@@ -186,7 +188,7 @@ def draw_map(rng: random.Random, size: int = MAP_SIZE) -> GeoMap:
     tries = 0
     while len(buildings) < 2 + want and tries < 500:
         tries += 1
-        s = rng.randint(5, 8)
+        s = rng.randint(*BUILDING_PX)
         if len(buildings) < 2 + want_near:  # near the target: inside the crop that finds it
             ang, dist = rng.uniform(0, 2 * math.pi), rng.uniform(10, 24)
             x, y = tcx + dist * math.cos(ang) - s / 2, tcy + dist * math.sin(ang) - s / 2
