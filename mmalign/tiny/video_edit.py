@@ -188,8 +188,9 @@ def build_video_edit(
     if meta["vae_psnr"] < min_vae_psnr:
         raise RuntimeError(
             f"video_edit builder: the tiny Wan VAE reconstructs the clips at {meta['vae_psnr']:.1f} dB, below "
-            f"min_vae_psnr={min_vae_psnr}: it has collapsed to a blank output (it does at vae_lr 1e-3 for some "
-            "seeds and data). Nothing was written; retry with another seed or a lower vae_lr and more vae_steps."
+            f"min_vae_psnr={min_vae_psnr}: the fit collapsed to a blank output (~12 dB; it does at vae_lr 1e-3 "
+            "for some seeds and data) or has not converged (vae_lr 7e-4 reached 17.5 dB in 1200 steps). Nothing "
+            "was written; retry with another seed, or a lower vae_lr and more vae_steps."
         )
     _set_latent_stats(vae, torch.cat([sources, targets]))
     z_src, z_tgt = encode_video(vae, sources), encode_video(vae, targets)
