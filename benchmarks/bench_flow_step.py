@@ -133,10 +133,10 @@ def build_wan(path: Path, args: argparse.Namespace) -> dict[str, int]:
     """Write the Wan folder (model_index.json, transformer/, vae/, scheduler/, text_encoder/, tokenizer/)
     with `WanComponents.save_pretrained` (see the module docstring for the architecture)."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
 
     from mmalign.policies.wan_components import WanComponents, latent_frames
     from mmalign.tiny.sd3 import t5_char_tokenizer
+    from mmalign.tiny.wan import tiny_umt5
 
     down = [False, True, True]  # the real Wan VAE: 4x in time, 8x in space
     temporal, spatial = 2 ** sum(down), 2 ** len(down)
@@ -170,20 +170,7 @@ def build_wan(path: Path, args: argparse.Namespace) -> dict[str, int]:
     )
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     tokenizer = t5_char_tokenizer()
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=WAN_TEXT_DIM,
-            d_kv=16,
-            d_ff=2 * WAN_TEXT_DIM,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=16,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            decoder_start_token_id=tokenizer.pad_token_id,
-        )
-    )
+    text_encoder = tiny_umt5(tokenizer, WAN_TEXT_DIM, num_layers=2, num_heads=4, d_kv=16, buckets=16)
     WanComponents(transformer, vae, scheduler, text_encoder, tokenizer).save_pretrained(path)
     f_lat, hw = latent_frames(args.frames, temporal), args.size // spatial
     return {

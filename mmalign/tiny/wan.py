@@ -34,24 +34,27 @@ import torch
 from mmalign.policies.wan_components import WanComponents
 from mmalign.tiny import BUILDERS
 
-__all__ = ["CONDITIONS", "build_tiny_wan"]
+__all__ = ["CONDITIONS", "build_tiny_wan", "tiny_umt5"]
 
 CONDITIONS = ("none", "concat", "vace")
 """What the tiny transformer is built for (``none``: text to video, also what SDEdit uses)."""
 
 
-def _tiny_umt5(tokenizer: Any, hidden: int) -> torch.nn.Module:
+def tiny_umt5(
+    tokenizer: Any, hidden: int, *, num_layers: int = 1, num_heads: int = 2, d_kv: int = 8, buckets: int = 8
+) -> torch.nn.Module:
+    """A random ``UMT5EncoderModel`` of width `hidden` for `tokenizer` (Wan's text encoder, tiny)."""
     from transformers import UMT5Config, UMT5EncoderModel
 
     return UMT5EncoderModel(
         UMT5Config(
             vocab_size=len(tokenizer),
             d_model=hidden,
-            d_kv=8,
+            d_kv=d_kv,
             d_ff=2 * hidden,
-            num_layers=1,
-            num_heads=2,
-            relative_attention_num_buckets=8,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            relative_attention_num_buckets=buckets,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             decoder_start_token_id=tokenizer.pad_token_id,
@@ -134,7 +137,7 @@ def build_tiny_wan(
         high,
         vae,
         scheduler,
-        _tiny_umt5(tokenizer, text_hidden),
+        tiny_umt5(tokenizer, text_hidden),
         tokenizer,
         transformer_2=low,
         boundary_ratio=boundary_ratio if two_experts else None,
