@@ -33,15 +33,15 @@ A missing file or column is a `DataError` naming file:line (or the row is skippe
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from mmalign.config import Config
 from mmalign.data import DataError, load_rows
-from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
+from pipelines.wan_video import WanVideoOptions, build_wan_policy, wan_video_options
 from rewards import RewardSet
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,9 @@ CONDITIONS = ("concat", "sdedit", "vace")
 
 
 @dataclass
-class VideoEditOptions(SamplerSettings):
-    """The ``options:`` section: the sampler (`mmalign.policies.denoising.SamplerSettings`) plus the video
-    and editing settings of `mmalign.policies.wan.WanPolicy`."""
+class VideoEditOptions(WanVideoOptions):
+    """The ``options:`` section: the sampler and video settings (`pipelines.wan_video.WanVideoOptions`) plus
+    how the edit sees its source."""
 
     condition: Literal["concat", "sdedit", "vace"] = "sdedit"
     """How the edit sees the source clip: ``vace`` (VACE checkpoints), ``sdedit`` (any Wan checkpoint) or
@@ -62,54 +62,22 @@ class VideoEditOptions(SamplerSettings):
     sdedit_strength: float = 0.7
     """``sdedit``: the sigma s the source latents are noised to, x = (1 - s) z_src + s eps; the schedule's
     sigmas below s are then run (1: pure noise, plain text to video)."""
-    num_frames: int = 17
-    """Frames of a clip (Wan wants 4k + 1); sources are subsampled evenly to this many."""
-    height: int = 480
-    """Frame height in pixels (Wan 480p: 480); sources are resized to it. A multiple of the VAE's spatial
-    factor times the transformer's patch (16 for Wan2.1)."""
-    width: int = 832
-    """Frame width in pixels (Wan 480p: 832)."""
-    guidance_scale: float = 5.0
-    """Classifier-free guidance scale (Wan's default 5.0; 1: no guidance, half the compute)."""
-    max_sequence_length: int = 512
-    """Tokens of the UMT5 prompt states (Wan: 512)."""
-    boundary_ratio: float | None = None
-    """Wan2.2 A14B (two experts): the high-noise expert runs while t >= boundary_ratio * 1000 (null: the
-    model folder's own value)."""
-    train_expert: Literal["high", "low", "both"] = "both"
-    """Two-expert models: which expert's weights train (the steps of the other run without a log-prob)."""
     video_root: str | None = None
     """Folder that relative paths are resolved against (default: the JSONL file's folder)."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed row or missing file: stop with an error naming file:line, or skip it (counted, logged)."""
-    reward_models: dict[str, str] = field(default_factory=dict)
-    """Offline runs: reward-model folders to build if missing, path -> tiny builder (e.g. a tiny CLIP)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.sde_kind not in FLOW_SDE_KINDS:
-            raise ValueError(
-                f"sde_kind must be one of {', '.join(FLOW_SDE_KINDS)} (Wan is a flow-matching model); "
-                f"got {self.sde_kind!r}"
-            )
         if self.condition not in CONDITIONS:
             raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}; got {self.condition!r}")
         if not 0 < self.sdedit_strength <= 1:
             raise ValueError(f"sdedit_strength must be in (0, 1], got {self.sdedit_strength}")
-        if self.num_frames < 1:
-            raise ValueError(f"num_frames must be >= 1, got {self.num_frames}")
-        for key in ("height", "width"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
 
 
 def video_edit_options(cfg: Config) -> VideoEditOptions:
     """The typed `options:` section (`config_from_dict` validates it against `VideoEditOptions`)."""
-    if isinstance(cfg.options, VideoEditOptions):
-        return cfg.options
-    if cfg.options is None:
-        return VideoEditOptions()
-    raise TypeError(f"{cfg.source}: options were not validated as VideoEditOptions (config built by hand?)")
+    return wan_video_options(cfg, VideoEditOptions)
 
 
 # ----------------------------------------------------------------------------- data
@@ -173,34 +141,10 @@ def load_edit_rows(
 
 
 def build_video_policy(cfg: Config) -> Any:
-    """The `mmalign.policies.wan.WanPolicy` described by `cfg.model` and the `options:` section: loaded
-    through ``from_pretrained`` (a real Wan folder or hub id, or the tiny folder the ``model.tiny_builder``
-    writes), with ``model.lora`` adapters and the reference kept when ``algorithm.kl_coef`` > 0."""
-    import os
-
-    from mmalign.policies.wan import WanPolicy
-
+    """The `mmalign.policies.wan.WanPolicy` described by `cfg.model` and the `options:` section
+    (`pipelines.wan_video.build_wan_policy` with the editing settings)."""
     opts = video_edit_options(cfg)
-    path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
-    seed = None if opts.seed is None else opts.seed + int(os.environ.get("RANK", "0"))
-    try:
-        return WanPolicy.from_pretrained(
-            path,
-            dtype=cfg.model.dtype,
-            lora=cfg.model.lora,
-            sampler=opts.sampler_settings(seed=seed),
-            condition=opts.condition,
-            sdedit_strength=opts.sdedit_strength,
-            num_frames=opts.num_frames,
-            max_sequence_length=opts.max_sequence_length,
-            train_expert=opts.train_expert,
-            need_reference=cfg.algorithm.kl_coef > 0,
-            height=opts.height,
-            width=opts.width,
-            **({} if opts.boundary_ratio is None else {"boundary_ratio": opts.boundary_ratio}),
-        )
-    except ValueError as e:  # the policy's checks name the option; say which file holds it
-        raise ValueError(f"{cfg.source}: options: {e}") from e
+    return build_wan_policy(cfg, opts, condition=opts.condition, sdedit_strength=opts.sdedit_strength)
 
 
 @register_pipeline("video_edit", options=VideoEditOptions)
