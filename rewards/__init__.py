@@ -5,6 +5,8 @@ names; ``load_reward(spec, **options)`` builds one from a name, an entry point o
 ``mmalign.rewards`` or a ``package.module:Class`` path; ``RewardSet`` evaluates a config's list.
 """
 
+from . import geometry as geometry  # registers the latent geometry rewards (rewards/geometry.py)
+from . import process as process  # registers sampler_process_reward (rewards/process.py)
 from . import video as video  # registers the video rewards (rewards/video.py)
 from .base import (
     ENTRY_POINT_GROUP,
@@ -23,6 +25,7 @@ from .base import (
     register_reward,
 )
 from .boxes import BoxCenter, BoxF1, BoxGIoU, IoUAt, IoUSweep
+from .geometry import CameraSmoothness, MotionGuard, ReprojectionConsistency
 from .image import (
     AestheticScore,
     ClipScore,
@@ -32,12 +35,17 @@ from .image import (
     ShapesCompositional,
 )
 from .multimodal import BMAS, BoxIoU, MixedAccuracy, MultipleChoice
+from .process import SamplerProcessReward
 from .safety import ClassifierFlag, ClipConceptFlag, ClipSteering, ColourPresent
 from .search import CropKeepsTarget, SearchFormat, ToolUseBonus, TurnsUsed
 from .text import AnswerAccuracy, FormatReward, OverlongPenalty
 
 __all__ = [
     "AestheticScore",
+    "CameraSmoothness",
+    "MotionGuard",
+    "ReprojectionConsistency",
+    "SamplerProcessReward",
     "ClipScore",
     "JpegCompressibility",
     "JpegIncompressibility",
