@@ -40,4 +40,4 @@ def test_config_is_valid(path: Path) -> None:
 
 
 def _needs_model_files(kwargs: dict) -> bool:
-    return any(k in kwargs for k in ("model", "mlp_path", "clip_model", "path"))
+    return any(k in kwargs for k in ("model", "mlp_path", "clip_model", "path", "geometry_model"))
