@@ -317,6 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("args", nargs=argparse.REMAINDER, help="see `mmalign grounding --help`")
     # (main() hands `mmalign grounding ...` to pipelines.grounding.main before this parser runs)
 
+    for name, text in (
+        ("doctor", "diagnose a run directory: flat rewards, zero-std groups, clipping, NaNs, tool use, KL"),
+        ("demo", "browse and compare runs' samples, rewards and curves in a Gradio app"),
+    ):
+        extra = sub.add_parser(name, help=text, add_help=False)
+        extra.add_argument("args", nargs=argparse.REMAINDER, help=f"see `mmalign {name} --help`")
+        # (main() hands `mmalign doctor|demo ...` to their own parsers before this parser runs)
+
     ls = sub.add_parser("list", help="show what is registered")
     ls.add_argument(
         "what",
@@ -334,6 +342,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pipelines import grounding
 
         return grounding.main(argv[1:], prog="mmalign grounding")
+    if argv[:1] == ["doctor"]:  # learning diagnostics of a run directory (mmalign/doctor.py)
+        from mmalign.doctor import doctor_main
+
+        return doctor_main(argv[1:])
+    if argv[:1] == ["demo"]:  # the Gradio sample browser (mmalign/demo.py, the `demo` extra)
+        from mmalign.demo import demo_main
+
+        return demo_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -49,6 +49,7 @@ from mmalign import rundir
 from mmalign import samplers as sampler_lib
 from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError
+from mmalign.doctor import LiveDoctor
 from mmalign.policies.base import RunInfo
 from mmalign.registry import RegistryError
 
@@ -586,6 +587,8 @@ class GroupTrainer:
             dynamic_ncols=True,
         )
         metrics_f = (self.out / rundir.METRICS_FILE).open("a") if self.is_main else None
+        # learning diagnostics on each step's metrics: rate-limited warnings (logger "mmalign.doctor"), never raises
+        doctor = LiveDoctor(self.cfg.to_dict()) if self.is_main else None
         try:
             while self.step < t.steps:
                 try:
@@ -606,6 +609,8 @@ class GroupTrainer:
                     if hasattr(cb, "on_step_end"):
                         cb.on_step_end(self, self.step, m)
                 self.history.append(m)
+                if doctor is not None:
+                    doctor.observe(m)
                 if metrics_f is not None and (self.step % t.log_every == 0 or self.step == t.steps):
                     metrics_f.write(json.dumps(rundir.jsonable(m)) + "\n")
                     metrics_f.flush()
