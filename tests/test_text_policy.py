@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from mmalign import tiny
 from mmalign.config import LoraConfig
-from mmalign.policies.text import TextPolicy, completion_mask, selective_log_softmax
+from mmalign.policies.text import TextPolicy, completion_mask, selective_log_softmax, token_entropy
 
 
 def test_bpe_tokenizer_survives_save_and_auto_load(tmp_path: Path) -> None:
@@ -235,3 +236,30 @@ def test_prefilled_generation_samples_the_same_tokens(random_text_model_dir: Pat
     plain, shared = outs
     assert torch.equal(plain.payload["completion_ids"], shared.payload["completion_ids"])
     assert torch.allclose(plain.logp_old, shared.logp_old, atol=1e-5)
+
+
+def test_token_entropy_against_a_plain_loop() -> None:
+    import math
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=g)
+    logits[0, 1, 3] = float("-inf")  # a suppressed token contributes nothing
+    got = token_entropy(logits, chunk=2)
+    for b in range(2):
+        for t in range(5):
+            z = [math.exp(v) for v in logits[b, t].tolist()]
+            total = sum(z)
+            h = -sum((p / total) * math.log(p / total) for p in z if p > 0)
+            assert abs(got[b, t].item() - h) < 1e-5
+    assert torch.allclose(token_entropy(torch.zeros(1, 3, 8)), torch.full((1, 3), math.log(8)))
+
+
+def test_evaluate_returns_entropy_of_the_sampled_distribution(random_text_model_dir: Path) -> None:
+    pol = _policy(random_text_model_dir)
+    ro = pol.rollout(_rows(PROMPTS[:2]), 2, compute_logp=True)
+    stats = pol.evaluate(ro)
+    assert stats.entropy is not None and stats.entropy.shape == ro.mask.shape
+    assert not stats.entropy.requires_grad
+    assert torch.all(stats.entropy[~ro.mask] == 0) and torch.all(stats.entropy[ro.mask] > 0)
+    vocab = pol.model.config.vocab_size
+    assert torch.all(stats.entropy <= math.log(vocab) + 1e-4)

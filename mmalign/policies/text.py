@@ -47,6 +47,18 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+@torch.no_grad()
+def token_entropy(logits: Tensor, chunk: int = 256) -> Tensor:
+    """Entropy (nats) of the next-token distribution softmax(logits) at every position, Float[..., T] in fp32,
+    without gradient; computed `chunk` positions at a time so that only one fp32 [B, chunk, V] block of
+    probabilities exists at once. Tokens whose logit is -inf (suppressed) contribute 0."""
+    out = []
+    for start in range(0, logits.shape[-2], chunk):
+        probs = logits[..., start : start + chunk, :].float().softmax(dim=-1)
+        out.append(torch.special.entr(probs).sum(dim=-1))
+    return torch.cat(out, dim=-1) if out else logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
+
+
 def completion_mask(completion_ids: Tensor, eos_ids: list[int], stop_lengths: Tensor | None = None) -> Tensor:
     """Bool[B,T]: tokens up to and including the first EOS (or the end given by `stop_lengths`)."""
     b, t = completion_ids.shape
@@ -695,7 +707,12 @@ class TextPolicy(Policy):
         return out
 
     # ------------------------------------------------------------------ log-probs
-    def _logprobs(self, model: torch.nn.Module, rollout: Rollout, *, grad: bool) -> Tensor:
+    def _logprobs(
+        self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, entropy_out: list[Tensor] | None = None
+    ) -> Tensor:
+        """Float[B, T] log-probs of the stored completion tokens (0 where masked); with `entropy_out` (a list)
+        the per-token entropy of the same distribution (`token_entropy`, no grad, 0 where masked) is appended
+        to it."""
         p = rollout.payload
         prompt_ids, prompt_mask = p["prompt_ids"].to(self.device), p["prompt_mask"].to(self.device)
         completion_ids = p["completion_ids"].to(self.device)
@@ -711,6 +728,8 @@ class TextPolicy(Policy):
             if self.temperature != 1.0:
                 logits = logits / self.temperature
             logp = selective_log_softmax(logits, completion_ids)
+        if entropy_out is not None:
+            entropy_out.append(token_entropy(logits.detach()).masked_fill(~mask, 0.0))
         return logp.masked_fill(~mask, 0.0)
 
     def _gradient_checkpointing(self) -> bool:
@@ -801,8 +820,11 @@ class TextPolicy(Policy):
         return torch.cat([out_p.logits[:, -1:, :][inverse], out_c.logits[:, :-1, :]], dim=1)
 
     def evaluate(self, rollout: Rollout) -> ActionStats:
-        """Per-token log-probs of the stored completions, with grad."""
-        return ActionStats(logp=self._logprobs(self.forward_model, rollout, grad=True))
+        """Per-token log-probs of the stored completions, with grad, and their entropies (logged as
+        ``entropy``, read by `mmalign doctor`'s entropy-collapse check)."""
+        entropy: list[Tensor] = []
+        logp = self._logprobs(self.forward_model, rollout, grad=True, entropy_out=entropy)
+        return ActionStats(logp=logp, entropy=entropy[0])
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout) -> Tensor:

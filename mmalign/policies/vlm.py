@@ -57,6 +57,7 @@ from mmalign.policies.text import (
     _pad_right,
     completion_attention,
     selective_log_softmax,
+    token_entropy,
 )
 from mmalign.rollout_loops import Conversation, Insert, Segment
 
@@ -414,7 +415,9 @@ class VLMPolicy(TextPolicy):
         return out
 
     # ------------------------------------------------------------------ log-probs
-    def _logprobs(self, model: torch.nn.Module, rollout: Rollout, *, grad: bool) -> Tensor:
+    def _logprobs(
+        self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, entropy_out: list[Tensor] | None = None
+    ) -> Tensor:
         p = rollout.payload
         dev = self.device
         prompt_ids, prompt_mask = p["prompt_ids"].to(dev), p["prompt_mask"].to(dev)
@@ -461,6 +464,8 @@ class VLMPolicy(TextPolicy):
             if self.temperature != 1.0:
                 logits = logits / self.temperature
             logp = selective_log_softmax(logits, completion_ids)
+        if entropy_out is not None:
+            entropy_out.append(token_entropy(logits.detach()).masked_fill(~mask, 0.0))
         return logp.masked_fill(~mask, 0.0)
 
     def _shared_prefix_vlm_logits(
