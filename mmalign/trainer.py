@@ -52,6 +52,7 @@ from mmalign.config import Config, ConfigError
 from mmalign.doctor import LiveDoctor
 from mmalign.policies.base import RunInfo
 from mmalign.registry import RegistryError
+from mmalign.trackers import RunTrackers, accelerator_kwargs, check_available
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +94,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class GroupTrainer:
     """The training loop shared by every pipeline. See the module docstring."""
 
+    trackers: RunTrackers = RunTrackers(None, None)
+    """TensorBoard / W&B (`trainer.log_with`; `mmalign.trackers`): config, step metrics, sample media. Off
+    here; `__init__` sets the run's."""
+
     def __init__(
         self, cfg: Config, components: Any, *, resume: bool = False, accelerator: Any = None
     ) -> None:
         from accelerate import Accelerator
 
+        check_available(cfg)  # a tracker in trainer.log_with whose package is missing: fail before anything
         self.cfg = cfg
         self.policy = components.policy
         self.reward_set = components.rewards
@@ -106,9 +112,10 @@ class GroupTrainer:
         self.sample_columns = list(getattr(components, "sample_columns", ()))
         """Dataset columns written beside each sample in the run directory (the pipeline's choice)."""
         self.accelerator = accelerator or Accelerator(
-            cpu=cfg.trainer.cpu, mixed_precision=cfg.trainer.mixed_precision
+            cpu=cfg.trainer.cpu, mixed_precision=cfg.trainer.mixed_precision, **accelerator_kwargs(cfg)
         )
         acc = self.accelerator
+        self.trackers = RunTrackers(cfg, acc, resume=resume)
         self.world = acc.num_processes
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
@@ -590,6 +597,7 @@ class GroupTrainer:
         # learning diagnostics on each step's metrics: rate-limited warnings (logger "mmalign.doctor"), never raises
         doctor = LiveDoctor(self.cfg.to_dict()) if self.is_main else None
         try:
+            self.trackers.start(self.step)
             while self.step < t.steps:
                 try:
                     m = self.train_step()
@@ -611,10 +619,12 @@ class GroupTrainer:
                 self.history.append(m)
                 if doctor is not None:
                     doctor.observe(m)
-                if metrics_f is not None and (self.step % t.log_every == 0 or self.step == t.steps):
-                    metrics_f.write(json.dumps(rundir.jsonable(m)) + "\n")
-                    metrics_f.flush()
-                    os.fsync(metrics_f.fileno())
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    if metrics_f is not None:
+                        metrics_f.write(json.dumps(rundir.jsonable(m)) + "\n")
+                        metrics_f.flush()
+                        os.fsync(metrics_f.fileno())
+                    self.trackers.log_metrics(m, self.step)
                 if self.step % t.sample_every == 0 or self.step == 1:
                     self.dump_samples(self._last_batch)
                 if self.step % t.save_every == 0 or self.step == t.steps:
@@ -627,6 +637,7 @@ class GroupTrainer:
             bar.close()
             if metrics_f is not None:
                 metrics_f.close()
+            self.trackers.finish()
         if self.is_main:
             self.policy.save(self.out / "final")
         self.accelerator.wait_for_everyone()
@@ -640,9 +651,8 @@ class GroupTrainer:
 
         if not len(batch):
             return
-        views = rundir.store_sample_media(
-            self.out, self.step, self.policy.sample_view(batch), rank=self.rank, world=self.world
-        )
+        shown = self.policy.sample_view(batch)
+        views = rundir.store_sample_media(self.out, self.step, shown, rank=self.rank, world=self.world)
         rows = []
         adv = _per_sample(batch.advantages, batch.mask) if batch.advantages is not None else None
         for i in range(len(batch)):
@@ -660,6 +670,7 @@ class GroupTrainer:
             if isinstance(state, list) and len(state) == len(batch) and state[i]:
                 row["env_state"] = state[i]  # what a multi-turn environment recorded (views, tool calls)
             rows.append(row)
+        self.trackers.log_samples(self.step, rows, shown)  # this process's first samples; main only
         if self.world > 1:
             rows = gather_object(rows)
         if self.is_main:
