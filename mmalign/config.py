@@ -45,10 +45,15 @@ class ConfigError(ValueError):
 @dataclass
 class LoraConfig:
     enabled: bool = False
+    """Train LoRA adapters instead of the full model."""
     r: int = 8
+    """LoRA rank (>= 1)."""
     alpha: int = 16
+    """LoRA scaling alpha (> 0)."""
     dropout: float = 0.0
+    """Dropout on the LoRA inputs, in [0, 1)."""
     target_modules: list[str] | str = "all-linear"
+    """Modules that get adapters: a list of names, or `all-linear`."""
 
 
 @dataclass
@@ -58,15 +63,21 @@ class ModelConfig:
     tiny_builder: str | None = None
     """If set and `name_or_path` does not exist, build that tiny model there first (mmalign.tiny)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the weights are loaded in."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     use_chat_template: bool = False
+    """Wrap each prompt in the tokenizer's chat template (with `system_prompt`) before generating."""
     system_prompt: str | None = None
+    """System message prepended when `use_chat_template` is true."""
     gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, more compute)."""
     shared_prefix: bool = True
     """Encode each group's prompt once when recomputing log-probs (same numbers as the plain forward;
     not used under gradient checkpointing). Set false for a model whose KV cache cannot carry grad."""
     attn_implementation: str | None = None
+    """Passed to `from_pretrained` (e.g. `sdpa`, `flash_attention_2`; null: the model's default)."""
     trust_remote_code: bool = False
+    """Passed to `from_pretrained` (run the model repository's own code)."""
 
 
 @dataclass
@@ -74,14 +85,18 @@ class DataConfig:
     train: str = ""
     """JSONL file (one JSON object per line), or `hf:<dataset>[:<split>]` for Hugging Face datasets."""
     eval: str | None = None
+    """Evaluation prompts, same formats as `train` (`mmalign eval` / `sample`; null: the training rows)."""
     prompt_template: str = "{question}"
     """Python format string over the row's columns; gives the prompt text."""
     shuffle: bool = True
+    """Visit the training rows in a shuffled order (passed to the prompt sampler)."""
     max_rows: int | None = None
+    """Load at most this many rows (null: all)."""
     sampler: str = "uniform"
     """Prompt sampler (mmalign.samplers): `uniform` (shuffled epochs) or `vade` (Thompson sampling on
     per-prompt Beta posteriors of success, picking the most informative prompts)."""
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of the prompt sampler."""
     success_threshold: float | None = 0.5
     """For the sampler's feedback: a sample succeeds when its total reward is > this (null: the
     group's mean reward clamped to [0, 1] is its success rate)."""
@@ -90,21 +105,30 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     group_size: int = 8
+    """Samples per prompt (G): the group advantages are computed over."""
     prompts_per_step: int = 8
+    """Prompts per training step (a step rolls out prompts_per_step * group_size samples)."""
     max_new_tokens: int = 64
+    """Most tokens generated per completion (text and VLM policies)."""
     temperature: float = 1.0
+    """Sampling temperature (> 0: GRPO needs sampling)."""
     top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1] (1: off)."""
     top_k: int = 0
+    """Top-k sampling (0: off)."""
     stop_strings: list[str] = field(default_factory=list)
+    """Generation stops at any of these strings."""
     engine: Literal["hf", "fake", "vllm"] = "hf"
     """Who samples: `hf` (the policy's own `generate`), `vllm` (colocated vLLM, `mmalign[vllm]`, GPU)
     or `fake` (an in-process CPU engine with its own weight copy, for tests)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of the rollout engine (e.g. vLLM's)."""
     sync_timeout_s: float = 600.0
     """Weight sync to the engine after each optimizer step fails with a clear error past this."""
     is_correction: Literal["none", "token", "sequence"] = "token"
     """Truncated importance sampling for the engine/trainer log-prob mismatch (engines other than hf)."""
     is_cap: float = 2.0
+    """Cap of the truncated importance weights of `is_correction`."""
     batch_size: int | None = None
     """Generate at most this many sequences at once (None: the whole step)."""
     loop: str = "single_turn"
@@ -120,36 +144,60 @@ class RewardConfig:
     name: str = ""
     """Registered name, entry point of group `mmalign.rewards`, or `package.module:Class`."""
     weight: float = 1.0
+    """Weight of this reward in the total reward (0: logged only)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of the reward (its constructor's keyword arguments)."""
     alias: str | None = None
+    """Column name of this reward in metrics and samples (default: `name`); needed to use one reward twice."""
 
 
 @dataclass
 class AlgorithmConfig:
     estimator: str = "grpo"
+    """Advantage estimator (`mmalign.advantages`)."""
     estimator_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of the estimator."""
     loss: str = "ppo_clip"
+    """Policy loss (`mmalign.losses`)."""
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of the loss (e.g. its clip range)."""
     loss_agg: str = "token_mean"
+    """How per-token losses are averaged into one number."""
     kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy (0: no reference model is kept)."""
     kl_estimator: str = "k3"
+    """KL estimator for the penalty (k1, k2, k3)."""
     adv_clip: float | None = None
+    """Clamp advantages to [-adv_clip, adv_clip] (null: no clamp)."""
     filter: str = "none"
+    """Group filter applied before the update (`mmalign.filters`; `none`: keep every group)."""
     filter_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of the filter."""
     aux_coefs: dict[str, float] = field(default_factory=dict)
     """Coefficient of each auxiliary loss term the policy returns (`ActionStats.aux_losses`), by name; the
     trainer adds ``coef * term`` to the loss. A term without a coefficient here is an error."""
 
 
+TRACKERS = ("tensorboard", "wandb")
+"""The experiment trackers `TrainerConfig.log_with` may name (`mmalign.trackers`)."""
+
+
 @dataclass
 class TrainerConfig:
     steps: int = 100
+    """Training steps (one rollout and its updates each)."""
     lr: float = 1e-5
+    """AdamW learning rate."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas, two numbers in [0, 1)."""
     adam_eps: float = 1e-8
+    """AdamW epsilon."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after the warm-up."""
     warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to `lr`."""
     num_iterations: int = 1
     """mu: passes over each rollout."""
     minibatch_size: int | None = None
@@ -157,14 +205,38 @@ class TrainerConfig:
     microbatch_size: int | None = None
     """Samples per forward/backward; gradients accumulate up to `minibatch_size`."""
     shuffle_minibatches: bool = True
+    """Shuffle samples between minibatches (when a rollout gives more than one optimizer step)."""
     max_grad_norm: float | None = 1.0
+    """Clip the gradient norm to this (null: no clipping)."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Accelerate mixed precision (`no`, `bf16`, `fp16`)."""
     cpu: bool = False
+    """Force the CPU even when a GPU is available (passed to Accelerate)."""
     log_every: int = 1
+    """Write metrics every this many steps (and at the last)."""
     sample_every: int = 10
+    """Write samples/step_N.jsonl every this many steps (and at step 1)."""
     save_every: int = 50
+    """Write a checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = 2
+    """Checkpoints kept in output_dir/checkpoints (older ones are deleted)."""
     progress_bar: bool = True
+    """Show a progress bar (main process only)."""
+    log_with: list[str] = field(default_factory=list)
+    """Experiment trackers that also receive the run, through accelerate: ``tensorboard`` and / or ``wandb``
+    (the ``trackers`` extra: ``pip install -e ".[trackers]"``). They get the config at the start, the numbers
+    of every logged step and the sample images / videos of every sample step (`mmalign.trackers`). Empty:
+    only ``metrics.jsonl`` and ``samples/``."""
+    tracker_project: str | None = None
+    """Project name given to the trackers: the W&B project, the TensorBoard run folder
+    ``output_dir/tensorboard/<project>/``. None: the last part of ``output_dir``."""
+    tracker_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Start options per tracker, by name: ``wandb`` -> ``wandb.init`` (``entity``, ``mode: offline``, ``name``,
+    ``tags``, ...), ``tensorboard`` -> ``SummaryWriter`` (``flush_secs``, ...). Options of trackers not in
+    `log_with` are ignored."""
+    tracker_media: int = 8
+    """Sample images / videos logged to the trackers at each sample step, at most: the first samples of the
+    main process's batch (its first group first); 0 logs none."""
 
 
 @dataclass
@@ -189,8 +261,11 @@ class EvalConfig:
 @dataclass
 class Config:
     pipeline: str = ""
+    """Registered pipeline name (`mmalign list pipelines`); required."""
     output_dir: str = ""
+    """Run directory (config.yaml, metrics.jsonl, samples/, checkpoints/, final/); required."""
     seed: int = 0
+    """Seeds Python, NumPy and torch for the run (saved with every checkpoint)."""
     overwrite: bool = False
     """Allow training into an `output_dir` that already holds a run (its metrics are replaced)."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -628,6 +703,34 @@ def load_config(
     return _from_dict(data, src, pipeline_finder)
 
 
+def _validate_trackers(t: TrainerConfig, need: typing.Callable[[bool, str, str], None]) -> None:
+    def close(name: str) -> str:
+        match = difflib.get_close_matches(name, TRACKERS, n=1)
+        return f" (did you mean {match[0]!r}?)" if match else ""
+
+    for i, name in enumerate(t.log_with):
+        need(
+            name in TRACKERS,
+            f"trainer.log_with[{i}]",
+            f"names an unknown tracker {name!r}{close(name)}; known: {', '.join(TRACKERS)}",
+        )
+        need(name not in t.log_with[:i], f"trainer.log_with[{i}]", f"names {name!r} twice")
+    need(
+        t.tracker_project is None or bool(t.tracker_project.strip()),
+        "trainer.tracker_project",
+        "must be a non-empty name or null",
+    )
+    for name, opts in t.tracker_kwargs.items():
+        key = f"trainer.tracker_kwargs.{name}"
+        need(
+            name in TRACKERS,
+            key,
+            f"names an unknown tracker {name!r}{close(str(name))}; known: {', '.join(TRACKERS)}",
+        )
+        need(isinstance(opts, dict), key, f"must be a mapping of start options, got {type(opts).__name__}")
+    need(t.tracker_media >= 0, "trainer.tracker_media", "must be >= 0")
+
+
 def _finite(x: float) -> bool:
     return math.isfinite(x)
 
@@ -687,6 +790,7 @@ def validate(cfg: Config, src: _Source | str | None = None) -> None:
     need(t.max_grad_norm is None or t.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0 or null")
     for key in ("log_every", "sample_every", "save_every", "keep_checkpoints"):
         need(getattr(t, key) >= 1, f"trainer.{key}", "must be >= 1")
+    _validate_trackers(t, need)
     need(_finite(a.kl_coef) and a.kl_coef >= 0, "algorithm.kl_coef", "must be a finite number >= 0")
     need(a.adv_clip is None or a.adv_clip > 0, "algorithm.adv_clip", "must be > 0 or null")
     need(len(cfg.rewards) >= 1, "rewards", "must list at least one reward")

@@ -58,7 +58,9 @@ class SafeDiffusionOptions(SamplerSettings):
     unsafe_prompts: list[str] = field(default_factory=list)
     """Training prompt files whose rows are unsafe."""
     eval_safe_prompts: list[str] = field(default_factory=list)
+    """Evaluation prompt files whose rows are safe (.txt or .jsonl)."""
     eval_unsafe_prompts: list[str] = field(default_factory=list)
+    """Evaluation prompt files whose rows are unsafe."""
     category_column: str = "category"
     """The data column holding safe / unsafe (set on rows from the option lists; read from data files)."""
     reward_models: dict[str, str] = field(default_factory=dict)
