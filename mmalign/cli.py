@@ -13,6 +13,7 @@ command fails in seconds with one `mmalign: error: ...` line and leaves an exist
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import sys
@@ -230,8 +231,22 @@ def cmd_list(args: argparse.Namespace) -> int:
         import rewards
 
         items = [(n, rewards.REGISTRY.describe(n)) for n in rewards.names()]
-        items += [(n, "(entry point)") for n in rewards.entry_point_names() if n not in rewards.names()]
+        errors = []
+        for n in rewards.entry_point_names():
+            if n in rewards.names():
+                continue
+            try:  # an installed plugin: its summary line and the package it comes from
+                obj = rewards.base._resolve(n)
+            except Exception as e:  # noqa: BLE001 - a broken plugin must not hide the others
+                errors.append(f"reward entry point {n!r} could not be loaded: {e}")
+                items.append((n, "(entry point, failed to load)"))
+                continue
+            doc = (inspect.getdoc(obj) or "").strip().splitlines()
+            package = (getattr(obj, "__module__", "") or "").split(".")[0]
+            items.append((n, f"{doc[0] if doc else ''} [entry point: {package}]".strip()))
         _list_section("rewards", items)
+        for err in errors:
+            print(f"mmalign: warning: {err}", file=sys.stderr)
     if what in ("estimators", "all"):
         from mmalign import advantages
 
