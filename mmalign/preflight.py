@@ -278,11 +278,14 @@ def check_reward_specs(specs: Sequence[Any], source: str, key: str = "rewards") 
 
 
 def preflight(cfg: Config, *, resume: bool | None = None, eval_rewards: bool = False) -> None:
-    """Every check of a command that needs no model, cheapest first: the output directory (`resume`
-    None: not training, no check), that the data files exist, the reward names and options, the model
+    """Every check of a command that needs no model, cheapest first: the output directory and the trackers'
+    packages (`resume` None: not training, no check), that the data files exist, the reward names and options, the model
     folders and hub ids. The data files are read by the pipeline's ``build``, before its model."""
     if resume is not None:
+        from mmalign.trackers import check_available
+
         check_output_dir(cfg, resume)
+        check_available(cfg)  # a tracker in trainer.log_with whose package is missing
     check_data_files(cfg)
     check_reward_specs(cfg.rewards, cfg.source)
     if eval_rewards:
