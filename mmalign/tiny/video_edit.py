@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -119,55 +118,37 @@ def build_video_edit(
         "builder": "video_edit",
         **{k: v for k, v in locals().items() if k not in ("path", "progress")},
     }
-    from diffusers import WanTransformer3DModel
+    from mmalign.policies.wan_components import encode_prompt, encode_video
+    from mmalign.tiny.wan import fitted_tiny_wan, tiny_wan_transformer
 
-    from mmalign.policies.wan_components import encode_prompt, encode_video, load_wan_components
-    from mmalign.tiny.wan import build_tiny_wan, fit_video_vae, set_latent_stats
-
-    torch.manual_seed(seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_wan(tmp, condition="concat", text_hidden=text_hidden, seed=seed)
-        comp = load_wan_components(tmp)
     clips = _clips(num_clips, seed + 1000)
     held = _clips(32, seed + 2000)
     sources = torch.stack([c.source for c in clips])
     targets = torch.stack([c.target for c in clips])
-    vae = comp.vae
-    if vae_from is not None:
-        from diffusers import AutoencoderKLWan
-
-        vae = comp.vae = AutoencoderKLWan.from_pretrained(vae_from).eval().requires_grad_(False)
-        vae_steps = 0
-    meta["vae_psnr"] = fit_video_vae(
-        vae,
+    comp, meta["vae_psnr"] = fitted_tiny_wan(
+        "video_edit",
         torch.cat([sources, targets]),
-        steps=vae_steps,
-        lr=vae_lr,
-        batch_size=vae_batch_size,
+        condition="concat",
+        text_hidden=text_hidden,
+        vae_steps=vae_steps,
+        vae_lr=vae_lr,
+        vae_batch_size=vae_batch_size,
+        min_vae_psnr=min_vae_psnr,
         seed=seed,
+        vae_from=vae_from,
         progress=progress,
     )
-    if meta["vae_psnr"] < min_vae_psnr:
-        raise RuntimeError(
-            f"video_edit builder: the tiny Wan VAE reconstructs the clips at {meta['vae_psnr']:.1f} dB, below "
-            f"min_vae_psnr={min_vae_psnr}: the fit has not converged (the defaults reach about 20 dB). Nothing "
-            "was written; retry with more vae_steps or another seed."
-        )
-    set_latent_stats(vae, torch.cat([sources, targets]))
+    vae = comp.vae
     z_src, z_tgt = encode_video(vae, sources), encode_video(vae, targets)
     h_src = encode_video(vae, torch.stack([c.source for c in held]))
     z = int(vae.config.z_dim)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
+    transformer = tiny_wan_transformer(
+        2 * z,
+        z,
+        num_layers=num_layers,
         num_attention_heads=num_attention_heads,
         attention_head_dim=attention_head_dim,
-        in_channels=2 * z,
-        out_channels=z,
-        text_dim=text_hidden,
-        freq_dim=32,
-        ffn_dim=4 * num_attention_heads * attention_head_dim,
-        num_layers=num_layers,
-        rope_max_seq_len=32,
+        text_hidden=text_hidden,
     )
     text_encoder, tokenizer = comp.text_encoder, comp.tokenizer
     text_encoder.train().requires_grad_(True)

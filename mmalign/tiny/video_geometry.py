@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +69,9 @@ def _geometry_loss(
     ang = (out.angles - target["angles"]).pow(2).sum(-1).mean()
     dyn = out.dynamic.mean() if out.dynamic is not None else out.depth.new_zeros(())
     return depth + pose_weight * (cen + ang) + dyn, {
-        "depth": float(depth),
-        "centre": float(cen),
-        "angle": float(ang),
+        "depth": float(depth.detach()),
+        "centre": float(cen.detach()),
+        "angle": float(ang.detach()),
     }
 
 
@@ -158,35 +157,27 @@ def build_video_geometry(
         "builder": "video_geometry",
         **{k: v for k, v in locals().items() if k not in ("path", "progress")},
     }
-    from diffusers import WanTransformer3DModel
-
     from mmalign.geometry import TinyLatentGeometry
-    from mmalign.policies.wan_components import decode_video, encode_prompt, encode_video, load_wan_components
+    from mmalign.policies.wan_components import decode_video, encode_prompt, encode_video
     from mmalign.tiny.geometry_scenes import FOV_X, make_scene_clips
-    from mmalign.tiny.wan import build_tiny_wan, fit_video_vae, set_latent_stats
+    from mmalign.tiny.wan import fitted_tiny_wan, tiny_wan_transformer
 
-    torch.manual_seed(seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_wan(tmp, text_hidden=text_hidden, seed=seed)
-        comp = load_wan_components(tmp)
     clips = make_scene_clips(num_clips, seed + 1000)
     held = make_scene_clips(64, seed + 2000)
     videos = torch.stack([c.frames for c in clips])
-    vae = comp.vae
-    if vae_from is not None:
-        from diffusers import AutoencoderKLWan
-
-        vae = comp.vae = AutoencoderKLWan.from_pretrained(vae_from).eval().requires_grad_(False)
-        vae_steps = 0
-    meta["vae_psnr"] = fit_video_vae(
-        vae, videos, steps=vae_steps, lr=vae_lr, batch_size=vae_batch_size, seed=seed, progress=progress
+    comp, meta["vae_psnr"] = fitted_tiny_wan(
+        "video_geometry",
+        videos,
+        text_hidden=text_hidden,
+        vae_steps=vae_steps,
+        vae_lr=vae_lr,
+        vae_batch_size=vae_batch_size,
+        min_vae_psnr=min_vae_psnr,
+        seed=seed,
+        vae_from=vae_from,
+        progress=progress,
     )
-    if meta["vae_psnr"] < min_vae_psnr:
-        raise RuntimeError(
-            f"video_geometry builder: the tiny Wan VAE reconstructs the clips at {meta['vae_psnr']:.1f} dB, below "
-            f"min_vae_psnr={min_vae_psnr}. Nothing was written; retry with more vae_steps or another seed."
-        )
-    set_latent_stats(vae, videos)
+    vae = comp.vae
     z_train = encode_video(vae, videos)
     held_videos = torch.stack([c.frames for c in held])
     z_held = encode_video(vae, held_videos)
@@ -215,17 +206,13 @@ def build_video_geometry(
     meta["rewards_ground_truth_clips"] = _geometry_rewards(geometry, z_held)
 
     # phase 3: text to video
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
+    transformer = tiny_wan_transformer(
+        z,
+        z,
+        num_layers=num_layers,
         num_attention_heads=num_attention_heads,
         attention_head_dim=attention_head_dim,
-        in_channels=z,
-        out_channels=z,
-        text_dim=text_hidden,
-        freq_dim=32,
-        ffn_dim=4 * num_attention_heads * attention_head_dim,
-        num_layers=num_layers,
-        rope_max_seq_len=32,
+        text_hidden=text_hidden,
     )
     text_encoder, tokenizer = comp.text_encoder, comp.tokenizer
     text_encoder.train().requires_grad_(True)

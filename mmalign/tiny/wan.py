@@ -39,7 +39,15 @@ from torch import Tensor
 from mmalign.policies.wan_components import WanComponents
 from mmalign.tiny import BUILDERS, progress_bar
 
-__all__ = ["CONDITIONS", "build_tiny_wan", "fit_video_vae", "set_latent_stats", "tiny_umt5"]
+__all__ = [
+    "CONDITIONS",
+    "build_tiny_wan",
+    "fit_video_vae",
+    "fitted_tiny_wan",
+    "set_latent_stats",
+    "tiny_umt5",
+    "tiny_wan_transformer",
+]
 
 CONDITIONS = ("none", "concat", "vace")
 """What the tiny transformer is built for (``none``: text to video, also what SDEdit uses)."""
@@ -230,4 +238,75 @@ def set_latent_stats(vae: torch.nn.Module, videos: Tensor) -> None:
     vae.register_to_config(  # type: ignore[operator]
         latents_mean=[round(float(v), 4) for v in z.mean(dims)],
         latents_std=[round(float(v), 4) for v in z.std(dims).clamp_min(1e-3)],
+    )
+
+
+def fitted_tiny_wan(
+    builder: str,
+    videos: Tensor,
+    *,
+    condition: str = "none",
+    text_hidden: int = 32,
+    vae_steps: int,
+    vae_lr: float,
+    vae_batch_size: int,
+    min_vae_psnr: float,
+    seed: int,
+    vae_from: str | None = None,
+    progress: bool = True,
+) -> tuple[Any, float]:
+    """The first phase of the warm-started tiny Wan builders (`builder` names one in errors): a random tiny
+    Wan folder's components (`build_tiny_wan` with `condition`, `text_hidden`, `seed`; seeds torch with `seed`
+    first) whose VAE is fitted to `videos` Float[N, F, 3, H, W] (`fit_video_vae`; `vae_from`: load an already
+    fitted one instead) and given their latent statistics (`set_latent_stats`). Returns (components, PSNR of
+    the fit); a PSNR below `min_vae_psnr` is a RuntimeError and nothing is written."""
+    import tempfile
+
+    from mmalign.policies.wan_components import load_wan_components
+
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_tiny_wan(tmp, condition=condition, text_hidden=text_hidden, seed=seed)
+        comp = load_wan_components(tmp)
+    if vae_from is not None:
+        from diffusers import AutoencoderKLWan
+
+        comp.vae = AutoencoderKLWan.from_pretrained(vae_from).eval().requires_grad_(False)
+        vae_steps = 0
+    psnr = fit_video_vae(
+        comp.vae, videos, steps=vae_steps, lr=vae_lr, batch_size=vae_batch_size, seed=seed, progress=progress
+    )
+    if psnr < min_vae_psnr:
+        raise RuntimeError(
+            f"{builder} builder: the tiny Wan VAE reconstructs the clips at {psnr:.1f} dB, below "
+            f"min_vae_psnr={min_vae_psnr}: the fit has not converged (the defaults reach about 20 dB). Nothing "
+            "was written; retry with more vae_steps or another seed."
+        )
+    set_latent_stats(comp.vae, videos)
+    return comp, psnr
+
+
+def tiny_wan_transformer(
+    in_channels: int,
+    out_channels: int,
+    *,
+    num_layers: int = 2,
+    num_attention_heads: int = 4,
+    attention_head_dim: int = 16,
+    text_hidden: int = 32,
+) -> torch.nn.Module:
+    """A small ``WanTransformer3DModel`` (patches (1, 2, 2), 4x feed-forward) for the warm-started tiny models."""
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=num_attention_heads,
+        attention_head_dim=attention_head_dim,
+        in_channels=in_channels,
+        out_channels=out_channels,
+        text_dim=text_hidden,
+        freq_dim=32,
+        ffn_dim=4 * num_attention_heads * attention_head_dim,
+        num_layers=num_layers,
+        rope_max_seq_len=32,
     )
