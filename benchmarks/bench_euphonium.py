@@ -13,8 +13,9 @@ The outcome reward compared is the sum of the three geometry rewards (``camera_s
 the Euphonium run, whose ``reward/mean`` excludes the per-step process reward anyway). It is smoothed with a
 moving average of ``--window`` steps; the threshold is ``--threshold`` (absolute) or the first smoothed value
 plus ``--rise`` (default). Note that Euphonium's training samples are *guided*, so its training reward
-includes the guidance's direct effect; ``mmalign eval`` of both runs (unguided samples) is the fair
-after-training comparison and is reported too when ``--eval`` is given.
+includes the guidance's direct effect (it starts above the threshold); ``mmalign eval`` of both runs (the
+plain, unguided samples of the base model and of the final checkpoint, same prompts and seeds) is the fair
+after-training comparison and is reported with ``--eval`` (an ``eval.json`` already in a run is reused).
 
     python benchmarks/bench_euphonium.py                          # trains both (about 2 x 10 min on 2 cores)
     python benchmarks/bench_euphonium.py --runs runs/video_geometry-tiny runs/euphonium-tiny   # existing runs
@@ -80,10 +81,21 @@ def train(name: str, out: Path, steps: int | None) -> Path:
 
 
 def evaluate(run: Path, config: str) -> dict[str, Any]:
+    """`mmalign eval` of `run` (unguided samples of the base model and the final checkpoint); an ``eval.json``
+    already in the run is read instead of evaluating again."""
+    if (run / "eval.json").is_file():
+        return json.loads((run / "eval.json").read_text())
     cmd = [sys.executable, "-m", "mmalign.cli", "eval", config, f"output_dir={run}"]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
     return json.loads((run / "eval.json").read_text())
+
+
+def _eval_lines(report: dict[str, Any]) -> list[str]:
+    """``eval <reward>: base -> trained`` over all held-out samples of an eval.json (``base`` / ``trained``
+    -> subset ``all`` -> reward)."""
+    base, trained = report.get("base", {}).get("all", {}), report.get("trained", {}).get("all", {})
+    return [f"eval {k}: {base[k]:.4f} -> {trained[k]:.4f}" for k in GEOMETRY if k in base and k in trained]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,7 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         }
         print(f"{name:<10} {len(values):>5} {first:>10.4f} {last:>10.4f} {str(reached):>19}")
         if args.eval:
-            result["runs"][name]["eval"] = evaluate(runs[name], CONFIGS[name])
+            report = evaluate(runs[name], CONFIGS[name])
+            result["runs"][name]["eval"] = report
+            for line in _eval_lines(report):
+                print(f"{'':<10} {line}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}")
