@@ -499,6 +499,15 @@ def build_app(run_dirs: Sequence[str | Path], refresh_s: float = 5.0) -> Any:
             value = int(step) if step is not None and int(step) in steps else (steps[-1] if steps else None)
         return gr.update(choices=steps, value=value)
 
+    def timer_step_update(run: str, step: Any, follow: bool = False) -> Any:
+        """The timer's update of the step list: new steps appear; the selected step moves only when following
+        the newest step, or when none is selected yet. (The timer's request carries the step that was selected
+        when it was sent; setting that value back would undo a click made while the request was in flight.)"""
+        steps = list_steps(run)
+        if (follow or step is None) and steps:
+            return gr.update(choices=steps, value=steps[-1])
+        return gr.update(choices=steps)
+
     def groups_update(run: str, step: Any, group: Any = None) -> Any:
         groups = list_groups(run, int(step)) if step is not None else []
         ids = [g for g, _ in groups]
@@ -776,7 +785,7 @@ def build_app(run_dirs: Sequence[str | Path], refresh_s: float = 5.0) -> Any:
                 keys = metric_keys(runs)
                 return (
                     "\n\n".join(run_status(r) for r in runs) + f"\n\n*refreshed {time.strftime('%H:%M:%S')}*",
-                    step_update(run, step, follow_),
+                    timer_step_update(run, step, follow_),
                     *curves(kr, kd),
                     gr.update(choices=keys),
                     gr.update(choices=keys),
