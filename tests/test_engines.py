@@ -203,7 +203,8 @@ def test_sync_timeout_raises_quickly(model_dir: Path) -> None:
     t0 = time.perf_counter()
     with pytest.raises(WeightSyncError, match=r"fake engine.*step 7.*timeout_s=0\.2"):
         engine.sync_weights(state, lora=False, timeout_s=0.2, step=7)
-    assert time.perf_counter() - t0 < 3.0
+    # it did not wait for the 60 s load (a loose bound: this is not a timing test, and CI may be loaded)
+    assert time.perf_counter() - t0 < 30.0
     with pytest.raises(EngineStateError, match="unknown state"):
         engine.generate(prompt_ids(model_dir), 1, SPEC)
     with pytest.raises(WeightSyncError, match="still running"):
@@ -213,7 +214,7 @@ def test_sync_timeout_raises_quickly(model_dir: Path) -> None:
     engine.sync_delay_s = 0.0
     engine.sync_weights(state, lora=False, timeout_s=5)
     assert len(engine.generate(prompt_ids(model_dir), 1, SPEC)) == 2
-    assert time.perf_counter() - t0 < 3.0
+    assert time.perf_counter() - t0 < 30.0  # close() ended the stuck 60 s load
 
 
 def test_sync_error_surfaces_with_cause(model_dir: Path) -> None:
