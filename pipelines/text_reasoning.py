@@ -39,6 +39,7 @@ def policy_kwargs(cfg: Config, environment: Environment | None = None) -> dict[s
         stop_strings=r.stop_strings,
         system_prompt=m.system_prompt,
         generation_batch_size=r.batch_size,
+        logprob_chunk_size=m.logprob_chunk_size,
     )
 
 

@@ -121,6 +121,43 @@ def check_shared_prefix_matches_plain():
 
 
 @pytest.fixture
+def check_chunked_matches_full():
+    """Callable(policy, rollout, chunk): log-probs, entropies AND parameter gradients of the chunked
+    log-prob path (``policy.logprob_chunk_size = chunk``) equal the full-logits path's (None), to fp32
+    tolerance, under a random weighting of the tokens; the no-grad log-probs too. Returns the number of
+    parameters compared."""
+    import torch
+
+    def check(pol, ro, chunk: int) -> int:
+        weights = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(3))
+
+        def run(size):
+            pol.logprob_chunk_size = size
+            pol.model.zero_grad(set_to_none=True)
+            stats = pol.evaluate(ro)
+            (stats.logp * weights).sum().backward()
+            grads = {
+                n: q.grad.clone()
+                for n, q in pol.model.named_parameters()
+                if q.requires_grad and q.grad is not None
+            }
+            with torch.no_grad():
+                no_grad = pol._logprobs(pol.model, ro, grad=False)
+            return stats.logp.detach(), stats.entropy, no_grad, grads
+
+        full = run(None)
+        chunked = run(chunk)
+        for name, a, b in zip(("logp", "entropy", "no-grad logp"), chunked[:3], full[:3], strict=True):
+            assert torch.allclose(a, b, atol=1e-5), (name, (a - b).abs().max())
+        assert full[3].keys() == chunked[3].keys() and len(full[3]) > 0
+        for name, g in full[3].items():
+            assert torch.allclose(chunked[3][name], g, atol=1e-5, rtol=1e-4), name
+        return len(full[3])
+
+    return check
+
+
+@pytest.fixture
 def run_mmalign():
     """Run the real ``python -m mmalign.cli ARGS`` in `cwd` (warnings off) -> CompletedProcess (text)."""
     import os

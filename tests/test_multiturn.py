@@ -280,12 +280,13 @@ def test_vlm_inserted_tokens_get_no_gradient(vlm_multi: tuple[VLMPolicy, Any, Zo
         seen.append(out)
 
     handle = pol.model.lm_head.register_forward_hook(keep)
-    old_shared = pol.shared_prefix
+    old_shared, old_chunk = pol.shared_prefix, pol.logprob_chunk_size
     pol.shared_prefix = shared
+    pol.logprob_chunk_size = None  # the full-logits path: [B, T, V] logits whose gradient can be read
     try:
         logp = pol.evaluate(ro).logp
     finally:
-        pol.shared_prefix = old_shared
+        pol.shared_prefix, pol.logprob_chunk_size = old_shared, old_chunk
         handle.remove()
     adv = torch.tensor([1.0, -0.5, 2.0, -1.0])
 
@@ -313,6 +314,34 @@ def test_vlm_inserted_tokens_get_no_gradient(vlm_multi: tuple[VLMPolicy, Any, Zo
         assert bool((grad[inserted] == 0).all())
         assert bool((grad[ro.mask].abs().sum(-1) > 0).all())  # and the generated ones do get gradient
     pol.model.zero_grad(set_to_none=True)
+
+
+def test_vlm_chunked_logprobs_never_score_inserted_tokens(vlm_multi: tuple[VLMPolicy, Any, ZoomEnv]) -> None:
+    """The chunked path sends only the generated (trained) tokens through the output head: the rows it
+    scores are exactly ``rollout.mask``'s, so inserted observation tokens get no log-prob and no gradient;
+    and its log-probs equal the full path's."""
+    pol, ro, _ = vlm_multi
+    rows: list[int] = []
+    handle = pol.model.lm_head.register_forward_hook(
+        lambda _m, inp, _o: rows.append(inp[0].shape[0]) if inp[0].dim() == 2 else None
+    )
+    old_chunk = pol.logprob_chunk_size
+    try:
+        pol.logprob_chunk_size = 5
+        with torch.no_grad():
+            chunked = pol.evaluate(ro).logp
+        pol.logprob_chunk_size = None
+        with torch.no_grad():
+            full = pol.evaluate(ro).logp
+    finally:
+        pol.logprob_chunk_size = old_chunk
+        handle.remove()
+    inserted = ro.payload["completion_attention_mask"].bool() & ~ro.mask
+    assert inserted.any()
+    n = int(ro.mask.sum())
+    assert sum(rows[: -(-n // 5)]) == n and max(rows) <= 5
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=0)
+    assert bool((chunked[inserted] == 0).all())
 
 
 def test_vlm_multi_turn_shared_prefix_equals_plain_forward(

@@ -345,7 +345,9 @@ def test_vlm_shared_prefix_equals_plain_forward(
     ro = pol.rollout(mixed_rows(), 3, compute_logp=False)
     ro = ro[torch.randperm(len(ro), generator=torch.Generator().manual_seed(1))]
     check_shared_prefix_matches_plain(pol, ro, plain=plain)
-    assert shared_calls == [len(ro)] and plain_calls == []  # each policy ran the path it was built with
+    # each policy ran the path it was built with; the 1: the first (chunked) log-prob call also scores one
+    # sample from the full logits to check the chunked path (`TextPolicy._check_chunking`)
+    assert shared_calls == [len(ro), 1] and plain_calls == []
 
 
 def test_vlm_reasoning_pipeline_uses_shared_prefix(
@@ -363,7 +365,7 @@ def test_vlm_reasoning_pipeline_uses_shared_prefix(
     torch.manual_seed(0)
     ro = pol.rollout(mixed_rows()[:2], 4, compute_logp=True)
     stats = pol.evaluate(ro[[5, 0, 3]])
-    assert calls == [8, 3]
+    assert calls == [8, 1, 3]  # the 1: the one-sample check of the chunked log-probs, on the first call
     torch.testing.assert_close(stats.logp.detach(), ro.logp_old[[5, 0, 3]], atol=1e-5, rtol=1e-5)
 
 
@@ -398,3 +400,18 @@ def test_vlm_shared_prefix_off_says_why(
     pol.model.train()
     pol.evaluate(ro).logp.sum().backward()
     assert calls == []
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_vlm_chunked_logprobs_equal_full_logits(
+    random_vlm_dir: Path, tmp_path: Path, shared_prefix: bool, check_chunked_matches_full
+) -> None:
+    """The chunked log-prob path (final hidden states through the head, 6 tokens at a time) gives the
+    full-logits path's log-probs, entropies and parameter gradients, vision placeholders suppressed,
+    with the shared-prefix and the plain forward."""
+    pol = pipeline_policy(random_vlm_dir, tmp_path / "run", shared_prefix=shared_prefix)
+    assert pol.logprob_chunk_size == 1024 and pol.suppressed_ids  # the pipeline default
+    torch.manual_seed(0)
+    ro = pol.rollout(mixed_rows(), 2, compute_logp=False)
+    ro = ro[torch.randperm(len(ro), generator=torch.Generator().manual_seed(1))]
+    assert check_chunked_matches_full(pol, ro, 6) > 10

@@ -30,6 +30,14 @@ from tqdm.auto import tqdm
 
 from mmalign.batch import Rollout
 from mmalign.config import LoraConfig
+from mmalign.logprobs import (
+    check_agreement,
+    chunked_token_logprobs,
+    final_hidden_states,
+    output_head,
+    selective_log_softmax,
+    token_entropy,
+)
 from mmalign.policies.base import ActionStats, Policy, RunInfo
 from mmalign.rollout_loops import Conversation, Environment, Insert, RolloutLoop, Segment, make_loop
 
@@ -38,25 +46,6 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TURN_PROBE = "MMALIGN_ASSISTANT_TURN_PROBE"
 """Stand-in assistant message used to find the strings a chat template puts around an inserted message."""
-
-
-def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
-    """log_softmax(logits)[..., index] without materialising the full log-softmax (fp32)."""
-    logits = logits.float()
-    picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-@torch.no_grad()
-def token_entropy(logits: Tensor, chunk: int = 256) -> Tensor:
-    """Entropy (nats) of the next-token distribution softmax(logits) at every position, Float[..., T] in fp32,
-    without gradient; computed `chunk` positions at a time so that only one fp32 [B, chunk, V] block of
-    probabilities exists at once. Tokens whose logit is -inf (suppressed) contribute 0."""
-    out = []
-    for start in range(0, logits.shape[-2], chunk):
-        probs = logits[..., start : start + chunk, :].float().softmax(dim=-1)
-        out.append(torch.special.entr(probs).sum(dim=-1))
-    return torch.cat(out, dim=-1) if out else logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
 
 
 def completion_mask(completion_ids: Tensor, eos_ids: list[int], stop_lengths: Tensor | None = None) -> Tensor:
@@ -92,6 +81,7 @@ class TextPolicy(Policy):
         need_reference: bool = False,
         lora: bool = False,
         shared_prefix: bool = True,
+        logprob_chunk_size: int | None = 1024,
         loop: RolloutLoop | str = "single_turn",
         loop_kwargs: dict[str, Any] | None = None,
         environment: Environment | None = None,
@@ -118,6 +108,12 @@ class TextPolicy(Policy):
         self.lora = lora
         self.shared_prefix = shared_prefix
         """Encode each group's prompt once when recomputing log-probs (off under gradient checkpointing)."""
+        if logprob_chunk_size is not None and logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be >= 1 or None, got {logprob_chunk_size}")
+        self.logprob_chunk_size = logprob_chunk_size
+        """Score the completion tokens through the output head this many at a time, from the final hidden
+        states (`mmalign.logprobs.chunked_token_logprobs`); None: from the model's full [B, T, V] logits."""
+        self._chunking_checked = False
         self.engine: Any = None
         """A `mmalign.engines.RolloutEngine` that samples instead of `generate` (built in `setup` from
         ``rollout.engine``, or set directly)."""
@@ -708,11 +704,21 @@ class TextPolicy(Policy):
 
     # ------------------------------------------------------------------ log-probs
     def _logprobs(
-        self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, entropy_out: list[Tensor] | None = None
+        self,
+        model: torch.nn.Module,
+        rollout: Rollout,
+        *,
+        grad: bool,
+        entropy_out: list[Tensor] | None = None,
+        chunked: bool | None = None,
     ) -> Tensor:
         """Float[B, T] log-probs of the stored completion tokens (0 where masked); with `entropy_out` (a list)
-        the per-token entropy of the same distribution (`token_entropy`, no grad, 0 where masked) is appended
-        to it."""
+        the per-token entropy of the same distribution (no grad, 0 where masked) is appended to it.
+
+        With ``logprob_chunk_size`` (`chunked` None: when it is set) the log-probs come from the final hidden
+        states through the output head, a chunk of tokens at a time (`mmalign.logprobs`); otherwise from the
+        full [B, T, V] logits. The first chunked call checks the two agree on one sample."""
+        chunked = bool(self.logprob_chunk_size) if chunked is None else chunked
         p = rollout.payload
         prompt_ids, prompt_mask = p["prompt_ids"].to(self.device), p["prompt_mask"].to(self.device)
         completion_ids = p["completion_ids"].to(self.device)
@@ -720,17 +726,78 @@ class TextPolicy(Policy):
         attention = completion_attention(rollout).to(self.device)
         with torch.set_grad_enabled(grad):
             if self.shared_prefix and not self._gradient_checkpointing():
-                logits = self._shared_prefix_logits(
-                    model, rollout.group, prompt_ids, prompt_mask, completion_ids, attention
+                features = self._shared_prefix_logits(
+                    model,
+                    rollout.group,
+                    prompt_ids,
+                    prompt_mask,
+                    completion_ids,
+                    attention,
+                    hidden=chunked,
+                    grad=grad,
                 )
             else:
-                logits = self._plain_logits(model, prompt_ids, prompt_mask, completion_ids, attention)
-            if self.temperature != 1.0:
-                logits = logits / self.temperature
-            logp = selective_log_softmax(logits, completion_ids)
+                features = self._plain_logits(
+                    model, prompt_ids, prompt_mask, completion_ids, attention, hidden=chunked, grad=grad
+                )
+            logp, entropy = self._score_features(
+                model, features, completion_ids, mask, chunked=chunked, with_entropy=entropy_out is not None
+            )
+        if chunked and not self._chunking_checked:
+            self._check_chunking(model, rollout, logp)
         if entropy_out is not None:
-            entropy_out.append(token_entropy(logits.detach()).masked_fill(~mask, 0.0))
+            assert entropy is not None
+            entropy_out.append(entropy.masked_fill(~mask, 0.0))
         return logp.masked_fill(~mask, 0.0)
+
+    def _score_features(
+        self,
+        model: torch.nn.Module,
+        features: Tensor,
+        completion_ids: Tensor,
+        mask: Tensor,
+        *,
+        chunked: bool,
+        with_entropy: bool,
+        suppressed_ids: list[int] | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """(logp, entropy or None) Float[B, T] of `completion_ids` from `features`: final hidden states
+        (`chunked`) or logits."""
+        if chunked:
+            assert self.logprob_chunk_size is not None
+            return chunked_token_logprobs(
+                features,
+                output_head(model),
+                completion_ids,
+                mask,
+                chunk_tokens=self.logprob_chunk_size,
+                temperature=self.temperature,
+                suppressed_ids=suppressed_ids,
+                with_entropy=with_entropy,
+            )
+        logits = features
+        if suppressed_ids:  # the distribution that was sampled
+            logits = logits.index_fill(-1, torch.tensor(suppressed_ids, device=logits.device), float("-inf"))
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        logp = selective_log_softmax(logits, completion_ids)
+        return logp, (token_entropy(logits.detach()) if with_entropy else None)
+
+    def _check_chunking(self, model: torch.nn.Module, rollout: Rollout, logp: Tensor) -> None:
+        """Once per policy: the chunked log-probs of the first sample equal the full-logits ones
+        (`mmalign.logprobs.check_agreement`), or a clear error before anything trains on them."""
+        first = rollout[[0]]
+        with torch.no_grad():
+            full = self._logprobs(model, first, grad=False, chunked=False)
+        dtype = next(self.model.parameters()).dtype
+        check_agreement(
+            logp[:1].detach(),
+            full,
+            first.mask,
+            what=f"{type(self).__name__} ({type(self.model).__name__})",
+            model_dtype=dtype,
+        )
+        self._chunking_checked = True
 
     def _gradient_checkpointing(self) -> bool:
         m = self.model
@@ -746,20 +813,24 @@ class TextPolicy(Policy):
         prompt_mask: Tensor,
         completion_ids: Tensor,
         completion_attention: Tensor,
+        *,
+        hidden: bool = False,
+        grad: bool = True,
     ) -> Tensor:
         """One forward over prompt + completion region per sample; logits that predict each completion-region
-        token (`completion_attention`: its real tokens, generated or inserted)."""
+        token (`completion_attention`: its real tokens, generated or inserted). With `hidden`, the final
+        hidden states at the same positions instead (the output head's input; no logits computed)."""
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention = torch.cat([prompt_mask, completion_attention.long()], dim=1)
         position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
         t = completion_ids.shape[1]
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=position_ids,
-            logits_to_keep=t + 1,
-            use_cache=False,
+        inputs = dict(
+            input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False
         )
+        if hidden:
+            states, _ = final_hidden_states(model, grad=grad, **inputs)
+            return states[:, -t - 1 : -1, :]
+        out = model(**inputs, logits_to_keep=t + 1)
         return out.logits[:, -t - 1 : -1, :]
 
     @staticmethod
@@ -770,6 +841,9 @@ class TextPolicy(Policy):
         prompt_mask: Tensor,
         completion_ids: Tensor,
         completion_attention: Tensor,
+        *,
+        hidden: bool = False,
+        grad: bool = True,
     ) -> Tensor:
         """Shared-prefix forward (Prefix Grouper): each group's prompt is encoded once, its keys and
         values are gathered for the group's completions, which attend to them through the KV cache.
@@ -777,6 +851,7 @@ class TextPolicy(Policy):
         Log-probs and parameter gradients equal those of `_plain_logits` (the prompt's KV tensors
         stay in the autograd graph, so gradients flow back through them into the prompt forward);
         the prompt's forward and backward cost is paid once per group instead of once per sample.
+        With `hidden`, the final hidden states at the same positions instead of the logits.
         """
         from transformers import DynamicCache
 
@@ -791,18 +866,22 @@ class TextPolicy(Policy):
             u_ids, u_mask = u_ids[:, keep], u_mask[:, keep]
             prompt_mask = prompt_mask[:, keep]
         u_pos = (u_mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache()
         # Under DDP the prefix pass goes through the inner module: DDP expects one forward per
         # backward; every parameter still gets one gradient hook call, so the all-reduce is complete.
         prefix_model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        out_p = prefix_model(
+        prefix_inputs = dict(
             input_ids=u_ids,
             attention_mask=u_mask,
             position_ids=u_pos,
-            past_key_values=cache,
+            past_key_values=DynamicCache(),
             use_cache=True,
-            logits_to_keep=1,
         )
+        if hidden:
+            h_p, out_p = final_hidden_states(prefix_model, grad=grad, **prefix_inputs)
+            last_p = h_p[:, -1:, :]
+        else:
+            out_p = prefix_model(**prefix_inputs, logits_to_keep=1)
+            last_p = out_p.logits[:, -1:, :]
         cache = out_p.past_key_values
         cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...], differentiable gather
         t = completion_ids.shape[1]
@@ -810,14 +889,18 @@ class TextPolicy(Policy):
         position_ids = (
             prompt_mask.sum(dim=1, keepdim=True) + torch.arange(t, device=attention.device)[None, :]
         )
-        out_c = model(
+        inputs = dict(
             input_ids=completion_ids,
             attention_mask=attention,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
         )
-        return torch.cat([out_p.logits[:, -1:, :][inverse], out_c.logits[:, :-1, :]], dim=1)
+        if hidden:
+            rest, _ = final_hidden_states(model, grad=grad, **inputs)
+        else:
+            rest = model(**inputs).logits
+        return torch.cat([last_p[inverse], rest[:, :-1, :]], dim=1)
 
     def evaluate(self, rollout: Rollout) -> ActionStats:
         """Per-token log-probs of the stored completions, with grad, and their entropies (logged as

@@ -50,14 +50,13 @@ import torch
 from torch import Tensor
 
 from mmalign.batch import Rollout
+from mmalign.logprobs import final_hidden_states
 from mmalign.policies.base import Policy, RunInfo
 from mmalign.policies.text import (
     TextPolicy,
     _pad_left,
     _pad_right,
     completion_attention,
-    selective_log_softmax,
-    token_entropy,
 )
 from mmalign.rollout_loops import Conversation, Insert, Segment
 
@@ -416,8 +415,17 @@ class VLMPolicy(TextPolicy):
 
     # ------------------------------------------------------------------ log-probs
     def _logprobs(
-        self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, entropy_out: list[Tensor] | None = None
+        self,
+        model: torch.nn.Module,
+        rollout: Rollout,
+        *,
+        grad: bool,
+        entropy_out: list[Tensor] | None = None,
+        chunked: bool | None = None,
     ) -> Tensor:
+        """`TextPolicy._logprobs` for image-text sequences (vision inputs per sample; the vision placeholder
+        tokens suppressed, as when sampling); chunked through the output head like the text policy."""
+        chunked = bool(self.logprob_chunk_size) if chunked is None else chunked
         p = rollout.payload
         dev = self.device
         prompt_ids, prompt_mask = p["prompt_ids"].to(dev), p["prompt_mask"].to(dev)
@@ -445,27 +453,46 @@ class VLMPolicy(TextPolicy):
                 else None
             )
             if rope is not None:
-                logits = self._shared_prefix_vlm_logits(
-                    model, rope, rollout, input_ids, attention, token_types, prompt_ids.shape[1], t
+                features = self._shared_prefix_vlm_logits(
+                    model,
+                    rope,
+                    rollout,
+                    input_ids,
+                    attention,
+                    token_types,
+                    prompt_ids.shape[1],
+                    t,
+                    hidden=chunked,
+                    grad=grad,
                 )
             else:
-                out = model(
+                inputs = dict(
                     input_ids=input_ids,
                     attention_mask=attention,
                     mm_token_type_ids=token_types,
-                    logits_to_keep=t + 1,
                     use_cache=False,
                     **vision,
                     **kwargs,
                 )
-                logits = out.logits[:, -t - 1 : -1, :]
-            if self.suppressed_ids:  # the distribution that was sampled: no vision placeholders
-                logits = logits.index_fill(-1, torch.tensor(self.suppressed_ids, device=dev), float("-inf"))
-            if self.temperature != 1.0:
-                logits = logits / self.temperature
-            logp = selective_log_softmax(logits, completion_ids)
+                if chunked:
+                    features = final_hidden_states(model, grad=grad, **inputs)[0][:, -t - 1 : -1, :]
+                else:
+                    features = model(**inputs, logits_to_keep=t + 1).logits[:, -t - 1 : -1, :]
+            # the distribution that was sampled: no vision placeholders
+            logp, entropy = self._score_features(
+                model,
+                features,
+                completion_ids,
+                mask,
+                chunked=chunked,
+                with_entropy=entropy_out is not None,
+                suppressed_ids=self.suppressed_ids,
+            )
+        if chunked and not self._chunking_checked:
+            self._check_chunking(model, rollout, logp)
         if entropy_out is not None:
-            entropy_out.append(token_entropy(logits.detach()).masked_fill(~mask, 0.0))
+            assert entropy is not None
+            entropy_out.append(entropy.masked_fill(~mask, 0.0))
         return logp.masked_fill(~mask, 0.0)
 
     def _shared_prefix_vlm_logits(
@@ -478,6 +505,9 @@ class VLMPolicy(TextPolicy):
         token_types: Tensor,
         p: int,
         t: int,
+        *,
+        hidden: bool = False,
+        grad: bool = True,
     ) -> Tensor:
         """Shared-prefix forward for VLMs: each group's prompt, image tokens included, is encoded once
         (the vision tower runs once per group too) and its KV cache is gathered for the completions.
@@ -510,21 +540,25 @@ class VLMPolicy(TextPolicy):
         split = [_split_vision(p_load, i) for i in range(len(rollout))]
         vision = {k: v.to(dev) for k, v in _cat_vision([split[i][0] for i in firsts]).items()}
         inserted = {k: v.to(dev) for k, v in _cat_vision([s[1] for s in split]).items()}
-        cache = DynamicCache()
         prefix_model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        out_p = prefix_model(
+        prefix_inputs = dict(
             input_ids=input_ids[first, :p],
             attention_mask=attention[first, :p],
             mm_token_type_ids=token_types[first, :p],
             position_ids=positions[:, first, :p],
-            past_key_values=cache,
+            past_key_values=DynamicCache(),
             use_cache=True,
-            logits_to_keep=1,
             **vision,
         )
+        if hidden:
+            h_p, out_p = final_hidden_states(prefix_model, grad=grad, **prefix_inputs)
+            last_p = h_p[:, -1:, :]
+        else:
+            out_p = prefix_model(**prefix_inputs, logits_to_keep=1)
+            last_p = out_p.logits[:, -1:, :]
         cache = out_p.past_key_values
         cache.batch_select_indices(inverse)
-        out_c = model(
+        inputs = dict(
             input_ids=input_ids[:, p:],
             attention_mask=attention,
             mm_token_type_ids=token_types[:, p:],
@@ -533,7 +567,8 @@ class VLMPolicy(TextPolicy):
             use_cache=True,
             **inserted,
         )
-        return torch.cat([out_p.logits[:, -1:, :][inverse], out_c.logits[:, :-1, :]], dim=1)
+        rest = final_hidden_states(model, grad=grad, **inputs)[0] if hidden else model(**inputs).logits
+        return torch.cat([last_p[inverse], rest[:, :-1, :]], dim=1)
 
     # ------------------------------------------------------------------ weights
     def save(self, path: str | Path) -> None:
