@@ -74,6 +74,11 @@ class ModelConfig:
     shared_prefix: bool = True
     """Encode each group's prompt once when recomputing log-probs (same numbers as the plain forward;
     not used under gradient checkpointing). Set false for a model whose KV cache cannot carry grad."""
+    logprob_chunk_size: int | None = 1024
+    """Text and VLM policies: compute per-token log-probs (and entropies) from the final hidden states,
+    this many completion tokens at a time through the output head, recomputing each chunk's logits in the
+    backward pass, so memory does not grow with the vocabulary (null: from the full [B, T, V] logits; same
+    numbers). Checked against the full path on the first batch."""
     attn_implementation: str | None = None
     """Passed to `from_pretrained` (e.g. `sdpa`, `flash_attention_2`; null: the model's default)."""
     trust_remote_code: bool = False
@@ -149,6 +154,17 @@ class RewardConfig:
     """Options of the reward (its constructor's keyword arguments)."""
     alias: str | None = None
     """Column name of this reward in metrics and samples (default: `name`); needed to use one reward twice."""
+    device: str | None = None
+    """Where the reward's model runs (e.g. `cuda:1`, `cpu`), passed to its constructor as `device=`; an
+    error for a reward whose constructor has no `device` parameter, or when `kwargs` has `device` too
+    (null: the reward's own default)."""
+    batch_size: int | None = None
+    """Score at most this many samples per call: the batch goes to the reward in consecutive chunks and
+    the results are concatenated (null: the whole batch in one call)."""
+    timeout_s: float | None = None
+    """Wall-clock limit of one call (one chunk) in seconds; past it the step fails with a `RewardError`.
+    The call runs in a worker thread that cannot be stopped and goes on in the background; the `remote`
+    reward's own `timeout_s` truly bounds an HTTP call (null: no limit)."""
 
 
 @dataclass
@@ -750,6 +766,11 @@ def validate(cfg: Config, src: _Source | str | None = None) -> None:
         need(m.lora.r >= 1, "model.lora.r", "must be >= 1")
         need(m.lora.alpha > 0, "model.lora.alpha", "must be > 0")
     need(0 <= m.lora.dropout < 1, "model.lora.dropout", "must be in [0, 1)")
+    need(
+        m.logprob_chunk_size is None or m.logprob_chunk_size >= 1,
+        "model.logprob_chunk_size",
+        "must be >= 1 or null",
+    )
     need(cfg.data.max_rows is None or cfg.data.max_rows >= 1, "data.max_rows", "must be >= 1 or null")
     need(r.group_size >= 1, "rollout.group_size", "must be >= 1")
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")

@@ -7,6 +7,7 @@ names; ``load_reward(spec, **options)`` builds one from a name, an entry point o
 
 from . import geometry as geometry  # registers the latent geometry rewards (rewards/geometry.py)
 from . import process as process  # registers sampler_process_reward (rewards/process.py)
+from . import remote as remote  # registers remote, a reward served over HTTP (rewards/remote.py)
 from . import video as video  # registers the video rewards (rewards/video.py)
 from .base import (
     ENTRY_POINT_GROUP,

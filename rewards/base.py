@@ -52,6 +52,18 @@ columns) and ``RewardSet.step_weights`` the weights of the per-step columns (0 e
 Combining the columns with weights (r_i = nansum_k w_k r_ik) is done by
 `mmalign.advantages.combine_rewards`, not here; estimators that take ``step_rewards`` (see
 `mmalign.advantages.accepts_step_rewards`) turn the step rewards into per-action advantages.
+
+Per-reward options of a config entry (`RewardSpec`; checked by `spec_problem`, errors name the key):
+
+- ``device``: passed to the reward's constructor as ``device=`` (a reward whose constructor takes no
+  ``device`` is an error naming ``rewards[i].device``; so is giving it in ``kwargs`` too).
+- ``batch_size``: `RewardSet` scores the batch in consecutive chunks of at most this many samples (per-sample
+  entries are those whose first dimension is B, as for `Rollout` indexing) and concatenates the results,
+  Float[B] and Float[B,T] alike. A metric in ``last_metrics`` is the chunk-size-weighted mean of the chunks'
+  non-NaN values. A reward that compares the samples of a group sees only the part of the group in its chunk.
+- ``timeout_s``: each call (each chunk) runs in a worker thread; past the limit `RewardSet` raises a
+  `RewardError` naming the column, the limit and the key. The stuck call keeps running in the background
+  (a Python thread cannot be killed); the ``remote`` reward's own ``timeout_s`` truly bounds an HTTP call.
 """
 
 from __future__ import annotations
@@ -62,6 +74,7 @@ import importlib
 import importlib.metadata
 import inspect
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -86,6 +99,8 @@ __all__ = [
     "load_reward",
     "names",
     "register_reward",
+    "spec_problem",
+    "takes_option",
 ]
 
 ENTRY_POINT_GROUP = "mmalign.rewards"
@@ -95,6 +110,10 @@ REGISTRY: Registry[Any] = Registry("reward")
 
 class RewardError(RuntimeError):
     """A reward failed or returned something unusable; the message names the reward."""
+
+
+class _RewardTimeout(Exception):
+    """Internal: a reward call ran past its ``timeout_s`` (re-raised as a `RewardError`)."""
 
 
 class RewardKeyError(KeyError):
@@ -385,12 +404,24 @@ def load_reward(spec: str, **kwargs: Any) -> Reward:
 # ---------------------------------------------------------------------- a set of rewards
 @dataclass
 class RewardSpec:
-    """One entry of the config's reward list; `alias` names the column (default: `name`)."""
+    """One entry of the config's reward list; `alias` names the column (default: `name`).
+
+    The fields mirror `mmalign.config.RewardConfig` (same names, same meaning)."""
 
     name: str
+    """Registered name, entry point of group `mmalign.rewards`, or `package.module:Class`."""
     weight: float = 1.0
+    """Weight of this reward in the total reward (0: logged only)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of the reward (its constructor's keyword arguments)."""
     alias: str | None = None
+    """Column name of this reward in metrics and samples (default: `name`)."""
+    device: str | None = None
+    """Where the reward's model runs (e.g. `cuda:1`, `cpu`): passed to its constructor as `device=`."""
+    batch_size: int | None = None
+    """Score at most this many samples per call, in consecutive chunks (null: the whole batch at once)."""
+    timeout_s: float | None = None
+    """Wall-clock limit of one call in seconds; past it a `RewardError` (null: no limit)."""
 
     @property
     def column(self) -> str:
@@ -419,6 +450,108 @@ def _fmt_rows(rows: Iterable[int], limit: int = 8) -> str:
     rows = list(rows)
     shown = ", ".join(map(str, rows[:limit]))
     return f"[{shown}{', ...' if len(rows) > limit else ''}]"
+
+
+def takes_option(obj: Any, option: str) -> bool:
+    """Whether the reward `obj` (a `Reward` subclass, instance or function, as `load_reward` resolves it)
+    accepts the keyword option `option` (e.g. ``"device"``); a ``**kwargs`` parameter accepts any."""
+    if isinstance(obj, type):
+        if obj.__init__ is Reward.__init__:  # the base class takes no options at all
+            return False
+        fn, skip = obj.__init__, 1
+    elif isinstance(obj, Reward) or not callable(obj):
+        return False
+    else:
+        fn, skip = obj, 1 if FunctionReward.detect_style(obj) == "batch" else 0
+    try:
+        named, var_kw = _accepted_options(fn, skip)
+    except (TypeError, ValueError):  # no signature available: let the call decide
+        return True
+    return option in named or var_kw
+
+
+def spec_problem(
+    spec: RewardSpec, index: int, key: str = "rewards", obj: Any = None
+) -> tuple[str, Exception] | None:
+    """The first problem with the per-reward options ``device``, ``batch_size`` and ``timeout_s`` of
+    `spec` (entry `index` of the config list `key`), as (config key, exception), or None.
+
+    `obj` is what the spec's name resolves to (`_resolve`); when given and ``device`` is set, a reward
+    whose constructor takes no ``device`` is a problem. `RewardSet` raises these; `mmalign.preflight` can
+    report them before any model loads."""
+    where = f"{key}[{index}]"
+    label = f"{where} ({spec.name!r})"
+    if spec.device is not None:
+        if not isinstance(spec.device, str) or not spec.device:
+            return f"{where}.device", ValueError(
+                f"{label}: device must be a device name such as 'cuda:1' or 'cpu', got {spec.device!r}"
+            )
+        try:
+            torch.device(spec.device)
+        except (RuntimeError, ValueError) as e:
+            return f"{where}.device", ValueError(
+                f"{label}: device {spec.device!r} is not a torch device: {e}"
+            )
+        if "device" in spec.kwargs:
+            return f"{where}.device", ValueError(
+                f"{label}: device is given twice, as {where}.device ({spec.device!r}) and as "
+                f"{where}.kwargs.device ({spec.kwargs['device']!r}); keep one"
+            )
+        if obj is not None and not takes_option(obj, "device"):
+            return f"{where}.device", TypeError(
+                f"{label}: reward {spec.name!r} takes no `device` option (its constructor has no `device` "
+                f"parameter), so {where}.device cannot be used; remove it"
+            )
+    b = spec.batch_size
+    if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+        return f"{where}.batch_size", ValueError(
+            f"{label}: batch_size must be an integer >= 1 or null, got {b!r}"
+        )
+    t = spec.timeout_s
+    if t is not None and (
+        isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0
+    ):
+        return f"{where}.timeout_s", ValueError(
+            f"{label}: timeout_s must be a finite number of seconds > 0 or null, got {t!r}"
+        )
+    return None
+
+
+def _rows(value: Any, start: int, stop: int, n: int) -> Any:
+    """Rows start:stop of `value` if its first dimension is the batch (length n), recursively in dicts."""
+    if isinstance(value, Tensor):
+        return value[start:stop] if value.dim() > 0 and value.shape[0] == n else value
+    if isinstance(value, dict):
+        return {k: _rows(v, start, stop, n) for k, v in value.items()}
+    if isinstance(value, list | tuple) and len(value) == n:
+        return value[start:stop]
+    return value
+
+
+def _chunk(batch: RewardBatch, start: int, stop: int) -> RewardBatch:
+    """Samples start:stop of `batch` (views and list slices; per-sample = first dimension of length B)."""
+    n = len(batch)
+    return RewardBatch(
+        prompts=batch.prompts[start:stop],
+        outputs=_rows(batch.outputs, start, stop, n),
+        columns=_rows(batch.columns, start, stop, n),
+        group=None if batch.group is None else batch.group[start:stop],
+        mask=None if batch.mask is None else batch.mask[start:stop],
+    )
+
+
+def _combine_metrics(entries: list[tuple[float, int]]) -> float:
+    """One number from a metric reported by several chunks: the mean weighted by chunk size over the
+    non-NaN values (NaN if all are NaN); a single chunk's value unchanged."""
+    if len(entries) == 1:
+        return entries[0][0]
+    valid = [(v, w) for v, w in entries if not math.isnan(v)]
+    if not valid:
+        return math.nan
+    total = sum(w for _, w in valid)
+    if total == 0:
+        return sum(v for v, _ in valid) / len(valid)
+    return sum(v * w for v, w in valid) / total
 
 
 class RewardSet:
@@ -461,10 +594,24 @@ class RewardSet:
                     ),
                 )
             seen[s.column] = i
+            problem = spec_problem(s, i, key)
+            if problem is not None:
+                raise self._config_error(source, *problem)
+        self.key = key
         self.rewards: list[Reward] = []
         for i, s in enumerate(self.specs):
+            options = dict(s.kwargs)
+            if s.device is not None:
+                try:
+                    obj = _resolve(s.name)
+                except (KeyError, ImportError, AttributeError) as e:
+                    raise self._config_error(source, f"{key}[{i}].name", e) from e
+                problem = spec_problem(s, i, key, obj=obj)
+                if problem is not None:
+                    raise self._config_error(source, *problem)
+                options["device"] = s.device
             try:
-                self.rewards.append(load_reward(s.name, **dict(s.kwargs)))
+                self.rewards.append(load_reward(s.name, **options))
             except (TypeError, ValueError) as e:
                 raise self._config_error(source, f"{key}[{i}].kwargs", e) from e
             except (KeyError, ImportError, AttributeError) as e:
@@ -489,6 +636,7 @@ class RewardSet:
         if len(weights) != len(rewards):
             raise ValueError(f"{len(rewards)} rewards but {len(weights)} weights")
         self = cls.__new__(cls)
+        self.key = "rewards"
         self.specs = [RewardSpec(name=r.name, weight=float(w)) for r, w in zip(rewards, weights, strict=True)]
         if len({s.column for s in self.specs}) != len(self.specs):
             raise ValueError(f"reward names must be distinct, got {[s.column for s in self.specs]}")
@@ -557,6 +705,8 @@ class RewardSet:
         Called on a `Rollout` with at least one per-step reward, this also sets
         ``rollout.step_rewards`` = sum_k step_weights[k] * r_k, Float[B, T] (NaN read as 0, 0 where
         ``rollout.mask`` is False); without per-step rewards ``rollout.step_rewards`` is not touched.
+        A spec's ``batch_size`` splits the batch into chunks for that reward, its ``timeout_s`` bounds
+        each call (see the module docstring).
         """
         is_batch = isinstance(data, RewardBatch)
         batch = data if is_batch else RewardBatch.from_rollout(data)
@@ -568,22 +718,49 @@ class RewardSet:
         cols = []
         steps: list[tuple[float, Tensor]] = []
         self.last_metrics = {}
+        chunks: dict[int, list[tuple[int, int, RewardBatch]]] = {}  # shared by rewards of one batch_size
         with torch.no_grad():
             for k, reward in enumerate(self.rewards):
-                if isinstance(getattr(reward, "last_metrics", None), dict):
-                    reward.last_metrics = {}  # a reward that sets none this call reports none
-                try:
-                    out = reward(batch)
-                except Exception as e:
-                    raise RewardError(f"{self._label(k)} failed: {type(e).__name__}: {e}") from e
-                for key, value in (getattr(reward, "last_metrics", None) or {}).items():
-                    self.last_metrics[f"reward/{self.specs[k].column}/{key}"] = float(value)
-                if per_step[k]:
-                    col, step = self._validate_steps(k, out, n, mask)
-                    steps.append((float(self.specs[k].weight), step))
+                size = getattr(self.specs[k], "batch_size", None)
+                if size is None or size >= n:
+                    parts = [(0, n, batch)]
                 else:
-                    col = self._validate(k, out, n)
-                cols.append(col)
+                    if size not in chunks:
+                        bounds = [(a, min(a + size, n)) for a in range(0, n, size)]
+                        chunks[size] = [(a, b, _chunk(batch, a, b)) for a, b in bounds]
+                    parts = chunks[size]
+                metrics: dict[str, list[tuple[float, int]]] = {}
+                col_parts: list[Tensor] = []
+                step_parts: list[Tensor] = []
+                for a, b, part in parts:
+                    out = self._call_one(k, reward, part)
+                    for key, value in (getattr(reward, "last_metrics", None) or {}).items():
+                        metrics.setdefault(key, []).append((float(value), b - a))
+                    try:
+                        sub_mask = None if mask is None else mask[a:b]
+                        if per_step[k]:
+                            col, step = self._validate_steps(k, out, b - a, sub_mask)
+                            step_parts.append(step)
+                        else:
+                            col = self._validate(k, out, b - a)
+                    except RewardError as e:
+                        if len(parts) == 1:
+                            raise
+                        raise RewardError(
+                            f"{e} (samples {a}..{b - 1} of {n}; {self._key}[{k}].batch_size = {size})"
+                        ) from e
+                    col_parts.append(col)
+                for key, entries in metrics.items():
+                    self.last_metrics[f"reward/{self.specs[k].column}/{key}"] = _combine_metrics(entries)
+                if per_step[k]:
+                    widths = sorted({p.shape[1] for p in step_parts})
+                    if len(widths) > 1:
+                        raise RewardError(
+                            f"{self._label(k)} returned a different number of steps T per chunk {widths} "
+                            f"({self._key}[{k}].batch_size = {size}); every chunk must give the same T"
+                        )
+                    steps.append((float(self.specs[k].weight), torch.cat(step_parts, dim=0)))
+                cols.append(torch.cat(col_parts, dim=0) if len(col_parts) > 1 else col_parts[0])
         device = batch.group.device if batch.group is not None else torch.device("cpu")
         if steps and not is_batch:
             total = torch.zeros_like(steps[0][1])
@@ -593,6 +770,60 @@ class RewardSet:
         if not cols:
             return torch.zeros(n, 0, dtype=torch.float32, device=device)
         return torch.stack(cols, dim=1).to(device)
+
+    @property
+    def _key(self) -> str:
+        return getattr(self, "key", "rewards")
+
+    def _call_one(self, k: int, reward: Reward, batch: RewardBatch) -> Any:
+        """``reward(batch)`` under ``torch.no_grad()``; an exception becomes a `RewardError` naming the reward.
+
+        With the spec's ``timeout_s`` the call runs in a daemon worker thread and is waited for that long;
+        past it a `RewardError` is raised. A Python thread cannot be stopped: the stuck call goes on in the
+        background (holding whatever it holds) until it returns by itself, and its result is dropped. To
+        truly bound a call, bound the work itself, e.g. the ``timeout_s`` option of the ``remote`` reward,
+        which limits its HTTP request.
+        """
+        if isinstance(getattr(reward, "last_metrics", None), dict):
+            reward.last_metrics = {}  # a reward that sets none this call reports none
+        timeout = getattr(self.specs[k], "timeout_s", None)
+        try:
+            if timeout is None:
+                with torch.no_grad():
+                    return reward(batch)
+            return self._call_in_thread(k, reward, batch, float(timeout))
+        except _RewardTimeout as e:
+            raise RewardError(str(e)) from None
+        except Exception as e:
+            raise RewardError(f"{self._label(k)} failed: {type(e).__name__}: {e}") from e
+
+    def _call_in_thread(self, k: int, reward: Reward, batch: RewardBatch, timeout: float) -> Any:
+        result: dict[str, Any] = {}
+        cuda_device = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda_device = torch.cuda.current_device()  # the current CUDA device is per thread
+
+        def work() -> None:
+            try:
+                if cuda_device is not None:
+                    torch.cuda.set_device(cuda_device)
+                with torch.no_grad():  # grad mode is per thread too
+                    result["out"] = reward(batch)
+            except BaseException as e:  # handed to the caller
+                result["error"] = e
+
+        worker = threading.Thread(target=work, name=f"reward-{self.specs[k].column}", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise _RewardTimeout(
+                f"{self._label(k)} did not return within {timeout:g} s (key '{self._key}[{k}].timeout_s'); "
+                f"the call goes on in a background thread, which cannot be stopped (the `remote` reward's own "
+                f"timeout_s bounds an HTTP call)"
+            )
+        if "error" in result:
+            raise result["error"]
+        return result["out"]
 
     def _validate(self, k: int, out: Any, n: int) -> Tensor:
         label = self._label(k)

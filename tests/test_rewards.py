@@ -9,6 +9,7 @@ import math
 import sys
 import textwrap
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -641,3 +642,217 @@ def test_public_api_is_exported() -> None:
     ):
         assert hasattr(rewards, attr)
     assert textwrap.dedent(rewards.__doc__ or "").strip()
+
+
+# ======================================================================= per-reward options
+class ChunkRecorder(Reward):
+    """len(text) + 10 * group id, per sample; records the sizes it was called with."""
+
+    needs = {"texts"}
+
+    def __init__(self, *, device: str | None = None) -> None:
+        self.device = device
+        self.sizes: list[int] = []
+        self.last_metrics: dict[str, float] = {}
+
+    def __call__(self, batch):
+        self.sizes.append(len(batch))
+        lengths = [len(t) for t in batch.texts]
+        # per-sample columns and tensors arrive sliced consistently with the texts
+        assert batch["answer"] == [t.upper() for t in batch.texts]
+        assert batch["num_tokens"].tolist() == lengths
+        self.last_metrics = {"mean_len": sum(lengths) / len(lengths), "calls": 1.0}
+        return [n + 10.0 * g for n, g in zip(lengths, batch.group.tolist())]
+
+
+class StepRecorder(Reward):
+    """Per-step: at valid step j of a sample, len(text) * (j + 1); NaN at padding."""
+
+    per_step = True
+    needs = {"texts"}
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def __call__(self, batch):
+        self.sizes.append(len(batch))
+        t = batch.mask.shape[1]
+        out = torch.full((len(batch), t), math.nan)
+        for i, text in enumerate(batch.texts):
+            for j in range(t):
+                if batch.mask[i, j]:
+                    out[i, j] = len(text) * (j + 1)
+        return out
+
+
+class NoDevice(Reward):
+    def __call__(self, batch):
+        return [0.0] * len(batch)
+
+
+class Sleeper(Reward):
+    """Blocks until released (at most 2 s), then scores 1; `grad` reports whether grad mode was on."""
+
+    release = None
+
+    def __init__(self, *, wait_s: float = 2.0) -> None:
+        import threading
+
+        self.wait_s = wait_s
+        self.release = threading.Event()
+
+    def __call__(self, batch):
+        if self.wait_s > 0:
+            self.release.wait(self.wait_s)
+        return [float(torch.is_grad_enabled())] * len(batch)
+
+
+def _options_batch() -> RewardBatch:
+    texts = ["a", "bb", "ccc", "dddd", "eeeee", "ffffff", "g"]
+    return RewardBatch(
+        prompts=[f"p{i}" for i in range(7)],
+        outputs={"texts": texts, "num_tokens": torch.tensor([len(t) for t in texts]), "scale": 3.0},
+        columns={"answer": [t.upper() for t in texts]},
+        group=torch.tensor([0, 0, 1, 1, 2, 2, 3]),
+    )
+
+
+class TestPerRewardOptions:
+    def test_batch_size_chunks_outcome_rewards(self) -> None:
+        spec = {"name": f"{__name__}:ChunkRecorder", "alias": "rec"}
+        whole = RewardSet([spec])
+        chunked = RewardSet([{**spec, "batch_size": 3}])
+        batch = _options_batch()
+        r_whole, r_chunked = whole(batch), chunked(batch)
+        assert whole.rewards[0].sizes == [7]
+        assert chunked.rewards[0].sizes == [3, 3, 1]
+        # len + 10 * group: a(1) bb(2) ccc(3)+10 dddd(4)+10 eeeee(5)+20 ffffff(6)+20 g(1)+30
+        assert r_chunked[:, 0].tolist() == [1.0, 2.0, 13.0, 14.0, 25.0, 26.0, 31.0]
+        assert torch.equal(r_chunked, r_whole)
+        # chunk means 2, 5, 1 weighted by sizes 3, 3, 1: (6 + 15 + 1) / 7 = the mean length 22 / 7
+        assert chunked.last_metrics["reward/rec/mean_len"] == pytest.approx(22 / 7)
+        assert whole.last_metrics["reward/rec/mean_len"] == pytest.approx(22 / 7)
+        assert chunked.last_metrics["reward/rec/calls"] == 1.0
+        # a batch_size at least B scores in one call
+        big = RewardSet([{**spec, "batch_size": 7}])
+        big(batch)
+        assert big.rewards[0].sizes == [7]
+
+    def test_batch_size_chunks_per_step_rewards(self) -> None:
+        texts = ["a", "bb", "ccc", "dddd", "eeeee"]
+        mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0], [1, 1, 0]], dtype=torch.bool)
+
+        def rollout() -> Rollout:
+            return Rollout(
+                group=torch.tensor([0, 0, 1, 1, 2]),
+                mask=mask.clone(),
+                prompts=["p"] * 5,
+                outputs={"texts": list(texts)},
+            )
+
+        whole = RewardSet([{"name": f"{__name__}:StepRecorder", "weight": 2.0}])
+        chunked = RewardSet([{"name": f"{__name__}:StepRecorder", "weight": 2.0, "batch_size": 2}])
+        ro_whole, ro_chunked = rollout(), rollout()
+        r_whole, r_chunked = whole(ro_whole), chunked(ro_chunked)
+        assert chunked.rewards[0].sizes == [2, 2, 1]
+        # column = mean over valid steps of len * (j + 1): a (1+2)/2, bb 2, ccc (3+6+9)/3, dddd none, eeeee 7.5
+        assert r_chunked[:, 0].tolist()[:3] == [1.5, 2.0, 6.0] and r_chunked[4, 0].item() == 7.5
+        assert math.isnan(r_chunked[3, 0].item())
+        assert torch.equal(r_chunked.isnan(), r_whole.isnan())
+        assert torch.equal(r_chunked.nan_to_num(), r_whole.nan_to_num())
+        expected = 2.0 * torch.tensor(
+            [[1, 2, 0], [2, 0, 0], [3, 6, 9], [0, 0, 0], [5, 10, 0]], dtype=torch.float32
+        )
+        assert torch.equal(ro_chunked.step_rewards, expected)
+        assert torch.equal(ro_whole.step_rewards, expected)
+
+    def test_a_chunk_with_a_bad_output_is_named(self, plugin) -> None:
+        rs = RewardSet([{"name": f"{plugin}:too_short", "batch_size": 2}])
+        with pytest.raises(
+            RewardError,
+            match=r"returned 1 values for a batch of 2 \(samples 0\.\.1 of 3; rewards\[0\]\.batch_size = 2\)",
+        ):
+            rs(make_batch(["a", "b", "c"]))
+
+    def test_timeout(self) -> None:
+        rs = RewardSet([{"name": f"{__name__}:Sleeper", "alias": "slow", "timeout_s": 0.2}])
+        try:
+            with pytest.raises(RewardError) as info:
+                rs(make_batch(["a", "b"]))
+        finally:
+            rs.rewards[0].release.set()  # let the abandoned call finish
+        msg = str(info.value)
+        assert "reward 'slow'" in msg and "0.2 s" in msg and "rewards[0].timeout_s" in msg
+        assert "background" in msg
+
+    def test_a_call_within_its_timeout_runs_in_no_grad_and_errors_are_wrapped(self, plugin) -> None:
+        rs = RewardSet([{"name": f"{__name__}:Sleeper", "kwargs": {"wait_s": 0}, "timeout_s": 30}])
+        assert rs(make_batch(["a", "b"]))[:, 0].tolist() == [0.0, 0.0]  # grad mode off in the worker thread
+        rs = RewardSet([{"name": f"{plugin}:boom", "timeout_s": 30}])
+        with pytest.raises(RewardError) as info:
+            rs(make_batch(["x"]))
+        assert str(info.value) == f"reward '{plugin}:boom' (rewards[0]) failed: ValueError: kaboom"
+
+    def test_device_goes_to_the_constructor(self) -> None:
+        rs = RewardSet([{"name": f"{__name__}:ChunkRecorder", "device": "cpu"}])
+        assert rs.rewards[0].device == "cpu"
+        # a built-in that already took `device` in kwargs keeps working, and takes the field as well
+        assert (
+            RewardSet([{"name": "jpeg_compressibility", "kwargs": {"device": "cpu"}}]).rewards[0].device
+            == "cpu"
+        )
+        assert RewardSet([{"name": "jpeg_compressibility", "device": "cpu"}]).rewards[0].device == "cpu"
+
+    @pytest.mark.parametrize(
+        ("entry", "key", "message"),
+        [
+            (
+                {"name": "format", "device": "cpu"},
+                "rewards[0].device",
+                "reward 'format' takes no `device` option",
+            ),
+            (
+                {"name": f"{__name__}:NoDevice", "device": "cpu"},
+                "rewards[0].device",
+                "takes no `device` option",
+            ),
+            (
+                {"name": "jpeg_compressibility", "device": "cpu", "kwargs": {"device": "cpu"}},
+                "rewards[0].device",
+                "device is given twice",
+            ),
+            ({"name": "format", "device": "banana"}, "rewards[0].device", "'banana' is not a torch device"),
+            (
+                {"name": "format", "batch_size": 0},
+                "rewards[0].batch_size",
+                "batch_size must be an integer >= 1",
+            ),
+            (
+                {"name": "format", "timeout_s": -1},
+                "rewards[0].timeout_s",
+                "timeout_s must be a finite number",
+            ),
+        ],
+    )
+    def test_bad_options_name_the_key_and_file(self, entry, key: str, message: str) -> None:
+        from mmalign.config import ConfigError
+
+        with pytest.raises(ConfigError) as info:
+            RewardSet([entry], source="run.yaml")
+        assert str(info.value).startswith(f"run.yaml: key '{key}': ")
+        assert message in str(info.value)
+
+    def test_config_fields_reach_the_reward_set(self) -> None:
+        from mmalign.config import ConfigError, load_config
+
+        tiny = Path(__file__).resolve().parents[1] / "configs" / "text_reasoning-tiny.yaml"
+        cfg = load_config(tiny, ["rewards.1.batch_size=4", "rewards.1.timeout_s=30"])
+        assert (cfg.rewards[1].batch_size, cfg.rewards[1].timeout_s, cfg.rewards[1].device) == (4, 30.0, None)
+        rs = RewardSet(cfg.rewards, source=cfg.source)
+        assert (rs.specs[1].batch_size, rs.specs[1].timeout_s) == (4, 30.0)
+        cfg = load_config(tiny, ["rewards.0.device=cuda:1"])
+        with pytest.raises(
+            ConfigError,
+            match=r"text_reasoning-tiny.yaml.*key 'rewards\[0\].device'.*'answer_accuracy' takes no `device`",
+        ):
+            RewardSet(cfg.rewards, source=cfg.source)
