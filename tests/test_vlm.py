@@ -415,3 +415,139 @@ def test_vlm_chunked_logprobs_equal_full_logits(
     ro = pol.rollout(mixed_rows(), 2, compute_logp=False)
     ro = ro[torch.randperm(len(ro), generator=torch.Generator().manual_seed(1))]
     assert check_chunked_matches_full(pol, ro, 6) > 10
+
+
+# ----------------------------------------------------------------------------- rollout engine (fake: a vLLM stand-in)
+def engine_policy(model_dir: Path, **kw: Any) -> VLMPolicy:
+    from mmalign.engines.fake import FakeEngine
+
+    pol = VLMPolicy.from_pretrained(
+        str(model_dir), max_new_tokens=6, min_pixels=3136, max_pixels=3136, temperature=0.9, **kw
+    )
+    pol.engine = FakeEngine(pol.model, processor=pol.processor)
+    return pol
+
+
+def test_engine_samples_images_like_the_trainer_sees_them(random_vlm_dir: Path) -> None:
+    """The engine gets each row as token ids with ONE placeholder per image plus the images, and expands
+    them itself (as vLLM does); with equal weights its log-probs equal the trainer's recomputation from
+    the policy's own processor outputs, for rows with 0, 1 and 2 images of different sizes."""
+    from mmalign.engines import MultimodalPrompt
+
+    pol = engine_policy(random_vlm_dir)
+    rows = [*mixed_rows(), {"prompt": "No picture here, just text."}]
+    prompts = [pol.engine_prompt(r) for r in rows]
+    image_token = pol.model.config.image_token_id
+    n_images = [len(r.get("images", [])) for r in rows]
+    assert any(n == 0 for n in n_images) and any(n > 1 for n in n_images)
+    for p, n in zip(prompts, n_images, strict=True):
+        ids = p.token_ids if isinstance(p, MultimodalPrompt) else p
+        assert ids.count(image_token) == n  # unexpanded: the engine expands
+    torch.manual_seed(0)
+    ro = pol.rollout(rows, 3, compute_logp=True)
+    assert ro.logp_sampler is not None and ro.mask.any()
+    torch.testing.assert_close(ro.logp_sampler, ro.logp_old, atol=1e-4, rtol=0)
+    # the images matter: an engine that dropped them would sample from another distribution
+    blind = [MultimodalPrompt(p.token_ids, []) if isinstance(p, MultimodalPrompt) else p for p in prompts]
+    blind = [
+        [t for t in (b.token_ids if isinstance(b, MultimodalPrompt) else b) if t != image_token]
+        for b in blind
+    ]
+    from mmalign.engines import SamplingSpec
+
+    spec = SamplingSpec(temperature=0.9, max_new_tokens=6, seed=0, suppress_token_ids=pol.suppressed_ids)
+    with_images = pol.engine.generate(prompts, 1, spec)
+    without = pol.engine.generate(blind, 1, spec)
+    assert with_images[0].token_ids != without[0].token_ids or with_images[0].logprobs != without[0].logprobs
+
+
+def test_engine_weight_sync_and_seeds(random_vlm_dir: Path) -> None:
+    """Changed trainer weights: the engine falls behind until `sync_engine` pushes them (the text policy's
+    sync, shared); a fixed engine seed reproduces the samples."""
+    pol = engine_policy(random_vlm_dir)
+    rows = mixed_rows()[:2]
+    pol.engine_seed = 5
+    a = pol.rollout(rows, 2)
+    b = pol.rollout(rows, 2)
+    assert torch.equal(a.payload["completion_ids"], b.payload["completion_ids"])
+    with torch.no_grad():
+        for n, q in pol.model.named_parameters():
+            if "language_model" in n and n.endswith("weight") and q.dim() == 2:
+                q.add_(0.05 * torch.randn_like(q))
+    stale = pol.rollout(rows, 2)
+    assert (stale.logp_sampler - stale.logp_old)[stale.mask].abs().max() > 1e-3
+    pol.sync_engine(step=1)
+    fresh = pol.rollout(rows, 2)
+    torch.testing.assert_close(fresh.logp_sampler, fresh.logp_old, atol=1e-4, rtol=0)
+
+
+def test_a_text_engine_refuses_images(random_vlm_dir: Path) -> None:
+    from mmalign.engines.fake import FakeEngine
+
+    pol = VLMPolicy.from_pretrained(str(random_vlm_dir), max_new_tokens=4, min_pixels=3136, max_pixels=3136)
+    pol.engine = FakeEngine(pol.model, pol.tokenizer)  # no processor: text only
+    with pytest.raises(ValueError, match="takes no images"):
+        pol.rollout(mixed_rows()[:2], 2)
+
+
+def test_vlm_trains_with_an_engine_and_the_is_correction(random_vlm_dir: Path, tmp_path: Path) -> None:
+    """``rollout.engine: fake`` on the vlm_reasoning pipeline: the trainer syncs the engine after every
+    optimizer step (IS weights ~1, as for text) and the truncated IS correction is applied."""
+    pipelines.names()
+    cfg = vlm_cfg(random_vlm_dir, tmp_path / "run", ASSETS / "train.jsonl", min_pixels=3136, max_pixels=3136)
+    cfg.rollout.engine = "fake"
+    cfg.rollout.is_correction = "token"
+    cfg.trainer.steps = 3
+    cfg.trainer.lr = 1e-2
+    trainer = GroupTrainer(cfg, pipelines.get("vlm_reasoning")(cfg))
+    assert trainer.policy.engine is not None and trainer.policy.engine.supports_images
+    history = trainer.train()
+    for m in history:
+        assert m["is/abs_dlogp_mean"] < 1e-4, m
+    assert trainer.policy.engine.weight_version >= 3
+
+
+@pytest.mark.gpu
+def test_vllm_vlm_rollout_matches_the_trainer(tmp_path: Path) -> None:
+    """Real vLLM on a tiny Qwen2-VL (text heads of 64 dims, which vLLM's attention kernels need): images go
+    through vLLM's multimodal inputs with the policy's resize bounds; its log-probs agree with the trainer's
+    recomputation before and after a full weight sync."""
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from mmalign.engines import get_engine
+
+    torch.manual_seed(0)
+    processor = tiny_vlm.tiny_vlm_processor(tiny_vlm._corpus())
+    model = tiny_vlm.tiny_vlm(
+        processor.tokenizer, hidden_size=128, num_attention_heads=2, num_key_value_heads=1
+    )
+    model.save_pretrained(tmp_path / "m")
+    processor.save_pretrained(tmp_path / "m")
+    pol = VLMPolicy.from_pretrained(str(tmp_path / "m"), max_new_tokens=6, min_pixels=3136, max_pixels=3136)
+    pol.model.cuda()
+    kwargs: dict[str, Any] = dict(
+        dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True, max_model_len=512
+    )
+    kwargs["enable_sleep_mode"] = False
+
+    class _Run:  # what _engine_defaults reads
+        class cfg:  # noqa: N801
+            class model:  # noqa: N801
+                name_or_path = str(tmp_path / "m")
+
+    pol._engine_defaults("vllm", kwargs, _Run)  # type: ignore[arg-type]
+    assert kwargs["llm_kwargs"]["mm_processor_kwargs"] == {"min_pixels": 3136, "max_pixels": 3136}
+    pol.engine = get_engine("vllm", **kwargs)
+    rows = mixed_rows()[:2]
+    ro = pol.rollout(rows, 2)
+    gap = (ro.logp_sampler - ro.logp_old)[ro.mask].abs().max().item()
+    assert gap < 1e-2, gap
+    with torch.no_grad():
+        for n, q in pol.model.named_parameters():
+            if "language_model" in n and q.dim() == 2:
+                q.add_(0.02 * torch.randn_like(q))
+    pol.sync_engine(step=1)
+    ro = pol.rollout(rows, 2)
+    gap = (ro.logp_sampler - ro.logp_old)[ro.mask].abs().max().item()
+    assert gap < 1e-2, gap

@@ -15,7 +15,9 @@ from typing import Any
 
 from mmalign.engines.base import (
     EngineOutput,
+    EnginePrompt,
     EngineStateError,
+    MultimodalPrompt,
     RolloutEngine,
     SamplingSpec,
     WeightSyncError,
@@ -48,7 +50,9 @@ def get_engine(name: str, **kwargs: Any) -> RolloutEngine | None:
 __all__ = [
     "ENGINE_NAMES",
     "EngineOutput",
+    "EnginePrompt",
     "EngineStateError",
+    "MultimodalPrompt",
     "RolloutEngine",
     "SamplingSpec",
     "WeightSyncError",

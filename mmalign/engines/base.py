@@ -26,6 +26,13 @@ Contract
   succeeds (its weights are in an unknown state).
 - ``sleep()`` / ``wake()``: release and reclaim accelerator memory when the engine is colocated
   with training (no-ops by default).
+
+Vision-language prompts. An engine with ``supports_images = True`` (vLLM; `FakeEngine` built with a
+processor) also takes `MultimodalPrompt` items: the token ids of the chat-templated text with ONE image
+placeholder token per image, and the images themselves. The engine runs its own image processor and
+expands each placeholder into the image's patch tokens (vLLM's multimodal inputs), so the policy must
+give it the same resize bounds it uses itself. ``SamplingSpec.suppress_token_ids`` are never sampled and
+count as -inf in the returned log-probs (the vision placeholders, as `VLMPolicy` samples).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -68,6 +76,7 @@ class SamplingSpec:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    suppress_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -95,6 +104,23 @@ class EngineOutput:
             raise ValueError(
                 f"EngineOutput: {len(self.token_ids)} token ids but {len(self.logprobs)} log-probs"
             )
+
+
+@dataclass
+class MultimodalPrompt:
+    """A vision-language prompt for an engine with ``supports_images``: ``token_ids`` of the chat-templated
+    text with ONE image placeholder token per image (the engine expands each into the image's patch tokens,
+    as vLLM does), and ``images`` (PIL images, in the order of their placeholders)."""
+
+    token_ids: list[int]
+    images: list[Any] = field(default_factory=list)
+
+
+EnginePrompt = list[int] | MultimodalPrompt
+
+
+def _token_ids(prompt: EnginePrompt) -> list[int]:
+    return prompt.token_ids if isinstance(prompt, MultimodalPrompt) else prompt
 
 
 def outputs_to_tensors(outputs: list[EngineOutput], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -207,6 +233,8 @@ class RolloutEngine(ABC):
     name: str = "engine"
     supports_lora_adapters: bool = False
     """Whether ``sync_weights(..., lora=True)`` (adapter loading) is supported."""
+    supports_images: bool = False
+    """Whether `generate` takes `MultimodalPrompt` items (a vision-language model with its processor)."""
 
     def __init__(self) -> None:
         self.weight_version = 0
@@ -220,14 +248,15 @@ class RolloutEngine(ABC):
     # ------------------------------------------------------------------ sampling
     @abstractmethod
     def _generate(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec
+        self, prompt_token_ids: list[EnginePrompt], n: int, sampling: SamplingSpec
     ) -> list[EngineOutput]:
-        """Engine-specific sampling (see `generate`)."""
+        """Engine-specific sampling (see `generate`); `MultimodalPrompt` items only if ``supports_images``."""
 
     def generate(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec
+        self, prompt_token_ids: list[EnginePrompt], n: int, sampling: SamplingSpec
     ) -> list[EngineOutput]:
-        """``n`` completions per prompt, flattened prompt-major (output ``i*n + j``), see the module docstring."""
+        """``n`` completions per prompt, flattened prompt-major (output ``i*n + j``), see the module docstring.
+        A prompt is a list of token ids, or a `MultimodalPrompt` for an engine that ``supports_images``."""
         if self._broken is not None:
             raise EngineStateError(
                 f"{self.name} engine: the last weight sync failed ({self._broken}); its weights are in an "
@@ -237,9 +266,20 @@ class RolloutEngine(ABC):
             raise ValueError(f"{self.name} engine: n must be >= 1, got {n}")
         if not prompt_token_ids:
             return []
-        if any(len(p) == 0 for p in prompt_token_ids):
+        prompts: list[EnginePrompt] = []
+        for p in prompt_token_ids:
+            if isinstance(p, MultimodalPrompt):
+                if not self.supports_images:
+                    raise ValueError(
+                        f"{self.name} engine: it takes no images (a MultimodalPrompt was given); a vision-language "
+                        f"policy needs an engine that supports images (vllm, or fake with a processor)"
+                    )
+                prompts.append(MultimodalPrompt(list(map(int, p.token_ids)), list(p.images)))
+            else:
+                prompts.append(list(map(int, p)))
+        if any(len(_token_ids(p)) == 0 for p in prompts):
             raise ValueError(f"{self.name} engine: every prompt needs at least one token")
-        return self._generate([list(map(int, p)) for p in prompt_token_ids], n, sampling)
+        return self._generate(prompts, n, sampling)
 
     # ------------------------------------------------------------------ weights
     @abstractmethod

@@ -12,6 +12,10 @@ it to exercise weight sync, sync failures and the importance-sampling correction
   state dict into the engine's adapter (construct with ``peft_config``).
 - Fault injection for tests: ``sync_delay_s`` (the load sleeps that long first) and
   ``sync_error`` (an exception raised inside the load).
+- Vision-language models (Qwen2-VL style): built with ``processor=``, the engine takes `MultimodalPrompt`
+  items like vLLM does: it runs the processor's image processor on the images, expands each image
+  placeholder token into the image's patch tokens, and samples with the model's M-RoPE positions
+  (``get_rope_index``) in the prefill and the decode steps.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from torch import Tensor
 
 from mmalign.engines.base import (
     EngineOutput,
+    EnginePrompt,
+    MultimodalPrompt,
     RolloutEngine,
     SamplingSpec,
     WeightState,
@@ -67,8 +73,14 @@ class FakeEngine(RolloutEngine):
         batch_size: int | None = None,
         sync_delay_s: float = 0.0,
         sync_error: BaseException | None = None,
+        processor: Any = None,
     ) -> None:
         super().__init__()
+        self.processor = processor
+        """A vision-language model's processor: with it the engine takes `MultimodalPrompt` items."""
+        self.supports_images = processor is not None
+        if tokenizer is None and processor is not None:
+            tokenizer = getattr(processor, "tokenizer", None)
         if _is_peft(model):  # sample with the merged weights, as a merge-and-push engine would
             model = copy.deepcopy(model).merge_and_unload()
         elif copy_model:
@@ -106,7 +118,7 @@ class FakeEngine(RolloutEngine):
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
     def _generate(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec
+        self, prompt_token_ids: list[EnginePrompt], n: int, sampling: SamplingSpec
     ) -> list[EngineOutput]:
         if sampling.stop and self.tokenizer is None:
             raise ValueError("fake engine: stop strings need a tokenizer (FakeEngine(model, tokenizer))")
@@ -122,7 +134,7 @@ class FakeEngine(RolloutEngine):
 
     def _sample(
         self,
-        prompts: list[list[int]],
+        prompts: list[EnginePrompt],
         rows: list[int],
         sp: SamplingSpec,
         gens: list[torch.Generator] | None,
@@ -131,32 +143,41 @@ class FakeEngine(RolloutEngine):
 
         dev = self.device
         b = len(rows)
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.zeros((b, width), dtype=torch.long)
-        att = torch.zeros((b, width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            p = prompts[i]
-            ids[r, width - len(p) :] = torch.tensor(p)
-            att[r, width - len(p) :] = 1
-        ids, att = ids.to(dev), att.to(dev)
+        extra: dict[str, Tensor] = {}
+        if any(isinstance(prompts[i], MultimodalPrompt) and prompts[i].images for i in rows):
+            ids, att, extra, positions = self._multimodal_inputs(prompts, rows)
+        else:
+            token_lists = [p.token_ids if isinstance(p, MultimodalPrompt) else p for p in prompts]
+            ids, att = _left_pad([token_lists[i] for i in rows])
+            ids, att = ids.to(dev), att.to(dev)
+            positions = (att.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self.model(
             input_ids=ids,
             attention_mask=att,
-            position_ids=(att.cumsum(1) - 1).clamp(min=0),
+            position_ids=positions,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **extra,
+        )
+        mrope = positions.dim() == 3  # [3, B, T] multimodal rotary positions
+        suppressed = (
+            torch.tensor(sp.suppress_token_ids, dtype=torch.long, device=dev)
+            if sp.suppress_token_ids
+            else None
         )
         cache = out.past_key_values
         logits = out.logits[:, -1].float()
-        next_pos = att.sum(dim=1)
+        next_pos = positions.amax(dim=(0, 2) if mrope else 1) + 1
         stop_ids = set(sp.stop_token_ids)
         tokens: list[list[int]] = [[] for _ in range(b)]
         logps: list[list[float]] = [[] for _ in range(b)]
         reasons = ["length"] * b
         done = [False] * b
         for step in range(sp.max_new_tokens):
+            if suppressed is not None:
+                logits = logits.index_fill(-1, suppressed, float("-inf"))
             scaled = logits / sp.temperature if sp.temperature > 0 else logits
             logp_all = torch.log_softmax(scaled, dim=-1)
             if sp.temperature == 0:
@@ -181,10 +202,11 @@ class FakeEngine(RolloutEngine):
             if all(done) or step == sp.max_new_tokens - 1:
                 break
             att = torch.cat([att, torch.ones((b, 1), dtype=att.dtype, device=dev)], dim=1)
+            step_pos = next_pos[None, :, None].expand(3, b, 1) if mrope else next_pos[:, None]
             out = self.model(
                 input_ids=tok.to(dev)[:, None],
                 attention_mask=att,
-                position_ids=next_pos[:, None],
+                position_ids=step_pos,
                 past_key_values=cache,
                 use_cache=True,
             )
@@ -204,6 +226,64 @@ class FakeEngine(RolloutEngine):
             )
             for r in range(b)
         ]
+
+    def _multimodal_inputs(
+        self, prompts: list[EnginePrompt], rows: list[int]
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor], Tensor]:
+        """Left-padded ids / mask with every image placeholder expanded into its patch tokens, the vision
+        inputs (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) and the [3, B, T] M-RoPE
+        positions, as vLLM's multimodal processing would give them."""
+        image_token = getattr(self.model.config, "image_token_id", None)
+        merge = int(getattr(self.processor.image_processor, "merge_size", 1))
+        rope = next(
+            (m.get_rope_index for m in self.model.modules() if callable(getattr(m, "get_rope_index", None))),
+            None,
+        )
+        if image_token is None or rope is None:
+            raise ValueError(
+                f"fake engine: {type(self.model).__name__} has no image_token_id / get_rope_index; images need a "
+                f"Qwen2-VL-style model"
+            )
+        per_prompt: dict[int, tuple[list[int], Tensor | None, Tensor | None]] = {}
+        for i in sorted(set(rows)):
+            p = prompts[i]
+            ids, images = (p.token_ids, p.images) if isinstance(p, MultimodalPrompt) else (p, [])
+            slots = [k for k, t in enumerate(ids) if t == image_token]
+            if len(slots) != len(images):
+                raise ValueError(
+                    f"fake engine: prompt {i} has {len(slots)} image placeholder token(s) for {len(images)} image(s)"
+                )
+            if not images:
+                per_prompt[i] = (list(ids), None, None)
+                continue
+            enc = self.processor.image_processor(images=images, return_tensors="pt")
+            grid = enc["image_grid_thw"]
+            counts = (grid.prod(dim=1) // (merge * merge)).tolist()
+            expanded: list[int] = []
+            k = 0
+            for t in ids:
+                expanded.extend([t] * int(counts[k]) if t == image_token else [t])
+                k += int(t == image_token)
+            per_prompt[i] = (expanded, enc["pixel_values"], grid)
+        dev = self.device
+        ids, att = _left_pad([per_prompt[i][0] for i in rows])
+        ids, att = ids.to(dev), att.to(dev)
+        types = ((ids == image_token) & att.bool()).long()
+        pixels = [per_prompt[i][1] for i in rows if per_prompt[i][1] is not None]
+        grids = [per_prompt[i][2] for i in rows if per_prompt[i][2] is not None]
+        extra = {
+            "mm_token_type_ids": types,
+            "pixel_values": torch.cat(pixels).to(dev, self.model.dtype),
+            "image_grid_thw": torch.cat(grids).to(dev),
+        }
+        positions, _ = rope(
+            ids,
+            mm_token_type_ids=types,
+            image_grid_thw=extra["image_grid_thw"],
+            video_grid_thw=None,
+            attention_mask=att,
+        )
+        return ids, att, extra, positions
 
     def _hits_stop(self, ids: list[int], stop: list[str]) -> bool:
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -265,3 +345,14 @@ class FakeEngine(RolloutEngine):
 
     def close(self) -> None:
         self._closed.set()
+
+
+def _left_pad(seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
+    """Long[B, W] ids (0 on the left padding) and their attention mask."""
+    width = max(len(x) for x in seqs)
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    att = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, x in enumerate(seqs):
+        ids[r, width - len(x) :] = torch.tensor(x, dtype=torch.long)
+        att[r, width - len(x) :] = 1
+    return ids, att

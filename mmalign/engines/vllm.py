@@ -27,6 +27,13 @@ is guarded:
   ``top_p = 1`` and ``top_k = 0`` for exact agreement; any remaining gap is what the truncated IS
   correction (`mmalign.is_correction`) is for. On V1 < 0.10.2 with T ≠ 1 the engine's log-probs
   ignore the temperature: use T = 1 there or leave TIS off.
+- Vision-language models: a `MultimodalPrompt` becomes ``{"prompt_token_ids": ids, "multi_modal_data":
+  {"image": [PIL images]}}``; vLLM runs the model's processor and expands each image placeholder token.
+  `VLMPolicy` passes its resize bounds as ``mm_processor_kwargs`` (``min_pixels`` / ``max_pixels``) and
+  the most images per prompt as ``limit_mm_per_prompt``, so vLLM's patches are the trainer's. Suppressed
+  tokens (the vision placeholders) get ``logit_bias`` -100, vLLM's bound. The full weight sync pushes the
+  policy's Hugging Face names (``model.language_model.*``, ``model.visual.*``, ``lm_head.*`` in
+  transformers 5); vLLM's Qwen2-VL / Qwen2.5-VL loaders map them (checked only on a GPU, by the ``gpu`` test).
 - Sleep mode: ``enable_sleep_mode=True`` lets `sleep()` offload weights and free the KV cache
   (``llm.sleep(level=1)``) during the update and `wake()` (``llm.wake_up()``) bring them back.
 """
@@ -41,7 +48,15 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from mmalign.engines.base import EngineOutput, RolloutEngine, SamplingSpec, WeightState, iter_state
+from mmalign.engines.base import (
+    EngineOutput,
+    EnginePrompt,
+    MultimodalPrompt,
+    RolloutEngine,
+    SamplingSpec,
+    WeightState,
+    iter_state,
+)
 
 INSTALL_HINT = (
     'vLLM is not installed; install the optional extra with: pip install "mmalign[vllm]" (needs CUDA)'
@@ -65,6 +80,7 @@ class VLLMEngine(RolloutEngine):
     """A colocated `vllm.LLM` as a `RolloutEngine` (see the module docstring)."""
 
     name = "vllm"
+    supports_images = True
 
     def __init__(
         self,
@@ -146,10 +162,12 @@ class VLLMEngine(RolloutEngine):
             stop_token_ids=list(sp.stop_token_ids) or None,
             seed=seed,
             logprobs=0,
+            # vLLM clamps a logit bias to [-100, 100]: a suppressed token keeps a log-prob below -100
+            logit_bias={int(t): -100.0 for t in sp.suppress_token_ids} or None,
         )
 
     def _generate(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingSpec
+        self, prompt_token_ids: list[EnginePrompt], n: int, sampling: SamplingSpec
     ) -> list[EngineOutput]:
         if self.asleep:
             self.wake()
@@ -157,7 +175,7 @@ class VLLMEngine(RolloutEngine):
             self._sampling_params(n, sampling, None if sampling.seed is None else sampling.seed + i)
             for i in range(len(prompt_token_ids))
         ]
-        prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]  # TokensPrompt is a TypedDict
+        prompts = [vllm_prompt(p) for p in prompt_token_ids]
         kwargs: dict[str, Any] = {"use_tqdm": False}
         if self._lora_request is not None:
             kwargs["lora_request"] = self._lora_request
@@ -248,3 +266,15 @@ class VLLMEngine(RolloutEngine):
     def close(self) -> None:
         if self._lora_dir is not None:
             self._lora_dir.cleanup()
+
+
+def vllm_prompt(prompt: EnginePrompt) -> dict[str, Any]:
+    """The vLLM prompt of an engine prompt: ``{"prompt_token_ids": ids}`` (a ``TokensPrompt``), plus
+    ``multi_modal_data = {"image": [...]}`` for a `MultimodalPrompt` with images (vLLM runs the model's
+    processor on them and expands each image placeholder token of ``ids``)."""
+    if isinstance(prompt, MultimodalPrompt):
+        out: dict[str, Any] = {"prompt_token_ids": list(prompt.token_ids)}
+        if prompt.images:
+            out["multi_modal_data"] = {"image": list(prompt.images)}
+        return out
+    return {"prompt_token_ids": list(prompt)}

@@ -297,16 +297,21 @@ class TextPolicy(Policy):
             )
 
         kwargs = dict(r.engine_kwargs)
-        if r.engine == "fake":
-            kwargs.setdefault("model", self.model)
-            kwargs.setdefault("tokenizer", self.tokenizer)
-        else:
-            kwargs.setdefault("model", run.cfg.model.name_or_path)
+        self._engine_defaults(r.engine, kwargs, run)
         try:
             self.engine = get_engine(r.engine, **kwargs)
         except TypeError as e:
             raise ConfigError(f"{run.cfg.source}: key 'rollout.engine_kwargs': {e}") from None
         self._engine_stale = True
+
+    def _engine_defaults(self, engine: str, kwargs: dict[str, Any], run: RunInfo) -> None:
+        """Fill the engine's options the config left out: the in-process model and tokenizer for ``fake``,
+        the model folder or hub id (``model.name_or_path``) otherwise."""
+        if engine == "fake":
+            kwargs.setdefault("model", self.model)
+            kwargs.setdefault("tokenizer", self.tokenizer)
+        else:
+            kwargs.setdefault("model", run.cfg.model.name_or_path)
 
     @property
     def max_actions(self) -> int:
@@ -372,7 +377,8 @@ class TextPolicy(Policy):
         else:
             state, lora = full_state_dict(model), False
         timeout = run.cfg.rollout.sync_timeout_s if run is not None and run.cfg is not None else None
-        self.engine.sync_weights(state, lora=lora, timeout_s=timeout, step=step)
+        limit = {} if timeout is None else {"timeout_s": timeout}  # outside a run: the engine's default
+        self.engine.sync_weights(state, lora=lora, step=step, **limit)
         self._engine_stale = False
 
     # ------------------------------------------------------------------ rollout

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from mmalign.batch import Rollout
 from mmalign.logprobs import final_hidden_states
-from mmalign.policies.base import Policy, RunInfo
+from mmalign.policies.base import RunInfo
 from mmalign.policies.text import (
     TextPolicy,
     _pad_left,
@@ -251,9 +251,26 @@ class VLMPolicy(TextPolicy):
 
     # ------------------------------------------------------------------ rollout
     def setup(self, run: RunInfo) -> None:
-        """No rollout engine for VLMs yet (``rollout.engine`` must stay ``hf``: `generate` samples)."""
-        Policy.setup(self, run)
-        self._run = run
+        """Build the rollout engine named by ``rollout.engine`` as `TextPolicy` does (``hf``: `generate`
+        samples); a VLM engine gets the processor (``fake``) or the resize bounds (``vllm``)."""
+        TextPolicy.setup(self, run)
+
+    def _engine_defaults(self, engine: str, kwargs: dict[str, Any], run: RunInfo) -> None:
+        """`TextPolicy._engine_defaults`, plus what a VLM engine needs to process images exactly as this
+        policy does: the processor itself (``fake``), or vLLM's ``mm_processor_kwargs`` with the same
+        ``min_pixels`` / ``max_pixels`` and a ``limit_mm_per_prompt`` (``vllm``)."""
+        super()._engine_defaults(engine, kwargs, run)
+        if engine == "fake":
+            kwargs.setdefault("processor", self.processor)
+        elif engine == "vllm":
+            ip = self.processor.image_processor
+            llm = dict(kwargs.get("llm_kwargs") or {})
+            bounds = {
+                k: getattr(ip, k) for k in ("min_pixels", "max_pixels") if getattr(ip, k, None) is not None
+            }
+            llm.setdefault("mm_processor_kwargs", bounds)
+            llm.setdefault("limit_mm_per_prompt", {"image": 8})
+            kwargs["llm_kwargs"] = llm
 
     @staticmethod
     def _size_columns(encs: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -276,6 +293,8 @@ class VLMPolicy(TextPolicy):
         encs = [e for e in row_encs for _ in range(group_size)]  # shared, not copied
         prompts, group, columns = self._rollout_fields(rows, group_size)
         columns.update(self._size_columns(encs))
+        if self.engine is not None:
+            return self._vlm_rollout_with_engine(rows, row_encs, group_size, prompts, group, columns)
 
         parts = self._generate_in_chunks(encs, self._generate_vlm)
         p_width = max(p[0].shape[1] for p in parts)
@@ -294,6 +313,69 @@ class VLMPolicy(TextPolicy):
             compute_logp,
             extra_payload=extra,
         )
+
+    def engine_prompt(self, row: dict[str, Any]) -> Any:
+        """The rollout engine's prompt for a row: the token ids of the chat-templated text with ONE
+        placeholder per image and the images (a `MultimodalPrompt`; the engine expands the placeholders),
+        or plain token ids for a row without images."""
+        from mmalign.engines import MultimodalPrompt
+
+        if row.get("video") is not None:
+            raise ValueError(
+                "a video row cannot be sampled with a rollout engine yet; use rollout.engine: hf for video"
+            )
+        images = [_load_image(x) for x in _as_list(row.get("images", row.get("image")))]
+        text = self.format_vlm_prompt(str(row["prompt"]), len(images), False)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return MultimodalPrompt(ids, images) if images else ids
+
+    def _vlm_rollout_with_engine(
+        self,
+        rows: list[dict[str, Any]],
+        row_encs: list[dict[str, Any]],
+        group_size: int,
+        prompts: list[str],
+        group: Tensor,
+        columns: dict[str, list[Any]],
+    ) -> Rollout:
+        """Sample with `self.engine` (images passed as its multimodal inputs); the payload holds this policy's
+        own processor outputs, ``logp_old`` is recomputed with the trainer's weights and the engine's
+        log-probs are kept as ``rollout.logp_sampler`` for the importance-sampling correction (as in
+        `TextPolicy._rollout_with_engine`)."""
+        from mmalign.engines import SamplingSpec, outputs_to_tensors
+
+        spec = SamplingSpec(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            stop=list(self.stop_strings),
+            stop_token_ids=list(self.eos_ids),
+            seed=self.engine_seed,
+            suppress_token_ids=list(self.suppressed_ids),
+        )
+        outs = self.engine.generate([self.engine_prompt(r) for r in rows], group_size, spec)
+        completion_ids, logp_engine, _ = outputs_to_tensors(outs, self.tokenizer.pad_token_id)
+        batch = self.batch_inputs(row_encs)
+        extra: dict[str, Any] = {
+            "mm_token_type_ids": batch["mm_token_type_ids"].repeat_interleave(group_size, 0)
+        }
+        for key in _VISION_KEYS:
+            extra[key] = [e[key] for e in row_encs for _ in range(group_size)]
+        rollout = self._finish_rollout(
+            prompts,
+            group,
+            columns,
+            batch["input_ids"].repeat_interleave(group_size, 0),
+            batch["attention_mask"].repeat_interleave(group_size, 0),
+            completion_ids,
+            True,
+            extra_payload=extra,
+        )
+        width = rollout.mask.shape[1]
+        logp_engine = _pad_right(logp_engine.float(), width, 0)[:, :width]
+        rollout.logp_sampler = logp_engine.masked_fill(~rollout.mask, 0.0)
+        return rollout
 
     def _generate_vlm(self, encs: list[dict[str, Any]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         inputs = {k: v.to(self.device) for k, v in self.batch_inputs(encs).items()}
