@@ -236,8 +236,9 @@ def check_data_files(cfg: Config) -> None:
 def check_reward_specs(specs: Sequence[Any], source: str, key: str = "rewards") -> None:
     """What `rewards.RewardSet(specs, source=source, key=key)` would reject about names and options,
     with the same `ConfigError` messages, without constructing any reward: the name resolves
-    (registered, entry point or ``module:attr``) and the ``kwargs`` fit the reward's signature."""
-    from rewards.base import FunctionReward, Reward, RewardSpec, _check_options, _resolve
+    (registered, entry point or ``module:attr``), the ``kwargs`` fit the reward's signature, and the
+    per-reward ``device`` / ``batch_size`` / ``timeout_s`` are valid (`rewards.base.spec_problem`)."""
+    from rewards.base import FunctionReward, Reward, RewardSpec, _check_options, _resolve, spec_problem
 
     def error(k: str, err: Exception) -> ConfigError:
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
@@ -272,6 +273,9 @@ def check_reward_specs(specs: Sequence[Any], source: str, key: str = "rewards") 
                 )
         except (TypeError, ValueError) as e:
             raise error(f"{key}[{i}].kwargs", e) from e
+        problem = spec_problem(s, i, key, obj=obj)
+        if problem is not None:
+            raise error(*problem)
 
 
 # ----------------------------------------------------------------------------- all of it

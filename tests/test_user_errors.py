@@ -199,6 +199,22 @@ def test_bad_reward_option_is_reported_before_any_model(capsys, tmp_path, no_mod
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize(
+    "override, key, words",
+    [
+        ("rewards.0.batch_size=0", "rewards[0].batch_size", "must be an integer >= 1"),
+        ("rewards.0.timeout_s=-1", "rewards[0].timeout_s", "must be a finite number of seconds > 0"),
+        ("rewards.0.device=cuda:1", "rewards[0].device", "takes no `device` option"),
+    ],
+)
+def test_bad_per_reward_option_is_reported_before_any_model(capsys, tmp_path, no_model, override, key, words):
+    cfg, _ = tiny_config(tmp_path, "text_reasoning")
+    rc, _, err = run_main(capsys, "train", str(cfg), override, "overwrite=true")
+    assert rc == 1
+    one_error_line(err, str(cfg), f"key '{key}'", words)
+    assert not (tmp_path / "models").exists()
+
+
 def test_missing_required_reward_option_is_reported_before_the_reward_model(capsys, tmp_path, no_model):
     cfg, _ = tiny_config(tmp_path, "safe_diffusion")
     data = yaml.safe_load(cfg.read_text())
