@@ -429,20 +429,11 @@ class TextPolicy(Policy):
     ) -> Rollout:
         """Sample with `self.engine`; keep its log-probs as ``rollout.logp_sampler`` and recompute
         ``logp_old`` with the trainer's own weights (the IS correction compares the two)."""
-        from mmalign.engines import SamplingSpec, outputs_to_tensors
+        from mmalign.engines import outputs_to_tensors
 
         ids, att = self._encode_prompts([str(r["prompt"]) for r in rows])
         token_lists = [row[m.bool()].tolist() for row, m in zip(ids, att, strict=True)]
-        spec = SamplingSpec(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_new_tokens=self.max_new_tokens,
-            stop=list(self.stop_strings),
-            stop_token_ids=list(self.eos_ids),
-            seed=self.engine_seed,
-        )
-        outs = self.engine.generate(token_lists, group_size, spec)
+        outs = self.engine.generate(token_lists, group_size, self._engine_sampling())
         completion_ids, logp_engine, _ = outputs_to_tensors(outs, self.tokenizer.pad_token_id)
         rollout = self._finish_rollout(
             prompts,
@@ -453,6 +444,27 @@ class TextPolicy(Policy):
             completion_ids,
             compute_logp=True,
         )
+        return self._keep_engine_logprobs(rollout, logp_engine)
+
+    def _engine_sampling(self, suppress_token_ids: list[int] | None = None) -> Any:
+        """The engine's `SamplingSpec`: this policy's temperature, top-p / top-k, length, stops and the
+        step's engine seed."""
+        from mmalign.engines import SamplingSpec
+
+        return SamplingSpec(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            stop=list(self.stop_strings),
+            stop_token_ids=list(self.eos_ids),
+            seed=self.engine_seed,
+            suppress_token_ids=list(suppress_token_ids or []),
+        )
+
+    @staticmethod
+    def _keep_engine_logprobs(rollout: Rollout, logp_engine: Tensor) -> Rollout:
+        """``rollout.logp_sampler``: the engine's log-probs, cut or padded to the rollout's width, 0 where masked."""
         width = rollout.mask.shape[1]
         logp_engine = _pad_right(logp_engine.float(), width, 0)[:, :width]
         rollout.logp_sampler = logp_engine.masked_fill(~rollout.mask, 0.0)

@@ -342,18 +342,9 @@ class VLMPolicy(TextPolicy):
         own processor outputs, ``logp_old`` is recomputed with the trainer's weights and the engine's
         log-probs are kept as ``rollout.logp_sampler`` for the importance-sampling correction (as in
         `TextPolicy._rollout_with_engine`)."""
-        from mmalign.engines import SamplingSpec, outputs_to_tensors
+        from mmalign.engines import outputs_to_tensors
 
-        spec = SamplingSpec(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_new_tokens=self.max_new_tokens,
-            stop=list(self.stop_strings),
-            stop_token_ids=list(self.eos_ids),
-            seed=self.engine_seed,
-            suppress_token_ids=list(self.suppressed_ids),
-        )
+        spec = self._engine_sampling(self.suppressed_ids)
         outs = self.engine.generate([self.engine_prompt(r) for r in rows], group_size, spec)
         completion_ids, logp_engine, _ = outputs_to_tensors(outs, self.tokenizer.pad_token_id)
         batch = self.batch_inputs(row_encs)
@@ -372,10 +363,7 @@ class VLMPolicy(TextPolicy):
             True,
             extra_payload=extra,
         )
-        width = rollout.mask.shape[1]
-        logp_engine = _pad_right(logp_engine.float(), width, 0)[:, :width]
-        rollout.logp_sampler = logp_engine.masked_fill(~rollout.mask, 0.0)
-        return rollout
+        return self._keep_engine_logprobs(rollout, logp_engine)
 
     def _generate_vlm(self, encs: list[dict[str, Any]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         inputs = {k: v.to(self.device) for k, v in self.batch_inputs(encs).items()}
