@@ -7,7 +7,10 @@ of actions with log-probs, the reward set scores the samples, an estimator from
 
 Distributed runs: every process samples its own share of the prompts (whole groups, never
 split), rewards are gathered from all processes before advantages are computed, so N processes
-give the same advantages as one. Loss normalisers (token counts, sequence counts) are global.
+give the same advantages as one. Loss normalisers (token counts, sequence counts) are global. A model
+sharded with FSDP2 before the trainer is built (`mmalign.distributed.apply_fsdp2`, or accelerate's FSDP2
+plugin) is not wrapped in DDP; its checkpoints are sharded (DCP) folders that every rank writes and reads
+(``docs/distributed.md``).
 
 Run directory (``output_dir``): ``config.yaml``, ``metrics.jsonl`` (one JSON object per step),
 ``samples/`` (what `Policy.sample_view` shows of each sample, its rewards and advantage), ``checkpoints/``
@@ -42,6 +45,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from mmalign import advantages as adv_lib
+from mmalign import distributed as dist_lib
 from mmalign import filters as filter_lib
 from mmalign import is_correction as isc
 from mmalign import losses as loss_lib
@@ -49,6 +53,7 @@ from mmalign import rundir
 from mmalign import samplers as sampler_lib
 from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError
+from mmalign.distributed import is_fsdp2
 from mmalign.doctor import LiveDoctor
 from mmalign.policies.base import RunInfo
 from mmalign.registry import RegistryError
@@ -102,6 +107,7 @@ class GroupTrainer:
         self, cfg: Config, components: Any, *, resume: bool = False, accelerator: Any = None
     ) -> None:
         from accelerate import Accelerator
+        from accelerate.utils import DistributedType
 
         check_available(cfg)  # a tracker in trainer.log_with whose package is missing: fail before anything
         self.cfg = cfg
@@ -178,7 +184,14 @@ class GroupTrainer:
             params, lr=t.lr, betas=tuple(t.betas), eps=t.adam_eps, weight_decay=t.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
-        self.policy.forward_model, self.optimizer = acc.prepare(self.policy.model, self.optimizer)
+        if is_fsdp2(self.policy.model) and acc.distributed_type != DistributedType.FSDP:
+            # sharded before the trainer was built (`mmalign.distributed.apply_fsdp2`): FSDP2 syncs the
+            # gradients; accelerate's MULTI_CPU / MULTI_GPU prepare would wrap the model in DDP
+            self.policy.forward_model, self.optimizer = self.policy.model, acc.prepare(self.optimizer)
+        else:
+            self.policy.forward_model, self.optimizer = acc.prepare(self.policy.model, self.optimizer)
+        self.sharded = is_fsdp2(self.policy.forward_model)
+        """The model is FSDP2-sharded (DTensor parameters): gradient sync by FSDP, sharded (DCP) checkpoints."""
         self.policy.setup(RunInfo(cfg=cfg, accelerator=acc, rank=self.rank, world=self.world))
         # logp_old is needed when the weights change between updates on one rollout, and when the policy
         # samples elsewhere (that sampler's own log-probs then only enter the importance-sampling correction)
@@ -442,7 +455,12 @@ class GroupTrainer:
                 micro = list(range(0, len(mb), self.microbatch))
                 for j, ms in enumerate(micro):
                     mu = mb[list(range(ms, min(ms + self.microbatch, len(mb))))]
-                    ctx = acc.no_sync(self.policy.forward_model) if j < len(micro) - 1 else _NoSync()
+                    if j == len(micro) - 1:
+                        ctx: Any = _NoSync()
+                    elif self.sharded:
+                        ctx = dist_lib.no_grad_sync(self.policy.forward_model)
+                    else:
+                        ctx = acc.no_sync(self.policy.forward_model)
                     with ctx:
                         stats = self.policy.evaluate(mu)
                         logp = stats.logp
@@ -491,7 +509,7 @@ class GroupTrainer:
                                 max_len=self.policy.max_actions,
                             )
                             * self.world
-                        )  # DDP averages gradients over processes
+                        )  # DDP (and FSDP2's reduce-scatter) average gradients over processes
                         aux_total = self._aux_loss(stats.aux_losses, len(mu) / n_seq, sums)
                         acc.backward(loss if aux_total is None else loss + aux_total * self.world)
                     with torch.no_grad():
@@ -505,7 +523,10 @@ class GroupTrainer:
                             sums["entropy"] += float((stats.entropy * mask).sum())
                         counts["tokens"] += k
                 if t.max_grad_norm is not None:
-                    gn = acc.clip_grad_norm_(self.policy.trainable_parameters(), t.max_grad_norm)
+                    if self.sharded:  # the global norm over all shards, as a plain tensor
+                        gn = dist_lib.clip_grad_norm_(self.policy.trainable_parameters(), t.max_grad_norm)
+                    else:
+                        gn = acc.clip_grad_norm_(self.policy.trainable_parameters(), t.max_grad_norm)
                     sums["grad_norm"] += float(gn)
                     counts["opt_steps"] += 1
                 self.optimizer.step()
@@ -638,10 +659,40 @@ class GroupTrainer:
             if metrics_f is not None:
                 metrics_f.close()
             self.trackers.finish()
-        if self.is_main:
+        if self.sharded:
+            self._save_final_sharded(self.out / rundir.FINAL_DIR)
+        elif self.is_main:
             self.policy.save(self.out / "final")
         self.accelerator.wait_for_everyone()
         return self.history
+
+    def _save_final_sharded(self, path: Path) -> None:
+        """``final/`` of an FSDP2 run: the full weights are gathered on every rank (a collective), then the main
+        process writes them with ``save_pretrained(state_dict=...)`` (and the policy's tokenizer or processor),
+        the layout `Policy.save` gives a text or VLM policy."""
+        model = self.policy.model
+        full = dist_lib.gather_full_state_dict(model)
+        if not self.is_main:
+            return
+        if not hasattr(model, "save_pretrained"):
+            raise TrainingError(
+                f"cannot write {path}: {type(model).__name__} has no save_pretrained (FSDP2 runs save the gathered "
+                "weights with it)"
+            )
+        path.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(path, state_dict=full)
+        extras = [getattr(self.policy, a, None) for a in ("tokenizer", "processor")]
+        extras = [e for e in extras if e is not None and hasattr(e, "save_pretrained")]
+        for extra in extras:
+            extra.save_pretrained(path)
+        if not extras:
+            log.warning(
+                "FSDP2 run: %s holds the trained %s only (save_pretrained of the gathered weights), not the "
+                "layout of %s.save",
+                path,
+                type(model).__name__,
+                type(self.policy).__name__,
+            )
 
     # ----------------------------------------------------------------- samples
     def dump_samples(self, batch: Rollout) -> None:
@@ -693,10 +744,13 @@ class GroupTrainer:
             "policy": self.policy.rng_state(),
         }
         torch.save(rng, tmp / rundir.rng_file(self.rank))
+        if self.sharded:  # every rank writes its shards of the weights and optimizer state (DCP)
+            dist_lib.save_sharded(tmp / dist_lib.SHARDED_DIR, self.policy.model, self.optimizer)
         if self.is_main:
-            state = self.policy.trainable_state_dict()
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / rundir.TRAINABLE_FILE))
-            torch.save(self.optimizer.state_dict(), tmp / rundir.OPTIMIZER_FILE)
+            if not self.sharded:
+                state = self.policy.trainable_state_dict()
+                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / rundir.TRAINABLE_FILE))
+                torch.save(self.optimizer.state_dict(), tmp / rundir.OPTIMIZER_FILE)
             torch.save(self.scheduler.state_dict(), tmp / rundir.SCHEDULER_FILE)
             torch.save(
                 {
@@ -726,8 +780,18 @@ class GroupTrainer:
                 f"checkpoint {path} was written by {state['world_size']} process(es); resume with the same number "
                 f"(now {self.world})"
             )
-        self.policy.load_trainable_state_dict(load_file(str(path / rundir.TRAINABLE_FILE)))
-        self.optimizer.load_state_dict(torch.load(path / rundir.OPTIMIZER_FILE, weights_only=False))
+        sharded = (path / dist_lib.SHARDED_DIR).is_dir()
+        if sharded != self.sharded:
+            raise ConfigError(
+                f"checkpoint {path} was written by a {'sharded (FSDP2)' if sharded else 'non-sharded'} run; resume "
+                f"it with the model {'sharded' if sharded else 'not sharded'} (this run's is "
+                f"{'sharded' if self.sharded else 'not'})"
+            )
+        if sharded:  # every rank reads its shards
+            dist_lib.load_sharded(path / dist_lib.SHARDED_DIR, self.policy.model, self.optimizer)
+        else:
+            self.policy.load_trainable_state_dict(load_file(str(path / rundir.TRAINABLE_FILE)))
+            self.optimizer.load_state_dict(torch.load(path / rundir.OPTIMIZER_FILE, weights_only=False))
         self.scheduler.load_state_dict(torch.load(path / rundir.SCHEDULER_FILE, weights_only=False))
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])

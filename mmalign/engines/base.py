@@ -155,11 +155,23 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     """The weights to push to an engine with ``lora=False``, Hugging Face checkpoint names.
 
     A plain model: its ``state_dict()`` (detached, same device). A peft model: the merged weights
-    (`merged_state_dict`). Unwrap DDP / accelerate wrappers before calling.
+    (`merged_state_dict`). Unwrap DDP / accelerate wrappers before calling. An FSDP2-sharded model (DTensor
+    parameters): the full, unsharded tensors under the same names, gathered on every rank (a collective:
+    every rank must call it).
     """
     if _is_peft(model):
         return merged_state_dict(model)
+    if _is_sharded(model):
+        from mmalign.distributed import gather_full_state_dict
+
+        return gather_full_state_dict(model, cpu=False)
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    from mmalign.distributed import is_dtensor
+
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 @torch.no_grad()
@@ -170,8 +182,22 @@ def merged_state_dict(peft_model: torch.nn.Module, adapter: str | None = None) -
     ``base.weight + layer.get_delta_weight(adapter)`` computed into a new tensor (the same result
     as `merge_and_unload` on a copy). Names lose the ``base_model.model.`` prefix and the
     ``.base_layer`` infix; adapter tensors are dropped; for ``modules_to_save`` the trained copy
-    is pushed under the original name.
+    is pushed under the original name. FSDP2-sharded (DTensor) parameters are gathered first, so the result
+    holds full tensors on every rank (a collective: every rank must call it).
     """
+    if _is_sharded(peft_model):
+        from mmalign.distributed import full_parameters, gather_full_state_dict
+
+        base = peft_model.get_base_model()
+        with full_parameters(base):  # the LoRA deltas are computed from the gathered factors
+            return _merged(peft_model, adapter, gather_full_state_dict(base, cpu=False))
+    return _merged(peft_model, adapter, None)
+
+
+def _merged(
+    peft_model: torch.nn.Module, adapter: str | None, full: dict[str, Tensor] | None
+) -> dict[str, Tensor]:
+    """`merged_state_dict`; ``full``: the base model's state dict, already gathered (sharded models)."""
     from peft.tuners.lora import LoraLayer
 
     adapter = adapter or getattr(peft_model, "active_adapter", "default")
@@ -191,7 +217,7 @@ def merged_state_dict(peft_model: torch.nn.Module, adapter: str | None = None) -
                 mod.get_delta_weight(adapter)
             )
     out: dict[str, Tensor] = {}
-    for name, value in base.state_dict().items():
+    for name, value in (full if full is not None else base.state_dict()).items():
         if ".lora_" in name or ".original_module." in name:
             continue
         if ".modules_to_save." in name:
@@ -209,11 +235,18 @@ def merged_state_dict(peft_model: torch.nn.Module, adapter: str | None = None) -
 
 
 def adapter_state_dict(peft_model: torch.nn.Module, adapter: str | None = None) -> dict[str, Tensor]:
-    """The LoRA adapter tensors (peft names, as saved in ``adapter_model.safetensors``), for ``lora=True``."""
+    """The LoRA adapter tensors (peft names, as saved in ``adapter_model.safetensors``), for ``lora=True``.
+    FSDP2-sharded (DTensor) tensors are gathered to full ones on every rank (a collective)."""
     from peft import get_peft_model_state_dict
 
     adapter = adapter or getattr(peft_model, "active_adapter", "default")
-    return {k: v.detach() for k, v in get_peft_model_state_dict(peft_model, adapter_name=adapter).items()}
+    full = None
+    if _is_sharded(peft_model):
+        from mmalign.distributed import gather_full_state_dict
+
+        full = gather_full_state_dict(peft_model, cpu=False)
+    state = get_peft_model_state_dict(peft_model, state_dict=full, adapter_name=adapter)
+    return {k: v.detach() for k, v in state.items()}
 
 
 def iter_state(state: WeightState) -> Iterator[tuple[str, Tensor]]:
