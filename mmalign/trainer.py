@@ -552,6 +552,8 @@ class GroupTrainer:
         if self.world > 1:
             vec = self._gather(torch.tensor([m[k] for k in sorted(m)], dtype=torch.float64).reshape(1, -1))
             m = dict(zip(sorted(m), vec.mean(0).tolist(), strict=True))
+            # each process logged its share of the loss (global normalisers): the loss is their sum
+            m["loss"] *= self.world
         return m
 
     def _aux_loss(self, terms: dict[str, Tensor], share: float, sums: dict[str, float]) -> Tensor | None:

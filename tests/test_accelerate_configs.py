@@ -112,9 +112,6 @@ def test_accelerate_launch_trains_one_step(name: str, tmp_path: Path) -> None:
         pytest.skip(f"{name}.yaml needs the deepspeed package (pip install deepspeed)")
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", "trainer.steps=1", "trainer.save_every=1", "trainer.progress_bar=false"]
-    if name == "fsdp2":
-        # the chunked log-prob head runs outside the root module's forward, where FSDP2 keeps it sharded
-        overrides.append("model.logprob_chunk_size=null")
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{name}.yaml"),
         "--num_processes", "1", "-m", "mmalign.cli", "train", "configs/text_reasoning-tiny.yaml", *overrides,

@@ -528,6 +528,9 @@ class TextPolicy(Policy):
         if self.stop_strings:
             kwargs["stop_strings"] = self.stop_strings
             kwargs["tokenizer"] = self.tokenizer
+        if _sharded_over_processes(self.model):
+            # every rank must run the same number of forward passes (each one all-gathers the shards)
+            kwargs["synced_gpus"] = True
         return kwargs
 
     def _generate_in_chunks(self, items: list[Any], generate: Callable[[list[Any]], Any]) -> list[Any]:
@@ -736,7 +739,7 @@ class TextPolicy(Policy):
         With ``logprob_chunk_size`` (`chunked` None: when it is set) the log-probs come from the final hidden
         states through the output head, a chunk of tokens at a time (`mmalign.logprobs`); otherwise from the
         full [B, T, V] logits. The first chunked call checks the two agree on one sample."""
-        chunked = bool(self.logprob_chunk_size) if chunked is None else chunked
+        chunked = self._use_chunked(model) if chunked is None else chunked
         p = rollout.payload
         prompt_ids, prompt_mask = p["prompt_ids"].to(self.device), p["prompt_mask"].to(self.device)
         completion_ids = p["completion_ids"].to(self.device)
@@ -767,6 +770,23 @@ class TextPolicy(Policy):
             assert entropy is not None
             entropy_out.append(entropy.masked_fill(~mask, 0.0))
         return logp.masked_fill(~mask, 0.0)
+
+    def _use_chunked(self, model: torch.nn.Module) -> bool:
+        """Chunked log-probs when ``logprob_chunk_size`` is set, except under FSDP2: the output head would
+        run outside the root module's forward, where its weight is still sharded (our limitation for now;
+        the full-logits path is used and a line is logged once)."""
+        if not self.logprob_chunk_size:
+            return False
+        from mmalign.distributed import is_fsdp2
+
+        if is_fsdp2(model):
+            if not getattr(self, "_fsdp_chunk_logged", False):
+                log.info(
+                    "chunked log-probs: off under FSDP2 (the output head is sharded); using the full logits"
+                )
+                self._fsdp_chunk_logged = True
+            return False
+        return True
 
     def _score_features(
         self,
@@ -986,3 +1006,12 @@ def _pad_right(x: Tensor, width: int, value: int) -> Tensor:
         return x
     pad = torch.full((x.shape[0], width - x.shape[1]), value, dtype=x.dtype)
     return torch.cat([x, pad], dim=1)
+
+
+def _sharded_over_processes(model: torch.nn.Module) -> bool:
+    """The model is FSDP2-sharded across more than one process (generation must then be lock-stepped)."""
+    import torch.distributed as dist
+
+    from mmalign.distributed import is_fsdp2
+
+    return is_fsdp2(model) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -495,7 +495,7 @@ class VLMPolicy(TextPolicy):
     ) -> Tensor:
         """`TextPolicy._logprobs` for image-text sequences (vision inputs per sample; the vision placeholder
         tokens suppressed, as when sampling); chunked through the output head like the text policy."""
-        chunked = bool(self.logprob_chunk_size) if chunked is None else chunked
+        chunked = self._use_chunked(model) if chunked is None else chunked
         p = rollout.payload
         dev = self.device
         prompt_ids, prompt_mask = p["prompt_ids"].to(dev), p["prompt_mask"].to(dev)

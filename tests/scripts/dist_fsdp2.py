@@ -79,10 +79,6 @@ def build(cfg: Any, acc: Accelerator, *, shard: bool, resume: bool = False) -> G
     components = pipelines.get("text_reasoning")(cfg)
     policy = components.policy
     policy.engine = FakeEngine(policy.model, policy.tokenizer)  # a plain copy, built before sharding
-    if getattr(policy, "logprob_chunk_size", None) is not None:
-        # the chunked head runs the tied output embedding outside the root's forward, where FSDP2 keeps
-        # it sharded: score from the model's own logits
-        policy.logprob_chunk_size = None
     if shard:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
@@ -97,6 +93,8 @@ def build(cfg: Any, acc: Accelerator, *, shard: bool, resume: bool = False) -> G
     if shard:
         assert trainer.sharded and is_fsdp2(trainer.policy.forward_model)
         assert trainer.policy.forward_model is policy.model  # not wrapped in DDP
+        assert policy._sampling_kwargs().get("synced_gpus") is True  # generate runs lock-stepped
+        assert not policy._use_chunked(policy.model)  # the full-logits path under FSDP2
     return trainer
 
 
