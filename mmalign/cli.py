@@ -5,6 +5,11 @@
     mmalign eval CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--no-base]
     mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps]
 
+`train`, `sample` and `eval` run on N processes too (`torchrun --standalone --nproc_per_node N -m mmalign.cli ...`
+or `accelerate launch`): see docs/distributed_runs.md. On a machine without CUDA such a launch runs on CPU
+processes (gloo; `ACCELERATE_USE_CPU` is set for it), and a launch that accelerate would not set up as N
+processes is refused instead of running N independent copies into one output directory.
+
 Before any model is built or loaded, a command checks everything that needs none (`mmalign.preflight.preflight`:
 the output directory, the rewards, the model folders; then the pipeline reads its data files), so a wrong
 command fails in seconds with one `mmalign: error: ...` line and leaves an existing run as it was.
@@ -104,11 +109,92 @@ def _load(
     return cfg, build(cfg)
 
 
+DISTRIBUTED_FILE = "distributed.json"
+"""Written by `mmalign train` into the output directory: how the run was launched (`distributed_type`, as
+accelerate names it, and `num_processes`); removed by a one-process run."""
+
+
+def launched_processes() -> int:
+    """The number of processes the launcher started (``WORLD_SIZE``, set by torchrun / accelerate launch)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _prepare_launch() -> None:
+    """Before accelerate's state exists: a multi-process launch on a machine without CUDA runs on CPU
+    processes (gloo). Without this, ``Accelerator(cpu=False)`` ignores the launch and every process would
+    train alone, all of them into the same output directory."""
+    if launched_processes() > 1:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def check_launch(distributed_type: Any, num_processes: int) -> None:
+    """Refuse a launch of ``WORLD_SIZE`` > 1 processes that accelerate did not set up as that many."""
+    from mmalign.config import ConfigError
+
+    launched = launched_processes()
+    if launched > 1 and num_processes != launched:
+        raise ConfigError(
+            f"the launcher started {launched} processes (WORLD_SIZE), but accelerate set up {num_processes} "
+            f"(distributed type {getattr(distributed_type, 'value', distributed_type)}): each would run alone. "
+            "Set trainer.cpu=true (or ACCELERATE_USE_CPU=true) for CPU processes"
+        )
+
+
+def distributed_info(distributed_type: Any, num_processes: int) -> dict[str, Any]:
+    """``{"distributed_type": "MULTI_CPU", "num_processes": 2}`` (accelerate's name of the type)."""
+    return {
+        "distributed_type": str(getattr(distributed_type, "value", distributed_type)),
+        "num_processes": int(num_processes),
+    }
+
+
+def _process_state(cfg: Config) -> Any:
+    """accelerate's process state for `sample` / `eval` (rank, number of processes, gather); a plain stand-in
+    in a one-process run, which then sets up no accelerate state."""
+    if launched_processes() == 1:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(distributed_type="NO", num_processes=1, process_index=0, is_main_process=True)
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    # (Accelerator reads ACCELERATE_USE_CPU itself; PartialState does not)
+    state = PartialState(cpu=cfg.trainer.cpu or parse_flag_from_env("ACCELERATE_USE_CPU"))
+    check_launch(state.distributed_type, state.num_processes)
+    return state
+
+
+def _end_processes(args: argparse.Namespace, state: Any) -> None:
+    """Close the process group of a multi-process `sample` / `eval` (see `main` for the exit)."""
+    if state.num_processes > 1:
+        state.wait_for_everyone()
+        state.destroy_process_group()
+        args._multi_process = True
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    import json
+
     from mmalign.trainer import GroupTrainer
 
     cfg, components = _load(args, resume=args.resume)
     trainer = GroupTrainer(cfg, components, resume=args.resume)
+    acc = trainer.accelerator
+    check_launch(acc.distributed_type, acc.num_processes)
+    if trainer.is_main:
+        info = distributed_info(acc.distributed_type, acc.num_processes)
+        record = Path(cfg.output_dir) / DISTRIBUTED_FILE
+        if acc.num_processes > 1:
+            record.write_text(json.dumps(info) + "\n")
+            print(f"distributed: {info['distributed_type']}, {info['num_processes']} processes", flush=True)
+        elif record.exists():
+            record.unlink()
     history = trainer.train()
     trainer.accelerator.end_training()  # closes the process group of a multi-process run cleanly
     args._multi_process = trainer.world > 1
@@ -144,16 +230,22 @@ def _prompt_rows(args: argparse.Namespace, cfg: Config) -> list[dict] | None:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     """Generate `n` samples per prompt from a checkpoint: a PNG grid (images; for videos, of frame strips),
-    media files (mp4 + frame strip per video) and a JSONL."""
-    import json
+    media files (mp4 + frame strip per video) and a JSONL. On N processes each generates its chunks of
+    ``eval.prompts_per_batch`` prompts (`mmalign.evaluation.generate_chunks`) and the first writes them all,
+    in the order one process would."""
 
     import torch
 
     from mmalign import rundir
-    from mmalign.evaluation import eval_rows, generate, load_weights, save_grid
+    from mmalign.evaluation import eval_rows, generate_chunks, load_weights, resolve_checkpoint, save_grid
 
     cfg, build = _prepare(args)
-    ckpt = _checkpoint(cfg, args.checkpoint, "using the base model")
+    state = _process_state(cfg)
+    main_process = state.is_main_process
+    if main_process:
+        ckpt = _checkpoint(cfg, args.checkpoint, "using the base model")
+    else:  # (the first process says it when there is none)
+        ckpt = resolve_checkpoint(cfg.output_dir, args.checkpoint)
     rows = _prompt_rows(args, cfg)
     components = build(cfg)
     if ckpt is not None:
@@ -161,20 +253,63 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if rows is None:
         rows = eval_rows(cfg, components)[: args.max_prompts]
     seed = cfg.eval.seed if args.seed is None else args.seed
-    r = generate(components.policy, rows, args.n, seed=seed, prompts_per_batch=cfg.eval.prompts_per_batch)  # type: ignore[attr-defined]
+    policy = components.policy  # type: ignore[attr-defined]
+    local = []
+    for c, part in generate_chunks(
+        policy,
+        rows,
+        args.n,
+        seed=seed,
+        prompts_per_batch=cfg.eval.prompts_per_batch,
+        progress=main_process,
+        rank=state.process_index,
+        world=state.num_processes,
+    ):
+        images = part.outputs.get("images")
+        videos = part.outputs.get("videos")
+        if images is None and videos is not None:  # a grid of frame strips (up to 8 frames of each video)
+            idx = torch.linspace(0, videos.shape[1] - 1, min(videos.shape[1], 8)).round().long()
+            images = torch.cat(list(videos[:, idx].movedim(1, 0)), dim=-1)
+        local.append((c, list(part.prompts), policy.sample_view(part), images, videos is not None))
+    if state.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        local = sorted(gather_object(local), key=lambda t: t[0])
+    if main_process:
+        if state.num_processes > 1:
+            info = distributed_info(state.distributed_type, state.num_processes)
+            print(f"distributed: {info['distributed_type']}, {info['num_processes']} processes", flush=True)
+        _write_samples(args, cfg, ckpt, rows, local, rundir, save_grid)
+    _end_processes(args, state)
+    return 0
+
+
+def _write_samples(
+    args: argparse.Namespace,
+    cfg: Config,
+    ckpt: Path | None,
+    rows: list[dict],
+    chunks: list[tuple[int, list[str], list[dict[str, Any]], Any, bool]],
+    rundir: Any,
+    save_grid: Callable[..., Path],
+) -> None:
+    """`mmalign sample`'s files from the generated chunks (in chunk order): samples.jsonl, media/, grid.png."""
+    import json
+
+    import torch
+
     out = (
         Path(args.out) if args.out else Path(cfg.output_dir) / "samples_cli" / (ckpt.name if ckpt else "base")
     )
     out.mkdir(parents=True, exist_ok=True)
-    images = r.outputs.get("images")
-    videos = r.outputs.get("videos")
-    if images is None and videos is not None:  # a grid of frame strips (up to 8 frames of each video)
-        idx = torch.linspace(0, videos.shape[1] - 1, min(videos.shape[1], 8)).round().long()
-        images = torch.cat(list(videos[:, idx].movedim(1, 0)), dim=-1)
-    views = components.policy.sample_view(r)  # type: ignore[attr-defined]
+    prompts = [p for _, ps, _, _, _ in chunks for p in ps]
+    views = [v for _, _, vs, _, _ in chunks for v in vs]
+    parts = [im for _, _, _, im, _ in chunks if im is not None]
+    images = torch.cat(parts, dim=0) if parts and len(parts) == len(chunks) else None
+    videos = any(is_video for *_, is_video in chunks)
     with (out / "samples.jsonl").open("w") as f:
-        for i in range(len(r)):
-            row = {"prompt": r.prompts[i], "sample": i % args.n}
+        for i in range(len(prompts)):
+            row = {"prompt": prompts[i], "sample": i % args.n}
             row.update(
                 rundir.store_media(views[i], out / "media", f"{i // args.n:03d}_{i % args.n:02d}", out)
             )
@@ -182,28 +317,45 @@ def cmd_sample(args: argparse.Namespace) -> int:
     what = f"{len(rows)} prompts x {args.n} samples ({'checkpoint ' + str(ckpt) if ckpt else 'base model'})"
     if images is not None:
         grid = save_grid(images, out / "grid.png", ncols=args.n)
-        kind = "frame strips, " if videos is not None else ""
+        kind = "frame strips, " if videos else ""
         print(f"{what}: grid {grid} ({kind}a row per prompt), media/ and samples.jsonl in {out}")
     else:
         print(f"{what}: {out / 'samples.jsonl'}")
-    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Before/after report: the base model and a checkpoint scored on the evaluation prompts."""
     import json
 
-    from mmalign.evaluation import evaluate_run, format_report
+    from mmalign.evaluation import evaluate_run, format_report, resolve_checkpoint
 
     cfg, build = _prepare(args, eval_rewards=True)
-    ckpt = _checkpoint(cfg, args.checkpoint, "scoring the base model only")
+    state = _process_state(cfg)
+    if state.is_main_process:
+        ckpt = _checkpoint(cfg, args.checkpoint, "scoring the base model only")
+    else:  # (the first process says it when there is none)
+        ckpt = resolve_checkpoint(cfg.output_dir, args.checkpoint)
     components = build(cfg)
-    report = evaluate_run(cfg, components, checkpoint=ckpt, compare_base=not args.no_base)
-    out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(format_report(report))
-    print(f"report: {out}")
+    report = evaluate_run(
+        cfg,
+        components,
+        checkpoint=ckpt,
+        compare_base=not args.no_base,
+        progress=state.is_main_process,
+        rank=state.process_index,
+        world=state.num_processes,
+    )
+    info = distributed_info(state.distributed_type, state.num_processes)
+    report.update(info)
+    if state.is_main_process:
+        if state.num_processes > 1:
+            print(f"distributed: {info['distributed_type']}, {info['num_processes']} processes", flush=True)
+        out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(format_report(report))
+        print(f"report: {out}")
+    _end_processes(args, state)
     return 0
 
 
@@ -370,6 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        if args.command in ("train", "sample", "eval"):
+            _prepare_launch()
         rc = int(args.func(args) or 0)
         if getattr(args, "_multi_process", False):
             # Everything is written and closed. Skip interpreter teardown, where gloo's threads can

@@ -5,10 +5,16 @@
 - `load_weights(policy, checkpoint)`: put a checkpoint's trainable weights into a built policy.
 - `generate(policy, rows, n, ...)`: `n` samples per row without grad, with the sampling noise seeded so
   that two checkpoints evaluated with the same seed see the same noise (paired before/after samples).
+  The rows are generated in chunks of ``prompts_per_batch``; chunk ``c`` is seeded with
+  `chunk_seed(seed, c)`, so its samples do not depend on the chunks generated before it.
+- `generate_chunks(..., rank, world)`: the chunks one process of a multi-process launch generates (chunk
+  ``c`` on process ``c % world``): `mmalign sample` and `mmalign eval` on N processes gather them in chunk
+  order and get what one process gets (docs/distributed_runs.md).
 - `score(...)`: every training reward and every ``eval.rewards`` entry, averaged overall and per value
-  of ``eval.split_column`` (NaN, "not applicable", is left out of a mean).
+  of ``eval.split_column`` (NaN, "not applicable", is left out of a mean); `score_table` and `summarize`
+  are its two halves (per-sample values, then the means).
 - `evaluate_run(cfg, components, ...)`: the before/after report: the base model and the checkpoint,
-  side by side.
+  side by side; with ``rank`` / ``world`` each process scores its chunks and every process gets the report.
 - `save_grid(images, path, ncols)`: a PNG grid (rows = prompts, columns = samples).
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,13 +36,17 @@ from mmalign.config import Config, ConfigError
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "chunk_seed",
     "evaluate_run",
     "format_report",
     "generate",
+    "generate_chunks",
     "load_weights",
     "resolve_checkpoint",
     "save_grid",
     "score",
+    "score_table",
+    "summarize",
 ]
 
 
@@ -78,13 +89,78 @@ def load_weights(policy: Any, checkpoint: Path) -> None:
     policy.load_trainable_state_dict(load_file(str(file)))
 
 
+CHUNK_SEED_STRIDE = 1_000_003
+"""`chunk_seed(seed, c)` = ``seed + CHUNK_SEED_STRIDE * c``: chunk 0 keeps ``seed`` itself."""
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """The seed of the `chunk`-th chunk of ``prompts_per_batch`` rows (chunk 0: `seed`)."""
+    return int(seed) + CHUNK_SEED_STRIDE * int(chunk)
+
+
 def _reseed(policy: Any, seed: int) -> None:
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     gen = getattr(policy, "generator", None)
     if isinstance(gen, torch.Generator):
         gen.manual_seed(seed)
     if hasattr(policy, "engine_seed"):
         policy.engine_seed = seed
+
+
+def _check_shard(rank: int, world: int) -> None:
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of {world} processes: need 0 <= rank < world and world >= 1")
+
+
+@torch.no_grad()
+def generate_chunks(
+    policy: Any,
+    rows: list[dict[str, Any]],
+    n: int,
+    *,
+    seed: int = 0,
+    prompts_per_batch: int = 8,
+    decode: bool = True,
+    progress: bool = True,
+    rank: int = 0,
+    world: int = 1,
+) -> list[tuple[int, Rollout]]:
+    """This process's share of `generate`: ``(c, rollout)`` for each chunk ``c`` (rows ``c * prompts_per_batch``
+    onwards, ``prompts_per_batch`` of them) with ``c % world == rank``, in chunk order. Chunk ``c`` is seeded
+    with `chunk_seed` (seed, c) and its groups are numbered by row (``group = row index``), so a chunk's samples
+    are the same whichever process generates it and whatever it generated before."""
+    from tqdm.auto import tqdm
+
+    if not rows:
+        raise ValueError("nothing to generate: no prompts")
+    if prompts_per_batch < 1:
+        raise ValueError(
+            f"prompts_per_batch must be >= 1 (key 'eval.prompts_per_batch'), got {prompts_per_batch}"
+        )
+    _check_shard(rank, world)
+    model = getattr(policy, "model", None)
+    was_training = bool(getattr(model, "training", False))
+    if model is not None:
+        model.eval()
+    parts: list[tuple[int, Rollout]] = []
+    try:
+        mine = [c for c in range(math.ceil(len(rows) / prompts_per_batch)) if c % world == rank]
+        for c in tqdm(mine, desc="generate", disable=not progress, leave=False):
+            start = c * prompts_per_batch
+            _reseed(policy, chunk_seed(seed, c))
+            part = policy.rollout(rows[start : start + prompts_per_batch], n, compute_logp=False)
+            part.group = part.group + start
+            if decode:
+                policy.materialize(part, MEDIA_OUTPUTS)
+            parts.append((c, part))
+    finally:
+        if model is not None and was_training:
+            model.train()
+    return parts
 
 
 @torch.no_grad()
@@ -99,28 +175,14 @@ def generate(
     progress: bool = True,
 ) -> Rollout:
     """`n` samples for each row (rows in order, samples of a row adjacent), pixels decoded when the policy
-    paints and `decode` is set. Sampling noise is seeded with `seed`."""
-    from tqdm.auto import tqdm
-
-    if not rows:
-        raise ValueError("nothing to generate: no prompts")
-    _reseed(policy, seed)
-    model = getattr(policy, "model", None)
-    was_training = bool(getattr(model, "training", False))
-    if model is not None:
-        model.eval()
-    parts: list[Rollout] = []
-    try:
-        chunks = range(0, len(rows), prompts_per_batch)
-        for start in tqdm(chunks, desc="generate", disable=not progress, leave=False):
-            part = policy.rollout(rows[start : start + prompts_per_batch], n, compute_logp=False)
-            part.group = part.group + start
-            if decode:
-                policy.materialize(part, MEDIA_OUTPUTS)
-            parts.append(part)
-    finally:
-        if model is not None and was_training:
-            model.train()
+    paints and `decode` is set. Sampling noise is seeded with `seed` (chunk ``c`` of ``prompts_per_batch`` rows
+    with `chunk_seed` (seed, c)): the chunks of `generate_chunks` on one process, concatenated."""
+    parts = [
+        part
+        for _, part in generate_chunks(
+            policy, rows, n, seed=seed, prompts_per_batch=prompts_per_batch, decode=decode, progress=progress
+        )
+    ]
     return parts[0] if len(parts) == 1 else Rollout.cat(parts)
 
 
@@ -129,10 +191,11 @@ def _nanmean(x: Tensor) -> float:
     return float(x.mean()) if x.numel() else math.nan
 
 
-def score(
+def score_table(
     rollout: Rollout, reward_sets: Sequence[Any], split_column: str | None = None
-) -> dict[str, dict[str, float]]:
-    """``{"all": {name: mean, ...}, "<split value>": {...}}`` over the columns of every reward set."""
+) -> tuple[list[str], Tensor, list[str] | None]:
+    """Every reward set's columns on `rollout`: ``(names, Float[B, K] values, split values or None)`` (the
+    split values are ``str`` of the ``split_column`` of each sample)."""
     names: list[str] = []
     cols: list[Tensor] = []
     for rs in reward_sets:
@@ -142,22 +205,37 @@ def score(
         names += list(rs.names)
         cols.append(values.float().cpu())
     table = torch.cat(cols, dim=1) if cols else torch.zeros((len(rollout), 0))
-    subsets: dict[str, Tensor] = {"all": torch.ones(len(rollout), dtype=torch.bool)}
+    split: list[str] | None = None
     if split_column is not None:
         if split_column not in rollout.columns:
             raise ConfigError(
                 f"key 'eval.split_column': column {split_column!r} is not in the data "
                 f"(columns: {sorted(rollout.columns)})"
             )
-        values = [str(v) for v in rollout.columns[split_column]]
-        for v in sorted(set(values)):
-            subsets[v] = torch.tensor([x == v for x in values])
+        split = [str(v) for v in rollout.columns[split_column]]
+    return names, table, split
+
+
+def summarize(names: list[str], table: Tensor, split: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """``{"all": {"samples": n, name: mean, ...}, "<split value>": {...}}`` of a `score_table` (NaN left out of
+    a mean)."""
+    subsets: dict[str, Tensor] = {"all": torch.ones(table.shape[0], dtype=torch.bool)}
+    if split is not None:
+        for v in sorted(set(split)):
+            subsets[v] = torch.tensor([x == v for x in split], dtype=torch.bool)
     out: dict[str, dict[str, float]] = {}
     for sub, mask in subsets.items():
         out[sub] = {"samples": float(mask.sum())}
         for k, name in enumerate(names):
             out[sub][name] = _nanmean(table[mask, k])
     return out
+
+
+def score(
+    rollout: Rollout, reward_sets: Sequence[Any], split_column: str | None = None
+) -> dict[str, dict[str, float]]:
+    """``{"all": {name: mean, ...}, "<split value>": {...}}`` over the columns of every reward set."""
+    return summarize(*score_table(rollout, reward_sets, split_column))
 
 
 def eval_rows(cfg: Config, components: Any) -> list[dict[str, Any]]:
@@ -179,12 +257,20 @@ def evaluate_run(
     checkpoint: Path | None,
     compare_base: bool = True,
     progress: bool = True,
+    rank: int = 0,
+    world: int = 1,
 ) -> dict[str, Any]:
     """Score the base model (if `compare_base` or no checkpoint) and the `checkpoint` on the evaluation
     prompts with the same seeds. `components` must be freshly built (its policy holding the base weights,
-    as `mmalign eval` builds them); the checkpoint's weights are loaded into it afterwards. Returns ``{"base": scores, "trained": scores, "checkpoint": str, ...}``."""
+    as `mmalign eval` builds them); the checkpoint's weights are loaded into it afterwards. Returns ``{"base":
+    scores, "trained": scores, "checkpoint": str, ...}``.
+
+    In a multi-process launch (`world` processes, this one `rank`; every process calls this) each process
+    generates and scores its chunks (`generate_chunks`) and the score tables are gathered in chunk order, so
+    every process returns the report one process would write."""
     from rewards import RewardSet
 
+    _check_shard(rank, world)
     e = cfg.eval
     rows = eval_rows(cfg, components)
     extra = RewardSet(e.rewards, source=cfg.source, key="eval.rewards") if e.rewards else None
@@ -199,10 +285,25 @@ def evaluate_run(
     policy = components.policy
 
     def run() -> dict[str, dict[str, float]]:
-        r = generate(
-            policy, rows, e.group_size, seed=e.seed, prompts_per_batch=e.prompts_per_batch, progress=progress
+        parts = generate_chunks(
+            policy,
+            rows,
+            e.group_size,
+            seed=e.seed,
+            prompts_per_batch=e.prompts_per_batch,
+            progress=progress and rank == 0,
+            rank=rank,
+            world=world,
         )
-        return score(r, sets, e.split_column)
+        tables = [(c, *score_table(part, sets, e.split_column)) for c, part in parts]
+        if world > 1:
+            from accelerate.utils import gather_object
+
+            tables = sorted(gather_object(tables), key=lambda t: t[0])
+        names = tables[0][1]
+        table = torch.cat([t[2] for t in tables], dim=0)
+        split = None if e.split_column is None else [v for t in tables for v in t[3]]
+        return summarize(names, table, split)
 
     if compare_base or checkpoint is None:
         report["base"] = run()

@@ -31,6 +31,7 @@ def _run(tmp_path: Path, estimator: str, nproc: int) -> list[tuple]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["world_size"] == nproc
+    assert data["distributed_type"] == ("MULTI_CPU" if nproc > 1 else "NO")
     return sorted(
         (r["step"], r["group"], r["prompt"], r["output"], round(r["advantage"], 6), r["in_loss"])
         for r in data["records"]
@@ -77,5 +78,7 @@ def test_ddp_replicas_stay_identical(tmp_path: Path, mode: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    for r in (r0, r1):
+        assert (r["distributed_type"], r["world_size"]) == ("MULTI_CPU", 2)
     assert r0["moved"] > 1e-3  # the weights did change
     assert r0["after"] == r1["after"]

@@ -3,7 +3,8 @@
 Used by tests/test_distributed.py:
     python tests/scripts/dist_advantages.py OUT.json ESTIMATOR
     torchrun --standalone --nproc_per_node 2 tests/scripts/dist_advantages.py OUT.json ESTIMATOR
-Rank 0 writes, for 3 steps, every sample's (step, prompt, output, group, advantage) to OUT.json.
+Rank 0 writes, for 3 steps, every sample's (step, prompt, output, group, advantage) to OUT.json, with the
+number of processes and accelerate's distributed type (asserted here: MULTI_CPU with WORLD_SIZE processes).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 
 from mmalign.batch import Rollout
 from mmalign.config import config_from_dict
@@ -89,6 +90,11 @@ def main() -> None:
     rows = [{"question": str(i), "answer": str(i % 4), "prompt": f"q{i}"} for i in range(18)]
     comps = Components(policy=FakePolicy(), rewards=RewardSet(cfg.rewards), data=rows)
     trainer = GroupTrainer(cfg, comps, accelerator=Accelerator(cpu=True))
+    acc = trainer.accelerator
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    assert acc.num_processes == launched, (acc.num_processes, launched)
+    if launched > 1:  # really N gloo processes, not N copies of a one-process run
+        assert acc.distributed_type == DistributedType.MULTI_CPU, acc.distributed_type
     records = []
     for step in range(3):
         trainer._timers = {"rollout": 0.0, "reward": 0.0}
@@ -107,7 +113,14 @@ def main() -> None:
     everything = gather_object(records)
     if trainer.is_main:
         with open(out_path, "w") as f:
-            json.dump({"world_size": trainer.world, "records": everything}, f)
+            json.dump(
+                {
+                    "world_size": trainer.world,
+                    "distributed_type": str(acc.distributed_type.value),
+                    "records": everything,
+                },
+                f,
+            )
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()  # destroys the process group: a clean exit for torchrun
 

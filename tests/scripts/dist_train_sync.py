@@ -1,6 +1,7 @@
 """Train 3 steps of the text pipeline in N processes; every rank writes a digest of its weights.
 
     torchrun --standalone --nproc_per_node 2 tests/scripts/dist_train_sync.py OUT_DIR [shared_prefix]
+Asserts that accelerate set up MULTI_CPU with WORLD_SIZE processes (and writes both into the rank files).
 DDP must keep the replicas identical (the shared-prefix forward runs part of the model outside
 the DDP wrapper, so this checks that gradients of every parameter are still all-reduced).
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 import pipelines
 from mmalign import tiny
@@ -27,6 +29,10 @@ def main() -> None:
     out = Path(sys.argv[1])
     shared = len(sys.argv) < 3 or sys.argv[2] != "plain"
     acc = Accelerator(cpu=True)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    assert acc.num_processes == launched, (acc.num_processes, launched)
+    if launched > 1:  # really N gloo processes, not N copies of a one-process run
+        assert acc.distributed_type == DistributedType.MULTI_CPU, acc.distributed_type
     model_dir = out / "model"
     if acc.is_main_process:  # (transformers' save_pretrained writes nothing on other ranks)
         torch.manual_seed(0)
@@ -59,7 +65,15 @@ def main() -> None:
     )
     after = {n: float(p.detach().double().sum()) for n, p in trainer.policy.model.named_parameters()}
     (out / f"rank{acc.process_index}.json").write_text(
-        json.dumps({"moved": moved, "after": after, "losses": [m.get("loss") for m in history]})
+        json.dumps(
+            {
+                "moved": moved,
+                "after": after,
+                "losses": [m.get("loss") for m in history],
+                "world_size": acc.num_processes,
+                "distributed_type": str(acc.distributed_type.value),
+            }
+        )
     )
     acc.wait_for_everyone()
     acc.end_training()
