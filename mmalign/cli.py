@@ -109,41 +109,17 @@ def _load(
     return cfg, build(cfg)
 
 
-DISTRIBUTED_FILE = "distributed.json"
-"""Written by `mmalign train` into the output directory: how the run was launched (`distributed_type`, as
-accelerate names it, and `num_processes`); removed by a one-process run."""
-
-
-def launched_processes() -> int:
-    """The number of processes the launcher started (``WORLD_SIZE``, set by torchrun / accelerate launch)."""
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
 def _prepare_launch() -> None:
     """Before accelerate's state exists: a multi-process launch on a machine without CUDA runs on CPU
     processes (gloo). Without this, ``Accelerator(cpu=False)`` ignores the launch and every process would
     train alone, all of them into the same output directory."""
+    from mmalign.distributed import launched_processes
+
     if launched_processes() > 1:
         import torch
 
         if not torch.cuda.is_available():
             os.environ.setdefault("ACCELERATE_USE_CPU", "true")
-
-
-def check_launch(distributed_type: Any, num_processes: int) -> None:
-    """Refuse a launch of ``WORLD_SIZE`` > 1 processes that accelerate did not set up as that many."""
-    from mmalign.config import ConfigError
-
-    launched = launched_processes()
-    if launched > 1 and num_processes != launched:
-        raise ConfigError(
-            f"the launcher started {launched} processes (WORLD_SIZE), but accelerate set up {num_processes} "
-            f"(distributed type {getattr(distributed_type, 'value', distributed_type)}): each would run alone. "
-            "Set trainer.cpu=true (or ACCELERATE_USE_CPU=true) for CPU processes"
-        )
 
 
 def distributed_info(distributed_type: Any, num_processes: int) -> dict[str, Any]:
@@ -157,6 +133,8 @@ def distributed_info(distributed_type: Any, num_processes: int) -> dict[str, Any
 def _process_state(cfg: Config) -> Any:
     """accelerate's process state for `sample` / `eval` (rank, number of processes, gather); a plain stand-in
     in a one-process run, which then sets up no accelerate state."""
+    from mmalign.distributed import check_launch, launched_processes
+
     if launched_processes() == 1:
         from types import SimpleNamespace
 
@@ -181,6 +159,8 @@ def _end_processes(args: argparse.Namespace, state: Any) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     import json
 
+    from mmalign import rundir
+    from mmalign.distributed import check_launch
     from mmalign.trainer import GroupTrainer
 
     cfg, components = _load(args, resume=args.resume)
@@ -189,7 +169,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_launch(acc.distributed_type, acc.num_processes)
     if trainer.is_main:
         info = distributed_info(acc.distributed_type, acc.num_processes)
-        record = Path(cfg.output_dir) / DISTRIBUTED_FILE
+        record = Path(cfg.output_dir) / rundir.DISTRIBUTED_FILE
         if acc.num_processes > 1:
             record.write_text(json.dumps(info) + "\n")
             print(f"distributed: {info['distributed_type']}, {info['num_processes']} processes", flush=True)

@@ -282,3 +282,27 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: Any) -> None:
         optim_state_dict=state["optimizer"],
         options=_options(strict=False),
     )
+
+
+# ----------------------------------------------------------------------------- launches
+def launched_processes() -> int:
+    """The number of processes the launcher started (``WORLD_SIZE``, set by torchrun / accelerate launch)."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def check_launch(distributed_type: Any, num_processes: int) -> None:
+    """Refuse a launch of ``WORLD_SIZE`` > 1 processes that accelerate did not set up as that many."""
+    from mmalign.config import ConfigError
+
+    launched = launched_processes()
+    if launched > 1 and num_processes != launched:
+        raise ConfigError(
+            f"the launcher started {launched} processes (WORLD_SIZE), but accelerate set up {num_processes} "
+            f"(distributed type {getattr(distributed_type, 'value', distributed_type)}): each would run alone. "
+            "Set trainer.cpu=true (or ACCELERATE_USE_CPU=true) for CPU processes"
+        )

@@ -44,7 +44,10 @@ TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"
-RUN_OUTPUTS = (METRICS_FILE, SAMPLES_DIR, CHECKPOINTS_DIR, FINAL_DIR)
+DISTRIBUTED_FILE = "distributed.json"
+"""How `mmalign train` was launched (``distributed_type`` as accelerate names it, ``num_processes``); written
+by multi-process runs, removed by a one-process run in the same folder."""
+RUN_OUTPUTS = (METRICS_FILE, SAMPLES_DIR, CHECKPOINTS_DIR, FINAL_DIR, DISTRIBUTED_FILE)
 """What ``overwrite=true`` clears from an existing run directory."""
 
 

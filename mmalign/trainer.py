@@ -121,6 +121,7 @@ class GroupTrainer:
             cpu=cfg.trainer.cpu, mixed_precision=cfg.trainer.mixed_precision, **accelerator_kwargs(cfg)
         )
         acc = self.accelerator
+        dist_lib.check_launch(acc.distributed_type, acc.num_processes)  # N launched processes, N set up
         self.trackers = RunTrackers(cfg, acc, resume=resume)
         self.world = acc.num_processes
         self.rank = acc.process_index

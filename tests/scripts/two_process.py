@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
+from mmalign.rundir import DISTRIBUTED_FILE  # what `mmalign train` records of its launch
+
 REPO = Path(__file__).resolve().parents[2]
-DISTRIBUTED_FILE = "distributed.json"
-"""What `mmalign train` records of its launch in the run directory (`mmalign.cli.DISTRIBUTED_FILE`)."""
 
 
 def env() -> dict[str, str]:
