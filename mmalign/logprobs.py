@@ -125,19 +125,20 @@ def _chunk_logprobs(
     head: torch.nn.Module,
     temperature: float,
     suppressed: Tensor | None,
-    with_entropy: bool,
-) -> tuple[Tensor, Tensor | None]:
+    entropy_out: list[Tensor] | None,
+) -> Tensor:
+    """One chunk's log-probs; its entropies (no grad) are appended to `entropy_out` on the first call only,
+    so the backward's recomputation of the chunk does not compute them again."""
     logits = head(hidden).float()
     if suppressed is not None:
         logits = logits.index_fill(-1, suppressed, float("-inf"))
     if temperature != 1.0:
         logits = logits / temperature
     logp = selective_log_softmax(logits, ids)
-    entropy = None
-    if with_entropy:
+    if entropy_out is not None and not entropy_out:
         with torch.no_grad():
-            entropy = torch.special.entr(logits.detach().softmax(dim=-1)).sum(dim=-1)
-    return logp, entropy
+            entropy_out.append(torch.special.entr(logits.detach().softmax(dim=-1)).sum(dim=-1))
+    return logp
 
 
 def chunked_token_logprobs(
@@ -173,14 +174,15 @@ def chunked_token_logprobs(
     logps, ents = [], []
     for start in range(0, idx.numel(), chunk_tokens):
         hc, yc = h_valid[start : start + chunk_tokens], y_valid[start : start + chunk_tokens]
-        args = (hc, yc, head, temperature, suppressed, with_entropy)
-        if use_checkpoint:
-            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(*args)
-        logps.append(lp)
-        if ent is not None:
-            ents.append(ent)
+        ent: list[Tensor] | None = [] if with_entropy else None
+        args = (hc, yc, head, temperature, suppressed, ent)
+        logps.append(
+            checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            if use_checkpoint
+            else _chunk_logprobs(*args)
+        )
+        if ent:
+            ents.append(ent[0])
     zeros = hidden.new_zeros(b * t, dtype=torch.float32)
     empty_entropy = zeros.view(b, t).detach() if with_entropy else None
     if not logps:  # nothing to score: zeros, still attached to the graph

@@ -94,6 +94,30 @@ def test_the_head_never_sees_more_than_one_chunk() -> None:
     assert len(rows) == 8 and sorted(rows[4:]) == [1, 4, 4, 4]  # each chunk recomputed once, alone
 
 
+def test_entropy_is_not_recomputed_in_the_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward recomputes each chunk's log-probs only: the entropies (logged, no gradient) are taken
+    once per chunk, in the forward (13 tokens in chunks of 4: 4 entropy computations, not 8)."""
+    calls: list[int] = []
+    entr = torch.special.entr
+
+    def counting(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return entr(x)
+
+    monkeypatch.setattr(torch.special, "entr", counting)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(13, 1, 8, generator=g, requires_grad=True)
+    logp, entropy = chunked_token_logprobs(
+        hidden,
+        torch.nn.Linear(8, 30),
+        torch.zeros(13, 1, dtype=torch.long),
+        torch.ones(13, 1, dtype=torch.bool),
+        chunk_tokens=4,
+    )
+    logp.sum().backward()
+    assert calls == [4, 4, 4, 1] and entropy is not None and bool((entropy > 0).all())
+
+
 def test_no_valid_token_gives_zeros_attached_to_the_graph() -> None:
     hidden = torch.randn(2, 3, 8, requires_grad=True)
     logp, entropy = chunked_token_logprobs(
