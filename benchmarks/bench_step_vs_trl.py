@@ -28,6 +28,11 @@ Usage::
 
     python benchmarks/bench_step_vs_trl.py                      # defaults, about 1.5 min on 2 CPU cores
     python benchmarks/bench_step_vs_trl.py --device cuda --hidden 1024 --layers 8 --max-new-tokens 256
+    python benchmarks/bench_step_vs_trl.py --model-vocab 151936 --logprob-chunk-size null   # full logits
+
+``--model-vocab`` makes the model's vocabulary (embedding and LM head rows) larger than the BPE
+tokenizer's; ``--logprob-chunk-size`` sets mmalign's ``model.logprob_chunk_size``.
+`benchmarks/bench_logprob_memory.py` runs these workers at several vocabularies.
 
 TRL comes with the ``bench`` extra: ``pip install -e '.[bench]'``.
 """
@@ -131,9 +136,17 @@ def build_model(path: Path, args: argparse.Namespace, prompts: list[str]) -> dic
     rng = random.Random(args.seed + 1)
     corpus = prompts + [" ".join(_word(rng) for _ in range(24)) for _ in range(2000)]
     tokenizer = train_bpe_tokenizer(corpus, vocab_size=args.vocab)
+    model_vocab = getattr(args, "model_vocab", None)
+    if model_vocab is not None and model_vocab < len(tokenizer):
+        raise ValueError(
+            f"--model-vocab {model_vocab} is smaller than the BPE tokenizer ({len(tokenizer)} tokens, --vocab)"
+        )
     heads = max(1, args.hidden // 64)
     model = tiny_causal_lm(
         tokenizer,
+        # a vocabulary larger than the tokenizer's: the embedding and LM head have `model_vocab` rows; the
+        # sampler may draw the extra ids, which the tokenizer decodes to nothing (as a real model's padding ids)
+        vocab_size=model_vocab or len(tokenizer),
         hidden_size=args.hidden,
         intermediate_size=args.intermediate or 3 * args.hidden,
         num_hidden_layers=args.layers,
@@ -151,7 +164,8 @@ def build_model(path: Path, args: argparse.Namespace, prompts: list[str]) -> dic
     prompt_tokens = [len(tokenizer(p)["input_ids"]) for p in prompts]
     return {
         "params": n_params,
-        "vocab_size": len(tokenizer),
+        "vocab_size": model.config.vocab_size,
+        "tokenizer_size": len(tokenizer),
         "eos_token_id": tokenizer.eos_token_id,
         "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens),
     }
@@ -319,6 +333,8 @@ def run_mmalign(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]
                 "dtype": spec["dtype"],
                 "gradient_checkpointing": spec["gradient_checkpointing"],
                 "shared_prefix": spec.get("shared_prefix", True),
+                # e.g. {"logprob_chunk_size": None} (--logprob-chunk-size); absent: the config's defaults
+                **spec.get("model_overrides", {}),
             },
             "data": {"train": str(data), "prompt_template": "{prompt}", "shuffle": True},
             "rollout": {
@@ -741,6 +757,19 @@ def _fmt_breakdown(results: dict[str, dict[str, Any]]) -> str:
     )
 
 
+def _chunk_size(text: str) -> int | None:
+    """``--logprob-chunk-size``: a positive int, or null / none for the full-logits path."""
+    if text.strip().lower() in ("null", "none"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or null, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -754,6 +783,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
     p.add_argument("--intermediate", type=int, default=None, help="MLP size (default 3 x hidden)")
     p.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary size (default 1024)")
+    p.add_argument(
+        "--model-vocab",
+        type=int,
+        default=None,
+        help="rows of the model's embedding and LM head, >= the BPE vocabulary (default: the same);\n"
+        "the sampler may draw the extra ids, which decode to nothing",
+    )
+    p.add_argument(
+        "--logprob-chunk-size",
+        type=_chunk_size,
+        default=argparse.SUPPRESS,
+        help="mmalign's model.logprob_chunk_size: tokens per chunk through the LM head, or null for the\n"
+        "full-logits path (default: the config's default)",
+    )
     p.add_argument("--prompt-words", type=int, default=12, help="made-up words per prompt (default 12)")
     p.add_argument(
         "--dataset-size", type=int, default=256, help="distinct prompts in the dataset (default 256)"
@@ -821,12 +864,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--group-size must be >= 2 (TRL refuses smaller groups)")
         if args.dataset_size < args.prompts:
             p.error("--dataset-size must be >= --prompts")
+        if args.model_vocab is not None and args.model_vocab < args.vocab:
+            p.error("--model-vocab must be >= --vocab (the BPE vocabulary)")
         frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
         bad = [f for f in frameworks if f not in FRAMEWORKS]
         if bad or not frameworks:
             p.error(f"--frameworks: unknown {bad}; choose from {list(FRAMEWORKS)}")
         args.frameworks = frameworks
     return args
+
+
+def _tokenizer_note(model_info: dict[str, Any]) -> str:
+    n = model_info["tokenizer_size"]
+    return f" (tokenizer {n})" if n != model_info["vocab_size"] else ""
+
+
+def make_spec(
+    args: argparse.Namespace, work: Path, prompts: list[str], model_info: dict[str, Any], threads: int
+) -> dict[str, Any]:
+    """What every worker reads (model folder ``work / "model"``, prompts, batch, lengths, settings)."""
+    spec: dict[str, Any] = {
+        "model_dir": str(work / "model"),
+        "workdir": str(work),
+        "prompts": prompts,
+        "prompts_per_step": args.prompts,
+        "group_size": args.group_size,
+        "max_new_tokens": args.max_new_tokens,
+        "lr": args.lr,
+        "dtype": args.dtype,
+        "mixed_precision": args.mixed_precision,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "shared_prefix": args.shared_prefix,
+        "suppress_eos": args.suppress_eos,
+        "eos_token_id": model_info["eos_token_id"],
+        "device": args.device,
+        "threads": threads,
+        "seed": args.seed,
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
+    if hasattr(args, "logprob_chunk_size"):  # mmalign only; TRL has its own fused LM head
+        spec["model_overrides"] = {"logprob_chunk_size": args.logprob_chunk_size}
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -862,30 +941,12 @@ def main(argv: list[str] | None = None) -> int:
         model_info = build_model(work / "model", args, prompts)
         print(
             f"model: Qwen2, {model_info['params'] / 1e6:.2f}M parameters, hidden {args.hidden}, "
-            f"{args.layers} layers, vocab {model_info['vocab_size']}, prompts ~{model_info['prompt_tokens_mean']:.1f} "
+            f"{args.layers} layers, vocab {model_info['vocab_size']}{_tokenizer_note(model_info)}, "
+            f"prompts ~{model_info['prompt_tokens_mean']:.1f} "
             f"tokens (built in {time.perf_counter() - t0:.1f}s at {work / 'model'})",
             flush=True,
         )
-        spec = {
-            "model_dir": str(work / "model"),
-            "workdir": str(work),
-            "prompts": prompts,
-            "prompts_per_step": args.prompts,
-            "group_size": args.group_size,
-            "max_new_tokens": args.max_new_tokens,
-            "lr": args.lr,
-            "dtype": args.dtype,
-            "mixed_precision": args.mixed_precision,
-            "gradient_checkpointing": args.gradient_checkpointing,
-            "shared_prefix": args.shared_prefix,
-            "suppress_eos": args.suppress_eos,
-            "eos_token_id": model_info["eos_token_id"],
-            "device": args.device,
-            "threads": threads,
-            "seed": args.seed,
-            "warmup": args.warmup,
-            "steps": args.steps,
-        }
+        spec = make_spec(args, work, prompts, model_info, threads)
         runs: dict[str, list[dict[str, Any]]] = {fw: [] for fw in args.frameworks}
         groups = [args.frameworks] if args.interleave else [[fw] for fw in args.frameworks]
         for rnd in range(args.rounds):
