@@ -61,6 +61,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(HERE)]
 
 import bench_step_vs_trl as bsv  # noqa: E402  (the worker machinery: build_model, make_spec, _run_workers)
+from bench_geometry_rewards import _reset_peak_rss  # noqa: E402  (VmHWM reset through /proc/self/clear_refs)
 
 PATHS = ("mmalign-full", "mmalign-chunked", "trl")
 LABELS = {
@@ -81,16 +82,6 @@ def _status_mb(field: str) -> float:
     except OSError:
         pass
     return float("nan")
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak RSS (VmHWM) of this process to its current RSS; False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _fixed_batch(spec: dict[str, Any], tokenizer: Any, vocab: int) -> dict[str, Any]:
