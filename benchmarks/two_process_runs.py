@@ -57,13 +57,9 @@ def run_config(config: Path, nproc: int, steps: int | None, root: Path) -> dict[
         row.update({"distributed_type": "NO", "num_processes": 1})
     learned = summarise(out)
     row.update({k: learned[k] for k in ("steps", "reward_first", "reward_last", "step_s")})
-    if tp.uses_step_rewards(out):
-        row["adv_max_abs_diff"] = None
-        row["adv_note"] = "per-step (process) rewards are not in samples/step_N.jsonl"
-    else:
-        checked = tp.check_advantages(out)
-        row["adv_max_abs_diff"] = checked["max_abs_diff"]
-        row["adv_samples_checked"] = checked["samples"]
+    checked = tp.check_advantages(out)
+    row["adv_max_abs_diff"] = checked["max_abs_diff"]
+    row["adv_samples_checked"] = checked["samples"]
     return row
 
 

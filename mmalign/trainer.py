@@ -350,6 +350,8 @@ class GroupTrainer:
             if adv.dim() == 2:  # per-step advantages: back to this process's number of actions
                 adv = adv[:, : rollout.mask.shape[1]]
             rollout.advantages = adv.to(rollout.mask.device)
+            # the actions the advantages were computed over, before samples are left out of the loss below
+            rollout.outputs["advantage_mask"] = rollout.mask.clone()
             excluded = rollout.outputs.get("exclude_from_loss")
             if isinstance(excluded, Tensor) and bool(excluded.any()):
                 # e.g. over-turn masking: these samples counted in their group's statistics, not in the loss
@@ -708,15 +710,23 @@ class GroupTrainer:
         shown = self.policy.sample_view(batch)
         views = rundir.store_sample_media(self.out, self.step, shown, rank=self.rank, world=self.world)
         rows = []
-        adv = _per_sample(batch.advantages, batch.mask) if batch.advantages is not None else None
+        mask = batch.outputs.get("advantage_mask", batch.mask).bool().cpu()  # before loss exclusions
+        adv = _per_sample(batch.advantages, mask) if batch.advantages is not None else None
+        in_loss = batch.mask.bool().cpu().any(dim=1)
+        steps = batch.step_rewards.float().cpu() if batch.step_rewards is not None else None
         for i in range(len(batch)):
             row: dict[str, Any] = {
                 "group": int(batch.group[i]),
                 "prompt": batch.prompts[i],
                 "advantage": float(adv[i]) if adv is not None else None,
                 "rewards": {n: _num(batch.rewards[i, k]) for k, n in enumerate(batch.reward_names)},
+                "num_actions": int(mask[i].sum()),
+                "in_loss": bool(in_loss[i]),
                 **views[i],
             }
+            if steps is not None:  # the weighted process rewards by action position (None: not an action)
+                last = int(mask[i].nonzero().max()) + 1 if bool(mask[i].any()) else 0
+                row["step_rewards"] = [_num(steps[i, t]) if mask[i, t] else None for t in range(last)]
             for key in self.sample_columns:
                 if key in batch.columns:
                     row[key] = batch.columns[key][i]

@@ -126,11 +126,6 @@ def test_trains_on_two_processes(config: str, tmp_path_factory: pytest.TempPathF
 @pytest.mark.parametrize("config", TINY_CONFIGS)
 def test_advantages_equal_one_process(config: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     out, _ = _full_run(config, tmp_path_factory)
-    if tp.uses_step_rewards(out):
-        pytest.skip(
-            "the estimator takes per-step rewards, which samples/step_N.jsonl does not hold "
-            "(GroupTrainer.dump_samples would have to write them)"
-        )
     checked = tp.check_advantages(out)
     assert checked["steps"] == STEPS
     assert checked["max_abs_diff"] < 1e-5

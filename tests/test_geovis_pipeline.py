@@ -62,6 +62,16 @@ def test_zoom_policy_trains_two_steps(geo_random: Path, tmp_path: Path) -> None:
     ]
     assert rows and all(r["env_state"]["views"][0]["id"] == 0 for r in rows)  # view 0 is the whole map
     assert all("boxes" in r for r in rows)
+    # the samples hold each sample's process rewards by action position: grpo_process recomputed from them in
+    # a plain one-process call gives the advantages the trainer wrote (over-turn samples included)
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "scripts"))
+    import two_process
+
+    assert all(len(r["step_rewards"]) >= r["num_actions"] > 0 for r in rows)
+    checked = two_process.check_advantages(tmp_path / "run")
+    assert checked["steps"] == 2 and checked["max_abs_diff"] < 1e-5
 
 
 def test_one_shot_is_the_single_turn_loop(geo_random: Path, tmp_path: Path) -> None:

@@ -128,21 +128,17 @@ def _run_config(run: Path) -> dict[str, Any]:
     return yaml.safe_load((run / "config.yaml").read_text())
 
 
-def uses_step_rewards(run: Path) -> bool:
-    """The run's estimator takes per-step (process) rewards (e.g. ``grpo_process``)."""
-    from mmalign import advantages
-
-    return advantages.accepts_step_rewards(_run_config(run)["algorithm"]["estimator"])
-
-
 def _reward_weights(cfg: dict[str, Any]) -> tuple[list[str], list[float]]:
     """Column names and outcome weights of the run's rewards, as `rewards.RewardSet` has them (no reward is
-    built: a per-step reward's outcome weight is 0, which only matters to estimators that take step rewards)."""
+    built, only resolved: a per-step reward's outcome weight is 0; its weight is already in ``step_rewards``)."""
+    from rewards.base import _resolve
+
     names, weights = [], []
     for spec in cfg["rewards"]:
         spec = {"name": spec} if isinstance(spec, str) else spec
         names.append(str(spec.get("alias") or spec["name"]))
-        weights.append(float(spec.get("weight", 1.0)))
+        per_step = bool(getattr(_resolve(str(spec["name"])), "per_step", False))
+        weights.append(0.0 if per_step else float(spec.get("weight", 1.0)))
     return names, weights
 
 
@@ -151,9 +147,11 @@ def check_advantages(run: Path) -> dict[str, Any]:
 
     For each step: the rewards (Float[B, K], None read as NaN) and group ids of ALL samples the processes wrote
     (gathered by the trainer into one file), the run's estimator with ``weights`` (the configured reward
-    weights), ``algorithm.estimator_kwargs`` and ``algorithm.adv_clip``. Returns ``{"steps": n, "samples": m,
-    "max_abs_diff": d}``. Raises ValueError for an estimator that takes per-step rewards or numbers of actions
-    (the samples hold neither) or a file whose groups are not whole."""
+    weights), ``algorithm.estimator_kwargs`` and ``algorithm.adv_clip``; an estimator that takes numbers of
+    actions gets each sample's ``num_actions``, one that takes process rewards its ``step_rewards`` (by action
+    position, None where no action), and the per-action advantages are compared by their mean over each
+    sample's actions, as the samples hold them. Returns ``{"steps": n, "samples": m, "max_abs_diff": d}``.
+    Raises ValueError for a file whose groups are not whole."""
     import torch
 
     from mmalign import advantages
@@ -161,10 +159,6 @@ def check_advantages(run: Path) -> dict[str, Any]:
     cfg = _run_config(run)
     a = cfg["algorithm"]
     name = a["estimator"]
-    if advantages.accepts_step_rewards(name) or advantages.accepts_num_actions(name):
-        raise ValueError(
-            f"{run}: {name!r} takes per-step rewards or numbers of actions, which samples/step_N.jsonl does not hold"
-        )
     columns, weights = _reward_weights(cfg)
     group_size = int(cfg["rollout"]["group_size"]) + advantages.extra_samples(name)
     fn = advantages.get(name)
@@ -187,7 +181,21 @@ def check_advantages(run: Path) -> dict[str, Any]:
             )
         opts = dict(a.get("estimator_kwargs") or {})
         opts.setdefault("weights", weights)
+        if advantages.accepts_num_actions(name):
+            opts["num_actions"] = torch.tensor([int(r["num_actions"]) for r in rows])
+        step_mask = None
+        if advantages.accepts_step_rewards(name):
+            width = max(len(r["step_rewards"]) for r in rows)
+            cells = [[*r["step_rewards"], *[None] * (width - len(r["step_rewards"]))] for r in rows]
+            step_mask = torch.tensor([[v is not None for v in row] for row in cells])
+            opts["step_rewards"] = torch.tensor(
+                [[math.nan if v is None else float(v) for v in row] for row in cells]
+            )
+            opts["step_mask"] = step_mask
         expected = advantages.clip_advantages(fn(rewards, group, **opts), a.get("adv_clip"))
+        if expected.dim() == 2:  # per action: the sample's mean over its actions, as the trainer writes it
+            m = step_mask.to(expected.dtype)
+            expected = (expected * m).sum(1) / m.sum(1).clamp(min=1)
         written = torch.tensor([math.nan if r["advantage"] is None else float(r["advantage"]) for r in rows])
         if bool(torch.isnan(written).any()):
             raise ValueError(f"{f}: a sample without an advantage")
