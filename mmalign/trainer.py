@@ -99,6 +99,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class GroupTrainer:
     """The training loop shared by every pipeline. See the module docstring."""
 
+    sharded: bool = False
+    """The model is FSDP2-sharded (set in `__init__`)."""
     trackers: RunTrackers = RunTrackers(None, None)
     """TensorBoard / W&B (`trainer.log_with`; `mmalign.trackers`): config, step metrics, sample media. Off
     here; `__init__` sets the run's."""

@@ -226,7 +226,30 @@ def build(name: str, path: str | Path, *, announce: bool = True) -> Path:
 
 
 def ensure_model(name_or_path: str, builder: str | None) -> str:
-    """Build the tiny model at `name_or_path` if a builder is named and the folder is missing."""
-    if builder and not Path(name_or_path).exists():
-        build(builder, name_or_path)  # announces itself on stderr
+    """Build the tiny model at `name_or_path` if a builder is named and the folder is missing.
+
+    Several processes may ask at once (the ranks of one multi-process launch, or two runs): an exclusive
+    lock on ``<name>.lock`` beside the folder lets one of them build while the others wait, then find the
+    folder and load it."""
+    path = Path(name_or_path)
+    if builder and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = path.with_name(path.name + ".lock")
+        with open(lock, "w") as handle:
+            _lock(handle)
+            try:
+                if not path.exists():  # built by another process while this one waited
+                    build(builder, name_or_path)  # announces itself on stderr
+            finally:
+                _lock(handle, release=True)
+        lock.unlink(missing_ok=True)  # (the folder exists now: later callers take no lock)
     return name_or_path
+
+
+def _lock(handle: Any, *, release: bool = False) -> None:
+    """Take (or release) an exclusive advisory lock on an open file; no-op where `fcntl` is missing."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    fcntl.flock(handle, fcntl.LOCK_UN if release else fcntl.LOCK_EX)

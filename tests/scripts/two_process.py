@@ -137,7 +137,14 @@ def _reward_weights(cfg: dict[str, Any]) -> tuple[list[str], list[float]]:
     for spec in cfg["rewards"]:
         spec = {"name": spec} if isinstance(spec, str) else spec
         names.append(str(spec.get("alias") or spec["name"]))
-        per_step = bool(getattr(_resolve(str(spec["name"])), "per_step", False))
+        try:
+            per_step = bool(getattr(_resolve(str(spec["name"])), "per_step", False))
+        except (
+            KeyError,
+            ImportError,
+            AttributeError,
+        ):  # a name this process cannot resolve: an outcome reward
+            per_step = False
         weights.append(0.0 if per_step else float(spec.get("weight", 1.0)))
     return names, weights
 
