@@ -34,6 +34,17 @@ from torch import Tensor
 Index = Tensor | Sequence[int] | slice
 
 
+def left_pad(seqs: Sequence[Sequence[int]], pad_value: int = 0) -> tuple[Tensor, Tensor]:
+    """Long[B, W] token ids padded on the left with `pad_value`, and their attention mask (1 on real tokens)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_value, dtype=torch.long)
+    att = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
+        att[i, width - len(s) :] = 1
+    return ids, att
+
+
 def _as_index(idx: Index, n: int) -> list[int]:
     if isinstance(idx, slice):
         return list(range(n))[idx]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mmalign.batch import left_pad
 from mmalign.engines.base import (
     EngineOutput,
     EnginePrompt,
@@ -148,7 +149,7 @@ class FakeEngine(RolloutEngine):
             ids, att, extra, positions = self._multimodal_inputs(prompts, rows)
         else:
             token_lists = [p.token_ids if isinstance(p, MultimodalPrompt) else p for p in prompts]
-            ids, att = _left_pad([token_lists[i] for i in rows])
+            ids, att = left_pad([token_lists[i] for i in rows])
             ids, att = ids.to(dev), att.to(dev)
             positions = (att.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
@@ -266,7 +267,7 @@ class FakeEngine(RolloutEngine):
                 k += int(t == image_token)
             per_prompt[i] = (expanded, enc["pixel_values"], grid)
         dev = self.device
-        ids, att = _left_pad([per_prompt[i][0] for i in rows])
+        ids, att = left_pad([per_prompt[i][0] for i in rows])
         ids, att = ids.to(dev), att.to(dev)
         types = ((ids == image_token) & att.bool()).long()
         pixels = [per_prompt[i][1] for i in rows if per_prompt[i][1] is not None]
@@ -345,14 +346,3 @@ class FakeEngine(RolloutEngine):
 
     def close(self) -> None:
         self._closed.set()
-
-
-def _left_pad(seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
-    """Long[B, W] ids (0 on the left padding) and their attention mask."""
-    width = max(len(x) for x in seqs)
-    ids = torch.zeros((len(seqs), width), dtype=torch.long)
-    att = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, x in enumerate(seqs):
-        ids[r, width - len(x) :] = torch.tensor(x, dtype=torch.long)
-        att[r, width - len(x) :] = 1
-    return ids, att

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mmalign.batch import Rollout
+from mmalign.batch import Rollout, left_pad
 from mmalign.config import LoraConfig
 from mmalign.logprobs import (
     check_agreement,
@@ -224,15 +224,8 @@ class TextPolicy(Policy):
         return self._left_pad([self._prompt_token_ids(p) for p in prompts])
 
     def _left_pad(self, seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
-        """Left-padded ids and attention mask of token lists."""
-        width = max(len(s) for s in seqs)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        att = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            att[i, width - len(s) :] = 1
-        return ids, att
+        """Left-padded ids (the tokenizer's pad id) and attention mask of token lists."""
+        return left_pad(seqs, self.tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------ inserted messages
     def _chat_content(self, text: str, num_images: int) -> Any:
