@@ -72,7 +72,15 @@ def steps_to(curve: list[tuple[int, float]], threshold: float, window: int) -> i
 
 def train(name: str, out: Path, steps: int | None) -> Path:
     run = out / name
-    cmd = [sys.executable, "-m", "mmalign.cli", "train", CONFIGS[name], f"output_dir={run}", "overwrite=true"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmalign.app.cli",
+        "train",
+        CONFIGS[name],
+        f"output_dir={run}",
+        "overwrite=true",
+    ]
     if steps is not None:
         cmd.append(f"trainer.steps={steps}")
     print("+", " ".join(cmd), flush=True)
@@ -85,7 +93,7 @@ def evaluate(run: Path, config: str) -> dict[str, Any]:
     already in the run is read instead of evaluating again."""
     if (run / "eval.json").is_file():
         return json.loads((run / "eval.json").read_text())
-    cmd = [sys.executable, "-m", "mmalign.cli", "eval", config, f"output_dir={run}"]
+    cmd = [sys.executable, "-m", "mmalign.app.cli", "eval", config, f"output_dir={run}"]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
     return json.loads((run / "eval.json").read_text())

@@ -11,8 +11,8 @@ Both paths compute the same three numbers per video of a batch of B normalised l
 ``camera_smoothness``, ``reprojection_consistency`` and ``motion_guard`` with the rewards' default options.
 
 - ``latent`` (what `rewards/geometry.py` does): `rewards.geometry.geometry_of` runs a
-  `mmalign.geometry.TinyLatentGeometry` (``latent_channels`` = z_dim, hidden 32, 2 layers: its defaults) on
-  the latents, then the reward math of `mmalign.geometry` (`smoothness_errors`, `reprojection_errors` +
+  `rewards.geometry_model.TinyLatentGeometry` (``latent_channels`` = z_dim, hidden 32, 2 layers: its defaults) on
+  the latents, then the reward math of `rewards.geometry_model` (`smoothness_errors`, `reprojection_errors` +
   `consistency_from_errors`, `motion_degree` + `motion_guard`, as the reward classes call them). The
   latent worker checks, outside the timed region, that the three registered reward classes
   (``camera_smoothness``, ``reprojection_consistency``, ``motion_guard``) loaded from the same saved model
@@ -83,7 +83,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from mmalign.geometry import (  # noqa: E402
+from rewards.geometry_model import (  # noqa: E402
     GeometryOutput,
     LatentGeometryModel,
     TinyLatentGeometry,

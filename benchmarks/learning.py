@@ -87,7 +87,7 @@ def run_config(config: Path, overrides: list[str]) -> dict[str, float]:
         )
         times["build_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "mmalign.cli", "train", str(config), "overwrite=true", *overrides]
+    cmd = [sys.executable, "-m", "mmalign.app.cli", "train", str(config), "overwrite=true", *overrides]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
     times["train_s"] = time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """Every tiny config (``configs/*-tiny.yaml``) trained on 2 CPU processes through the real command.
 
-For each config it runs ``torchrun --standalone --nproc_per_node 2 -m mmalign.cli train CONFIG`` (every step's
+For each config it runs ``torchrun --standalone --nproc_per_node 2 -m mmalign.app.cli train CONFIG`` (every step's
 samples written: ``trainer.sample_every=1``), then reads the run directory: the distributed type and number of
 processes the run recorded (``distributed.json``), the total reward (``reward/mean``) over the first and the last
 10% of the steps (as ``benchmarks/learning.py``), the largest difference between the advantages the run wrote and

@@ -98,7 +98,7 @@ class DataConfig:
     max_rows: int | None = None
     """Load at most this many rows (null: all)."""
     sampler: str = "uniform"
-    """Prompt sampler (mmalign.samplers): `uniform` (shuffled epochs) or `vade` (Thompson sampling on
+    """Prompt sampler (mmalign.prompt_samplers): `uniform` (shuffled epochs) or `vade` (Thompson sampling on
     per-prompt Beta posteriors of success, picking the most informative prompts)."""
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
     """Options of the prompt sampler."""
@@ -195,7 +195,7 @@ class AlgorithmConfig:
 
 
 TRACKERS = ("tensorboard", "wandb")
-"""The experiment trackers `TrainerConfig.log_with` may name (`mmalign.trackers`)."""
+"""The experiment trackers `TrainerConfig.log_with` may name (`mmalign.app.trackers`)."""
 
 
 @dataclass
@@ -241,7 +241,7 @@ class TrainerConfig:
     log_with: list[str] = field(default_factory=list)
     """Experiment trackers that also receive the run, through accelerate: ``tensorboard`` and / or ``wandb``
     (the ``trackers`` extra: ``pip install -e ".[trackers]"``). They get the config at the start, the numbers
-    of every logged step and the sample images / videos of every sample step (`mmalign.trackers`). Empty:
+    of every logged step and the sample images / videos of every sample step (`mmalign.app.trackers`). Empty:
     only ``metrics.jsonl`` and ``samples/``."""
     tracker_project: str | None = None
     """Project name given to the trackers: the W&B project, the TensorBoard run folder

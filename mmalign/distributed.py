@@ -20,7 +20,7 @@ FLUX.1 transformer          ``FluxTransformerBlock``, ``FluxSingleTransformerBlo
 Wan transformer             ``WanTransformerBlock``
 ==========================  ==============================================================
 
-(`DEFAULT_BLOCKS` lists the same names; ``tests/test_fsdp2.py`` checks them against the installed libraries.)
+(`DEFAULT_BLOCKS` lists the same names; ``tests/core/test_fsdp2.py`` checks them against the installed libraries.)
 
 Sharded checkpoints (`save_sharded` / `load_sharded`) are `torch.distributed.checkpoint` (DCP) folders of the
 trainable weights and the optimizer state: every rank writes and reads its own shards (all ranks must call).
@@ -306,3 +306,11 @@ def check_launch(distributed_type: Any, num_processes: int) -> None:
             f"(distributed type {getattr(distributed_type, 'value', distributed_type)}): each would run alone. "
             "Set trainer.cpu=true (or ACCELERATE_USE_CPU=true) for CPU processes"
         )
+
+
+def process_seed(seed: int | None) -> int | None:
+    """`seed` + this process's rank (``RANK``, set by torchrun / accelerate launch; 0 alone), so that every
+    process draws different noise from the same configured seed; None stays None (unseeded)."""
+    import os
+
+    return None if seed is None else seed + int(os.environ.get("RANK", "0"))

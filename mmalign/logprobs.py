@@ -12,7 +12,7 @@ Two ways to get ``log softmax(head(h_t) / temperature)[y_t]`` for the completion
   block (plus its gradient) whatever the vocabulary, batch or length. Only the tokens whose mask is
   set are scored; the others get 0, as in the full path.
 
-Both give the same numbers and gradients (to fp32 rounding; `tests/test_logprobs.py`). The text and VLM
+Both give the same numbers and gradients (to fp32 rounding; `tests/core/test_logprobs.py`). The text and VLM
 policies use the chunked path when ``model.logprob_chunk_size`` is set (the default) and check once,
 on the first batch, that it agrees with the full path for the model at hand (`check_agreement`), so
 a model whose head does more than ``lm_head(hidden_states[-1])`` (logit soft-capping, a logit scale)

@@ -130,7 +130,8 @@ def _entry_point_label(ep: EntryPoint, group: str) -> str:
 class Discovery:
     """Finds the modules that register into `registry`, importing them lazily.
 
-    Sources: the submodules of `package` (``pkgutil.iter_modules``; names starting with ``_`` are skipped)
+    Sources: the modules of `package` and of its subpackages (``pkgutil.walk_packages``; names starting with ``_``
+    are skipped)
     and the entry points of `group`, each naming a module (or a ``module:object``) that registers on import.
     `find(name)` imports as little as it can: the registry itself, then the module ``package.name``, then
     the entry points called `name`, and only then everything. `load_all()` imports everything once; a
@@ -228,8 +229,8 @@ class Discovery:
             import pkgutil
 
             pkg = importlib.import_module(self.package)
-            for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
-                if not info.name.rpartition(".")[2].startswith("_"):
+            for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+                if not any(part.startswith("_") for part in info.name.split(".")):
                     importlib.import_module(info.name)
             self._scanned = True
         for ep in self.entry_points():

@@ -1,6 +1,6 @@
 """The run directory: its layout, checkpoints, and samples written and read by kind.
 
-One module owns the folder a run writes (``output_dir``); the trainer, `mmalign.evaluation`, the CLI and
+One module owns the folder a run writes (``output_dir``); the trainer, `mmalign.app.evaluation`, the CLI and
 the sample browser read and write it only through these functions::
 
     output_dir/

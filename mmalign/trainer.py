@@ -49,15 +49,15 @@ from mmalign import distributed as dist_lib
 from mmalign import filters as filter_lib
 from mmalign import is_correction as isc
 from mmalign import losses as loss_lib
+from mmalign import prompt_samplers as sampler_lib
 from mmalign import rundir
-from mmalign import samplers as sampler_lib
+from mmalign.app.doctor import LiveDoctor
+from mmalign.app.trackers import RunTrackers, accelerator_kwargs, check_available
 from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError
 from mmalign.distributed import is_fsdp2
-from mmalign.doctor import LiveDoctor
 from mmalign.policies.base import RunInfo
 from mmalign.registry import RegistryError
-from mmalign.trackers import RunTrackers, accelerator_kwargs, check_available
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class GroupTrainer:
     sharded: bool = False
     """The model is FSDP2-sharded (set in `__init__`)."""
     trackers: RunTrackers = RunTrackers(None, None)
-    """TensorBoard / W&B (`trainer.log_with`; `mmalign.trackers`): config, step metrics, sample media. Off
+    """TensorBoard / W&B (`trainer.log_with`; `mmalign.app.trackers`): config, step metrics, sample media. Off
     here; `__init__` sets the run's."""
 
     def __init__(
@@ -622,7 +622,7 @@ class GroupTrainer:
             dynamic_ncols=True,
         )
         metrics_f = (self.out / rundir.METRICS_FILE).open("a") if self.is_main else None
-        # learning diagnostics on each step's metrics: rate-limited warnings (logger "mmalign.doctor"), never raises
+        # learning diagnostics on each step's metrics: rate-limited warnings (logger "mmalign.app.doctor"), never raises
         doctor = LiveDoctor(self.cfg.to_dict()) if self.is_main else None
         try:
             self.trackers.start(self.step)

@@ -20,16 +20,17 @@ likewise: ``options.eval_safe_prompts`` / ``options.eval_unsafe_prompts`` and/or
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mmalign.app.preflight import check_reward_specs
 from mmalign.config import Config, ConfigError
 from mmalign.data import load_rows
+from mmalign.distributed import process_seed
 from mmalign.policies.denoising import SamplerSettings
-from mmalign.preflight import check_reward_specs
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
+from pipelines.common import options
 from rewards import RewardSet
 
 CATEGORIES = ("safe", "unsafe")
@@ -86,13 +87,7 @@ class SafeDiffusionOptions(SamplerSettings):
 
 
 def safe_options(cfg: Config) -> SafeDiffusionOptions:
-    if isinstance(cfg.options, SafeDiffusionOptions):
-        return cfg.options
-    if cfg.options is None:
-        return SafeDiffusionOptions()
-    raise TypeError(
-        f"{cfg.source}: options were not validated as SafeDiffusionOptions (config built by hand?)"
-    )
+    return options(cfg, SafeDiffusionOptions)
 
 
 def _rows(
@@ -135,7 +130,7 @@ def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
     uninterrupted one."""
     m = cfg.model
     path = ensure_model(m.name_or_path, m.tiny_builder)
-    seed = (cfg.seed if o.seed is None else o.seed) + int(os.environ.get("RANK", "0"))
+    seed = process_seed(cfg.seed if o.seed is None else o.seed)
     common: dict[str, Any] = dict(
         dtype=m.dtype,
         lora=m.lora,

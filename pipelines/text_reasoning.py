@@ -13,34 +13,10 @@ from typing import Any
 from mmalign.config import Config
 from mmalign.data import load_rows
 from mmalign.policies.text import TextPolicy
-from mmalign.rollout_loops import Environment, loop_from_config
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
+from pipelines.common import policy_kwargs
 from rewards import RewardSet
-
-
-def policy_kwargs(cfg: Config, environment: Environment | None = None) -> dict[str, Any]:
-    """`from_pretrained` keyword arguments of a text-generating policy, from `cfg.model` and `cfg.rollout`
-    (the rollout loop from ``rollout.loop`` / ``rollout.loop_kwargs``, with the pipeline's `environment`
-    for a multi-turn loop; a bad loop name or option is a `ConfigError` naming the key)."""
-    m, r = cfg.model, cfg.rollout
-    return dict(
-        loop=loop_from_config(cfg, environment),
-        dtype=m.dtype,
-        lora=m.lora,
-        gradient_checkpointing=m.gradient_checkpointing,
-        attn_implementation=m.attn_implementation,
-        trust_remote_code=m.trust_remote_code,
-        need_reference=cfg.algorithm.kl_coef > 0,
-        max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        stop_strings=r.stop_strings,
-        system_prompt=m.system_prompt,
-        generation_batch_size=r.batch_size,
-        logprob_chunk_size=m.logprob_chunk_size,
-    )
 
 
 def build_text_policy(cfg: Config) -> TextPolicy:

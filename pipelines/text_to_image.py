@@ -32,16 +32,16 @@ schnell, which has no guidance embedding), so ``train_guidance`` has no effect; 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from mmalign.config import Config
-from mmalign.data import DataError, load_rows
+from mmalign.distributed import process_seed
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.policies.flow import FlowPolicy
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
+from pipelines.common import load_prompts, options
 from rewards import RewardSet
 
 
@@ -78,31 +78,10 @@ class FlowOptions(SamplerSettings):
 
 def flow_options(cfg: Config) -> FlowOptions:
     """The typed `options:` section (`config_from_dict` validates it against `FlowOptions`)."""
-    if isinstance(cfg.options, FlowOptions):
-        return cfg.options
-    if cfg.options is None:
-        return FlowOptions()
-    raise TypeError(f"{cfg.source}: options were not validated as FlowOptions (config built by hand?)")
+    return options(cfg, FlowOptions)
 
 
 # ----------------------------------------------------------------------------- data
-
-
-def load_prompts(
-    source: str, template: str = "{question}", max_rows: int | None = None
-) -> list[dict[str, Any]]:
-    """Prompt rows of a ``.txt`` file (one prompt per line; blank and ``#`` lines skipped) or JSONL /
-    ``hf:`` rows (a ``prompt`` column, or `template` formatted from the row's columns), read by
-    `mmalign.data.load_rows`. Every row must end up with a non-empty string ``prompt``, else a DataError
-    names the row (file:line)."""
-    rows = load_rows(source, template, max_rows)
-    for row in rows:
-        prompt = row.get("prompt")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise DataError(
-                f"{row.get('_source', source)}: the prompt must be a non-empty string, got {prompt!r}"
-            )
-    return rows
 
 
 # ----------------------------------------------------------------------------- policy
@@ -115,7 +94,7 @@ def build_flow_policy(cfg: Config) -> FlowPolicy:
 
     opts = flow_options(cfg)
     path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
-    seed = None if opts.seed is None else opts.seed + int(os.environ.get("RANK", "0"))
+    seed = process_seed(opts.seed)
     policy = flow_policy_class(path).from_pretrained(
         path,
         dtype=cfg.model.dtype,

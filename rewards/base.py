@@ -477,7 +477,7 @@ def spec_problem(
     `spec` (entry `index` of the config list `key`), as (config key, exception), or None.
 
     `obj` is what the spec's name resolves to (`_resolve`); when given and ``device`` is set, a reward
-    whose constructor takes no ``device`` is a problem. `RewardSet` raises these; `mmalign.preflight` can
+    whose constructor takes no ``device`` is a problem. `RewardSet` raises these; `mmalign.app.preflight` can
     report them before any model loads."""
     where = f"{key}[{index}]"
     label = f"{where} ({spec.name!r})"

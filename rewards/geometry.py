@@ -9,17 +9,17 @@
   The two consistency rewards are maximised trivially by a static camera over a still scene; add this
   one (e.g. with the same weight) so the policy cannot collapse onto near-static clips.
 
-The formulas and conventions are those of `mmalign.geometry` (whose docstrings say which parts are our
-design) and `mmalign.camera`.
+The formulas and conventions are those of `rewards.geometry_model` (whose docstrings say which parts are our
+design) and `rewards.camera`.
 
 Inputs. Every reward reads ``batch.outputs["latents"]``, Float[B,C,F,h,w]: the video diffusion policy's
 final latents in its normalised latent space (``needs = {"latents"}``, so the trainer never decodes
 pixels for them). F counts LATENT frames, so speeds are per latent frame.
 
 Model. Every reward takes the option ``geometry_model`` (required): a folder written by
-`mmalign.geometry.TinyLatentGeometry.save_pretrained` (or whose config.json names a
+`rewards.geometry_model.TinyLatentGeometry.save_pretrained` (or whose config.json names a
 ``"package.module:Class"``), or a ``"package.module:Class"`` spec of a `LatentGeometryModel` subclass,
-loaded by `mmalign.geometry.load_geometry_model` with the options in ``geometry_kwargs`` (e.g.
+loaded by `rewards.geometry_model.load_geometry_model` with the options in ``geometry_kwargs`` (e.g.
 ``{"path": ...}``); ``device`` (default "cpu") is where it runs. The model runs in eval mode under
 ``torch.no_grad()``, with the latents moved to its device and dtype (`geometry_of`).
 
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.geometry import (
+from rewards.geometry_model import (
     GeometryOutput,
     LatentGeometryModel,
     consistency_from_errors,
@@ -207,7 +207,7 @@ class CameraSmoothness(_GeometryReward):
     """Smoothness of the predicted camera path: ``1/2 [1/(1 + e_trans) + 1/(1 + e_rot)]``, in [1/2, 1].
 
     ``e = mean_t ||a_t|| / (||v_t|| + ||v_{t-1}|| + eps)`` over the second differences a_t of the latent
-    frames' camera centres (e_trans) and wrapped angles (e_rot); see `mmalign.geometry.camera_smoothness`.
+    frames' camera centres (e_trans) and wrapped angles (e_rot); see `rewards.geometry_model.camera_smoothness`.
     A constant-velocity camera scores 1, and so does a static one (pair with ``motion_guard``). Clips with
     fewer than 3 latent frames score NaN (not applicable). Metrics: ``trans_error``, ``rot_error`` (means
     of e_trans, e_rot).
@@ -243,7 +243,7 @@ class ReprojectionConsistency(_GeometryReward):
     Every latent frame's static pixels (dynamic < ``static_threshold``) are unprojected with its depth and
     pose and z-buffered into every OTHER view; a view's error is the mean ``|D_render - D_pred|`` over
     its static pixels that received a point (``relative=True`` divides by D_pred). See
-    `mmalign.geometry.reprojection_errors`. A clip with no view that received a point (one latent
+    `rewards.geometry_model.reprojection_errors`. A clip with no view that received a point (one latent
     frame, or no overlap) scores NaN. Options: ``static_threshold`` (0.5), ``worst_k`` (3), ``relative``
     (False). Metrics: ``worst_view_error`` (mean over the batch of each clip's largest view error),
     ``mean_view_error``.
@@ -288,7 +288,7 @@ class ReprojectionConsistency(_GeometryReward):
 class MotionGuard(_GeometryReward):
     """Anti-collapse term: ``min(1, motion_degree / min_degree)``, in [0, 1].
 
-    `mmalign.geometry.motion_degree`: the camera translation per latent frame in scene depths (divided by
+    `rewards.geometry_model.motion_degree`: the camera translation per latent frame in scene depths (divided by
     the median predicted depth) + the rotation per latent frame in radians + the share of moving pixels.
     The default ``min_degree = 0.05`` (e.g. 5 % of the scene depth, or about 2.9 degrees of rotation, per
     latent frame; with Wan's 4x temporal compression that is ~1.25 % of the depth per video frame) is

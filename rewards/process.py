@@ -1,7 +1,7 @@
 """`sampler_process_reward`: the per-step process rewards a guided sampler recorded while sampling.
 
 A policy that evaluates a process reward at every denoising step anyway (Euphonium's guided SDE,
-`pipelines.euphonium.GuidedWanPolicy`) stores the values in ``rollout.outputs["process_rewards"]``, Float[B, T]
+`pipelines.video.euphonium.GuidedWanPolicy`) stores the values in ``rollout.outputs["process_rewards"]``, Float[B, T]
 with one column per trained action (NaN where no value was recorded). This reward hands them to the trainer as a
 process reward (``per_step = True``), so that an estimator taking step rewards (``grpo_process``: the outcome
 advantage per group plus the process advantage per group and step) uses them, without evaluating the reward

@@ -1,6 +1,6 @@
 """Rewards for visual search with zooming (GeoViS): the action format, crops that keep the target, tool use.
 
-They read what the multi_turn rollout and the zoom environment (`pipelines.geovis_env`) leave behind:
+They read what the multi_turn rollout and the zoom environment (`pipelines.grounding.geovis_env`) leave behind:
 ``outputs["turns"]`` (the generated turn texts of each sample), ``outputs["num_turns"]`` and
 ``outputs["env_state"]`` (per sample: ``views``, ``crops``, ``answer_box``; see the environment's
 docstring), and the ``boxes`` column (reference boxes in original-image pixels).

@@ -159,7 +159,7 @@ def check_chunked_matches_full():
 
 @pytest.fixture
 def run_mmalign():
-    """Run the real ``python -m mmalign.cli ARGS`` in `cwd` (warnings off) -> CompletedProcess (text)."""
+    """Run the real ``python -m mmalign.app.cli ARGS`` in `cwd` (warnings off) -> CompletedProcess (text)."""
     import os
     import subprocess
     import sys
@@ -167,7 +167,7 @@ def run_mmalign():
     def run(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         return subprocess.run(
-            [sys.executable, "-m", "mmalign.cli", *args],
+            [sys.executable, "-m", "mmalign.app.cli", *args],
             capture_output=True,
             text=True,
             cwd=cwd,

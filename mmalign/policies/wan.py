@@ -27,8 +27,8 @@ changes:
   the CPU, stored as ``outputs["videos"]`` by `DenoisingPolicy.decode`.
 
 **Editing** (``condition``). Rows carry ``source_video`` (a path: a frame folder, a video file or a ``.npy``,
-read with `mmalign.video.read_video` at ``num_frames`` x ``height`` x ``width``), optionally ``edit_mask`` (a
-path for `mmalign.video.read_mask`; 1 = the region the edit may change) and, for VACE, ``reference_frames``.
+read with `mmalign.media.read_video` at ``num_frames`` x ``height`` x ``width``), optionally ``edit_mask`` (a
+path for `mmalign.media.read_mask`; 1 = the region the edit may change) and, for VACE, ``reference_frames``.
 Whatever the condition, when the rows carry them the rollout sets ``outputs["source_videos"]`` (Float[B, F, 3,
 H, W]) and ``outputs["edit_masks"]`` (Float[B, F, H, W]; a row without a mask gets ones) for the rewards.
 
@@ -49,7 +49,7 @@ H, W]) and ``outputs["edit_masks"]`` (Float[B, F, H, W]; a row without a mask ge
   model) is the ``control_hidden_states`` of every call (``control_hidden_states_scale`` =
   ``conditioning_scale`` for every VACE layer), stored in the payload as ``control_latents``. A row without an
   ``edit_mask`` regenerates everything (mask of ones, the pipeline's default). ``num_reference_frames`` = R > 0:
-  every row's ``reference_frames`` (a path, or a list of paths, read with `mmalign.video.read_video`; R
+  every row's ``reference_frames`` (a path, or a list of paths, read with `mmalign.media.read_video`; R
   frames in all) are letterboxed and prepended as ``WanVACEPipeline`` does; the latents then have F_lat + R
   frames and `decode_latents` drops the first R.
 
@@ -542,7 +542,7 @@ class WanPolicy(FlowPolicy):
 
     def _video(self, path: Any) -> Tensor:
         """Float[F, 3, H, W] in [0, 1] of the source video at `path` at the policy's frames and size."""
-        from mmalign.video import read_video
+        from mmalign.media import read_video
 
         key = ("video", str(path))
         return self._pixels.get_or(
@@ -551,7 +551,7 @@ class WanPolicy(FlowPolicy):
 
     def _mask(self, path: Any) -> Tensor:
         """Float[F, H, W] in {0, 1} of the edit mask at `path` at the policy's frames and size."""
-        from mmalign.video import read_mask
+        from mmalign.media import read_mask
 
         key = ("mask", str(path))
         return self._pixels.get_or(
@@ -560,8 +560,8 @@ class WanPolicy(FlowPolicy):
 
     def _references(self, value: Any) -> list[Tensor]:
         """The reference frames of a row, each Float[3, h, w] in [0, 1] at its own size: `value` is a path or
-        a list of paths, each read with `mmalign.video.read_video` (every frame of each is a reference)."""
-        from mmalign.video import read_video
+        a list of paths, each read with `mmalign.media.read_video` (every frame of each is a reference)."""
+        from mmalign.media import read_video
 
         paths = [value] if isinstance(value, str | Path) else list(value)
         stacks = [self._pixels.get_or(("refs", str(p)), lambda p=p: read_video(p)) for p in paths]

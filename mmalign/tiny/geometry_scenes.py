@@ -4,7 +4,7 @@ The data of the tiny latent geometry model and of the tiny world-consistent text
 Pure torch, deterministic given a `random.Random` (or a seed), fast on CPU: every clip is ray cast in one
 vectorised pass over all its pixels and frames.
 
-**Conventions** are those of `mmalign.camera` (OpenCV axes: x right, y down, z forward; a camera is its
+**Conventions** are those of `rewards.camera` (OpenCV axes: x right, y down, z forward; a camera is its
 centre ``c`` and camera-to-world rotation ``R = rotation_from_angles((yaw, pitch, roll))``; ``K =
 intrinsics(FOV_X, H, W)``; pixel (i, j) has its centre at (j + 0.5, i + 0.5); depth is the camera-frame z).
 Positive yaw turns the camera to the right (towards +x), negative pitch tilts it down (towards the floor).
@@ -45,7 +45,7 @@ a blue box in a grey room, camera pans left".
 
 `write_scene_dataset` writes ``scenes.jsonl`` (rows ``{"prompt", "motion", "video"}``, ``video`` relative to
 the JSONL's folder) and one ``clips/NNNNNN.npz`` per clip holding ``frames`` (uint8 [F, H, W, 3], readable
-by `mmalign.video.read_video`), ``depth`` (float16 [F, H, W]), ``centres``, ``angles``, ``rotations`` and
+by `mmalign.media.read_video`), ``depth`` (float16 [F, H, W]), ``centres``, ``angles``, ``rotations`` and
 ``K`` (float32).
 """
 
@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.camera import intrinsics, pixel_grid, rotation_from_angles
+from rewards.camera import intrinsics, pixel_grid, rotation_from_angles
 
 __all__ = [
     "BOX_COLOURS",

@@ -4,7 +4,7 @@ The task (`write_dataset`): a 224x224 map of fields and roads with one large lan
 handful of tiny (5-8 px) buildings in four colours. The referring expression names a colour and a side of
 the lake ("the small red building left of the lake"); one other building of the SAME colour sits on
 another side of the lake, so the relation matters, and buildings of other colours stand near the target.
-Rows follow the grounding layout (`pipelines.grounding`): ``image``, ``expression``, ``boxes`` (absolute
+Rows follow the grounding layout (`pipelines.grounding.data`): ``image``, ``expression``, ``boxes`` (absolute
 pixels of the original image), ``coords: absolute``, ``image_width`` / ``image_height``, plus ``object``
 ("red building"), ``relation`` ("left of the lake") and ``landmark`` ("lake").
 
@@ -14,7 +14,7 @@ pixels): answering in one shot cannot be precise. A crop of ~1/4 of the map side
 about its own resolution and shows the target.
 
 Builder ``geovis`` (`build_geovis`): a tiny Qwen2-VL warm-started on the exact token sequences the
-policy produces under the GeoViS protocol (`pipelines.geovis_env`, `pipelines.geovis_views`):
+policy produces under the GeoViS protocol (`pipelines.grounding.geovis_env`, `pipelines.grounding.geovis_views`):
 
 (a) a 2-turn zoom conversation ``ZOOM_PROMPT`` + view 0 -> ``<crop>[..]</crop>`` (a coarse, noisy
     square around the target, in view 0's resized pixels), then the inserted user message ``View 1:`` +
@@ -255,8 +255,8 @@ LABEL_SIDES = (48, 52, 56, 60, 64, 68)
 
 def _corpus(rng: random.Random) -> list[str]:
     """Texts the tokenizer is trained on: every prompt, expression, action and reply form."""
-    from pipelines.geovis_env import REFUSAL
-    from pipelines.geovis_views import BOX_PROMPT, YESNO_PROMPT, ZOOM_PROMPT
+    from pipelines.grounding.geovis_env import REFUSAL
+    from pipelines.grounding.geovis_views import BOX_PROMPT, YESNO_PROMPT, ZOOM_PROMPT
 
     texts = []
     for c in BUILDING_COLOURS:
@@ -402,7 +402,7 @@ def box_text(box: Sequence[float], tag: str, view: int | None = None) -> str:
 
 def zoom_messages(expression: str, crop: str, inserted: str, answer: str) -> list[dict[str, Any]]:
     """The GeoViS 2-turn conversation: ZOOM_PROMPT + view 0, the crop turn, the inserted view, the answer."""
-    from pipelines.geovis_views import ZOOM_PROMPT
+    from pipelines.grounding.geovis_views import ZOOM_PROMPT
 
     return [
         user_message(ZOOM_PROMPT.format(expression=expression), 1),
@@ -437,7 +437,7 @@ def _label_crop(m: GeoMap, rng: random.Random, root: Any, noise: float) -> list[
 
 
 def _answer_box(box: Sequence[float], view: Any, rng: random.Random, jitter: float) -> list[int]:
-    from pipelines.geovis_views import global_to_view
+    from pipelines.grounding.geovis_views import global_to_view
 
     b = [v + rng.gauss(0, jitter) for v in global_to_view(box, view, "resized")]
     x1, y1, x2, y2 = (round(v) for v in b)
@@ -450,7 +450,7 @@ def zoom_example(
     """(a) The 2-turn zoom conversation of map `m`, rendered (`render_conversation`): the crop turn is a
     coarse square around the target (`_label_crop`), the environment `env` (a `ZoomEnvironment`) opens it
     exactly as in a rollout, the answer is the target box in the crop's resized pixels, jittered."""
-    from pipelines.geovis_views import View
+    from pipelines.grounding.geovis_views import View
 
     row = _map_row(m)
     state: dict[str, Any] = {}
@@ -486,7 +486,7 @@ def _random_region(
 
 def _centred_region(m: GeoMap, rng: random.Random, noise: float) -> tuple[float, float, float, float]:
     """The original-pixel region of a `_label_crop` (a square around the target, as the zoom turn asks)."""
-    from pipelines.geovis_views import View
+    from pipelines.grounding.geovis_views import View
 
     root = View.root(m.image.size, PIXELS, PIXELS)
     x1, y1, x2, y2 = _label_crop(m, rng, root, noise)
@@ -506,7 +506,7 @@ def box_example(
     """(b) ``BOX_PROMPT`` on an image holding the target -> the box in that image's resized pixels. The image
     is the whole map (probability `full`), a square around the target as a zoom turn would ask for
     (`centred`, centre noise `noise` original pixels), else a random crop of 40-112 px holding the target."""
-    from pipelines.geovis_views import BOX_PROMPT, crop_image, make_view
+    from pipelines.grounding.geovis_views import BOX_PROMPT, crop_image, make_view
 
     size = m.image.width
     u = rng.random()
@@ -529,7 +529,7 @@ def box_example(
 
 def yesno_example(processor: Any, m: GeoMap, rng: random.Random) -> dict[str, Any]:
     """(c) ``YESNO_PROMPT`` on a crop with (half the time) or without the target -> ``yes`` / ``no``."""
-    from pipelines.geovis_views import YESNO_PROMPT, crop_image
+    from pipelines.grounding.geovis_views import YESNO_PROMPT, crop_image
 
     yes = rng.random() < 0.5
     region = _random_region(m, rng, yes, m.image.width)
@@ -579,7 +579,7 @@ def build_geovis(
     Each step draws `batch_size` examples from the pools (a) zoom conversations, (b) box, (c) yes/no in
     proportions `mix`; the loss is the mean cross-entropy over assistant tokens. `crop_noise` (original
     pixels) and `answer_jitter` (resized pixels) keep the warm policy imprecise, so RL has work to do."""
-    from pipelines.geovis_env import ZoomEnvironment
+    from pipelines.grounding.geovis_env import ZoomEnvironment
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -676,12 +676,12 @@ def evaluate(
     `ZoomEnvironment`, at most `max_turns` turns) and one-shot answering (``BOX_PROMPT`` on view 0), each
     sampled `n_samples` times per row at `temperature`. ``*_sampled``: the mean over all samples;
     ``*_best_of_n``: the share of rows with at least one hit. The zoom answers are mapped to original
-    pixels by `pipelines.geovis_env.replay` on the generated turns (the same state the environment kept).
+    pixels by `pipelines.grounding.geovis_env.replay` on the generated turns (the same state the environment kept).
     Also: the mean number of turns, the share of samples with an accepted crop, the share of accepted
     crops that hold the whole target."""
     from mmalign.policies.vlm import VLMPolicy
-    from pipelines.geovis_env import ZoomEnvironment, replay
-    from pipelines.geovis_views import BOX_PROMPT, ZOOM_PROMPT
+    from pipelines.grounding.geovis_env import ZoomEnvironment, replay
+    from pipelines.grounding.geovis_views import BOX_PROMPT, ZOOM_PROMPT
 
     torch.manual_seed(seed)
     rows = load_rows(jsonl, max_rows)

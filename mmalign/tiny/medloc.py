@@ -1,7 +1,7 @@
 """MedLoc: a synthetic lesion-localisation task and a tiny offline Qwen2-VL warm-started on it.
 
 The task stands in for medical visual grounding (MedLoc-R1: GRPO on box rewards with an IoU-threshold
-curriculum, `pipelines.medloc`). Nothing is downloaded and no patient data is involved.
+curriculum, `pipelines.grounding.medloc`). Nothing is downloaded and no patient data is involved.
 
 Pictures (`scan`, our design): 64x64 grey chest "scans", either an axial CT slice (a body ellipse on a dark
 background, two dark lungs, the heart, a bright vertebra) or a frontal radiograph (dark lung fields with
@@ -15,7 +15,7 @@ is its content. The reference box is the lesion's extent: [x1, y1, x2, y2] integ
 64x64 original; the ellipse is centred in it and its soft rim reaches 0 at its four sides. PNGs are 8-bit
 greyscale (a third of RGB's size); the policy loads them with ``convert("RGB")``.
 
-Rows (`write_dataset`) follow the grounding layout of `pipelines.grounding`: ``image`` (relative to the
+Rows (`write_dataset`) follow the grounding layout of `pipelines.grounding.data`: ``image`` (relative to the
 JSONL's folder), ``expression`` ("the bright nodule", "the dark mass", ...), ``boxes`` (one box, absolute
 pixels of the original), ``coords`` "absolute", ``image_width`` / ``image_height`` 64, plus ``modality``,
 ``finding`` ("nodule" if both sides <= `NODULE_MAX` px, else "mass"), ``polarity`` and ``contrast``.

@@ -1,5 +1,5 @@
 """A tiny text-to-video Wan model of rendered 3-D scenes under a moving camera, with its latent geometry model
-(VGGRPO's tiny task, `pipelines.video_geometry`; also Euphonium's, `pipelines.euphonium`).
+(VGGRPO's tiny task, `pipelines.video.geometry`; also Euphonium's, `pipelines.video.euphonium`).
 
 Builder ``video_geometry`` (`build_video_geometry`), in four phases, on clips of `mmalign.tiny.geometry_scenes`
 (textured boxes in a room, 9 frames of 32 x 32 px, a camera that pans, dollies, trucks, orbits or stays still;
@@ -8,7 +8,7 @@ captions such as "a red box and a blue box in a grey room, camera pans left"):
 1. **VAE.** The tiny ``AutoencoderKLWan`` of `mmalign.tiny.wan` (2x in time, 4x in space, z_dim 4) is fitted to
    the clips (`mmalign.tiny.wan.fit_video_vae`); a fit below `min_vae_psnr` dB is an error. Latent frame k
    stands for pixel frame 2k (the causal VAE's first latent frame is frame 0 alone).
-2. **Geometry model.** A `mmalign.geometry.TinyLatentGeometry` is trained on the clips' normalised latents
+2. **Geometry model.** A `rewards.geometry_model.TinyLatentGeometry` is trained on the clips' normalised latents
    [4, 5, 8, 8] against the renderer's exact geometry at the latent frames: depth (mean of each 4 x 4 pixel
    block, L1 on log-depth), the camera pose relative to frame 0 (``R_0^T (c_t - c_0)`` and the angles of
    ``R_0^T R_t``) and ``dynamic`` = 0 (the scenes are static). It is saved to ``geometry/`` in the folder, which
@@ -47,7 +47,7 @@ def geometry_targets(clips: list[Any], temporal: int = 2, spatial: int = 4) -> d
     """The renderer's exact geometry at the latent frames and resolution of `clips` (`SceneClip`): ``depth``
     Float[N, f, h, w] (mean of each `spatial` x `spatial` block of pixel frame ``temporal * k``), ``centres``
     and ``angles`` Float[N, f, 3] relative to frame 0 (``R_0^T (c_t - c_0)``, angles of ``R_0^T R_t``)."""
-    from mmalign.camera import angles_from_rotation
+    from rewards.camera import angles_from_rotation
 
     frames = clips[0].depth.shape[0]
     idx = list(range(0, frames, temporal))
@@ -93,7 +93,7 @@ def _geometry_errors(model: Any, latents: Tensor, target: dict[str, Tensor]) -> 
 
 
 def _geometry_rewards(model: Any, latents: Tensor) -> dict[str, float]:
-    from mmalign.geometry import camera_smoothness, motion_degree, reprojection_consistency
+    from rewards.geometry_model import camera_smoothness, motion_degree, reprojection_consistency
 
     with torch.no_grad():
         g = model(latents)
@@ -157,10 +157,10 @@ def build_video_geometry(
         "builder": "video_geometry",
         **{k: v for k, v in locals().items() if k not in ("path", "progress")},
     }
-    from mmalign.geometry import TinyLatentGeometry
     from mmalign.policies.wan_components import decode_video, encode_prompt, encode_video
     from mmalign.tiny.geometry_scenes import FOV_X, make_scene_clips
     from mmalign.tiny.wan import fitted_tiny_wan, tiny_wan_transformer
+    from rewards.geometry_model import TinyLatentGeometry
 
     clips = make_scene_clips(num_clips, seed + 1000)
     held = make_scene_clips(64, seed + 2000)

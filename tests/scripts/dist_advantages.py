@@ -1,6 +1,6 @@
 """Run GroupTrainer.make_rollout on deterministic fake rollouts, in 1 or N processes.
 
-Used by tests/test_distributed.py:
+Used by tests/core/test_distributed.py:
     python tests/scripts/dist_advantages.py OUT.json ESTIMATOR
     torchrun --standalone --nproc_per_node 2 tests/scripts/dist_advantages.py OUT.json ESTIMATOR
 Rank 0 writes, for 3 steps, every sample's (step, prompt, output, group, advantage) to OUT.json, with the

@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard`` on a CPU device mesh, gloo) under the trainer; used by tests/test_fsdp2.py.
+"""FSDP2 (``fully_shard`` on a CPU device mesh, gloo) under the trainer; used by tests/core/test_fsdp2.py.
 
     torchrun --standalone --nproc_per_node 2 tests/scripts/dist_fsdp2.py OUT_DIR fsdp
     python tests/scripts/dist_fsdp2.py OUT_DIR reference

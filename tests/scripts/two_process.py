@@ -1,7 +1,7 @@
 """Helpers for running `mmalign` on N CPU processes through the real CLI, shared by
-tests/test_every_config_two_processes.py and benchmarks/two_process_runs.py.
+tests/e2e/test_every_config_two_processes.py and benchmarks/two_process_runs.py.
 
-- `launch_cmd(nproc, command, *args)`: ``torchrun --standalone --nproc_per_node N -m mmalign.cli ...`` (the
+- `launch_cmd(nproc, command, *args)`: ``torchrun --standalone --nproc_per_node N -m mmalign.app.cli ...`` (the
   plain interpreter for N = 1).
 - `kill_launch(proc)`: SIGKILL a launcher started with ``start_new_session=True`` AND its workers (torchrun starts
   each worker in a session of its own, so killing the launcher's process group alone leaves them running).
@@ -45,11 +45,11 @@ def env() -> dict[str, str]:
 def launch_cmd(nproc: int, command: str, *args: str) -> list[str]:
     """The command line of ``mmalign COMMAND ARGS`` on `nproc` processes (torchrun, gloo on CPU)."""
     if nproc == 1:
-        return [sys.executable, "-m", "mmalign.cli", command, *args]
+        return [sys.executable, "-m", "mmalign.app.cli", command, *args]
     torchrun = shutil.which("torchrun")
     if torchrun is None:
         raise FileNotFoundError("torchrun is not on PATH (it comes with torch)")
-    return [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", "mmalign.cli", command, *args]
+    return [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", "mmalign.app.cli", command, *args]
 
 
 def train_args(

@@ -1,0 +1,531 @@
+"""The `mmalign` command.
+
+    mmalign train CONFIG.yaml [key.sub=value ...] [--resume]
+    mmalign sample CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--prompt TEXT ...] [-n N]
+    mmalign eval CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--no-base]
+    mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps]
+
+`train`, `sample` and `eval` run on N processes too (`torchrun --standalone --nproc_per_node N -m mmalign.app.cli ...`
+or `accelerate launch`): see docs/distributed_runs.md. On a machine without CUDA such a launch runs on CPU
+processes (gloo; `ACCELERATE_USE_CPU` is set for it), and a launch that accelerate would not set up as N
+processes is refused instead of running N independent copies into one output directory.
+
+Before any model is built or loaded, a command checks everything that needs none (`mmalign.app.preflight.preflight`:
+the output directory, the rewards, the model folders; then the pipeline reads its data files), so a wrong
+command fails in seconds with one `mmalign: error: ...` line and leaves an existing run as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mmalign.config import Config
+
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = ()
+
+_ERROR_CLASSES = [
+    ("mmalign.config", "ConfigError"),
+    ("mmalign.data", "DataError"),
+    ("mmalign.registry", "RegistryError"),
+    ("mmalign.trainer", "TrainingError"),
+    ("rewards", "RewardError"),
+]
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors reported as one `mmalign: error: ...` line (anything else also prints its traceback)."""
+    import importlib
+
+    found: list[type[BaseException]] = [OSError]
+    for module, name in _ERROR_CLASSES:
+        try:  # a module that fails to import must not turn the error report itself into a crash
+            found.append(getattr(importlib.import_module(module), name))
+        except Exception:  # pragma: no cover - only when part of the package is broken
+            continue
+    return tuple(found)
+
+
+def _check_names(cfg: Config) -> None:
+    """Registry names of `cfg.algorithm`, checked before the (possibly slow) model is built."""
+    from mmalign import advantages, filters, losses
+    from mmalign.config import ConfigError
+    from mmalign.registry import RegistryError
+
+    a = cfg.algorithm
+    for key, get, name in (
+        ("algorithm.estimator", advantages.get, a.estimator),
+        ("algorithm.loss", losses.get, a.loss),
+        ("algorithm.loss_agg", losses.AGGREGATIONS.get, a.loss_agg),
+        ("algorithm.kl_estimator", losses.KL_ESTIMATORS.get, a.kl_estimator),
+        ("algorithm.filter", filters.get, a.filter),
+    ):
+        try:
+            get(name)
+        except RegistryError as e:
+            raise ConfigError(f"{cfg.source}: key '{key}': {e}") from None
+
+
+def _prepare(
+    args: argparse.Namespace, *, resume: bool | None = None, eval_rewards: bool = False
+) -> tuple[Config, Callable[[Config], Any]]:
+    """The config (with overrides), checked as far as it can be without a model (`mmalign.app.preflight.preflight`:
+    the output directory for `resume` not None, rewards, model folders), and its pipeline's ``build``.
+    ``build`` then reads the data files before it builds or loads the model."""
+    import pipelines
+    from mmalign.app.preflight import preflight
+    from mmalign.config import ConfigError, load_config
+    from mmalign.registry import RegistryError
+
+    cfg = load_config(args.config, args.overrides, pipeline_finder=pipelines.find)
+    try:
+        build = pipelines.get(cfg.pipeline)
+    except RegistryError as e:
+        raise ConfigError(f"{cfg.source}: key 'pipeline': {e}") from None
+    _check_names(cfg)
+    preflight(cfg, resume=resume, eval_rewards=eval_rewards)
+    return cfg, build
+
+
+def _load(
+    args: argparse.Namespace, *, resume: bool | None = None, eval_rewards: bool = False
+) -> tuple[Config, Any]:
+    """The checked config (`_prepare`) and the components its pipeline builds. The global RNGs are seeded
+    with ``seed`` first: torch seeds its default generator randomly in every new process, so without this
+    the random parts of model construction (a LoRA adapter's initial A matrices) would differ between two
+    runs of the same config, and a resumed run would not repeat an uninterrupted one."""
+    from mmalign.trainer import set_seed
+
+    cfg, build = _prepare(args, resume=resume, eval_rewards=eval_rewards)
+    set_seed(cfg.seed)
+    return cfg, build(cfg)
+
+
+def _prepare_launch() -> None:
+    """Before accelerate's state exists: a multi-process launch on a machine without CUDA runs on CPU
+    processes (gloo). Without this, ``Accelerator(cpu=False)`` ignores the launch and every process would
+    train alone, all of them into the same output directory."""
+    from mmalign.distributed import launched_processes
+
+    if launched_processes() > 1:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def distributed_info(distributed_type: Any, num_processes: int) -> dict[str, Any]:
+    """``{"distributed_type": "MULTI_CPU", "num_processes": 2}`` (accelerate's name of the type)."""
+    return {
+        "distributed_type": str(getattr(distributed_type, "value", distributed_type)),
+        "num_processes": int(num_processes),
+    }
+
+
+def _process_state(cfg: Config) -> Any:
+    """accelerate's process state for `sample` / `eval` (rank, number of processes, gather); a plain stand-in
+    in a one-process run, which then sets up no accelerate state."""
+    from mmalign.distributed import check_launch, launched_processes
+
+    if launched_processes() == 1:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(distributed_type="NO", num_processes=1, process_index=0, is_main_process=True)
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    # (Accelerator reads ACCELERATE_USE_CPU itself; PartialState does not)
+    state = PartialState(cpu=cfg.trainer.cpu or parse_flag_from_env("ACCELERATE_USE_CPU"))
+    check_launch(state.distributed_type, state.num_processes)
+    return state
+
+
+def _end_processes(args: argparse.Namespace, state: Any) -> None:
+    """Close the process group of a multi-process `sample` / `eval` (see `main` for the exit)."""
+    if state.num_processes > 1:
+        state.wait_for_everyone()
+        state.destroy_process_group()
+        args._multi_process = True
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import json
+
+    from mmalign import rundir
+    from mmalign.distributed import check_launch
+    from mmalign.trainer import GroupTrainer
+
+    cfg, components = _load(args, resume=args.resume)
+    trainer = GroupTrainer(cfg, components, resume=args.resume)
+    acc = trainer.accelerator
+    check_launch(acc.distributed_type, acc.num_processes)
+    if trainer.is_main:
+        info = distributed_info(acc.distributed_type, acc.num_processes)
+        record = Path(cfg.output_dir) / rundir.DISTRIBUTED_FILE
+        if acc.num_processes > 1:
+            record.write_text(json.dumps(info) + "\n")
+            print(f"distributed: {info['distributed_type']}, {info['num_processes']} processes", flush=True)
+        elif record.exists():
+            record.unlink()
+    history = trainer.train()
+    trainer.accelerator.end_training()  # closes the process group of a multi-process run cleanly
+    args._multi_process = trainer.world > 1
+    if trainer.is_main and history:
+        first, last = history[0], history[-1]
+        print(
+            f"done: steps {first['step']}..{last['step']}, reward/mean {first.get('reward/mean', float('nan')):.3f} "
+            f"-> {last.get('reward/mean', float('nan')):.3f}; run directory {cfg.output_dir}"
+        )
+    return 0
+
+
+def _checkpoint(cfg: Config, spec: str, what: str) -> Path | None:
+    """The checkpoint folder `spec` names (None: the base model), resolved before any model is loaded."""
+    from mmalign.app.evaluation import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(cfg.output_dir, spec)
+    if ckpt is None and spec == "latest":
+        print(f"no checkpoint in {cfg.output_dir}/checkpoints: {what}", file=sys.stderr)
+    return ckpt
+
+
+def _prompt_rows(args: argparse.Namespace, cfg: Config) -> list[dict] | None:
+    """The prompts of --prompt / --prompts (read before the model is loaded); None: the eval prompts."""
+    from mmalign.data import load_prompt_rows
+
+    if args.prompt:
+        return [{"prompt": p} for p in args.prompt]
+    if args.prompts:
+        return load_prompt_rows(args.prompts, cfg.data.prompt_template)
+    return None
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """Generate `n` samples per prompt from a checkpoint: a PNG grid (images; for videos, of frame strips),
+    media files (mp4 + frame strip per video) and a JSONL. On N processes each generates its chunks of
+    ``eval.prompts_per_batch`` prompts (`mmalign.app.evaluation.generate_chunks`) and the first writes them all,
+    in the order one process would."""
+
+    import torch
+
+    from mmalign import rundir
+    from mmalign.app.evaluation import eval_rows, generate_chunks, load_weights, resolve_checkpoint, save_grid
+
+    cfg, build = _prepare(args)
+    state = _process_state(cfg)
+    main_process = state.is_main_process
+    if main_process:
+        ckpt = _checkpoint(cfg, args.checkpoint, "using the base model")
+    else:  # (the first process says it when there is none)
+        ckpt = resolve_checkpoint(cfg.output_dir, args.checkpoint)
+    rows = _prompt_rows(args, cfg)
+    components = build(cfg)
+    if ckpt is not None:
+        load_weights(components.policy, ckpt)  # type: ignore[attr-defined]
+    if rows is None:
+        rows = eval_rows(cfg, components)[: args.max_prompts]
+    seed = cfg.eval.seed if args.seed is None else args.seed
+    policy = components.policy  # type: ignore[attr-defined]
+    local = []
+    for c, part in generate_chunks(
+        policy,
+        rows,
+        args.n,
+        seed=seed,
+        prompts_per_batch=cfg.eval.prompts_per_batch,
+        progress=main_process,
+        rank=state.process_index,
+        world=state.num_processes,
+    ):
+        images = part.outputs.get("images")
+        videos = part.outputs.get("videos")
+        if images is None and videos is not None:  # a grid of frame strips (up to 8 frames of each video)
+            idx = torch.linspace(0, videos.shape[1] - 1, min(videos.shape[1], 8)).round().long()
+            images = torch.cat(list(videos[:, idx].movedim(1, 0)), dim=-1)
+        local.append((c, list(part.prompts), policy.sample_view(part), images, videos is not None))
+    if state.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        local = sorted(gather_object(local), key=lambda t: t[0])
+    if main_process:
+        if state.num_processes > 1:
+            info = distributed_info(state.distributed_type, state.num_processes)
+            print(f"distributed: {info['distributed_type']}, {info['num_processes']} processes", flush=True)
+        _write_samples(args, cfg, ckpt, rows, local, rundir, save_grid)
+    _end_processes(args, state)
+    return 0
+
+
+def _write_samples(
+    args: argparse.Namespace,
+    cfg: Config,
+    ckpt: Path | None,
+    rows: list[dict],
+    chunks: list[tuple[int, list[str], list[dict[str, Any]], Any, bool]],
+    rundir: Any,
+    save_grid: Callable[..., Path],
+) -> None:
+    """`mmalign sample`'s files from the generated chunks (in chunk order): samples.jsonl, media/, grid.png."""
+    import json
+
+    import torch
+
+    out = (
+        Path(args.out) if args.out else Path(cfg.output_dir) / "samples_cli" / (ckpt.name if ckpt else "base")
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = [p for _, ps, _, _, _ in chunks for p in ps]
+    views = [v for _, _, vs, _, _ in chunks for v in vs]
+    parts = [im for _, _, _, im, _ in chunks if im is not None]
+    images = torch.cat(parts, dim=0) if parts and len(parts) == len(chunks) else None
+    videos = any(is_video for *_, is_video in chunks)
+    with (out / "samples.jsonl").open("w") as f:
+        for i in range(len(prompts)):
+            row = {"prompt": prompts[i], "sample": i % args.n}
+            row.update(
+                rundir.store_media(views[i], out / "media", f"{i // args.n:03d}_{i % args.n:02d}", out)
+            )
+            f.write(json.dumps(rundir.jsonable(row)) + "\n")
+    what = f"{len(rows)} prompts x {args.n} samples ({'checkpoint ' + str(ckpt) if ckpt else 'base model'})"
+    if images is not None:
+        grid = save_grid(images, out / "grid.png", ncols=args.n)
+        kind = "frame strips, " if videos else ""
+        print(f"{what}: grid {grid} ({kind}a row per prompt), media/ and samples.jsonl in {out}")
+    else:
+        print(f"{what}: {out / 'samples.jsonl'}")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Before/after report: the base model and a checkpoint scored on the evaluation prompts."""
+    import json
+
+    from mmalign.app.evaluation import evaluate_run, format_report, resolve_checkpoint
+
+    cfg, build = _prepare(args, eval_rewards=True)
+    state = _process_state(cfg)
+    if state.is_main_process:
+        ckpt = _checkpoint(cfg, args.checkpoint, "scoring the base model only")
+    else:  # (the first process says it when there is none)
+        ckpt = resolve_checkpoint(cfg.output_dir, args.checkpoint)
+    components = build(cfg)
+    report = evaluate_run(
+        cfg,
+        components,
+        checkpoint=ckpt,
+        compare_base=not args.no_base,
+        progress=state.is_main_process,
+        rank=state.process_index,
+        world=state.num_processes,
+    )
+    info = distributed_info(state.distributed_type, state.num_processes)
+    report.update(info)
+    if state.is_main_process:
+        if state.num_processes > 1:
+            print(f"distributed: {info['distributed_type']}, {info['num_processes']} processes", flush=True)
+        out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(format_report(report))
+        print(f"report: {out}")
+    _end_processes(args, state)
+    return 0
+
+
+def _list_section(title: str, items: list[tuple[str, str]]) -> None:
+    print(f"{title}:")
+    width = max((len(n) for n, _ in items), default=0)
+    for name, desc in items:
+        print(f"  {name:<{width}}  {desc}")
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    what = args.what
+    if what in ("pipelines", "all"):
+        import pipelines
+
+        items = []
+        for n in pipelines.names():  # this package's modules and the mmalign.pipelines entry points
+            origin = pipelines.origin(n)
+            desc = pipelines.describe(n)
+            items.append((n, f"{desc} [{origin}]" if origin and desc else f"[{origin}]" if origin else desc))
+        _list_section("pipelines", items)
+        for err in pipelines.load_errors():
+            print(f"mmalign: warning: {err}", file=sys.stderr)
+    if what in ("rewards", "all"):
+        import rewards
+
+        items = [(n, rewards.REGISTRY.describe(n)) for n in rewards.names()]
+        errors = []
+        for n in rewards.entry_point_names():
+            if n in rewards.names():
+                continue
+            try:  # an installed plugin: its summary line and the package it comes from
+                obj = rewards.base._resolve(n)
+            except Exception as e:  # noqa: BLE001 - a broken plugin must not hide the others
+                errors.append(f"reward entry point {n!r} could not be loaded: {e}")
+                items.append((n, "(entry point, failed to load)"))
+                continue
+            doc = (inspect.getdoc(obj) or "").strip().splitlines()
+            package = (getattr(obj, "__module__", "") or "").split(".")[0]
+            items.append((n, f"{doc[0] if doc else ''} [entry point: {package}]".strip()))
+        _list_section("rewards", items)
+        for err in errors:
+            print(f"mmalign: warning: {err}", file=sys.stderr)
+    if what in ("estimators", "all"):
+        from mmalign import advantages
+
+        _list_section("estimators", [(n, advantages.REGISTRY.describe(n)) for n in advantages.names()])
+    if what in ("losses", "all"):
+        from mmalign import losses
+
+        _list_section("losses", [(n, losses.REGISTRY.describe(n)) for n in losses.names()])
+        _list_section(
+            "loss aggregations (algorithm.loss_agg)",
+            [(n, losses.AGGREGATIONS.describe(n)) for n in losses.AGGREGATIONS.names()],
+        )
+        _list_section(
+            "KL estimators (algorithm.kl_estimator)",
+            [(n, losses.KL_ESTIMATORS.describe(n)) for n in losses.KL_ESTIMATORS.names()],
+        )
+    if what in ("samplers", "all"):
+        from mmalign import prompt_samplers as samplers
+
+        _list_section(
+            "prompt samplers (data.sampler)", [(n, samplers.SAMPLERS.describe(n)) for n in samplers.names()]
+        )
+    if what in ("steps", "all"):
+        from mmalign import sde
+
+        _list_section("denoising steps (mmalign.sde.step)", [(n, sde.STEPS.describe(n)) for n in sde.names()])
+    if what in ("filters", "all"):
+        from mmalign import filters
+
+        _list_section(
+            "filters (algorithm.filter)", [(n, filters.FILTERS.describe(n)) for n in filters.names()]
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mmalign", description="Group-relative RL for multimodal and generative models"
+    )
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train with a YAML config")
+    t.add_argument("config", help="path to a YAML config (see configs/)")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5 output_dir=runs/x")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    t.set_defaults(func=cmd_train)
+
+    def checkpoint_arg(q: argparse.ArgumentParser) -> None:
+        q.add_argument("config", help="path to a YAML config (see configs/)")
+        q.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.group_size=8")
+        q.add_argument(
+            "--checkpoint",
+            default="latest",
+            help="'latest' (newest checkpoint in output_dir; the base model if none), 'base', or a checkpoint folder",
+        )
+
+    sm = sub.add_parser(
+        "sample", help="generate samples for prompts from a checkpoint (a PNG grid for images)"
+    )
+    checkpoint_arg(sm)
+    sm.add_argument("--prompt", action="append", help="a prompt (repeatable); default: the eval prompts")
+    sm.add_argument("--prompts", help="a .txt (one prompt per line) or .jsonl file of prompts")
+    sm.add_argument("-n", type=int, default=4, help="samples per prompt (default 4)")
+    sm.add_argument("--max-prompts", type=int, default=8, help="prompts taken from the eval data (default 8)")
+    sm.add_argument("--seed", type=int, default=None, help="sampling seed (default eval.seed)")
+    sm.add_argument("--out", help="output folder (default OUTPUT_DIR/samples_cli/<checkpoint>)")
+    sm.set_defaults(func=cmd_sample)
+
+    ev = sub.add_parser(
+        "eval", help="score the base model and a checkpoint on the eval prompts (before/after)"
+    )
+    checkpoint_arg(ev)
+    ev.add_argument("--no-base", action="store_true", help="score only the checkpoint")
+    ev.add_argument("--out", help="report file (default OUTPUT_DIR/eval.json)")
+    ev.set_defaults(func=cmd_eval)
+
+    gr = sub.add_parser(
+        "grounding",
+        help="grounding data: convert COCO / RefCOCO annotations to JSONL rows, or check a JSONL file",
+        add_help=False,
+    )
+    gr.add_argument("args", nargs=argparse.REMAINDER, help="see `mmalign grounding --help`")
+    # (main() hands `mmalign grounding ...` to pipelines.grounding.data.main before this parser runs)
+
+    for name, text in (
+        ("doctor", "diagnose a run directory: flat rewards, zero-std groups, clipping, NaNs, tool use, KL"),
+        ("demo", "browse and compare runs' samples, rewards and curves in a Gradio app"),
+    ):
+        extra = sub.add_parser(name, help=text, add_help=False)
+        extra.add_argument("args", nargs=argparse.REMAINDER, help=f"see `mmalign {name} --help`")
+        # (main() hands `mmalign doctor|demo ...` to their own parsers before this parser runs)
+
+    ls = sub.add_parser("list", help="show what is registered")
+    ls.add_argument(
+        "what",
+        nargs="?",
+        default="all",
+        choices=["pipelines", "rewards", "estimators", "losses", "filters", "samplers", "steps", "all"],
+    )
+    ls.set_defaults(func=cmd_list)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["grounding"]:  # its own parser (convert / check), options such as --help included
+        from pipelines.grounding import data as grounding
+
+        return grounding.main(argv[1:], prog="mmalign grounding")
+    if argv[:1] == ["doctor"]:  # learning diagnostics of a run directory (mmalign/app/doctor.py)
+        from mmalign.app.doctor import doctor_main
+
+        return doctor_main(argv[1:])
+    if argv[:1] == ["demo"]:  # the Gradio sample browser (mmalign/app/demo.py, the `demo` extra)
+        from mmalign.app.demo import demo_main
+
+        return demo_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        if args.command in ("train", "sample", "eval"):
+            _prepare_launch()
+        rc = int(args.func(args) or 0)
+        if getattr(args, "_multi_process", False):
+            # Everything is written and closed. Skip interpreter teardown, where gloo's threads can
+            # abort a finished multi-process run ("terminate called without an active exception").
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+        return rc
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug or not isinstance(e, _expected_errors()):
+            traceback.print_exc()
+        msg = str(e)
+        if e.__cause__ is not None and args.debug is False and isinstance(e, _expected_errors()):
+            cause = e.__cause__
+            if str(cause) and str(cause) not in msg:
+                msg += f"\n  caused by {type(cause).__name__}: {cause}"
+        print(f"mmalign: error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

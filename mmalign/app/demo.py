@@ -1,0 +1,878 @@
+"""`mmalign demo RUN_DIR [RUN_DIR ...]`: a Gradio app that browses the samples of runs (the ``demo`` extra).
+
+Two layers:
+
+- the data layer (pure functions of the run directories, no Gradio, unit-tested without a browser):
+  `list_steps`, `list_groups`, `load_group`, `reward_table`, `group_overview`, `box_annotations`,
+  `metric_keys`, `curve_rows`, `checkpoint_choices`, `find_group`, `generate_samples`. They read the run
+  directory only through `mmalign.rundir` and read it again on every call, so a run that is still
+  training shows its new steps;
+- the layout: `build_app(run_dirs)` returns the `gr.Blocks` (tabs "Samples", "Curves", "Compare"),
+  `launch_app` serves it with ``allowed_paths`` = the run directories and nothing else, `demo_main` is
+  the command line (``argv`` without the leading ``demo``).
+
+Generation on demand (the "Compare" tab) runs `mmalign.app.cli.cmd_sample` on the run's ``config.yaml`` with the
+chosen checkpoint (`mmalign.app.evaluation.resolve_checkpoint`), writing into ``RUN_DIR/demo_samples/`` (inside
+the run directory, so it can be served) and reading that folder back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mmalign import rundir
+
+__all__ = [
+    "DEMO_SAMPLES_DIR",
+    "box_annotations",
+    "build_app",
+    "checkpoint_choices",
+    "curve_rows",
+    "default_curve_keys",
+    "demo_main",
+    "find_group",
+    "generate_samples",
+    "group_overview",
+    "launch_app",
+    "list_groups",
+    "list_steps",
+    "load_group",
+    "media_items",
+    "metric_keys",
+    "predicted_boxes",
+    "reward_names",
+    "reward_table",
+    "split_prompts",
+    "run_status",
+]
+
+DEMO_SAMPLES_DIR = "demo_samples"
+"""Where on-demand generations are written, inside the run directory (``RUN_DIR/demo_samples/<key>/``)."""
+
+MEDIA_KEYS = ("image", "video", "video_frames")
+STANDARD_KEYS = {"group", "prompt", "advantage", "rewards", "text", "boxes", "env_state", *MEDIA_KEYS}
+DIAGNOSTIC_KEYS = (
+    "loss",
+    "kl",
+    "clip_frac",
+    "approx_kl",
+    "grad_norm",
+    "zero_std_frac",
+    "adv/abs_mean",
+    "completion_len/mean",
+    "truncated_frac",
+)
+
+
+# ============================================================================= data layer
+
+
+def _fmt(x: Any, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def run_label(run_dir: str | Path) -> str:
+    """The name a run is shown under: its folder name."""
+    return Path(run_dir).name or str(run_dir)
+
+
+def list_steps(run_dir: str | Path) -> list[int]:
+    """The steps of `run_dir` that logged samples, oldest first (read again on every call)."""
+    return rundir.sample_steps(run_dir)
+
+
+def _rows(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
+    """A step's sample rows, each with its ``index`` in the file; [] when the step has none (yet)."""
+    try:
+        rows = rundir.read_samples(run_dir, step)
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet / being written
+        return []
+    for i, row in enumerate(rows):
+        row["index"] = i
+    return rows
+
+
+def list_groups(run_dir: str | Path, step: int) -> list[tuple[int, str]]:
+    """``(group, prompt)`` of every group of a step, in group order."""
+    seen: dict[int, str] = {}
+    for row in _rows(run_dir, step):
+        seen.setdefault(int(row.get("group", 0)), str(row.get("prompt", "")))
+    return sorted(seen.items())
+
+
+def load_group(run_dir: str | Path, step: int, group: int) -> list[dict[str, Any]]:
+    """The sample rows of one group (media paths absolute, inside the run directory), in file order."""
+    return [r for r in _rows(run_dir, step) if int(r.get("group", 0)) == int(group)]
+
+
+def find_group(run_dir: str | Path, step: int, prompt: str) -> int | None:
+    """The group of `step` whose prompt is `prompt` (to put two runs side by side), or None."""
+    for g, p in list_groups(run_dir, step):
+        if p == prompt:
+            return g
+    return None
+
+
+def reward_names(samples: Sequence[dict[str, Any]]) -> list[str]:
+    """The reward components of the samples, in the order the run logged them."""
+    names: list[str] = []
+    for s in samples:
+        for n in s.get("rewards") or {}:
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def reward_table(
+    samples: Sequence[dict[str, Any]], text_chars: int = 300
+) -> tuple[list[str], list[list[Any]]]:
+    """Headers and rows of a group's table: sample index, each reward component, the advantage, and the
+    text (cut at `text_chars`) when the samples have one."""
+    names = reward_names(samples)
+    has_text = any(isinstance(s.get("text"), str) for s in samples)
+    headers = ["sample", *names, "advantage"] + (["text"] if has_text else [])
+    rows = []
+    for k, s in enumerate(samples):
+        rewards = s.get("rewards") or {}
+        row: list[Any] = [k, *[_fmt(rewards.get(n)) for n in names], _fmt(s.get("advantage"))]
+        if has_text:
+            text = str(s.get("text") or "")
+            row.append(text if len(text) <= text_chars else text[:text_chars] + "...")
+        rows.append(row)
+    return headers, rows
+
+
+def _mean(values: list[Any]) -> float:
+    vals = [float(v) for v in values if isinstance(v, int | float) and not math.isnan(float(v))]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def group_overview(
+    run_dir: str | Path, step: int, prompt_chars: int = 80
+) -> tuple[list[str], list[list[Any]]]:
+    """Headers and rows of a step's groups: group, samples, mean of each reward, mean |advantage|, prompt."""
+    rows = _rows(run_dir, step)
+    names = reward_names(rows)
+    by_group: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_group.setdefault(int(r.get("group", 0)), []).append(r)
+    headers = ["group", "samples", *[f"{n} (mean)" for n in names], "|advantage| (mean)", "prompt"]
+    out = []
+    for g, members in sorted(by_group.items()):
+        prompt = str(members[0].get("prompt", ""))
+        out.append(
+            [
+                g,
+                len(members),
+                *[_fmt(_mean([(m.get("rewards") or {}).get(n) for m in members])) for n in names],
+                _fmt(_mean([abs(a) for m in members if isinstance(a := m.get("advantage"), int | float)])),
+                prompt if len(prompt) <= prompt_chars else prompt[:prompt_chars] + "...",
+            ]
+        )
+    return headers, out
+
+
+def _caption(k: int, s: dict[str, Any]) -> str:
+    rewards = s.get("rewards") or {}
+    parts = [f"sample {k}"] + [f"{n}={_fmt(v, 3)}" for n, v in rewards.items()]
+    if "advantage" in s:
+        parts.append(f"adv={_fmt(s.get('advantage'), 3)}")
+    return " | ".join(parts)
+
+
+def media_items(samples: Sequence[dict[str, Any]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """``(images, videos)``: per sample that has one, ``(path, caption)`` of its image (or, for a video, its
+    frame strip) and of its mp4; the caption names the sample, its rewards and advantage. Only files that
+    exist are listed."""
+    images, videos = [], []
+    for k, s in enumerate(samples):
+        cap = _caption(k, s)
+        still = s.get("image") or s.get("video_frames")
+        if still is not None and Path(still).is_file():
+            images.append((str(still), cap))
+        if s.get("video") is not None and Path(s["video"]).is_file():
+            videos.append((str(s["video"]), cap))
+    return images, videos
+
+
+def _run_config(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / rundir.CONFIG_FILE
+    if not path.is_file():
+        return {}
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        return {}
+
+
+def box_coords(run_dir: str | Path) -> str:
+    """How the run's model writes boxes: the ``coords`` option of its first box reward ("absolute")."""
+    for spec in _run_config(run_dir).get("rewards") or []:
+        if isinstance(spec, dict) and str(spec.get("name", "")).startswith(("box_", "iou_")):
+            coords = (spec.get("kwargs") or {}).get("coords")
+            if coords:
+                return str(coords)
+    return "absolute"
+
+
+def _size(row: dict[str, Any], w: str, h: str) -> tuple[float, float] | None:
+    try:
+        return float(row[w]), float(row[h])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def predicted_boxes(sample: dict[str, Any], coords: str = "absolute") -> tuple[list[list[float]], bool]:
+    """The boxes a sample predicts and whether they are in pixels of the original image: ``env_state``'s
+    ``answer_box`` (GeoViS, original pixels), else the boxes parsed from its text
+    (`rewards.boxes.parse_boxes`), converted from `coords` when the row carries the image sizes."""
+    from rewards.boxes import order_box, parse_boxes, resolve_convention, to_absolute
+
+    state = sample.get("env_state")
+    if isinstance(state, dict) and state.get("answer_box") is not None:
+        box = order_box(state["answer_box"])
+        return ([list(box)] if box else []), True
+    text = sample.get("text")
+    if not isinstance(text, str):
+        return [], True
+    boxes = [list(b) for b in parse_boxes(text)]
+    convention = resolve_convention(coords)
+    if convention == "absolute" or not boxes:
+        return boxes, True
+    original = _size(sample, "image_width", "image_height")
+    resized = _size(sample, "resized_width", "resized_height")
+    try:
+        return [list(to_absolute(b, convention, original, resized)) for b in boxes], True
+    except (ValueError, TypeError):
+        return boxes, False  # sizes unknown: drawn as written
+
+
+def _reference_boxes(sample: dict[str, Any]) -> list[list[float]]:
+    ref = sample.get("boxes")
+    if ref is None:
+        ref = sample.get("box")
+    if not isinstance(ref, list) or not ref:
+        return []
+    if all(isinstance(v, int | float) for v in ref):
+        ref = [ref]
+    return [list(map(float, b)) for b in ref if isinstance(b, list | tuple) and len(b) == 4]
+
+
+def box_annotations(
+    sample: dict[str, Any], coords: str = "absolute"
+) -> tuple[Any, list[tuple[tuple[int, int, int, int], str]]] | None:
+    """What `gr.AnnotatedImage` shows for a grounding sample: ``(base image, [(box, label), ...])`` with the
+    reference boxes ("reference") and the predicted ones ("predicted"), or None when the sample has no box.
+    The base image is the sample's image (a path in the run directory) when it has one, else a grey canvas
+    large enough for the boxes (the run does not store the input image in its samples)."""
+    import numpy as np
+
+    refs = _reference_boxes(sample)
+    preds, converted = predicted_boxes(sample, coords)
+    if not refs and not preds:
+        return None
+    labels = [(b, "reference") for b in refs] + [
+        (b, "predicted" if converted else f"predicted ({coords})") for b in preds
+    ]
+    base: Any = None
+    scale = 1.0
+    image = sample.get("image")
+    if image is not None and Path(image).is_file():
+        base = str(image)
+    else:
+        size = _size(sample, "image_width", "image_height")
+        w = size[0] if size else max(max(b[2] for b, _ in labels), 1.0) * 1.15
+        h = size[1] if size else max(max(b[3] for b, _ in labels), 1.0) * 1.15
+        scale = max(1.0, 256.0 / max(w, h))  # small images (tiny runs) drawn larger
+        w, h = int(min(max(w * scale, 16), 4096)), int(min(max(h * scale, 16), 4096))
+        base = np.full((h, w, 3), 48, dtype=np.uint8)
+    out = []
+    for b, label in labels:
+        x1, y1, x2, y2 = (int(round(v * scale)) for v in b)
+        out.append(((max(x1, 0), max(y1, 0), max(x2, x1 + 1), max(y2, y1 + 1)), label))
+    return base, out
+
+
+def row_columns(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The dataset columns the pipeline logged with the group (reference answer, category, ...)."""
+    if not samples:
+        return {}
+    return {k: v for k, v in samples[0].items() if k not in STANDARD_KEYS and k != "index"}
+
+
+def metric_keys(run_dirs: Sequence[str | Path]) -> list[str]:
+    """Every numeric key of the runs' ``metrics.jsonl`` (``step`` excluded), sorted."""
+    keys: set[str] = set()
+    for run in run_dirs:
+        for row in rundir.read_metrics(run):
+            keys.update(k for k, v in row.items() if k != "step" and isinstance(v, int | float))
+    return sorted(keys)
+
+
+def default_curve_keys(keys: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(reward keys, diagnostic keys)`` plotted by default: the total and each component's mean reward;
+    loss, KL, clip fraction, |advantage| and the others of `DIAGNOSTIC_KEYS` that the runs log."""
+    rewards = [k for k in keys if k == "reward/mean" or (k.startswith("reward/") and k.endswith("/mean"))]
+    diags = [k for k in DIAGNOSTIC_KEYS if k in keys]
+    return rewards, diags
+
+
+def curve_rows(run_dirs: Sequence[str | Path], keys: Sequence[str]) -> list[dict[str, Any]]:
+    """Long-format rows ``{"step", "value", "series"}`` of `keys` for every run (series ``run: key`` with
+    several runs, ``key`` with one); non-finite values are left out."""
+    out = []
+    several = len(run_dirs) > 1
+    for run in run_dirs:
+        label = run_label(run)
+        for row in rundir.read_metrics(run):
+            for k in keys:
+                v = row.get(k)
+                if isinstance(v, int | float) and math.isfinite(v) and "step" in row:
+                    out.append(
+                        {
+                            "step": int(row["step"]),
+                            "value": float(v),
+                            "series": f"{label}: {k}" if several else k,
+                        }
+                    )
+    return out
+
+
+def run_status(run_dir: str | Path) -> str:
+    """One line: the run's last logged step, its sample steps and checkpoints (for the live view)."""
+    metrics = rundir.read_metrics(run_dir)
+    last = metrics[-1] if metrics else {}
+    steps = list_steps(run_dir)
+    ckpts = rundir.checkpoints(run_dir)
+    parts = [
+        f"**{run_label(run_dir)}**: last step {last.get('step', 'none')}",
+        f"reward/mean {_fmt(last.get('reward/mean'), 3)}" if last else "",
+        f"{len(steps)} sample steps" + (f" ({steps[0]}..{steps[-1]})" if steps else ""),
+        f"{len(ckpts)} checkpoints",
+    ]
+    return ", ".join(p for p in parts if p)
+
+
+PROMPT_SEPARATOR = "---"
+"""A line holding only this separates two prompts in the Compare tab (prompts may span lines)."""
+
+
+def split_prompts(text: str) -> list[str]:
+    """The prompts of the Compare tab's box: separated by lines holding only ``---``; a prompt keeps its
+    inner newlines (a text prompt such as ``"Q: 1 + 2 = ?\nA:"``); empty ones are dropped."""
+    prompts, current = [], []
+    for line in (text or "").split("\n"):
+        if line.strip() == PROMPT_SEPARATOR:
+            prompts.append("\n".join(current))
+            current = []
+        else:
+            current.append(line)
+    prompts.append("\n".join(current))
+    return [p for p in prompts if p.strip()]
+
+
+def checkpoint_choices(run_dir: str | Path) -> list[tuple[str, str]]:
+    """``(label, spec)`` for the checkpoint picker: the newest checkpoint, the base model, each checkpoint
+    folder (spec: its path, as `mmalign.app.evaluation.resolve_checkpoint` takes it)."""
+    out = [("latest checkpoint", "latest"), ("base model", "base")]
+    out += [(p.name, str(p)) for p in reversed(rundir.checkpoints(run_dir))]
+    return out
+
+
+def _generation_key(ckpt: Path | None, prompts: Sequence[str], n: int, seed: int) -> str:
+    blob = json.dumps([str(ckpt) if ckpt else "base", list(prompts), n, seed])
+    return f"{ckpt.name if ckpt else 'base'}-seed{seed}-n{n}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
+
+
+_GENERATE_LOCK = threading.Lock()
+
+
+def generate_samples(
+    run_dir: str | Path,
+    checkpoint: str,
+    prompts: Sequence[str],
+    n: int,
+    seed: int,
+    *,
+    sample_fn: Callable[[argparse.Namespace], int] | None = None,
+) -> tuple[str, list[dict[str, Any]]]:
+    """Generate `n` samples for each of `prompts` from `checkpoint` of `run_dir` (``latest``, ``base`` or a
+    checkpoint folder) with sampling seed `seed`, through `mmalign.app.cli.cmd_sample` (`sample_fn`, for tests)
+    on the run's ``config.yaml``. Returns ``(label, rows)``: rows as ``samples.jsonl`` of `cmd_sample` with
+    media paths made absolute. The result is kept in ``RUN_DIR/demo_samples/<key>/`` and reused for the
+    same checkpoint, prompts, n and seed. Paths in the config (the model) are relative to the current
+    directory, as for `mmalign sample`."""
+    from mmalign.app.evaluation import resolve_checkpoint
+    from mmalign.config import ConfigError
+
+    run = Path(run_dir).resolve()
+    prompts = [str(p) for p in prompts if str(p).strip()]
+    if not prompts:
+        raise ValueError("no prompt to generate from")
+    if n < 1:
+        raise ValueError(f"samples per prompt must be >= 1, got {n}")
+    config = run / rundir.CONFIG_FILE
+    if not config.is_file():
+        raise ConfigError(f"{run}: no {rundir.CONFIG_FILE}, so no model to generate with")
+    ckpt = resolve_checkpoint(run, checkpoint)
+    if ckpt is None and checkpoint == "latest":
+        checkpoint = "base"
+    label = f"{run_label(run)} / {ckpt.name if ckpt else 'base model'} / seed {seed}"
+    out = run / DEMO_SAMPLES_DIR / _generation_key(ckpt, prompts, n, seed)
+    done = out / "samples.jsonl"
+    if not done.is_file():
+        if sample_fn is None:
+            from mmalign.app.cli import cmd_sample as sample_fn
+        args = argparse.Namespace(
+            config=str(config),
+            overrides=[f"output_dir={run}"],
+            checkpoint=str(ckpt) if ckpt else "base",
+            prompt=list(prompts),
+            prompts=None,
+            n=int(n),
+            max_prompts=len(prompts),
+            seed=int(seed),
+            out=str(out),
+        )
+        with _GENERATE_LOCK:  # one model in memory at a time
+            sample_fn(args)
+    rows = [json.loads(ln) for ln in done.read_text().splitlines() if ln.strip()]
+    for row in rows:
+        for key in MEDIA_KEYS:
+            if isinstance(row.get(key), str):
+                row[key] = out / row[key]
+    return label, rows
+
+
+# ============================================================================= layout
+
+
+def _check_gradio() -> Any:
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    try:
+        import gradio as gr
+    except ImportError as e:
+        raise ImportError(
+            'the demo needs Gradio: pip install "mmalign[demo]" (or pip install "gradio>=4")'
+        ) from e
+    return gr
+
+
+def _frame(headers: list[str], rows: list[list[Any]]) -> Any:
+    import pandas as pd
+
+    return pd.DataFrame(rows, columns=headers)
+
+
+def build_app(run_dirs: Sequence[str | Path], refresh_s: float = 5.0) -> Any:
+    """The `gr.Blocks` of the demo on `run_dirs` (tabs "Samples", "Curves", "Compare"); with `refresh_s` > 0 a
+    timer re-reads the runs every `refresh_s` seconds (new steps of a run still training appear)."""
+    gr = _check_gradio()
+    import pandas as pd
+
+    runs = [str(Path(r).resolve()) for r in run_dirs]
+    if not runs:
+        raise ValueError("no run directory given")
+    labels = [(run_label(r), r) for r in runs]
+
+    def step_update(run: str, step: Any, follow: bool = False) -> Any:
+        steps = list_steps(run)
+        if follow and steps:
+            value = steps[-1]
+        else:
+            value = int(step) if step is not None and int(step) in steps else (steps[-1] if steps else None)
+        return gr.update(choices=steps, value=value)
+
+    def timer_step_update(run: str, step: Any, follow: bool = False) -> Any:
+        """The timer's update of the step list: new steps appear; the selected step moves only when following
+        the newest step, or when none is selected yet. (The timer's request carries the step that was selected
+        when it was sent; setting that value back would undo a click made while the request was in flight.)"""
+        steps = list_steps(run)
+        if (follow or step is None) and steps:
+            return gr.update(choices=steps, value=steps[-1])
+        return gr.update(choices=steps)
+
+    def groups_update(run: str, step: Any, group: Any = None) -> Any:
+        groups = list_groups(run, int(step)) if step is not None else []
+        ids = [g for g, _ in groups]
+        value = int(group) if group is not None and int(group) in ids else (ids[0] if ids else None)
+        choices = [(f"{g}: {p[:70]}", g) for g, p in groups]
+        return gr.update(choices=choices, value=value)
+
+    def show_group(run: str, step: Any, group: Any) -> tuple[Any, ...]:
+        if step is None or group is None:
+            empty = _frame(["sample"], [])
+            return (
+                "*no samples logged yet*",
+                empty,
+                [],
+                gr.update(value=[], visible=False),
+                empty,
+                gr.update(choices=[], value=None),
+                None,
+                gr.update(value=None, visible=False),
+            )
+        samples = load_group(run, int(step), int(group))
+        headers, rows = reward_table(samples)
+        images, videos = media_items(samples)
+        cols = row_columns(samples)
+        prompt = samples[0].get("prompt", "") if samples else ""
+        md = f"**step {step}, group {group}** ({len(samples)} samples)\n\n**prompt:**\n```\n{prompt}\n```"
+        if cols:
+            md += "\n" + "\n".join(f"- **{k}**: `{json.dumps(v)[:300]}`" for k, v in cols.items())
+        if not images and not videos and not any("text" in s for s in samples):
+            md += "\n\n*this run's samples carry no media or text (e.g. latents only); rewards are below*"
+        oh, orows = group_overview(run, int(step))
+        sample_choices = list(range(len(samples)))
+        first = sample_choices[0] if sample_choices else None
+        ann, vid = show_sample(run, step, group, first)
+        return (
+            md,
+            _frame(headers, rows),
+            images,
+            gr.update(value=videos, visible=bool(videos)),
+            _frame(oh, orows),
+            gr.update(choices=sample_choices, value=first),
+            ann,
+            vid,
+        )
+
+    def show_sample(run: str, step: Any, group: Any, k: Any) -> tuple[Any, Any]:
+        if step is None or group is None or k is None:
+            return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
+        samples = load_group(run, int(step), int(group))
+        if not 0 <= int(k) < len(samples):
+            return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
+        s = samples[int(k)]
+        ann = box_annotations(s, box_coords(run))
+        video = s.get("video")
+        return (
+            gr.update(value=ann, visible=ann is not None),
+            gr.update(
+                value=str(video) if video is not None and Path(video).is_file() else None,
+                visible=video is not None,
+            ),
+        )
+
+    def move(choices_of: Callable[..., list[Any]], delta: int) -> Callable[..., Any]:
+        def fn(*args: Any) -> Any:
+            *ctx, current = args
+            items = choices_of(*ctx)
+            if not items:
+                return None
+            if current is None or int(current) not in items:
+                return items[0]
+            i = items.index(int(current)) + delta
+            return items[max(0, min(len(items) - 1, i))]
+
+        return fn
+
+    def curves(keys_r: list[str], keys_d: list[str]) -> tuple[Any, Any]:
+        cols = ["step", "value", "series"]
+        r = pd.DataFrame(curve_rows(runs, keys_r or []), columns=cols)
+        d = pd.DataFrame(curve_rows(runs, keys_d or []), columns=cols)
+        return r, d
+
+    all_keys = metric_keys(runs)
+    rk, dk = default_curve_keys(all_keys)
+
+    with gr.Blocks(title="mmalign demo") as demo:
+        gr.Markdown("# mmalign: samples of a run")
+        status = gr.Markdown("\n\n".join(run_status(r) for r in runs), elem_id="run-status")
+        with gr.Tab("Samples"):
+            with gr.Row():
+                run_dd = gr.Dropdown(choices=labels, value=runs[0], label="run", elem_id="run")
+                steps0 = list_steps(runs[0])
+                step_dd = gr.Dropdown(
+                    choices=steps0, value=steps0[-1] if steps0 else None, label="step", elem_id="step"
+                )
+                groups0 = list_groups(runs[0], steps0[-1]) if steps0 else []
+                group_dd = gr.Dropdown(
+                    choices=[(f"{g}: {p[:70]}", g) for g, p in groups0],
+                    value=groups0[0][0] if groups0 else None,
+                    label="group",
+                    elem_id="group",
+                )
+                follow = gr.Checkbox(value=False, label="follow the newest step", elem_id="follow")
+            with gr.Row():
+                prev_step = gr.Button("◀ previous step", elem_id="prev-step", size="sm")
+                next_step = gr.Button("next step ▶", elem_id="next-step", size="sm")
+                prev_group = gr.Button("◀ previous group", elem_id="prev-group", size="sm")
+                next_group = gr.Button("next group ▶", elem_id="next-group", size="sm")
+            header = gr.Markdown(elem_id="group-header")
+            table = gr.Dataframe(label="rewards and advantage per sample", elem_id="reward-table", wrap=True)
+            gallery = gr.Gallery(label="images (or video frame strips)", columns=4, elem_id="gallery")
+            videos = gr.Gallery(label="videos", columns=4, visible=False, elem_id="videos")
+            with gr.Row():
+                sample_dd = gr.Dropdown(choices=[], label="sample (boxes, video)", elem_id="sample")
+                boxes = gr.AnnotatedImage(
+                    label="boxes: reference and predicted",
+                    color_map={"reference": "#22c55e", "predicted": "#ef4444"},
+                    visible=False,
+                    elem_id="boxes",
+                )
+                video = gr.Video(label="video", visible=False, elem_id="video")
+            overview = gr.Dataframe(label="groups of this step", elem_id="overview", wrap=True)
+
+        with gr.Tab("Curves"):
+            keys_r = gr.Dropdown(choices=all_keys, value=rk, multiselect=True, label="reward curves")
+            keys_d = gr.Dropdown(choices=all_keys, value=dk, multiselect=True, label="diagnostic curves")
+            r0, d0 = curves(rk, dk)
+            plot_r = gr.LinePlot(
+                r0, x="step", y="value", color="series", title="rewards", elem_id="plot-rewards"
+            )
+            plot_d = gr.LinePlot(
+                d0, x="step", y="value", color="series", title="diagnostics", elem_id="plot-diagnostics"
+            )
+
+        with gr.Tab("Compare"):
+            gr.Markdown(
+                "Logged samples of two runs at the same step and prompt, or new samples generated from two "
+                "checkpoints (of one run or two) on the same prompts with the same seed."
+            )
+            with gr.Row():
+                with gr.Column():
+                    run_a = gr.Dropdown(choices=labels, value=runs[0], label="left run")
+                    ckpt_a = gr.Dropdown(
+                        choices=checkpoint_choices(runs[0]), value="latest", label="left checkpoint"
+                    )
+                with gr.Column():
+                    run_b = gr.Dropdown(choices=labels, value=runs[-1], label="right run")
+                    ckpt_b = gr.Dropdown(
+                        choices=checkpoint_choices(runs[-1]),
+                        value="base" if len(runs) == 1 else "latest",
+                        label="right checkpoint",
+                    )
+            with gr.Row():
+                cmp_step = gr.Number(value=steps0[-1] if steps0 else 0, precision=0, label="step (logged)")
+                show_logged = gr.Button("show logged samples of the prompt above", elem_id="show-logged")
+            prompts_box = gr.Textbox(
+                value=groups0[0][1] if groups0 else "",
+                lines=3,
+                label="prompts (separate two prompts with a line holding only ---)",
+                elem_id="prompts",
+            )
+            with gr.Row():
+                n_box = gr.Number(value=4, precision=0, minimum=1, label="samples per prompt")
+                seed_box = gr.Number(value=0, precision=0, label="seed")
+                gen = gr.Button("generate both sides", variant="primary", elem_id="generate")
+            with gr.Row():
+                with gr.Column():
+                    head_a = gr.Markdown()
+                    gal_a = gr.Gallery(columns=4, label="left")
+                    tab_a = gr.Dataframe(wrap=True)
+                with gr.Column():
+                    head_b = gr.Markdown()
+                    gal_b = gr.Gallery(columns=4, label="right")
+                    tab_b = gr.Dataframe(wrap=True)
+
+        # ------------------------------------------------------------------ events
+        group_outputs = [header, table, gallery, videos, overview, sample_dd, boxes, video]
+        run_dd.change(step_update, [run_dd, step_dd], step_dd)
+        step_dd.change(groups_update, [run_dd, step_dd, group_dd], group_dd).then(
+            show_group, [run_dd, step_dd, group_dd], group_outputs
+        )
+        group_dd.change(show_group, [run_dd, step_dd, group_dd], group_outputs)
+        sample_dd.change(show_sample, [run_dd, step_dd, group_dd, sample_dd], [boxes, video])
+        prev_step.click(move(list_steps, -1), [run_dd, step_dd], step_dd)
+        next_step.click(move(list_steps, +1), [run_dd, step_dd], step_dd)
+        group_ids = lambda run, step: [g for g, _ in list_groups(run, int(step))] if step is not None else []  # noqa: E731
+        prev_group.click(move(group_ids, -1), [run_dd, step_dd, group_dd], group_dd)
+        next_group.click(move(group_ids, +1), [run_dd, step_dd, group_dd], group_dd)
+        demo.load(show_group, [run_dd, step_dd, group_dd], group_outputs)
+        for k in (keys_r, keys_d):
+            k.change(curves, [keys_r, keys_d], [plot_r, plot_d])
+
+        def sync_prompt(run: str, step: Any, group: Any) -> tuple[Any, Any]:
+            groups = dict(list_groups(run, int(step))) if step is not None else {}
+            return gr.update(value=groups.get(int(group), "") if group is not None else ""), step
+
+        group_dd.change(sync_prompt, [run_dd, step_dd, group_dd], [prompts_box, cmp_step])
+        run_a.change(lambda r: gr.update(choices=checkpoint_choices(r), value="latest"), run_a, ckpt_a)
+        run_b.change(lambda r: gr.update(choices=checkpoint_choices(r), value="latest"), run_b, ckpt_b)
+
+        def logged(ra: str, rb: str, step: Any, prompts: str) -> tuple[Any, ...]:
+            found = split_prompts(prompts)
+            prompt = found[0] if found else ""
+            out: list[Any] = []
+            for run in (ra, rb):
+                g = find_group(run, int(step or 0), prompt) if prompt else None
+                if g is None:
+                    out += [
+                        f"**{run_label(run)}**, step {step}: no group with this prompt",
+                        [],
+                        _frame(["sample"], []),
+                    ]
+                    continue
+                samples = load_group(run, int(step), g)
+                h, rows = reward_table(samples)
+                out += [
+                    f"**{run_label(run)}**, step {step}, group {g} (logged)",
+                    media_items(samples)[0],
+                    _frame(h, rows),
+                ]
+            return tuple(out)
+
+        show_logged.click(
+            logged, [run_a, run_b, cmp_step, prompts_box], [head_a, gal_a, tab_a, head_b, gal_b, tab_b]
+        )
+
+        def generate_both(
+            ra: str,
+            ca: str,
+            rb: str,
+            cb: str,
+            prompts: str,
+            n: Any,
+            seed: Any,
+            progress: Any = gr.Progress(track_tqdm=True),
+        ) -> tuple[Any, ...]:
+            lines = split_prompts(prompts)
+            if not lines:
+                raise gr.Error("write at least one prompt")
+            out: list[Any] = []
+            for i, (run, ck) in enumerate(((ra, ca), (rb, cb))):
+                progress(i / 2, desc=f"{'left' if i == 0 else 'right'}: loading the model and generating")
+                try:
+                    label, rows = generate_samples(run, ck, lines, int(n or 1), int(seed or 0))
+                except Exception as e:  # a wrong config / checkpoint: shown, the app keeps running
+                    raise gr.Error(f"{run_label(run)} ({ck}): {type(e).__name__}: {e}") from e
+                images = [
+                    (
+                        str(r.get("image") or r.get("video_frames")),
+                        f"prompt {k // int(n or 1)} sample {r.get('sample')}",
+                    )
+                    for k, r in enumerate(rows)
+                    if r.get("image") or r.get("video_frames")
+                ]
+                has_text = any("text" in r for r in rows)
+                table_rows = [
+                    [r.get("prompt", ""), r.get("sample")] + ([r.get("text", "")] if has_text else [])
+                    for r in rows
+                ]
+                cols = ["prompt", "sample"] + (["text"] if has_text else [])
+                out += [f"**{label}**", images, _frame(cols, table_rows)]
+            progress(1.0, desc="done")
+            return tuple(out)
+
+        gen.click(
+            generate_both,
+            [run_a, ckpt_a, run_b, ckpt_b, prompts_box, n_box, seed_box],
+            [head_a, gal_a, tab_a, head_b, gal_b, tab_b],
+            concurrency_limit=1,
+        )
+
+        if refresh_s and refresh_s > 0:
+            timer = gr.Timer(refresh_s)
+
+            def tick(run: str, step: Any, follow_: bool, kr: list[str], kd: list[str]) -> tuple[Any, ...]:
+                keys = metric_keys(runs)
+                return (
+                    "\n\n".join(run_status(r) for r in runs) + f"\n\n*refreshed {time.strftime('%H:%M:%S')}*",
+                    timer_step_update(run, step, follow_),
+                    *curves(kr, kd),
+                    gr.update(choices=keys),
+                    gr.update(choices=keys),
+                )
+
+            timer.tick(
+                tick,
+                [run_dd, step_dd, follow, keys_r, keys_d],
+                [status, step_dd, plot_r, plot_d, keys_r, keys_d],
+            )
+    demo.run_dirs = runs
+    return demo
+
+
+def launch_app(
+    run_dirs: Sequence[str | Path],
+    host: str = "127.0.0.1",
+    port: int | None = 7860,
+    *,
+    refresh_s: float = 5.0,
+    block: bool = True,
+    quiet: bool = False,
+) -> Any:
+    """Build and serve the demo on `host`:`port`; only files inside `run_dirs` (and Gradio's own cache) are
+    served (``allowed_paths``). With `block` False the server runs in a thread: call ``.close()`` on the
+    returned `gr.Blocks` (its ``.local_url`` is the address)."""
+    demo = build_app(run_dirs, refresh_s=refresh_s)
+    demo.queue(default_concurrency_limit=4)
+    demo.launch(
+        server_name=host,
+        server_port=port,
+        allowed_paths=list(demo.run_dirs),
+        prevent_thread_lock=not block,
+        quiet=quiet,
+        inbrowser=False,
+        share=False,
+    )
+    return demo
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mmalign demo",
+        description="Browse the samples, rewards and curves of runs in a local web app (needs the demo extra).",
+    )
+    p.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (output_dir of mmalign train)"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    p.add_argument(
+        "--refresh",
+        type=float,
+        default=5.0,
+        help="seconds between re-reads of the runs (default 5; 0: never)",
+    )
+    return p
+
+
+def demo_main(argv: list[str]) -> int:
+    """`mmalign demo RUN_DIR [RUN_DIR ...] [--host H] [--port P] [--refresh S]`; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    for r in args.run_dirs:
+        path = Path(r)
+        if not path.is_dir():
+            print(f"mmalign demo: error: {r} is not a directory", file=sys.stderr)
+            return 2
+        if not any(
+            (path / n).exists() for n in (rundir.METRICS_FILE, rundir.SAMPLES_DIR, rundir.CONFIG_FILE)
+        ):
+            print(
+                f"mmalign demo: error: {r} is not a run directory (no {rundir.METRICS_FILE}, "
+                f"{rundir.SAMPLES_DIR}/ or {rundir.CONFIG_FILE})",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        _check_gradio()
+    except ImportError as e:
+        print(f"mmalign demo: error: {e}", file=sys.stderr)
+        return 1
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"mmalign demo: warning: serving on {args.host}: anyone who can reach it sees these runs",
+            file=sys.stderr,
+        )
+    launch_app(args.run_dirs, args.host, args.port, refresh_s=args.refresh)
+    return 0

@@ -1,0 +1,211 @@
+"""Helpers that several pipelines share: the typed options accessor, prompt and image-row loading, and the
+keyword arguments / builders of the text and vision-language policies. Public: pipelines import these and
+never each other's private names."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from mmalign.config import Config
+from mmalign.data import DataError, add_prompts, load_rows
+from mmalign.policies.vlm import VLMPolicy
+from mmalign.rollout_loops import Environment, loop_from_config
+from mmalign.tiny import ensure_model
+
+log = logging.getLogger(__name__)
+
+OptionsT = TypeVar("OptionsT")
+
+
+def options(cfg: Config, cls: type[OptionsT]) -> OptionsT:
+    """The typed ``options:`` section of `cfg` as an instance of `cls` (`config_from_dict` validated it against
+    the class the pipeline registered); defaults when the config has none. A config built by hand with another
+    options object is a TypeError naming the class."""
+    if isinstance(cfg.options, cls):
+        return cfg.options
+    if cfg.options is None:
+        return cls()
+    raise TypeError(f"{cfg.source}: options were not validated as {cls.__name__} (config built by hand?)")
+
+
+def load_prompts(
+    source: str, template: str = "{question}", max_rows: int | None = None
+) -> list[dict[str, Any]]:
+    """Prompt rows of a ``.txt`` file (one prompt per line; blank and ``#`` lines skipped) or JSONL /
+    ``hf:`` rows (a ``prompt`` column, or `template` formatted from the row's columns), read by
+    `mmalign.data.load_rows`. Every row must end up with a non-empty string ``prompt``, else a DataError
+    names the row (file:line)."""
+    rows = load_rows(source, template, max_rows)
+    for row in rows:
+        prompt = row.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DataError(
+                f"{row.get('_source', source)}: the prompt must be a non-empty string, got {prompt!r}"
+            )
+    return rows
+
+
+def policy_kwargs(cfg: Config, environment: Environment | None = None) -> dict[str, Any]:
+    """`from_pretrained` keyword arguments of a text-generating policy, from `cfg.model` and `cfg.rollout`
+    (the rollout loop from ``rollout.loop`` / ``rollout.loop_kwargs``, with the pipeline's `environment`
+    for a multi-turn loop; a bad loop name or option is a `ConfigError` naming the key)."""
+    m, r = cfg.model, cfg.rollout
+    return dict(
+        loop=loop_from_config(cfg, environment),
+        dtype=m.dtype,
+        lora=m.lora,
+        gradient_checkpointing=m.gradient_checkpointing,
+        attn_implementation=m.attn_implementation,
+        trust_remote_code=m.trust_remote_code,
+        need_reference=cfg.algorithm.kl_coef > 0,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop_strings=r.stop_strings,
+        system_prompt=m.system_prompt,
+        generation_batch_size=r.batch_size,
+        logprob_chunk_size=m.logprob_chunk_size,
+    )
+
+
+@dataclass
+class VLMOptions:
+    image_root: str | None = None
+    """Folder that relative image paths are resolved against (default: the JSONL file's folder)."""
+    min_pixels: int | None = None
+    """Smallest image size (pixels) after the processor's resize (None: the processor's own)."""
+    max_pixels: int | None = None
+    """Largest image size (pixels) after the processor's resize (None: the processor's own)."""
+    freeze_vision: bool = False
+    """Keep the vision tower fixed (full fine-tuning; under LoRA it has no adapters anyway)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A malformed row or missing image file: stop with an error naming file:line, or skip it (counted, logged)."""
+
+
+def vlm_options(cfg: Config) -> VLMOptions:
+    """The typed `options:` section as `VLMOptions`."""
+    return options(cfg, VLMOptions)
+
+
+def _image_paths(value: Any, key: str, where: str) -> list[Any]:
+    """Paths (str) or in-memory PIL images (as `datasets` image columns give them), as a list."""
+    from PIL import Image
+
+    if value is None:
+        return []
+    if isinstance(value, str | Image.Image):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str | Image.Image) for v in value):
+        return list(value)
+    raise DataError(
+        f"{where}: column {key!r} must be a path, an image or a list of them, got {str(value)[:80]}"
+    )
+
+
+def resolve_row(row: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Resolve ``images`` / ``video`` paths against `root`; a DataError names the row's file:line."""
+    where = row.get("_source", "?")
+    images = _image_paths(row.get("images", row.get("image")), "images", where)
+    frames = _image_paths(row.get("video"), "video", where)
+    if not images and not frames:
+        raise DataError(f"{where}: the row has no 'images' (or 'video') column")
+    out = dict(row)
+    for key, paths in (("images", images), ("video", frames)):
+        if not paths:
+            continue
+        resolved = []
+        for p in paths:
+            if not isinstance(p, str):  # an image already in memory (Hugging Face datasets)
+                resolved.append(p)
+                continue
+            full = Path(p) if Path(p).is_absolute() else root / p
+            if not full.is_file():
+                raise DataError(f"{where}: image file not found: {full}")
+            resolved.append(str(full))
+        out[key] = resolved
+    out.pop("image", None)
+    return out
+
+
+def load_vlm_rows(
+    source: str, template: str, opts: VLMOptions, max_rows: int | None = None
+) -> list[dict[str, Any]]:
+    """Rows of `source` with resolved image paths; bad rows raise or are skipped per ``opts.on_bad_row``."""
+    if opts.image_root:
+        root = Path(opts.image_root)
+    else:  # next to a JSONL file; the working directory for hf: sources
+        root = Path.cwd() if source.startswith("hf:") else Path(source).resolve().parent
+    try:
+        rows = load_rows(source, template, max_rows)
+    except DataError:
+        if opts.on_bad_row == "error" or source.startswith("hf:"):  # skipping reads local JSONL line by line
+            raise
+        rows = load_rows_skipping(source, template, max_rows)
+    out, skipped = [], 0
+    for row in rows:
+        try:
+            out.append(resolve_row(row, root))
+        except DataError as e:
+            if opts.on_bad_row == "error":
+                raise
+            skipped += 1
+            log.warning("skipping a bad row: %s", e)
+    skipped += getattr(rows, "skipped", 0)
+    if skipped:
+        log.warning(
+            "%s: skipped %d bad row(s) of %d (options.on_bad_row: skip)", source, skipped, len(out) + skipped
+        )
+    if not out:
+        raise DataError(f"{source}: no usable rows")
+    return out
+
+
+class _Rows(list):
+    skipped = 0
+
+
+def load_rows_skipping(source: str, template: str, max_rows: int | None) -> list[dict[str, Any]]:
+    """Line by line: a line that is not a JSON object or lacks a prompt column is skipped and logged."""
+    rows = _Rows()
+    with Path(source).open(encoding="utf-8-sig") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{source}:{lineno}"
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+                row["_source"] = where
+                add_prompts([row], template)
+            except (json.JSONDecodeError, DataError) as e:
+                rows.skipped += 1
+                log.warning("skipping a bad row: %s: %s", where, e)
+                continue
+            rows.append(row)
+            if max_rows is not None and len(rows) >= max_rows:
+                break
+    return rows
+
+
+def build_vlm_policy(cfg: Config, environment: Environment | None = None) -> VLMPolicy:
+    """The `VLMPolicy` described by `cfg.model`, `cfg.rollout` and the `options:` section
+    (``model.shared_prefix``: the shared-prefix log-prob forward where the model family supports it;
+    ``rollout.loop``: ``single_turn`` or ``multi_turn`` with the pipeline's `environment` or
+    ``rollout.loop_kwargs.environment``)."""
+    opts = vlm_options(cfg)
+    kwargs = policy_kwargs(cfg, environment)  # checks the rollout loop before the model is built or loaded
+    path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
+    return VLMPolicy.from_pretrained(
+        path,
+        min_pixels=opts.min_pixels,
+        max_pixels=opts.max_pixels,
+        freeze_vision=opts.freeze_vision,
+        shared_prefix=cfg.model.shared_prefix,
+        **kwargs,
+    )

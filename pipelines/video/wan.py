@@ -1,0 +1,85 @@
+"""What the Wan video pipelines share (`video_edit`, `video_geometry`, `euphonium`): the video options of the
+``options:`` section (`WanVideoOptions`) and building the `mmalign.policies.wan.WanPolicy` they describe
+(`build_wan_policy`). Not a pipeline itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mmalign.config import Config
+from mmalign.distributed import process_seed
+from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
+from mmalign.tiny import ensure_model
+
+__all__ = ["WanVideoOptions", "build_wan_policy"]
+
+
+@dataclass
+class WanVideoOptions(SamplerSettings):
+    """The sampler (`mmalign.policies.denoising.SamplerSettings`) plus the video settings of
+    `mmalign.policies.wan.WanPolicy`."""
+
+    num_frames: int = 17
+    """Frames of a clip (Wan wants 4k + 1; source clips are subsampled evenly to this many)."""
+    height: int = 480
+    """Frame height in pixels (Wan 480p: 480). A multiple of the VAE's spatial factor times the transformer's
+    patch (16 for Wan2.1)."""
+    width: int = 832
+    """Frame width in pixels (Wan 480p: 832)."""
+    guidance_scale: float = 5.0
+    """Classifier-free guidance scale (Wan's default 5.0; 1: no guidance, half the compute)."""
+    max_sequence_length: int = 512
+    """Tokens of the UMT5 prompt states (Wan: 512)."""
+    boundary_ratio: float | None = None
+    """Wan2.2 A14B (two experts): the high-noise expert runs while t >= boundary_ratio * 1000 (null: the
+    model folder's own value)."""
+    train_expert: Literal["high", "low", "both"] = "both"
+    """Two-expert models: which expert's weights train (the steps of the other run without a log-prob)."""
+    reward_models: dict[str, str] = field(default_factory=dict)
+    """Offline runs: reward-model folders to build if missing, path -> tiny builder (e.g. a tiny CLIP)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sde_kind not in FLOW_SDE_KINDS:
+            raise ValueError(
+                f"sde_kind must be one of {', '.join(FLOW_SDE_KINDS)} (Wan is a flow-matching model); "
+                f"got {self.sde_kind!r}"
+            )
+        if self.num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1, got {self.num_frames}")
+        for key in ("height", "width"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+
+
+def build_wan_policy(cfg: Config, opts: WanVideoOptions, policy_class: Any = None, **extra: Any) -> Any:
+    """The Wan policy described by `cfg.model` and `opts`: `policy_class` (default
+    `mmalign.policies.wan.WanPolicy`) loaded through ``from_pretrained`` (a real Wan folder or hub id, or the
+    tiny folder the ``model.tiny_builder`` writes), with ``model.lora`` adapters, the reference kept when
+    ``algorithm.kl_coef`` > 0, and `extra` keyword arguments (a pipeline's own settings: ``condition`` ...).
+    Each process's sampler seed is ``options.seed + RANK``. Building the reward-model folders of
+    ``options.reward_models`` is the pipeline's job."""
+    if policy_class is None:
+        from mmalign.policies.wan import WanPolicy
+
+        policy_class = WanPolicy
+    path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
+    seed = process_seed(opts.seed)
+    try:
+        return policy_class.from_pretrained(
+            path,
+            dtype=cfg.model.dtype,
+            lora=cfg.model.lora,
+            sampler=opts.sampler_settings(seed=seed),
+            num_frames=opts.num_frames,
+            max_sequence_length=opts.max_sequence_length,
+            train_expert=opts.train_expert,
+            need_reference=cfg.algorithm.kl_coef > 0,
+            height=opts.height,
+            width=opts.width,
+            **({} if opts.boundary_ratio is None else {"boundary_ratio": opts.boundary_ratio}),
+            **extra,
+        )
+    except ValueError as e:  # the policy's checks name the option; say which file holds it
+        raise ValueError(f"{cfg.source}: options: {e}") from e

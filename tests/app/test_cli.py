@@ -1,0 +1,366 @@
+"""The `mmalign` command: `list` shows every registry entry; `train` fails with one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+import pipelines
+import pipelines.text_reasoning
+import rewards
+from mmalign import advantages, filters, losses, sde
+from mmalign import prompt_samplers as samplers
+from mmalign.app.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "text_reasoning-tiny.yaml"
+
+SECTIONS = {
+    "pipelines": ["pipelines"],
+    "rewards": ["rewards"],
+    "estimators": ["estimators"],
+    "losses": ["losses", "loss aggregations (algorithm.loss_agg)", "KL estimators (algorithm.kl_estimator)"],
+    "filters": ["filters (algorithm.filter)"],
+    "samplers": ["prompt samplers (data.sampler)"],
+    "steps": ["denoising steps (mmalign.sde.step)"],
+}
+
+
+def registered() -> dict[str, list[str]]:
+    """Section title -> names, from the registries themselves."""
+    return {
+        "pipelines": pipelines.names(),
+        "rewards": rewards.names(),
+        "estimators": advantages.names(),
+        "losses": losses.names(),
+        "loss aggregations (algorithm.loss_agg)": losses.aggregation_names(),
+        "KL estimators (algorithm.kl_estimator)": losses.kl_names(),
+        "filters (algorithm.filter)": filters.names(),
+        "prompt samplers (data.sampler)": samplers.names(),
+        "denoising steps (mmalign.sde.step)": sde.names(),
+    }
+
+
+def parse_list(out: str) -> dict[str, list[str]]:
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in out.splitlines():
+        if not line.strip():
+            continue
+        if not line.startswith(" "):
+            assert line.endswith(":"), line
+            current = line[:-1]
+            assert current not in sections, f"section {current!r} printed twice"
+            sections[current] = []
+        else:
+            assert current is not None, line
+            sections[current].append(line.split()[0])
+    return sections
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ----------------------------------------------------------------------------- list
+
+
+@pytest.mark.parametrize("what", list(SECTIONS))
+def test_list_category_prints_every_registered_name(capsys, what):
+    rc, out, err = run_main(capsys, "list", what)
+    assert rc == 0 and err == ""
+    shown = parse_list(out)
+    expected = {title: registered()[title] for title in SECTIONS[what]}
+    assert shown == expected
+    assert all(expected.values())  # every registry has entries
+
+
+def test_list_all_is_the_default(capsys):
+    rc, out, _ = run_main(capsys, "list")
+    assert rc == 0
+    assert parse_list(out) == registered()
+    assert run_main(capsys, "list", "all")[1] == out
+
+
+def test_list_shows_descriptions(capsys):
+    _, out, _ = run_main(capsys, "list", "estimators")
+    line = next(ln for ln in out.splitlines() if ln.split()[:1] == ["grpo"])
+    assert advantages.describe("grpo") in line
+
+
+def _undocumented(*args, **kwargs):
+    return None
+
+
+class _UndocumentedReward(rewards.Reward):
+    def __call__(self, batch):
+        return [0.0] * len(batch.texts)
+
+
+_UndocumentedReward.__doc__ = None
+
+
+@pytest.mark.parametrize(
+    "registry, title, obj",
+    [
+        (advantages.REGISTRY, "estimators", _undocumented),
+        (losses.REGISTRY, "losses", _undocumented),
+        (losses.AGGREGATIONS, "loss aggregations (algorithm.loss_agg)", _undocumented),
+        (losses.KL_ESTIMATORS, "KL estimators (algorithm.kl_estimator)", _undocumented),
+        (filters.FILTERS, "filters (algorithm.filter)", _undocumented),
+        (samplers.SAMPLERS, "prompt samplers (data.sampler)", _undocumented),
+        (sde.STEPS, "denoising steps (mmalign.sde.step)", _undocumented),
+        (rewards.REGISTRY, "rewards", _UndocumentedReward),
+        (pipelines.REGISTRY, "pipelines", _undocumented),
+    ],
+)
+def test_list_shows_entries_without_a_description(capsys, monkeypatch, registry, title, obj):
+    pipelines.names()  # load the pipeline modules first, so the patch is not overwritten
+    name = "zz_undocumented_test_entry"
+    monkeypatch.setitem(registry._items, name, obj)
+    monkeypatch.setitem(registry._meta, name, {})
+    assert registry.describe(name) == ""
+    rc, out, _ = run_main(capsys, "list")
+    assert rc == 0
+    shown = parse_list(out)
+    assert name in shown[title]
+    assert shown == registered()
+
+
+def test_list_shows_reward_entry_points(capsys, monkeypatch):
+    monkeypatch.setattr(rewards, "entry_point_names", lambda: ["format", "zz_from_entry_point"])
+    _, out, _ = run_main(capsys, "list", "rewards")
+    lines = [ln.split() for ln in out.splitlines()[1:]]
+    # the entry point cannot be imported: listed as such, the error on stderr, the other rewards still listed
+    assert ["zz_from_entry_point", "(entry", "point,", "failed", "to", "load)"] in lines
+    assert [ln[0] for ln in lines].count("format") == 1  # a registered name is not repeated
+
+
+def test_list_unknown_category_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["list", "widgets"])
+    assert info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- train: errors before training
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail loudly if a test would build or load a model (they all must stop before that)."""
+
+    def refuse(cfg):
+        raise AssertionError("the model was built, but the error should have been found before")
+
+    monkeypatch.setattr(pipelines.text_reasoning, "build_text_policy", refuse)
+
+
+def tiny_config(tmp_path: Path, **changes) -> tuple[Path, dict]:
+    """A copy of the tiny config with absolute paths and output_dir under tmp_path."""
+    data = yaml.safe_load(TINY.read_text())
+    data["output_dir"] = str(tmp_path / "run")
+    data["model"]["name_or_path"] = str(ROOT / data["model"]["name_or_path"])
+    data["data"]["train"] = str(ROOT / data["data"]["train"])
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        data[section][key] = value
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path, data
+
+
+def assert_one_error_line(err: str, *fragments: str) -> str:
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("mmalign: error: "), err
+    for f in fragments:
+        assert f in lines[0], (f, err)
+    return lines[0]
+
+
+def test_train_misspelled_key_in_file(capsys, tmp_path, no_model):
+    cfg, _ = tiny_config(tmp_path, trainer__lrr=1e-4)
+    rc, out, err = run_main(capsys, "train", str(cfg))
+    assert rc == 1 and out == ""
+    assert_one_error_line(err, str(cfg), "'trainer.lrr'", "did you mean 'trainer.lr'?")
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_misspelled_override(capsys, tmp_path, no_model):
+    cfg, _ = tiny_config(tmp_path)
+    rc, _, err = run_main(capsys, "train", str(cfg), "trainer.steps=2", "rewards.0.wieght=2")
+    assert rc == 1
+    assert_one_error_line(err, "command line", "rewards.0.wieght=2", "did you mean 'rewards[0].weight'?")
+
+
+def test_train_misspelled_key_subprocess(tmp_path, run_mmalign):
+    """The real process: exit status 1, one line on stderr, no traceback, nothing on stdout."""
+    cfg, _ = tiny_config(tmp_path, rollout__group_sise=4)
+    proc = run_mmalign("train", str(cfg), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert_one_error_line(proc.stderr, str(cfg), "'rollout.group_sise'", "did you mean 'rollout.group_size'?")
+
+
+def test_train_missing_config_file(capsys, tmp_path, no_model):
+    missing = tmp_path / "nope.yaml"
+    rc, out, err = run_main(capsys, "train", str(missing))
+    assert rc == 1 and out == ""
+    assert_one_error_line(err, f"config file not found: {missing}")
+
+
+def test_train_invalid_yaml_is_one_line(capsys, tmp_path, no_model):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("pipeline: text_reasoning\ntrainer: {steps: 2\n")
+    rc, _, err = run_main(capsys, "train", str(path))
+    assert rc == 1
+    assert_one_error_line(err, f"{path}:", "invalid YAML")
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else b"<dir>", p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def test_train_malformed_data_line_leaves_output_dir_alone(capsys, tmp_path, no_model):
+    """Even with overwrite=true (without it the existing run is reported first), a data error deletes nothing:
+    the old run is replaced only once the model is loaded and the trainer starts."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1 + 1", "answer": "2"}\n\n{"question": "2 + 2", "answer": 4\n')
+    cfg, raw = tiny_config(tmp_path, data__train=str(data))
+    out_dir = Path(raw["output_dir"])
+    (out_dir / "samples").mkdir(parents=True)
+    (out_dir / "metrics.jsonl").write_text(
+        '{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.7}\n'
+    )
+    (out_dir / "samples" / "step_1.jsonl").write_text("{}\n")
+    before = snapshot(out_dir)
+
+    rc, out, err = run_main(
+        capsys,
+        "train",
+        str(cfg),
+        "trainer.steps=2",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=2",
+        "overwrite=true",
+    )
+    assert rc == 1 and out == ""
+    assert_one_error_line(err, f"{data}:3:", "invalid JSON")
+    assert snapshot(out_dir) == before
+    assert sorted(p.name for p in out_dir.iterdir()) == ["metrics.jsonl", "samples"]
+
+
+def test_train_data_error_does_not_create_output_dir(capsys, tmp_path, no_model):
+    cfg, raw = tiny_config(tmp_path, data__train=str(tmp_path / "missing.jsonl"))
+    rc, _, err = run_main(capsys, "train", str(cfg))
+    assert rc == 1
+    assert_one_error_line(err, f"data file not found: {tmp_path / 'missing.jsonl'}")
+    assert not Path(raw["output_dir"]).exists()
+
+
+def test_train_prompt_template_missing_column(capsys, tmp_path, no_model):
+    cfg, _ = tiny_config(tmp_path, data__prompt_template="Q: {query}")
+    rc, _, err = run_main(capsys, "train", str(cfg))
+    assert rc == 1
+    line = assert_one_error_line(err, "['query']", "data.prompt_template")
+    assert f"{ROOT / 'assets' / 'text_reasoning' / 'train.jsonl'}:1:" in line
+
+
+def test_train_prompt_template_override_with_braces(capsys, tmp_path, monkeypatch):
+    """`data.prompt_template=Q: {question}` reaches the pipeline as the text typed, not a YAML mapping."""
+    seen = {}
+
+    def stop(cfg):
+        seen["template"] = cfg.data.prompt_template
+        raise RuntimeError("stop before the model")
+
+    monkeypatch.setattr(pipelines.text_reasoning, "build_text_policy", stop)
+    cfg, _ = tiny_config(tmp_path)
+    rc, _, err = run_main(capsys, "train", str(cfg), "data.prompt_template=Q: {question} A:")
+    assert rc == 1 and "stop before the model" in err
+    assert seen["template"] == "Q: {question} A:"
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("algorithm.estimator=grpoo", "algorithm.estimator"),
+        ("algorithm.loss=ppo", "algorithm.loss"),
+        ("algorithm.loss_agg=token_sum", "algorithm.loss_agg"),
+        ("algorithm.kl_estimator=k4", "algorithm.kl_estimator"),
+        ("algorithm.filter=dynamic", "algorithm.filter"),
+        ("pipeline=text_reasonin", "pipeline"),
+    ],
+)
+def test_train_unknown_registry_name_fails_before_the_model_is_built(
+    capsys, tmp_path, no_model, override, key
+):
+    cfg, _ = tiny_config(tmp_path)
+    rc, _, err = run_main(capsys, "train", str(cfg), override)
+    assert rc == 1
+    assert_one_error_line(err, str(cfg), f"key '{key}'", "Registered:")
+
+
+def test_train_cross_field_error(capsys, tmp_path, no_model):
+    cfg, _ = tiny_config(tmp_path)
+    rc, _, err = run_main(capsys, "train", str(cfg), "rollout.group_size=0")
+    assert rc == 1
+    assert_one_error_line(err, "command line", "'rollout.group_size' must be >= 1")
+
+
+def test_unexpected_error_shows_its_traceback(capsys, tmp_path, monkeypatch):
+    def boom(cfg):
+        raise RuntimeError("a bug, not a user error")
+
+    monkeypatch.setattr(pipelines.text_reasoning, "build_text_policy", boom)
+    cfg, _ = tiny_config(tmp_path)
+    rc, _, err = run_main(capsys, "train", str(cfg))
+    assert rc == 1
+    assert "Traceback" in err
+    assert err.strip().splitlines()[-1] == "mmalign: error: a bug, not a user error"
+
+
+def test_debug_shows_traceback_for_user_errors(capsys, tmp_path, no_model):
+    cfg, _ = tiny_config(tmp_path, trainer__lrr=1)
+    rc, _, err = run_main(capsys, "--debug", "train", str(cfg))
+    assert rc == 1
+    assert "Traceback" in err and "ConfigError" in err
+    assert err.strip().splitlines()[-1].startswith("mmalign: error: ")
+
+
+@pytest.mark.parametrize("override", ["rewards.0.kwargs.extractt=tag", "rewards.0.name=accuracyy"])
+def test_train_bad_reward_entry_is_one_line_naming_the_key(capsys, tmp_path, no_model, override):
+    cfg, _ = tiny_config(tmp_path)
+    rc, _, err = run_main(capsys, "train", str(cfg), override)
+    assert rc == 1
+    assert_one_error_line(err, "rewards[0]")
+
+
+def test_components_are_built_from_the_seed(tmp_path, random_text_model_dir):
+    """Model construction draws random numbers (a LoRA adapter's initial A); the CLI seeds the global RNGs
+    with `seed` before building, so two builds of one config agree whatever state the RNG was in (torch seeds
+    its default generator randomly in each new process)."""
+    import argparse
+
+    import torch
+
+    from mmalign.app import cli
+
+    cfg, _ = tiny_config(tmp_path, model__name_or_path=str(random_text_model_dir), model__tiny_builder=None)
+    overrides = ["model.lora.enabled=true", "model.lora.r=4"]
+    built = []
+    for rng in (1, 2):
+        torch.manual_seed(rng)
+        _, components = cli._load(argparse.Namespace(config=str(cfg), overrides=overrides), resume=False)
+        built.append({k: v.clone() for k, v in components.policy.trainable_state_dict().items()})
+    assert built[0].keys() == built[1].keys() and any("lora_A" in k for k in built[0])
+    assert all(torch.equal(built[0][k], built[1][k]) for k in built[0])

@@ -1,0 +1,299 @@
+"""The sample-comparison app (`mmalign.app.demo`): its data layer on synthetic run directories of every sample
+kind (text, image, video, boxes, latents only), a run that grows while the app reads it, generation on
+demand through `mmalign sample`'s path, the command line, and the file route that serves only files inside
+the run directories (an HTTP test against the running app)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mmalign import rundir
+from mmalign.app import demo
+
+
+def write_step(run: Path, step: int, rows: list[dict], views: list[dict] | None = None) -> None:
+    """Write a step the way the trainer does: media through `store_sample_media`, rows, a metrics line."""
+    if views is not None:
+        stored = rundir.store_sample_media(run, step, views)
+        rows = [{**r, **v} for r, v in zip(rows, stored, strict=True)]
+    rundir.write_samples(run, step, rows)
+    reward = sum(sum(r["rewards"].values()) for r in rows) / len(rows)
+    with (run / rundir.METRICS_FILE).open("a") as f:
+        f.write(json.dumps({"step": step, "reward/mean": reward, "loss": 0.1 * step, "kl": None}) + "\n")
+
+
+def rows_for(step: int, groups: int = 2, g: int = 2) -> list[dict]:
+    return [
+        {
+            "group": k,
+            "prompt": f"prompt {k}",
+            "advantage": (-1.0) ** j,
+            "rewards": {"quality": 0.25 * j + 0.1 * step, "format": 1.0},
+        }
+        for k in range(groups)
+        for j in range(g)
+    ]
+
+
+@pytest.fixture
+def image_run(tmp_path: Path) -> Path:
+    run = tmp_path / "img_run"
+    for step in (1, 2):
+        rows = rows_for(step)
+        views = [{"image": torch.rand(3, 8, 8)} for _ in rows]
+        write_step(run, step, rows, views)
+    return run
+
+
+def test_steps_groups_and_reward_table(image_run: Path) -> None:
+    assert demo.list_steps(image_run) == [1, 2]
+    assert demo.list_groups(image_run, 2) == [(0, "prompt 0"), (1, "prompt 1")]
+    samples = demo.load_group(image_run, 2, 1)
+    assert len(samples) == 2 and all(s["prompt"] == "prompt 1" for s in samples)
+    headers, rows = demo.reward_table(samples)
+    assert headers == ["sample", "quality", "format", "advantage"]
+    assert rows[1] == [1, "0.4500", "1.0000", "-1.0000"]
+    images, videos = demo.media_items(samples)
+    assert len(images) == 2 and not videos
+    assert all(Path(p).is_file() and Path(p).is_relative_to(image_run) for p, _ in images)
+    assert "quality=0.450" in images[1][1] and "adv=-1.000" in images[1][1]
+    oh, orows = demo.group_overview(image_run, 2)
+    assert oh[:3] == ["group", "samples", "quality (mean)"] and [r[0] for r in orows] == [0, 1]
+    assert demo.find_group(image_run, 2, "prompt 1") == 1 and demo.find_group(image_run, 2, "nope") is None
+    assert demo.list_groups(image_run, 99) == []  # a step without samples: nothing, no error
+
+
+def test_text_rows_have_a_text_column(tmp_path: Path) -> None:
+    run = tmp_path / "text_run"
+    rows = [{**r, "text": f" <answer>{i}</answer>", "answer": "3"} for i, r in enumerate(rows_for(1))]
+    write_step(run, 1, rows)
+    samples = demo.load_group(run, 1, 0)
+    headers, table = demo.reward_table(samples)
+    assert headers[-1] == "text" and table[1][-1] == " <answer>1</answer>"
+    assert demo.row_columns(samples) == {"answer": "3"}
+    assert demo.media_items(samples) == ([], [])
+    assert demo.box_annotations(samples[0]) is None
+
+
+def test_video_rows_list_the_mp4_and_its_frame_strip(tmp_path: Path) -> None:
+    run = tmp_path / "video_run"
+    rows = rows_for(1, groups=1)
+    write_step(run, 1, rows, [{"video": torch.rand(3, 3, 8, 8)} for _ in rows])
+    images, videos = demo.media_items(demo.load_group(run, 1, 0))
+    assert [Path(p).suffix for p, _ in videos] == [".mp4", ".mp4"]
+    assert all(Path(p).name.endswith("_frames.png") for p, _ in images)
+
+
+def test_latent_only_rows_still_show_rewards(tmp_path: Path) -> None:
+    run = tmp_path / "latent_run"
+    write_step(run, 1, rows_for(1, groups=1))  # video_geometry without decoding: no media, no text
+    samples = demo.load_group(run, 1, 0)
+    assert demo.media_items(samples) == ([], [])
+    assert demo.reward_table(samples)[0] == ["sample", "quality", "format", "advantage"]
+
+
+def test_boxes_reference_and_prediction(tmp_path: Path) -> None:
+    # grounding (medloc): reference boxes in the row, the prediction parsed from the text
+    sample = {"boxes": [[10.0, 12.0, 30.0, 40.0]], "text": "<answer>[11,13,29,41]</answer>", "rewards": {}}
+    base, labels = demo.box_annotations(sample)
+    assert [lab for _, lab in labels] == ["reference", "predicted"]
+    # no input image in the row: a canvas holding the boxes, scaled up together with them (>= 256 px)
+    h, w, _ = base.shape
+    scale = labels[0][0][2] / 30
+    assert max(h, w) >= 256 and scale > 1
+    assert all(abs(a - v * scale) <= 1 for a, v in zip(labels[1][0], (11, 13, 29, 41)))
+    assert all(b[2] <= w and b[3] <= h for b, _ in labels)
+    # model coords "resized" with the sizes in the row: converted to original pixels
+    sized = {**sample, "image_width": 100, "image_height": 100, "resized_width": 50, "resized_height": 50}
+    boxes, converted = demo.predicted_boxes(sized, "resized")
+    assert converted and boxes == [[22.0, 26.0, 58.0, 82.0]]
+    # without sizes: drawn as written, and the label says so
+    _, labels = demo.box_annotations(sample, "resized")
+    assert labels[-1][1] == "predicted (resized)"
+    # GeoViS: the answer box of the environment state (original pixels)
+    geo = {
+        "boxes": [[0, 0, 5, 5]],
+        "text": "<crop>[0,0,9,9]</crop>",
+        "env_state": {"answer_box": [1, 1, 4, 4]},
+    }
+    assert demo.predicted_boxes(geo) == ([[1.0, 1.0, 4.0, 4.0]], True)
+    # an image sample with boxes is drawn on its image
+    run = tmp_path / "boxes_run"
+    write_step(run, 1, [{**rows_for(1, 1, 1)[0], "boxes": [[1, 1, 4, 4]]}], [{"image": torch.rand(3, 8, 8)}])
+    base, _ = demo.box_annotations(demo.load_group(run, 1, 0)[0])
+    assert isinstance(base, str) and Path(base).is_file()
+
+
+def test_box_coords_come_from_the_run_config(tmp_path: Path) -> None:
+    (tmp_path / rundir.CONFIG_FILE).write_text(
+        yaml.safe_dump({"rewards": [{"name": "format"}, {"name": "iou_at", "kwargs": {"coords": "resized"}}]})
+    )
+    assert demo.box_coords(tmp_path) == "resized"
+    assert demo.box_coords(tmp_path / "missing") == "absolute"
+
+
+def test_a_run_still_training_shows_new_steps(image_run: Path) -> None:
+    """What the app's timer re-reads: a step written after the first read appears in every view."""
+    keys = demo.metric_keys([image_run])
+    assert "reward/mean" in keys and "loss" in keys and "kl" not in keys  # None values are not curves
+    before = demo.curve_rows([image_run], ["reward/mean"])
+    assert [r["step"] for r in before] == [1, 2]
+    assert "last step 2" in demo.run_status(image_run)
+    write_step(image_run, 3, rows_for(3), [{"image": torch.rand(3, 8, 8)} for _ in range(4)])
+    assert demo.list_steps(image_run) == [1, 2, 3]
+    assert [r["step"] for r in demo.curve_rows([image_run], ["reward/mean"])] == [1, 2, 3]
+    assert "last step 3" in demo.run_status(image_run)
+    assert len(demo.media_items(demo.load_group(image_run, 3, 0))[0]) == 2
+    # a samples file still being written (a partial last line) is read as "no samples yet", not an error
+    rundir.samples_file(image_run, 4).write_text('{"group": 0, "prompt"')
+    assert demo.list_groups(image_run, 4) == []
+
+
+def test_curves_of_two_runs_are_labelled_by_run(image_run: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    write_step(other, 1, rows_for(1))
+    rows = demo.curve_rows([image_run, other], ["loss"])
+    assert {r["series"] for r in rows} == {"img_run: loss", "other: loss"}
+    rk, dk = demo.default_curve_keys(
+        ["reward/mean", "reward/quality/mean", "reward/quality/std", "loss", "kl"]
+    )
+    assert rk == ["reward/mean", "reward/quality/mean"] and dk == ["loss", "kl"]
+
+
+def test_checkpoint_choices(image_run: Path) -> None:
+    ck = rundir.checkpoint_dir(image_run, 2)
+    ck.mkdir(parents=True)
+    (ck / rundir.COMPLETE_MARK).write_text("2")
+    rundir.checkpoint_dir(image_run, 3).mkdir()  # incomplete: not offered
+    assert demo.checkpoint_choices(image_run) == [
+        ("latest checkpoint", "latest"),
+        ("base model", "base"),
+        ("step_000002", str(ck)),
+    ]
+
+
+def test_generate_goes_through_cmd_sample_and_is_reused(image_run: Path) -> None:
+    (image_run / rundir.CONFIG_FILE).write_text("pipeline: text_to_image\n")
+    calls: list[argparse.Namespace] = []
+
+    def fake_sample(args: argparse.Namespace) -> int:
+        calls.append(args)
+        out = Path(args.out)
+        rows = []
+        for i in range(args.n * len(args.prompt)):
+            view = rundir.store_media({"image": torch.rand(3, 4, 4)}, out / "media", f"000_{i:02d}", out)
+            rows.append({"prompt": args.prompt[i // args.n], "sample": i % args.n, **view})
+        (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return 0
+
+    label, rows = demo.generate_samples(image_run, "latest", ["a", "b"], 2, 7, sample_fn=fake_sample)
+    (args,) = calls
+    assert args.config == str(image_run.resolve() / "config.yaml") and args.checkpoint == "base"
+    assert args.prompt == ["a", "b"] and args.n == 2 and args.seed == 7
+    assert args.overrides == [f"output_dir={image_run.resolve()}"]
+    assert Path(args.out).is_relative_to(image_run.resolve() / demo.DEMO_SAMPLES_DIR)  # servable
+    assert label.endswith("base model / seed 7") and len(rows) == 4
+    assert all(Path(r["image"]).is_file() for r in rows)
+    demo.generate_samples(image_run, "latest", ["a", "b"], 2, 7, sample_fn=fake_sample)
+    assert len(calls) == 1  # same checkpoint, prompts, n and seed: read back, not generated again
+    demo.generate_samples(image_run, "latest", ["a", "b"], 2, 8, sample_fn=fake_sample)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="no prompt"):
+        demo.generate_samples(image_run, "latest", ["  "], 2, 7, sample_fn=fake_sample)
+
+
+def test_generate_from_a_real_text_model(tmp_path: Path, random_text_model_dir: Path) -> None:
+    """The real path: `mmalign.app.cli.cmd_sample` on the run's config.yaml, same seed -> same samples."""
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = {
+        "pipeline": "text_reasoning",
+        "output_dir": str(run),
+        "model": {"name_or_path": str(random_text_model_dir)},
+        "data": {"prompt_template": "Q: {question} = ?\nA:"},
+        "rollout": {"group_size": 2, "prompts_per_step": 1, "max_new_tokens": 4},
+        "rewards": [{"name": "answer_accuracy"}],
+    }
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1 + 1", "answer": "2"}) + "\n")
+    cfg["data"]["train"] = str(data)
+    (run / rundir.CONFIG_FILE).write_text(yaml.safe_dump(cfg))
+    label, rows = demo.generate_samples(run, "latest", ["Q: 1 + 2 = ?\nA:"], 2, 3)
+    assert "base model" in label and [r["sample"] for r in rows] == [0, 1]
+    assert all(isinstance(r["text"], str) for r in rows)
+    again = demo.generate_samples(run, "base", ["Q: 1 + 2 = ?\nA:"], 2, 3)[1]
+    assert [r["text"] for r in again] == [r["text"] for r in rows]
+
+
+def test_prompts_are_separated_by_dashes_and_keep_their_newlines() -> None:
+    assert demo.split_prompts("Q: 1 + 2 = ?\nA:") == ["Q: 1 + 2 = ?\nA:"]
+    assert demo.split_prompts("a red cat\n---\na blue dog\n---\n\n") == ["a red cat", "a blue dog"]
+    assert demo.split_prompts("") == []
+
+
+def test_demo_main_rejects_what_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.demo_main([str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert demo.demo_main([str(tmp_path)]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.demo_main(["--help"])
+    out = capsys.readouterr().out
+    assert "mmalign demo" in out and "--host" in out and "--port" in out
+    args = demo.build_parser().parse_args(["a", "b"])
+    assert args.host == "127.0.0.1" and args.run_dirs == ["a", "b"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=20) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_only_files_inside_the_run_directories_are_served(image_run: Path, tmp_path: Path) -> None:
+    pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
+    import gradio
+
+    outside = tmp_path / "outside_secret.txt"
+    outside.write_text("TOP SECRET outside the runs")
+    sibling = image_run.parent / "img_run_sibling.txt"  # shares the run's name prefix, not its folder
+    sibling.write_text("TOP SECRET sibling")
+    app = demo.launch_app([image_run], "127.0.0.1", free_port(), refresh_s=0, block=False, quiet=True)
+    try:
+        assert app.local_url.startswith("http://127.0.0.1:")
+        major = int(gradio.__version__.split(".")[0])
+        route = app.local_url + ("gradio_api/file=" if major >= 5 else "file=")
+        inside = demo.media_items(demo.load_group(image_run, 1, 0))[0][0][0]
+        status, body = http_get(route + inside)
+        assert status == 200 and body[:8] == b"\x89PNG\r\n\x1a\n"
+        refused = [
+            str(outside),
+            "/etc/passwd",
+            str(sibling),
+            f"{image_run}/../outside_secret.txt",
+            f"{image_run}/samples/../../outside_secret.txt",
+            str(Path(__file__).resolve()),  # the current directory is not served either
+        ]
+        for path in refused:
+            status, body = http_get(route + path)
+            assert status in (403, 404), (path, status)
+            assert b"TOP SECRET" not in body and b"root:" not in body
+    finally:
+        app.close()
