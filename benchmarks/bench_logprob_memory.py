@@ -20,7 +20,7 @@ Two measurements per path, each in its own process:
   once the trainer is built (model loaded, libraries imported). On CPU this peak also holds generation.
 - **log-prob**: the log-prob part alone, on a fixed batch (the first ``--prompts`` prompts, each repeated
   ``--group-size`` times, left-padded; ``--max-new-tokens`` completion tokens drawn uniformly from the
-  whole model vocabulary, all scored): mmalign's ``TextPolicy.evaluate`` (with its shared prompt prefix,
+  whole model vocabulary, all scored): mmalign's ``TextPolicy.action_stats`` (with its shared prompt prefix,
   as in training) or TRL's patched forward exactly as ``GRPOTrainer._get_per_token_logps_and_entropies``
   calls it (``model(..., labels=labels, fused_lm_head=True)``, log-probs and entropy), then the backward
   of the token-mean negative log-prob. After one warm-up run, the peak is reset (``/proc/self/clear_refs``
@@ -146,7 +146,7 @@ def run_logprob(spec: dict[str, Any]) -> dict[str, Any]:
         )
 
         def logprobs() -> Any:
-            return policy.evaluate(rollout).logp
+            return policy.action_stats(rollout).logp
 
     else:
         from transformers import AutoModelForCausalLM

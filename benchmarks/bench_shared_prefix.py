@@ -54,7 +54,7 @@ def _time_evaluate(pol: Any, ro: Any, args: argparse.Namespace, extra: dict[str,
     for i in range(args.repeats + 1):
         pol.model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        logp = pol.evaluate(ro).logp
+        logp = pol.action_stats(ro).logp
         logp.sum().backward()
         dt = time.perf_counter() - t0
         if i:

@@ -440,7 +440,7 @@ class GroupTrainer:
         """num_iterations passes over `batch`, one optimizer step per minibatch."""
         cfg, acc = self.cfg, self.accelerator
         a, t, r_cfg = cfg.algorithm, cfg.trainer, cfg.rollout
-        if a.kl_coef > 0 and not self.policy.kl_in_evaluate:
+        if a.kl_coef > 0 and not self.policy.kl_in_action_stats:
             batch.logp_ref = self.policy.reference_logprobs(batch).detach()
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, float] = defaultdict(float)
@@ -467,7 +467,7 @@ class GroupTrainer:
                     else:
                         ctx = acc.no_sync(self.policy.forward_model)
                     with ctx:
-                        stats = self.policy.evaluate(mu)
+                        stats = self.policy.action_stats(mu)
                         logp = stats.logp
                         logp_old = mu.logp_old if mu.logp_old is not None else logp.detach()
                         mask = mu.mask.to(logp.device)

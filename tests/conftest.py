@@ -96,7 +96,7 @@ def check_shared_prefix_matches_plain():
             if shared is not None:
                 p.shared_prefix = shared
             p.model.zero_grad(set_to_none=True)
-            logp = p.evaluate(ro).logp
+            logp = p.action_stats(ro).logp
             (logp * weights).sum().backward()
             grads = {
                 n: q.grad.clone()
@@ -134,7 +134,7 @@ def check_chunked_matches_full():
         def run(size):
             pol.logprob_chunk_size = size
             pol.model.zero_grad(set_to_none=True)
-            stats = pol.evaluate(ro)
+            stats = pol.action_stats(ro)
             (stats.logp * weights).sum().backward()
             grads = {
                 n: q.grad.clone()

@@ -11,8 +11,8 @@ What the trainer does with a policy, in order:
    then `setup` once, with the run's `RunInfo`.
 2. Every step, per sampling round: `on_train_step`, `rollout`, `materialize` (outputs the rewards
    need and the rollout does not hold yet), rewards, advantages, filtering.
-3. Per microbatch: `evaluate` (with grad); `reference_logprobs` once per step when ``kl_coef > 0`` and
-   not `kl_in_evaluate`; after each optimizer step `after_optimizer_step`.
+3. Per microbatch: `action_stats` (with grad); `reference_logprobs` once per step when ``kl_coef > 0`` and
+   not `kl_in_action_stats`; after each optimizer step `after_optimizer_step`.
 4. Samples: `sample_view` says what each sample looks like in ``samples/`` of the run directory
    (`mmalign.rundir` writes it by kind); checkpoints hold `trainable_state_dict` and `rng_state`; the
    end of training calls `save`.
@@ -39,7 +39,7 @@ SAMPLE_KINDS = ("text", "image", "video", "boxes")
 
 @dataclass
 class ActionStats:
-    """What `Policy.evaluate` returns for a minibatch: per-action quantities, with grad on `logp`."""
+    """What `Policy.action_stats` returns for a minibatch: per-action quantities, with grad on `logp`."""
 
     logp: Tensor
     """Float[B,T] log-probs of the stored actions under the current policy (carries grad)."""
@@ -72,9 +72,9 @@ class Policy(abc.ABC):
     model: torch.nn.Module
     """The trained network, unwrapped; sampling runs it."""
     forward_model: torch.nn.Module
-    """What `evaluate` runs: ``model`` until the trainer swaps in the accelerate-prepared (DDP) wrapper."""
-    kl_in_evaluate: bool = False
-    """`evaluate` fills ``ActionStats.kl`` itself (diffusion: KL on step means), so the trainer does not ask
+    """What `action_stats` runs: ``model`` until the trainer swaps in the accelerate-prepared (DDP) wrapper."""
+    kl_in_action_stats: bool = False
+    """`action_stats` fills ``ActionStats.kl`` itself (diffusion: KL on step means), so the trainer does not ask
     for `reference_logprobs`."""
 
     # ------------------------------------------------------------------ required
@@ -87,7 +87,7 @@ class Policy(abc.ABC):
         is reused for more than one optimizer step, or when `needs_logp_old`)."""
 
     @abc.abstractmethod
-    def evaluate(self, rollout: Rollout) -> ActionStats:
+    def action_stats(self, rollout: Rollout) -> ActionStats:
         """Recompute per-action log-probs of `rollout` with grad (through `forward_model`)."""
 
     @abc.abstractmethod

@@ -23,11 +23,11 @@ one action = one stochastic DDIM step (eta > 0).
   "v_prediction" (SD 2.x) as eps = sqrt(ab_t) v + sqrt(1-ab_t) x, "sample" as eps = (x - sqrt(ab_t) x0) /
   sqrt(1-ab_t). ``clip_sample`` and ``thresholding`` schedulers are refused (SD ships neither).
 - Classifier-free guidance with `guidance_scale` > 1 (negative prompt = empty prompt) on the raw model
-  output, the same in sampling and in `evaluate`, so the log-probs agree (``train_guidance: false``: the
+  output, the same in sampling and in `action_stats`, so the log-probs agree (``train_guidance: false``: the
   log-probs use the conditional branch, as `FlowPolicy`'s CFG-free training).
 - The payload stores, for each trained step j of each sample, x_t (``latents``), x_{t-1}
   (``next_latents``), the step index, the UNet timestep and both alpha-bars, plus the prompt embeddings;
-  `evaluate` re-scores the stored transitions with grad (``prev_sample`` = stored x_{t-1}) so with
+  `action_stats` re-scores the stored transitions with grad (``prev_sample`` = stored x_{t-1}) so with
   unchanged weights exp(logp - logp_old) = 1.
 - KL (optional, ``need_reference``): per step ||mu_theta - mu_ref||^2 / (2 std_t^2) averaged over the
   latent dims. The reference is the same UNet with its LoRA adapter disabled under LoRA

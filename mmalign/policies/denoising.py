@@ -4,9 +4,9 @@ and `DDIMPolicy` (SD 1.x/2.x UNets) only override small hooks.
 
 One stochastic denoising step is one action. `DenoisingPolicy.rollout` encodes the prompts (each distinct
 prompt once, through a cache shared by every subclass), draws the initial noise, runs the `num_steps` steps
-and stores x_t / x_{t+1} and the log-prob of every trained step; `evaluate` and `reference_logprobs` re-score
+and stores x_t / x_{t+1} and the log-prob of every trained step; `action_stats` and `reference_logprobs` re-score
 the stored transitions (``prev_sample`` = stored x_{t+1}), so with unchanged weights the ratio is 1, and
-`evaluate` adds the KL on step means (`mean_kl`) when a reference is used.
+`action_stats` adds the KL on step means (`mean_kl`) when a reference is used.
 
 Hooks a subclass overrides (`FlowPolicy` and `DDIMPolicy` are the worked examples):
 
@@ -320,15 +320,15 @@ class DenoisingPolicy(Policy):
         need_reference: bool,
         lora: bool,
     ) -> None:
-        """Set the shared attributes: ``model`` (the denoiser), ``forward_model`` (what `evaluate` runs; the
+        """Set the shared attributes: ``model`` (the denoiser), ``forward_model`` (what `action_stats` runs; the
         trainer may swap in a DDP wrapper), ``ref_model`` (a frozen copy when a reference is needed without
         LoRA), ``vae`` (frozen), ``generator`` (seeded by ``sampler.seed``, or None), ``latent_size``. A
         subclass calls `_init_trained_steps` once its schedule is known."""
         self.sampler = sampler
         self.model = model
         self.forward_model = model
-        self.kl_in_evaluate = need_reference
-        """`evaluate` returns the KL on step means itself (the trainer then skips reference log-probs)."""
+        self.kl_in_action_stats = need_reference
+        """`action_stats` returns the KL on step means itself (the trainer then skips reference log-probs)."""
         self.vae = vae.eval().requires_grad_(False)
         self.latent_size = latent_size or int(model.config.sample_size)
         self.generator = torch.Generator().manual_seed(sampler.seed) if sampler.seed is not None else None
@@ -704,7 +704,7 @@ class DenoisingPolicy(Policy):
                 raise RuntimeError("no reference model: build the policy with need_reference=True")
             yield self.ref_model
 
-    def evaluate(self, rollout: Rollout) -> ActionStats:
+    def action_stats(self, rollout: Rollout) -> ActionStats:
         """Recompute per-step log-probs with grad (and the mean-difference KL when a reference is used)."""
         logp, kl = self._score(self.forward_model, rollout, grad=True, with_kl=self.need_reference)
         return ActionStats(logp=logp, kl=kl)

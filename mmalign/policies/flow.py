@@ -35,10 +35,10 @@
     restored from checkpoints, so this is resume-safe).
   - otherwise every stochastic step is trained.
 - **Classifier-free guidance** with ``guidance_scale`` > 1 (negative prompt = empty prompt) in sampling.
-  ``train_guidance=True`` (default): `evaluate`, the reference and the recorded ``logp_old`` all use the
+  ``train_guidance=True`` (default): `action_stats`, the reference and the recorded ``logp_old`` all use the
   same CFG velocity v_u + w (v_c - v_u), so the log-probs are those of the sampling policy.
   ``train_guidance=False`` (**"CFG-free training"**, our design): samples are still drawn with the CFG
-  mean, but every log-prob -- ``logp_old`` recorded in `rollout`, `evaluate`, the reference and its KL --
+  mean, but every log-prob -- ``logp_old`` recorded in `rollout`, `action_stats`, the reference and its KL --
   uses the *conditional* velocity v_c alone: log N(x_{t+1}; mu(v_c), std^2) of the stored transition.
   In `rollout` v_c is the conditional half of the very forward pass that gave the CFG velocity (no extra
   forward), so with unchanged weights exp(logp - logp_old) = 1 at init, as for every other mode. This
@@ -48,7 +48,7 @@
   the log-probs are far below those of ``train_guidance=True``. With ``guidance_scale`` <= 1 the option
   has no effect.
 - The payload stores, for each trained step j of each sample, x_t (``latents``), x_{t+1}
-  (``next_latents``), sigma and sigma' and the step index, plus the prompt embeddings; `evaluate`
+  (``next_latents``), sigma and sigma' and the step index, plus the prompt embeddings; `action_stats`
   re-scores the stored transitions with grad (``prev_sample`` = stored x_{t+1}) so with unchanged
   weights exp(logp - logp_old) = 1.
 - KL (optional, ``need_reference``): per step ||mu_theta - mu_ref||^2 / (2 sigma_t^2) averaged over

@@ -3,7 +3,7 @@
 
 Everything that does not depend on the network is inherited unchanged from `mmalign.policies.flow`: the
 step kinds (``flow_sde``, ``cps``, ``dance``), the trained-step selection (``train_fraction``, random and
-sliding windows), the payload, the re-scoring in `evaluate`, the KL on step means, LoRA and the reference.
+sliding windows), the payload, the re-scoring in `action_stats`, the KL on step means, LoRA and the reference.
 What differs for Flux:
 
 - **Packed latents.** The policy's state x keeps the unpacked VAE layout [B, C, h, w] everywhere (the
@@ -23,7 +23,7 @@ What differs for Flux:
   is encoded once (`DenoisingPolicy.conditioning`'s cache).
 - **Guidance.** FLUX.1-dev (``transformer.config.guidance_embeds``) is guidance-distilled: ``guidance_scale``
   is fed to the transformer as its ``guidance`` input, one forward per velocity -- in sampling, in
-  `evaluate`, for the reference and for ``logp_old`` alike, so the log-probs are those of the sampling
+  `action_stats`, for the reference and for ``logp_old`` alike, so the log-probs are those of the sampling
   policy. FLUX.1-schnell (no guidance embedding) gets no guidance and ignores ``guidance_scale``.
   Two-branch classifier-free guidance (negative prompt) is never used for Flux, so ``train_guidance``
   (FlowPolicy's "CFG-free training") has nothing to choose: it is accepted, ignored and stored as True.

@@ -95,7 +95,7 @@ class TextPolicy(Policy):
             raise ValueError("pass loop_kwargs / environment only with a loop name, not with a loop object")
         self.model = model
         self.forward_model = model
-        """What `evaluate` runs (the trainer swaps in the DDP-wrapped model; generation uses `model`)."""
+        """What `action_stats` runs (the trainer swaps in the DDP-wrapped model; generation uses `model`)."""
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
@@ -933,7 +933,7 @@ class TextPolicy(Policy):
             rest = model(**inputs).logits
         return torch.cat([last_p[inverse], rest[:, :-1, :]], dim=1)
 
-    def evaluate(self, rollout: Rollout) -> ActionStats:
+    def action_stats(self, rollout: Rollout) -> ActionStats:
         """Per-token log-probs of the stored completions, with grad, and their entropies (logged as
         ``entropy``, read by `mmalign doctor`'s entropy-collapse check)."""
         entropy: list[Tensor] = []

@@ -12,7 +12,7 @@ the text. Sampling, temperature-scaled log-probs and the action mask work as in 
   (batch-first tensors), the completion ids, and the vision inputs as PER-SAMPLE LISTS:
   ``pixel_values`` [i] = Float[patches_i, D] (Qwen2-VL concatenates patches over the batch, so
   only per-sample storage slices consistently with `Rollout.__getitem__`), ``image_grid_thw`` [i]
-  = Long[images_i, 3], and ``pixel_values_videos`` / ``video_grid_thw`` likewise; `evaluate`
+  = Long[images_i, 3], and ``pixel_values_videos`` / ``video_grid_thw`` likewise; `action_stats`
   re-concatenates the entries of the samples in its minibatch;
 - log-probs are recomputed with grad from one forward over prompt + completion (M-RoPE positions
   are computed by the model from ``mm_token_type_ids`` and the grids); the action mask covers

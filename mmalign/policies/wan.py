@@ -3,7 +3,7 @@
 `WanPolicy` is a `mmalign.policies.flow.FlowPolicy` in everything that does not depend on the network: the
 step kinds of `mmalign.sde` (``flow_sde``, ``cps``, ``dance``) with their ``noise_level``, the trained-step
 selection (``train_fraction``, random and sliding windows), classifier-free guidance (``guidance_scale``,
-``train_guidance``), the payload of stored transitions, `evaluate` / the reference / the KL on step means and
+``train_guidance``), the payload of stored transitions, `action_stats` / the reference / the KL on step means and
 the private generator -- all through `mmalign.policies.denoising.DenoisingPolicy`'s hooks; no loop is copied
 here (it inherits FlowPolicy's step methods but has its own constructor: no SD3 text encoders). What Wan
 changes:
@@ -156,7 +156,7 @@ class _LRU(OrderedDict):
 class WanExperts(torch.nn.Module):
     """Wan2.2's two experts as one module: ``high`` (the folder's ``transformer``) and ``low``
     (``transformer_2``). `forward` takes the transformer's keywords plus ``expert`` Long[B] (0 high, 1 low) and
-    runs each sample through its expert (one call per expert present), so `evaluate` and a DDP wrapper see a
+    runs each sample through its expert (one call per expert present), so `action_stats` and a DDP wrapper see a
     single module and a single forward."""
 
     def __init__(self, high: torch.nn.Module, low: torch.nn.Module) -> None:
@@ -326,7 +326,7 @@ class WanPolicy(FlowPolicy):
             lora=lora,
         )
         if share:
-            self.need_reference = self.kl_in_evaluate = True
+            self.need_reference = self.kl_in_action_stats = True
             trained = transformer if train_expert == "high" else transformer_2
             ref = copy.deepcopy(trained).eval().requires_grad_(False)
             pair = (ref, transformer_2) if train_expert == "high" else (transformer, ref)

@@ -551,7 +551,7 @@ def evaluate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mmalign.tiny.medloc``: regenerate assets/medloc; ``... eval MODEL [JSONL]``: `evaluate`."""
+    """``python -m mmalign.tiny.medloc``: regenerate assets/medloc; ``... eval MODEL [JSONL]``: `action_stats`."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv

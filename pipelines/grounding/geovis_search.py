@@ -490,7 +490,7 @@ class TreeSearchPolicy(Policy):
     the search is deterministic and the `group_size` samples of a row are copies of one search; with
     ``temperature > 0`` each sample runs its own search, expanding actions in a random order (seeded from
     torch's generator, so ``eval.seed`` fixes it) and sampling the box predictions at that temperature.
-    `evaluate` / `reference_logprobs` / `save` raise (``INFERENCE_ONLY``); trainable parameters and
+    `action_stats` / `reference_logprobs` / `save` raise (``INFERENCE_ONLY``); trainable parameters and
     state are the wrapped policy's, so a trained checkpoint loads into it."""
 
     def __init__(
@@ -611,7 +611,7 @@ class TreeSearchPolicy(Policy):
         return out
 
     # ------------------------------------------------------------------ refused
-    def evaluate(self, rollout: Rollout) -> ActionStats:
+    def action_stats(self, rollout: Rollout) -> ActionStats:
         raise RuntimeError(INFERENCE_ONLY)
 
     def reference_logprobs(self, rollout: Rollout) -> Tensor:

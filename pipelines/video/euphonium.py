@@ -91,7 +91,7 @@ class GuidedWanPolicy(WanPolicy):
     Hooks used (no loop is copied): `shift_step_mean` moves each SDE step's mean by s * g / ||g|| and records the
     step's process reward and the guided-drift velocity; `rollout_outputs` puts them in the rollout
     (``outputs["process_rewards"]`` Float[B, T], ``payload["guided_velocity"]`` Float[B, T, C, F, h, w]);
-    `evaluate` adds the distillation loss ``drift_distill`` (MSE between the network's velocity at each trained
+    `action_stats` adds the distillation loss ``drift_distill`` (MSE between the network's velocity at each trained
     step and the stored guided velocity) to the auxiliary terms. `configure_guidance` must be called once."""
 
     reward_fn: Callable[[Tensor], Tensor] | None = None
@@ -226,15 +226,15 @@ class GuidedWanPolicy(WanPolicy):
             self._captured.append(prediction)  # the trained network's velocity at a re-scored step
         return super().step(prediction, latents, sched, **kw)
 
-    def evaluate(self, rollout: Rollout) -> ActionStats:
-        """The log-probs (and KL) of `WanPolicy.evaluate`, plus ``drift_distill`` when distilling."""
+    def action_stats(self, rollout: Rollout) -> ActionStats:
+        """The log-probs (and KL) of `WanPolicy.action_stats`, plus ``drift_distill`` when distilling."""
         if not self.distill:
-            return super().evaluate(rollout)
+            return super().action_stats(rollout)
         from pipelines.video.guidance import drift_distillation_loss
 
         self._captured = []
         try:
-            stats = super().evaluate(rollout)
+            stats = super().action_stats(rollout)
             captured = self._captured
         finally:
             self._captured = None

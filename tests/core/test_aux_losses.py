@@ -49,7 +49,7 @@ class WeightPolicy(Policy):
             logp_old=self._logp(self.model, n) if compute_logp else None,
         )
 
-    def evaluate(self, rollout: Rollout) -> ActionStats:
+    def action_stats(self, rollout: Rollout) -> ActionStats:
         stats = ActionStats(logp=self._logp(self.forward_model, len(rollout)))
         stats.aux_losses[self.aux_name] = self.forward_model.weight.pow(2).mean()
         return stats

@@ -207,9 +207,9 @@ def test_a_head_the_chunked_path_cannot_see_is_reported(random_text_model_dir: P
 
     pol.model.register_forward_hook(logit_scale, with_kwargs=True)
     with pytest.raises(ChunkedLogprobError, match="model.logprob_chunk_size: null"):
-        pol.evaluate(ro)
+        pol.action_stats(ro)
     pol.logprob_chunk_size = None
-    pol.evaluate(ro)  # the full path works
+    pol.action_stats(ro)  # the full path works
 
 
 def test_config_key_is_validated(tmp_path: Path) -> None:

@@ -240,11 +240,11 @@ def test_vlm_multi_turn_logprobs_equal_one_plain_forward(vlm_multi: tuple[VLMPol
 
 def test_vlm_multi_turn_ratio_is_one_and_slices(vlm_multi: tuple[VLMPolicy, Any, ZoomEnv]) -> None:
     pol, ro, _ = vlm_multi
-    stats = pol.evaluate(ro)
+    stats = pol.action_stats(ro)
     assert stats.logp.requires_grad
     torch.testing.assert_close(stats.logp.detach(), ro.logp_old, atol=1e-6, rtol=0)
     idx = [3, 0, 2]  # a reordered minibatch: per-sample image lists are re-joined in the new order
-    torch.testing.assert_close(pol.evaluate(ro[idx]).logp.detach(), ro.logp_old[idx], atol=1e-6, rtol=0)
+    torch.testing.assert_close(pol.action_stats(ro[idx]).logp.detach(), ro.logp_old[idx], atol=1e-6, rtol=0)
 
 
 def test_vlm_second_turn_sees_the_inserted_image(vlm_multi: tuple[VLMPolicy, Any, ZoomEnv]) -> None:
@@ -260,7 +260,7 @@ def test_vlm_second_turn_sees_the_inserted_image(vlm_multi: tuple[VLMPolicy, Any
         sub.payload["pixel_values"] = list(sub.payload["pixel_values"])
         sub.payload["pixel_values"][i] = pix
     with torch.no_grad():
-        other = pol.evaluate(sub).logp
+        other = pol.action_stats(sub).logp
     for i in range(2):
         (s1, e1, _), _, (s2, e2, _) = runs(sub, i)
         torch.testing.assert_close(other[i, s1:e1], ro.logp_old[i, s1:e1], atol=1e-6, rtol=0)
@@ -284,7 +284,7 @@ def test_vlm_inserted_tokens_get_no_gradient(vlm_multi: tuple[VLMPolicy, Any, Zo
     pol.shared_prefix = shared
     pol.logprob_chunk_size = None  # the full-logits path: [B, T, V] logits whose gradient can be read
     try:
-        logp = pol.evaluate(ro).logp
+        logp = pol.action_stats(ro).logp
     finally:
         pol.shared_prefix, pol.logprob_chunk_size = old_shared, old_chunk
         handle.remove()
@@ -329,10 +329,10 @@ def test_vlm_chunked_logprobs_never_score_inserted_tokens(vlm_multi: tuple[VLMPo
     try:
         pol.logprob_chunk_size = 5
         with torch.no_grad():
-            chunked = pol.evaluate(ro).logp
+            chunked = pol.action_stats(ro).logp
         pol.logprob_chunk_size = None
         with torch.no_grad():
-            full = pol.evaluate(ro).logp
+            full = pol.action_stats(ro).logp
     finally:
         pol.logprob_chunk_size = old_chunk
         handle.remove()
@@ -427,7 +427,7 @@ def test_text_multi_turn_logprobs_equal_one_plain_forward(text_multi: tuple[Text
         m = ro.mask[i, :n]
         torch.testing.assert_close(ro.logp_old[i, :n][m], ref[m], atol=1e-5, rtol=0)
         assert ro.outputs["inserted_texts"][i] == [f"Tool says {j}." for j in range(k)]
-    torch.testing.assert_close(pol.evaluate(ro).logp.detach(), ro.logp_old, atol=1e-6, rtol=0)
+    torch.testing.assert_close(pol.action_stats(ro).logp.detach(), ro.logp_old, atol=1e-6, rtol=0)
 
 
 def test_text_multi_turn_shared_prefix_equals_plain_forward(
@@ -617,4 +617,4 @@ def test_single_turn_is_the_plain_rollout(random_text_model_dir: Path, vlm_dir: 
         for shared in (True, False):
             pol.shared_prefix = shared
             with torch.no_grad():
-                assert torch.equal(pol.evaluate(legacy).logp, pol.evaluate(a).logp)
+                assert torch.equal(pol.action_stats(legacy).logp, pol.action_stats(a).logp)

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tests.core.test_trainer import make_cfg, make_trainer, read_metrics
 
 from mmalign.rollout_loops import Done, Insert, TurnContext
 from rewards import Reward, RewardBatch
+from tests.core.test_trainer import make_cfg, make_trainer, read_metrics
 
 
 class CountsOddLengths(Reward):

@@ -371,8 +371,8 @@ def test_config_does_not_import_pipelines_and_imports_only_the_named_pipeline():
         cfg = mmalign.config.load_config("configs/vlm_reasoning-tiny.yaml")
         assert type(cfg.options).__name__ == "VLMOptions"
         loaded = sorted(m for m in sys.modules if m.startswith("pipelines."))
-        # vlm_reasoning imports text_reasoning itself (policy_kwargs); the diffusion pipelines stay unloaded
-        assert loaded == ["pipelines.text_reasoning", "pipelines.vlm_reasoning"], loaded
+        # vlm_reasoning imports the shared helpers (pipelines.common); no other pipeline is loaded
+        assert loaded == ["pipelines.common", "pipelines.vlm_reasoning"], loaded
         print("ok")
         """
     )

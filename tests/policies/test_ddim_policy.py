@@ -59,7 +59,7 @@ def test_tiny_pipeline_round_trip(pipe_dir, tmp_path):
 def test_other_prediction_types_ratio_is_one(pipe_dir, prediction_type):
     pol = DDIMPolicy(*with_scheduler(pipe_dir, prediction_type=prediction_type), num_steps=3, seed=0)
     r = pol.rollout(ROWS, 2, compute_logp=True)
-    torch.testing.assert_close(pol.evaluate(r).logp.detach(), r.logp_old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pol.action_stats(r).logp.detach(), r.logp_old, atol=1e-5, rtol=0)
 
 
 def test_logprob_matches_an_independent_computation(pipe_dir):
@@ -99,7 +99,7 @@ def test_final_step_to_clean_sample_is_deterministic(pipe_dir):
     r = pol.rollout(ROWS, 2, compute_logp=True)
     assert r.mask.shape == (4, 3) and r.payload["step_index"][0].tolist() == [0, 1, 2]
     assert (r.payload["alpha_bar_prev"] < 1).all()
-    torch.testing.assert_close(pol.evaluate(r).logp.detach(), r.logp_old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pol.action_stats(r).logp.detach(), r.logp_old, atol=1e-5, rtol=0)
     # the output is the eta=0 step from the last stored x_{t-1}: x0_hat = (x - sqrt(1-ab) eps) / sqrt(ab)
     x = r.payload["next_latents"][:, -1]
     ab = float(pol.scheduler.alphas_cumprod[1])

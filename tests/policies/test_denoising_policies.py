@@ -188,11 +188,11 @@ def test_reevaluate_ratio_is_one(request: pytest.FixtureRequest, policy: str, op
             4,
             16,
         )
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     ratio = torch.exp(stats.logp - r.logp_old)
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
     sub = r[[1, 2]]  # also on a minibatch slice
-    torch.testing.assert_close(pol.evaluate(sub).logp.detach(), sub.logp_old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pol.action_stats(sub).logp.detach(), sub.logp_old, atol=1e-5, rtol=0)
     if opts.get("need_reference"):
         if "window_size" in opts:
             assert (r.payload["step_index"][:, 1] - r.payload["step_index"][:, 0] == 1).all()
@@ -205,7 +205,7 @@ def test_reevaluate_ratio_is_one(request: pytest.FixtureRequest, policy: str, op
 def test_gradients_reach_the_denoiser(case: Case) -> None:
     pol = case.make(**({"guidance_scale": 2.0} if case.name == "ddim" else {}))
     r = pol.rollout(ROWS, 2, compute_logp=True)
-    pol.evaluate(r).logp.sum().backward()
+    pol.action_stats(r).logp.sum().backward()
     grads = [p.grad for p in pol.trainable_parameters() if p.grad is not None]
     assert grads and any(g.abs().sum() > 0 for g in grads)
     assert all(p.grad is None for m in frozen_modules(pol) for p in m.parameters())
@@ -249,7 +249,7 @@ def test_sliding_window_trains_the_scheduled_steps(case: Case) -> None:
     pol.on_train_step(4)
     r = pol.rollout(ROWS, 2)
     assert r.payload["step_index"][0].tolist() == [2, 3]
-    ratio = torch.exp(pol.evaluate(r).logp - r.logp_old)
+    ratio = torch.exp(pol.action_stats(r).logp - r.logp_old)
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
     # window_range bounds the slide; the stride moves it by more than one step
     pol = case.make(
@@ -271,7 +271,7 @@ def test_kl_zero_at_start_and_save_load(case: Case, tmp_path: Path) -> None:
     pol = case.make(need_reference=True)
     r = pol.rollout(ROWS, 2, compute_logp=True)
     t = pol.num_steps
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     assert stats.kl is not None and stats.kl.shape == (4, t)
     torch.testing.assert_close(stats.kl.detach(), torch.zeros(4, t), atol=1e-8, rtol=0)
     torch.testing.assert_close(pol.reference_logprobs(r), r.logp_old, atol=1e-5, rtol=0)
@@ -279,7 +279,7 @@ def test_kl_zero_at_start_and_save_load(case: Case, tmp_path: Path) -> None:
     with torch.no_grad():
         for p in pol.trainable_parameters():
             p.add_(0.01)
-    assert (pol.evaluate(r).kl.detach() > 0).any()
+    assert (pol.action_stats(r).kl.detach() > 0).any()
     pol.load_trainable_state_dict(state)
     with torch.no_grad():
         pol.model.get_parameter(case.changed_param).add_(0.1)  # a change the saved folder must carry
@@ -287,8 +287,8 @@ def test_kl_zero_at_start_and_save_load(case: Case, tmp_path: Path) -> None:
     again = case.load(tmp_path / "out")
     for (n, p), (_, q) in zip(pol.model.named_parameters(), again.model.named_parameters(), strict=True):
         assert torch.equal(p, q), n
-    expected = pol.evaluate(r).logp.detach()
-    torch.testing.assert_close(again.evaluate(r).logp.detach(), expected, atol=1e-6, rtol=0)
+    expected = pol.action_stats(r).logp.detach()
+    torch.testing.assert_close(again.action_stats(r).logp.detach(), expected, atol=1e-6, rtol=0)
 
 
 def test_lora_reference_is_disabled_adapter(case: Case, tmp_path: Path) -> None:
@@ -297,13 +297,13 @@ def test_lora_reference_is_disabled_adapter(case: Case, tmp_path: Path) -> None:
     assert names and all("lora_" in n for n in names)
     r = pol.rollout(ROWS, 2, compute_logp=True)
     t = pol.num_steps
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     torch.testing.assert_close(stats.kl.detach(), torch.zeros(4, t), atol=1e-8, rtol=0)
     with torch.no_grad():
         for n, p in pol.model.named_parameters():
             if "lora_B" in n:
                 p.add_(0.5)
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     assert (stats.kl.detach() > 0).any()
     torch.testing.assert_close(pol.reference_logprobs(r), r.logp_old, atol=1e-5, rtol=0)  # adapter off = base
     assert not torch.allclose(stats.logp.detach(), r.logp_old, atol=1e-4)
@@ -313,9 +313,9 @@ def test_lora_reference_is_disabled_adapter(case: Case, tmp_path: Path) -> None:
     pol.save(tmp_path / "merged")
     assert (tmp_path / "merged" / case.lora_dir).is_dir()
     merged = case.load(tmp_path / "merged")
-    torch.testing.assert_close(merged.evaluate(r).logp.detach(), stats.logp.detach(), **case.merged_tol)
+    torch.testing.assert_close(merged.action_stats(r).logp.detach(), stats.logp.detach(), **case.merged_tol)
     base = case.make()
-    assert not torch.allclose(base.evaluate(r).logp.detach(), stats.logp.detach(), atol=1e-6)
+    assert not torch.allclose(base.action_stats(r).logp.detach(), stats.logp.detach(), atol=1e-6)
 
 
 def test_group_trainer_runs_the_policy(case: Case, tmp_path: Path) -> None:
@@ -448,7 +448,7 @@ def test_zero_mean_shift_is_the_plain_path(case: Case) -> None:
     for key in ("latents", "next_latents"):
         assert torch.equal(rp.payload[key], rz.payload[key]), key
     assert torch.equal(rp.outputs["latents"], rz.outputs["latents"]) and torch.equal(rp.logp_old, rz.logp_old)
-    assert torch.equal(plain.evaluate(rp).logp, zero.evaluate(rz).logp)
+    assert torch.equal(plain.action_stats(rp).logp, zero.action_stats(rz).logp)
 
 
 def test_constant_mean_shift_is_sampled_scored_and_rescored(case: Case) -> None:
@@ -478,14 +478,14 @@ def test_constant_mean_shift_is_sampled_scored_and_rescored(case: Case) -> None:
         mu, std = step.mean + c, step.std.expand_as(x)
         density = -((x_next - mu) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
         torch.testing.assert_close(r.logp_old[:, j], density.flatten(1).mean(1), atol=1e-4, rtol=1e-5)
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     torch.testing.assert_close(
         torch.exp(stats.logp - r.logp_old), torch.ones_like(r.logp_old), atol=1e-5, rtol=0
     )
     torch.testing.assert_close(stats.kl.detach(), torch.zeros_like(stats.kl), atol=1e-8, rtol=0)
     torch.testing.assert_close(pol.reference_logprobs(r), r.logp_old, atol=1e-5, rtol=0)
     sub = r[[0, 3]]
-    torch.testing.assert_close(pol.evaluate(sub).logp.detach(), sub.logp_old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pol.action_stats(sub).logp.detach(), sub.logp_old, atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------- 5-D latents (video-like)
@@ -585,12 +585,12 @@ def test_video_latents_rollout_evaluate_and_decode(opts: dict) -> None:
     if opts.get("same_initial_noise"):
         x0 = pol._initial_noise(r.group)
         assert x0.shape == (4, 2, 3, 4, 4) and torch.equal(x0[0], x0[1]) and not torch.equal(x0[0], x0[2])
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     ratio = torch.exp(stats.logp - r.logp_old)
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
     torch.testing.assert_close(stats.kl.detach(), torch.zeros_like(stats.kl), atol=1e-8, rtol=0)
     sub = r[[1, 2]]
-    torch.testing.assert_close(pol.evaluate(sub).logp.detach(), sub.logp_old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pol.action_stats(sub).logp.detach(), sub.logp_old, atol=1e-5, rtol=0)
     stats.logp.sum().backward()
     assert pol.model.conv.weight.grad is not None and pol.model.conv.weight.grad.abs().sum() > 0
     # decoded frame by frame: videos [B, F, 3, H, W]

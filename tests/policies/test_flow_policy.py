@@ -51,7 +51,7 @@ def test_kl_divides_by_sigma_t_without_sqrt_dt(pipe_dir, kind, level):
     with torch.no_grad():
         for p in pol.trainable_parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-        kl = pol.evaluate(r).kl
+        kl = pol.action_stats(r).kl
         pay = r.payload
         fallback = float(pay["sigma_max_fallback"][0])
         for j in range(r.num_actions):
@@ -91,7 +91,7 @@ def test_step_kinds_ratio_one(pipe_dir, kind):
     # CPS's final step to sigma' = 0 has std 0: an ODE step, never trained
     expected = [0, 1, 2] if kind == "cps" else [0, 1, 2, 3]
     assert pol.stochastic_steps == expected and (r.payload["step_index"] == torch.tensor(expected)).all()
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     torch.testing.assert_close(
         torch.exp(stats.logp - r.logp_old), torch.ones_like(r.logp_old), atol=1e-5, rtol=0
     )
@@ -111,7 +111,7 @@ def test_cps_log_prob_option(pipe_dir):
     expected = sq.logp_old / (2 * sigma_t**2) - torch.log(sigma_t) - 0.5 * math.log(2 * math.pi)
     torch.testing.assert_close(gauss.logp_old, expected, rtol=1e-4, atol=1e-4)
     assert bool((sq.logp_old <= 0).all())  # -mean((x' - mu)^2)
-    ratio = torch.exp(gauss_pol.evaluate(gauss).logp - gauss.logp_old)
+    ratio = torch.exp(gauss_pol.action_stats(gauss).logp - gauss.logp_old)
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="cps_log_prob must be one of squared_error, gaussian"):
         make(pipe_dir, sde_kind="cps", noise_level=0.5, cps_log_prob="full")
@@ -154,14 +154,14 @@ def test_cfg_free_training_scores_the_conditional_branch(pipe_dir):
         r_free.payload["next_latents"], r_cfg.payload["next_latents"], atol=1e-6, rtol=0
     )
     assert not torch.allclose(r_free.logp_old, r_cfg.logp_old, atol=1e-4)
-    stats = free.evaluate(r_free)
+    stats = free.action_stats(r_free)
     torch.testing.assert_close(torch.exp(stats.logp - r_free.logp_old), torch.ones(4, 4), atol=1e-5, rtol=0)
     torch.testing.assert_close(stats.kl.detach(), torch.zeros(4, 4), atol=1e-8, rtol=0)
     # scoring the CFG rollout's transitions conditionally gives the CFG-free rollout's log-probs
-    torch.testing.assert_close(free.evaluate(r_cfg).logp.detach(), r_free.logp_old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(free.action_stats(r_cfg).logp.detach(), r_free.logp_old, atol=1e-5, rtol=0)
     # ... and a guidance-free policy (guidance_scale 1) scores them the same way
     plain = make(pipe_dir)
-    torch.testing.assert_close(plain.evaluate(r_cfg).logp.detach(), r_free.logp_old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(plain.action_stats(r_cfg).logp.detach(), r_free.logp_old, atol=1e-5, rtol=0)
     stats.logp.sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in free.trainable_parameters())
 
@@ -237,7 +237,7 @@ def test_flow_policy_on_the_three_encoder_folder(sd3_dir, tmp_path):
     pe, po = pol.encode_prompt(["a red cat"])
     assert pe.shape == (1, 16 + 8, 32) and po.shape == (1, 16)
     r = pol.rollout(ROWS, 2)
-    ratio = torch.exp(pol.evaluate(r).logp - r.logp_old)
+    ratio = torch.exp(pol.action_stats(r).logp - r.logp_old)
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
     pol.save(tmp_path / "out")
     for sub in (
@@ -256,7 +256,7 @@ def test_flow_policy_on_the_three_encoder_folder(sd3_dir, tmp_path):
     again = FlowPolicy.from_pretrained(
         tmp_path / "out", num_steps=3, max_sequence_length=8, guidance_scale=2.0
     )
-    torch.testing.assert_close(again.evaluate(r).logp.detach(), r.logp_old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(again.action_stats(r).logp.detach(), r.logp_old, atol=1e-5, rtol=0)
     pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "out")  # the layout diffusers reads
     assert pipe.text_encoder_3 is not None and pipe.tokenizer_3 is not None
 

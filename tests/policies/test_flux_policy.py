@@ -228,15 +228,15 @@ def test_lora_save_and_reload(dev_dir: Path, tmp_path: Path) -> None:
         for n, p in pol.model.named_parameters():
             if "lora_B" in n:
                 p.add_(0.3)
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     assert (stats.kl.detach() > 0).any()
     torch.testing.assert_close(pol.reference_logprobs(r), r.logp_old, atol=1e-5, rtol=0)  # adapter off = base
     pol.save(tmp_path / "out")
     assert (tmp_path / "out" / "transformer_lora").is_dir() and (tmp_path / "out" / "text_encoder_2").is_dir()
     again = make(tmp_path / "out")
     assert not again.lora
-    torch.testing.assert_close(again.evaluate(r).logp.detach(), stats.logp.detach(), atol=1e-5, rtol=0)
-    assert not torch.allclose(make(dev_dir).evaluate(r).logp.detach(), stats.logp.detach(), atol=1e-6)
+    torch.testing.assert_close(again.action_stats(r).logp.detach(), stats.logp.detach(), atol=1e-5, rtol=0)
+    assert not torch.allclose(make(dev_dir).action_stats(r).logp.detach(), stats.logp.detach(), atol=1e-6)
     from diffusers import FluxPipeline
 
     assert FluxPipeline.from_pretrained(tmp_path / "out").transformer.config.guidance_embeds

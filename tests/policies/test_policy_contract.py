@@ -11,7 +11,7 @@ full fine-tuning and with LoRA:
   (frozen base weights under LoRA, VAE, text encoders, reference copy);
 - under LoRA, `reference_logprobs` is the adapter-off model (computed here with peft / diffusers' own
   adapter switch, and with the base model loaded afresh), after the adapter was perturbed;
-- with a reference, the KL is 0 before any update (the policy's own KL in `evaluate` for diffusion, k1/k2/k3
+- with a reference, the KL is 0 before any update (the policy's own KL in `action_stats` for diffusion, k1/k2/k3
   from `reference_logprobs` for text / VLM), and not 0 after a change of the weights;
 - `trainable_state_dict` / `load_trainable_state_dict` restore the log-probs exactly, and `save` writes a
   folder that the policy's own `from_pretrained` loads back with the saved weights;
@@ -369,9 +369,9 @@ def fresh_rollout(pol: Policy, b: Built, *, compute_logp: bool = True, seed: int
 
 
 def logp_of(pol: Policy, r: Rollout) -> Tensor:
-    """`evaluate`'s log-probs without grad, 0 on masked-out actions."""
+    """`action_stats`'s log-probs without grad, 0 on masked-out actions."""
     with torch.no_grad():
-        return pol.evaluate(r).logp.detach().masked_fill(~r.mask, 0.0)
+        return pol.action_stats(r).logp.detach().masked_fill(~r.mask, 0.0)
 
 
 def masked(x: Tensor, r: Rollout) -> Tensor:
@@ -427,7 +427,7 @@ def lora_b(pol: Policy) -> list[torch.nn.Parameter]:
 
 @torch.no_grad()
 def adapter_off_logp(pol: Policy, r: Rollout) -> Tensor:
-    """`evaluate`'s log-probs with the LoRA adapter switched off by the libraries themselves: peft's
+    """`action_stats`'s log-probs with the LoRA adapter switched off by the libraries themselves: peft's
     ``disable_adapter()`` context (transformers models wrapped by peft), or diffusers'
     ``disable_adapters()`` / ``enable_adapters()`` (denoisers with ``add_adapter``)."""
     model = pol.model
@@ -451,7 +451,7 @@ ATOL = 1e-5
 def test_is_a_policy(built: Built) -> None:
     pol = built.make()
     assert isinstance(pol, Policy)
-    assert isinstance(pol.kl_in_evaluate, bool)
+    assert isinstance(pol.kl_in_action_stats, bool)
     assert pol.forward_model is pol.model
     names = [n for n, p in pol.model.named_parameters() if p.requires_grad]
     if built.case.lora:
@@ -469,13 +469,13 @@ def test_ratio_is_one_on_reevaluation(built: Built) -> None:
     r = fresh_rollout(pol, built)
     assert r.logp_old is not None and r.logp_old.shape == r.mask.shape
     assert bool(torch.isfinite(r.logp_old[r.mask]).all())
-    logp = masked(pol.evaluate(r).logp, r)
+    logp = masked(pol.action_stats(r).logp, r)
     torch.testing.assert_close(logp, masked(r.logp_old, r), atol=ATOL, rtol=1e-5)
     # and a minibatch slice (another order) gives the same numbers
     idx = [3, 0, 2]
     sub = r[idx]
     torch.testing.assert_close(
-        masked(pol.evaluate(sub).logp, sub), masked(sub.logp_old, sub), atol=ATOL, rtol=1e-5
+        masked(pol.action_stats(sub).logp, sub), masked(sub.logp_old, sub), atol=ATOL, rtol=1e-5
     )
 
 
@@ -488,7 +488,7 @@ def test_gradients_reach_only_trainable_parameters(built: Built) -> None:
     assert trainable and frozen
     pol.model.train()
     pol.model.zero_grad(set_to_none=True)
-    (pol.evaluate(r).logp * r.mask).sum().backward()
+    (pol.action_stats(r).logp * r.mask).sum().backward()
     no_grad = [n for n, p in trainable if p.grad is None]
     assert not no_grad, f"trainable parameters without a gradient: {no_grad[:5]}"
     bad = [n for n, p in trainable if not bool(torch.isfinite(p.grad).all())]
@@ -521,13 +521,13 @@ def test_lora_reference_is_the_adapter_off_model(built_lora: Built) -> None:
 
 
 def _kl(pol: Policy, r: Rollout, estimator: str) -> Tensor:
-    if pol.kl_in_evaluate:
-        stats = pol.evaluate(r)
+    if pol.kl_in_action_stats:
+        stats = pol.action_stats(r)
         assert stats.kl is not None and stats.kl.shape == r.mask.shape, (
-            "kl_in_evaluate without ActionStats.kl"
+            "kl_in_action_stats without ActionStats.kl"
         )
         return masked(stats.kl, r)
-    logp = pol.evaluate(r).logp
+    logp = pol.action_stats(r).logp
     ref = pol.reference_logprobs(r)
     return masked(losses.kl(logp, ref.to(logp.device), estimator, mask=r.mask.to(logp.device)), r)
 
@@ -538,7 +538,7 @@ def test_kl_is_zero_at_initialisation(built: Built) -> None:
     for est in ("k1", "k2", "k3"):
         kl = _kl(pol, r, est)
         assert float(kl.abs().max()) <= 1e-6, (est, float(kl.abs().max()))
-        if pol.kl_in_evaluate:
+        if pol.kl_in_action_stats:
             break  # the policy's own KL does not depend on the estimator
     perturb(lora_b(pol) if built.case.lora else pol.trainable_parameters(), scale=0.2)
     assert float(_kl(pol, r, "k3").abs().max()) > 1e-6, "the KL stays 0 after the weights changed"

@@ -116,18 +116,18 @@ def test_logprobs_equal_generate_scores_with_left_padding(random_text_model_dir:
         prompts=PROMPTS,
         payload={"prompt_ids": ids, "prompt_mask": att, "completion_ids": comp.masked_fill(~mask, 1)},
     )
-    logp = pol.evaluate(ro).logp
+    logp = pol.action_stats(ro).logp
     assert torch.allclose(logp[mask], ref[mask], atol=1e-4), (logp[mask] - ref[mask]).abs().max()
 
 
 def test_ratio_is_one_on_unchanged_weights(random_text_model_dir: Path) -> None:
     pol = _policy(random_text_model_dir)
     ro = pol.rollout(_rows(PROMPTS), 2, compute_logp=True)
-    logp = pol.evaluate(ro).logp
+    logp = pol.action_stats(ro).logp
     assert torch.allclose(logp.detach(), ro.logp_old, atol=1e-6)
     # and a minibatch slice gives the same numbers
     sub = ro[[1, 4, 6]]
-    assert torch.allclose(pol.evaluate(sub).logp.detach(), ro.logp_old[[1, 4, 6]], atol=1e-6)
+    assert torch.allclose(pol.action_stats(sub).logp.detach(), ro.logp_old[[1, 4, 6]], atol=1e-6)
 
 
 def test_stop_lengths_find_the_token_that_completes_the_stop_string(random_text_model_dir: Path) -> None:
@@ -178,7 +178,7 @@ def test_lora_reference_is_the_base_model(random_text_model_dir: Path) -> None:
                 p.add_(0.5)
     ref = pol.reference_logprobs(ro)
     assert torch.allclose(ref, ro.logp_old, atol=1e-5)
-    assert not torch.allclose(pol.evaluate(ro).logp.detach(), ro.logp_old, atol=1e-3)
+    assert not torch.allclose(pol.action_stats(ro).logp.detach(), ro.logp_old, atol=1e-3)
 
 
 def test_full_finetune_reference_is_a_frozen_copy(random_text_model_dir: Path) -> None:
@@ -257,7 +257,7 @@ def test_token_entropy_against_a_plain_loop() -> None:
 def test_evaluate_returns_entropy_of_the_sampled_distribution(random_text_model_dir: Path) -> None:
     pol = _policy(random_text_model_dir)
     ro = pol.rollout(_rows(PROMPTS[:2]), 2, compute_logp=True)
-    stats = pol.evaluate(ro)
+    stats = pol.action_stats(ro)
     assert stats.entropy is not None and stats.entropy.shape == ro.mask.shape
     assert not stats.entropy.requires_grad
     assert torch.all(stats.entropy[~ro.mask] == 0) and torch.all(stats.entropy[ro.mask] > 0)

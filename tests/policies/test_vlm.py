@@ -136,7 +136,7 @@ def test_rollout_masks_and_logprobs(random_vlm_dir: Path) -> None:
 
     # a minibatch slice (pixels re-concatenated per sample) gives the same numbers, with grad
     idx = [10, 4, 0, 7]
-    stats = policy.evaluate(r[idx])
+    stats = policy.action_stats(r[idx])
     assert stats.logp.requires_grad
     torch.testing.assert_close(stats.logp.detach(), r.logp_old[idx], atol=1e-5, rtol=1e-5)
 
@@ -262,7 +262,7 @@ def test_video_frames_and_images_in_one_batch(random_vlm_dir: Path) -> None:
     torch.manual_seed(0)
     ro = pol.rollout(rows, 2, compute_logp=True)
     assert ro.payload["video_grid_thw"][0] is not None and ro.payload["video_grid_thw"][2] is None
-    assert torch.allclose(pol.evaluate(ro[[3, 0]]).logp.detach(), ro.logp_old[[3, 0]], atol=1e-5)
+    assert torch.allclose(pol.action_stats(ro[[3, 0]]).logp.detach(), ro.logp_old[[3, 0]], atol=1e-5)
     assert not ro.mask[ro.mask.sum(1) == 0].any()
 
 
@@ -354,7 +354,7 @@ def test_vlm_reasoning_pipeline_uses_shared_prefix(
     random_vlm_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The default config turns the shared-prefix log-prob path on, says so once, and rollout log-probs
-    (no grad) and `evaluate` (with grad, a shuffled slice) both take it."""
+    (no grad) and `action_stats` (with grad, a shuffled slice) both take it."""
     with caplog.at_level(logging.INFO, logger="mmalign.policies.vlm"):
         pol = pipeline_policy(random_vlm_dir, tmp_path / "run")
     assert pol.shared_prefix
@@ -364,7 +364,7 @@ def test_vlm_reasoning_pipeline_uses_shared_prefix(
     calls = spy_shared_prefix(pol)
     torch.manual_seed(0)
     ro = pol.rollout(mixed_rows()[:2], 4, compute_logp=True)
-    stats = pol.evaluate(ro[[5, 0, 3]])
+    stats = pol.action_stats(ro[[5, 0, 3]])
     assert calls == [8, 1, 3]  # the 1: the one-sample check of the chunked log-probs, on the first call
     torch.testing.assert_close(stats.logp.detach(), ro.logp_old[[5, 0, 3]], atol=1e-5, rtol=1e-5)
 
@@ -398,7 +398,7 @@ def test_vlm_shared_prefix_off_says_why(
     calls = spy_shared_prefix(pol)
     ro = pol.rollout(mixed_rows()[:1], 2, compute_logp=True)
     pol.model.train()
-    pol.evaluate(ro).logp.sum().backward()
+    pol.action_stats(ro).logp.sum().backward()
     assert calls == []
 
 

@@ -168,7 +168,7 @@ def test_ratio_is_one_on_rescoring(folders, media, name, condition, kind):
     )
     r = pol.rollout(rows(media), 2)
     assert r.num_actions == 2 and r.outputs["latents"].shape == (4, 4, 5, 8, 8)
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     torch.testing.assert_close(torch.exp(stats.logp - r.logp_old), torch.ones(4, 2), rtol=0, atol=1e-5)
     stats.logp.sum().backward()  # batch 4 forward + backward (the VACE blocks included)
     grads = [p.grad for p in pol.trainable_parameters()]
@@ -211,9 +211,9 @@ def test_concat_source_latents_are_stored_and_used(folders, media):
     expected = encode_video(pol.vae, read_video(media["b"], num_frames=9, size=(32, 32))[None])[0]
     torch.testing.assert_close(src[3], expected, rtol=0, atol=0)
     with torch.no_grad():
-        base = pol.evaluate(r).logp
+        base = pol.action_stats(r).logp
         r.payload["source_latents"] = src + 1.0
-        changed = pol.evaluate(r).logp
+        changed = pol.action_stats(r).logp
     assert not torch.allclose(base, changed)
 
 
@@ -301,7 +301,7 @@ def test_vace_reference_frames_in_rollout(folders, media):
     rr = [dict(r, reference_frames=media["ref"]) for r in rows(media)]
     r = pol.rollout(rr, 1)
     assert r.payload["control_latents"].shape == (2, 24, 6, 8, 8)
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     torch.testing.assert_close(stats.logp, r.logp_old, rtol=0, atol=1e-5)
     assert pol.decode(r).shape == (2, 9, 3, 32, 32)  # the reference frame is dropped before decoding
     with pytest.raises(ValueError, match="num_reference_frames"):
@@ -338,7 +338,7 @@ def test_two_experts_ratio_and_grads(folders, media, train_expert):
     assert torch.equal(experts, pol.step_experts[r.payload["step_index"]])
     if train_expert != "both":
         assert (experts == (0 if train_expert == "high" else 1)).all()
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     torch.testing.assert_close(
         torch.exp(stats.logp - r.logp_old), torch.ones_like(r.logp_old), rtol=0, atol=1e-5
     )
@@ -360,7 +360,7 @@ def test_two_experts_lora_on_both(folders, media, tmp_path):
     assert trainable and all("lora" in n for n in trainable)
     assert any(n.startswith("high.") for n in trainable) and any(n.startswith("low.") for n in trainable)
     r = pol.rollout(rows(media), 1)
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     torch.testing.assert_close(pol.reference_logprobs(r), r.logp_old, rtol=0, atol=1e-5)
     assert float(stats.kl.detach().abs().max()) < 1e-8
     pol.save(tmp_path / "saved")
@@ -375,7 +375,7 @@ def test_frozen_expert_is_shared_with_the_reference(folders, media):
     pol = make(folders["wan22"], num_steps=6, train_expert="high", need_reference=True)
     assert pol.ref_model.low is pol.transformer_2 and pol.ref_model.high is not pol.transformer
     r = pol.rollout(rows(media), 1)
-    stats = pol.evaluate(r)
+    stats = pol.action_stats(r)
     assert float(stats.kl.detach().abs().max()) < 1e-8
     assert (r.payload["step_index"] < int((pol.step_experts == 0).sum())).all()  # the high-noise prefix
 

@@ -54,7 +54,7 @@ class FakePolicy(Policy):
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return list(self.model.parameters())
 
-    def evaluate(self, rollout: Rollout) -> ActionStats:
+    def action_stats(self, rollout: Rollout) -> ActionStats:
         raise NotImplementedError("the script only samples")
 
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:

@@ -415,7 +415,7 @@ def test_rollout_state_tokens_and_logprobs(geo_dir: Path, maps: list[dict[str, A
         assert image_runs(ids, image_id) == per_image and int((ids == image_id).sum()) == sum(per_image)
         assert not bool(ro.mask[i][p["completion_ids"][i] == image_id].any())
     # log-probs of the rollout (no grad) = recomputed with grad, across turns
-    new = policy.evaluate(ro).logp
+    new = policy.action_stats(ro).logp
     assert torch.allclose(new.detach(), ro.logp_old, atol=1e-5, rtol=0)
     assert bool(ro.mask.any(1).all()) and bool((ro.logp_old[ro.mask] < 0).all())
 
@@ -501,4 +501,4 @@ def test_length_budget_ends_the_episode_without_cutting_an_image(
     assert p["image_grid_thw"][0].shape[0] == int(p["num_prompt_images"][0]) == 1  # only the prompt's image
     # the environment did accept the crop (recorded), the loop dropped the insertion
     assert ro.outputs["env_state"][0]["crops"][0]["accepted"]
-    assert torch.allclose(policy.evaluate(ro).logp.detach(), ro.logp_old, atol=1e-5, rtol=0)
+    assert torch.allclose(policy.action_stats(ro).logp.detach(), ro.logp_old, atol=1e-5, rtol=0)

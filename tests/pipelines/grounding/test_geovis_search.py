@@ -388,7 +388,7 @@ def test_tree_search_policy_rollout(vlm_policy: Any) -> None:
             assert text == format_answer(state["answer_box"])
     assert policy.trainable_parameters() == vlm_policy.trainable_parameters()
     with pytest.raises(RuntimeError, match="tree search is inference only: use it with `mmalign eval`"):
-        policy.evaluate(r)
+        policy.action_stats(r)
     with pytest.raises(RuntimeError, match="inference only"):
         policy.reference_logprobs(r)
     with pytest.raises(RuntimeError, match="inference only"):

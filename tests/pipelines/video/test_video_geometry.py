@@ -113,7 +113,7 @@ def test_strength_zero_equals_the_plain_policy(folders, tmp_path: Path) -> None:
     assert torch.equal(a.payload["next_latents"], b.payload["next_latents"])
     assert torch.count_nonzero(a.payload["mean_shift"]) == 0
     with torch.no_grad():
-        assert torch.equal(guided.evaluate(a).logp, plain.evaluate(b).logp)
+        assert torch.equal(guided.action_stats(a).logp, plain.action_stats(b).logp)
 
 
 def test_guided_shift_length_records_and_distillation(folders, tmp_path: Path) -> None:
@@ -129,7 +129,7 @@ def test_guided_shift_length_records_and_distillation(folders, tmp_path: Path) -
     assert torch.allclose(norms, torch.full_like(norms, 0.5), atol=1e-4)
     # the stored log-prob is that of the shifted Gaussian, re-scoring reproduces it
     with torch.no_grad():
-        assert torch.allclose(policy.evaluate(r).logp, r.logp_old, atol=1e-6)
+        assert torch.allclose(policy.action_stats(r).logp, r.logp_old, atol=1e-6)
     # recorded process rewards and targets, recomputed from the stored transitions step by step
     p = r.payload
     reward_fn = policy.reward_fn
@@ -174,7 +174,7 @@ def test_guided_shift_length_records_and_distillation(folders, tmp_path: Path) -
         ).mean
         assert torch.allclose(moved - plain, shift[:, j], atol=1e-4)
     # the distillation term: mean over steps and elements of (v_theta - target)^2, with the weights unchanged
-    stats = policy.evaluate(r)
+    stats = policy.action_stats(r)
     term = stats.aux_losses["drift_distill"]
     expected = torch.stack(
         [
