@@ -45,6 +45,19 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_value: int = 0) -> tuple[Tensor,
     return ids, att
 
 
+def group_fields(
+    rows: Sequence[dict[str, Any]], group_size: int
+) -> tuple[list[str], Tensor, dict[str, list[Any]]]:
+    """One entry per sample of a group rollout (each row repeated `group_size` times): the prompts, the group
+    ids Long[B] and every dataset column of any row (None where a row lacks it). The one rule every policy
+    uses for the columns rewards and samples see."""
+    prompts = [str(r["prompt"]) for r in rows for _ in range(group_size)]
+    group = torch.arange(len(rows)).repeat_interleave(group_size)
+    keys = dict.fromkeys(k for r in rows for k in r)
+    columns = {key: [r.get(key) for r in rows for _ in range(group_size)] for key in keys}
+    return prompts, group, columns
+
+
 def _as_index(idx: Index, n: int) -> list[int]:
     if isinstance(idx, slice):
         return list(range(n))[idx]

@@ -31,7 +31,19 @@ from torch import Tensor
 
 from mmalign.batch import Rollout
 
-__all__ = ["ActionStats", "Policy", "RunInfo", "SAMPLE_KINDS"]
+__all__ = ["ActionStats", "DTYPES", "Policy", "RunInfo", "SAMPLE_KINDS", "torch_dtype"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The ``model.dtype`` names a policy loads its weights in."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of ``model.dtype`` `name`; an unknown name is a ValueError listing the valid ones."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}") from None
+
 
 SAMPLE_KINDS = ("text", "image", "video", "boxes")
 """What `Policy.sample_view` may return per sample (see `mmalign.rundir.write_samples` for the files)."""
@@ -94,14 +106,29 @@ class Policy(abc.ABC):
     def reference_logprobs(self, rollout: Rollout) -> Tensor:
         """Float[B,T] per-action log-probs under the reference model (no grad)."""
 
-    @abc.abstractmethod
-    def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
+    # ------------------------------------------------------------------ weight state (one behaviour for all)
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates: those of `model` that require grad."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
-    @abc.abstractmethod
-    def trainable_state_dict(self) -> dict[str, Tensor]: ...
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        """Name -> a CPU copy of each trainable parameter (what checkpoints hold; never aliases the live weights)."""
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
 
-    @abc.abstractmethod
-    def load_trainable_state_dict(self, state: dict[str, Tensor]) -> None: ...
+    def load_trainable_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Copy `state` into the trainable parameters (onto their device and dtype). A state that misses a
+        trainable parameter or names one the model does not have is a ValueError listing them; nothing is
+        copied then."""
+        params = dict(self.model.named_parameters())
+        missing = [n for n, p in params.items() if p.requires_grad and n not in state]
+        unknown = [n for n in state if n not in params]
+        if missing or unknown:
+            raise ValueError(
+                f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unknown[:5]}"
+            )
+        with torch.no_grad():
+            for n, v in state.items():
+                params[n].copy_(v)
 
     @abc.abstractmethod
     def save(self, path: str | Path) -> None:

@@ -46,14 +46,13 @@ from torch import Tensor
 
 from mmalign import sde
 from mmalign.config import LoraConfig
+from mmalign.policies.base import torch_dtype
 from mmalign.policies.denoising import DenoisingPolicy, SamplerSettings, add_lora
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 """Attention projections of the UNet's transformer blocks (the usual DDPO LoRA targets)."""
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _bshape(t: Tensor, ref: Tensor) -> Tensor:
@@ -153,7 +152,7 @@ class DDIMPolicy(DenoisingPolicy):
         UNet with the adapter disabled."""
         from mmalign.policies.sd15_components import load_sd15_components
 
-        c = load_sd15_components(name_or_path, dtype=_DTYPES[dtype])
+        c = load_sd15_components(name_or_path, dtype=torch_dtype(dtype))
         use_lora = add_lora(c.unet, lora, LORA_TARGETS)
         return cls(c.unet, c.vae, c.scheduler, c.text_encoder, c.tokenizer, lora=use_lora, **kwargs)
 

@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from mmalign import sde
-from mmalign.batch import Rollout
+from mmalign.batch import Rollout, group_fields
 from mmalign.policies.base import ActionStats, Policy
 from mmalign.schedules import SlidingWindow
 
@@ -533,10 +533,7 @@ class DenoisingPolicy(Policy):
     @torch.no_grad()
     def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
         """Sample `group_size` latents for each row's ``prompt`` (see `Policy.rollout`)."""
-        prompts = [str(r["prompt"]) for r in rows for _ in range(group_size)]
-        group = torch.arange(len(rows)).repeat_interleave(group_size)
-        keys = dict.fromkeys(k for r in rows for k in r)  # every row's columns (None where a row lacks one)
-        columns = {key: [r.get(key) for r in rows for _ in range(group_size)] for key in keys}
+        prompts, group, columns = group_fields(rows, group_size)
         b, dev = len(prompts), self.device
         cond = self.conditioning(prompts)
         row_cond = self.row_conditioning(columns, group)
@@ -715,17 +712,6 @@ class DenoisingPolicy(Policy):
             return self._score(ref, rollout, grad=False)[0]
 
     # ------------------------------------------------------------------ parameters
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def trainable_state_dict(self) -> dict[str, Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-
-    def load_trainable_state_dict(self, state: dict[str, Tensor]) -> None:
-        missing = set(state) - {n for n, _ in self.model.named_parameters()}
-        if missing:
-            raise KeyError(f"unknown parameters in the state dict: {sorted(missing)[:5]}")
-        self.model.load_state_dict(state, strict=False)
 
     def _denoiser_to_save(self, path: str | Path, subfolder: str) -> Any:
         """The denoiser as it should be saved in ``path/subfolder``: under LoRA the adapter is also written

@@ -80,6 +80,7 @@ from torch import Tensor
 
 from mmalign import sde
 from mmalign.config import LoraConfig
+from mmalign.policies.base import torch_dtype
 from mmalign.policies.denoising import (
     CPS_LOG_PROBS,
     FLOW_SDE_KINDS,
@@ -108,9 +109,6 @@ def calculate_mu(image_seq_len: int, scheduler_config: Any, *, default_max_shift
     s0, s1 = get("base_shift", 0.5), get("max_shift", default_max_shift)
     slope = (s1 - s0) / (n1 - n0)
     return image_seq_len * slope + (s0 - slope * n0)  # (this operation order matches the pipelines' bitwise)
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class FlowPolicy(DenoisingPolicy):
@@ -199,7 +197,7 @@ class FlowPolicy(DenoisingPolicy):
         go to the constructor."""
         from mmalign.policies.sd3_components import load_sd3_components
 
-        c = load_sd3_components(name_or_path, dtype=_DTYPES[dtype], load_t5=load_t5)
+        c = load_sd3_components(name_or_path, dtype=torch_dtype(dtype), load_t5=load_t5)
         use_lora = add_lora(c.transformer, lora, LORA_TARGETS)
         return cls(
             c.transformer,

@@ -53,8 +53,9 @@ import torch
 from torch import Tensor
 
 from mmalign.config import LoraConfig
+from mmalign.policies.base import torch_dtype
 from mmalign.policies.denoising import SamplerSettings, add_lora
-from mmalign.policies.flow import _DTYPES, FlowPolicy, calculate_mu
+from mmalign.policies.flow import FlowPolicy, calculate_mu
 
 __all__ = [
     "FLUX_LORA_TARGETS",
@@ -179,7 +180,7 @@ class FluxPolicy(FlowPolicy):
         from mmalign.policies.flux_components import load_flux_components
 
         del load_t5
-        c = load_flux_components(name_or_path, dtype=_DTYPES[dtype])
+        c = load_flux_components(name_or_path, dtype=torch_dtype(dtype))
         use_lora = add_lora(c.transformer, lora, FLUX_LORA_TARGETS)
         return cls(
             c.transformer,

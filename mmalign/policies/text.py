@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mmalign.batch import Rollout, left_pad
+from mmalign.batch import Rollout, group_fields, left_pad
 from mmalign.config import LoraConfig
 from mmalign.logprobs import (
     check_agreement,
@@ -38,12 +38,11 @@ from mmalign.logprobs import (
     selective_log_softmax,
     token_entropy,
 )
-from mmalign.policies.base import ActionStats, Policy, RunInfo
+from mmalign.policies.base import ActionStats, Policy, RunInfo, torch_dtype
 from mmalign.rollout_loops import Conversation, Environment, Insert, RolloutLoop, Segment, make_loop
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TURN_PROBE = "MMALIGN_ASSISTANT_TURN_PROBE"
 """Stand-in assistant message used to find the strings a chat template puts around an inserted message."""
 
@@ -151,7 +150,7 @@ class TextPolicy(Policy):
         **kwargs: Any,
     ) -> TextPolicy:
         """Load model and tokenizer with `from_pretrained` (hub id or local path); wrap LoRA if enabled."""
-        load_kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "trust_remote_code": trust_remote_code}
+        load_kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "trust_remote_code": trust_remote_code}
         if attn_implementation:
             load_kwargs["attn_implementation"] = attn_implementation
         try:
@@ -385,13 +384,8 @@ class TextPolicy(Policy):
     def _rollout_fields(
         rows: list[dict[str, Any]], group_size: int
     ) -> tuple[list[str], Tensor, dict[str, list[Any]]]:
-        """Prompts, group ids and dataset columns, one entry per sample."""
-        prompts = [str(r["prompt"]) for r in rows for _ in range(group_size)]
-        group = torch.arange(len(rows)).repeat_interleave(group_size)
-        columns: dict[str, list[Any]] = {}
-        for key in rows[0]:
-            columns[key] = [r.get(key) for r in rows for _ in range(group_size)]
-        return prompts, group, columns
+        """Prompts, group ids and dataset columns, one entry per sample (`mmalign.batch.group_fields`)."""
+        return group_fields(rows, group_size)
 
     @torch.no_grad()
     def single_turn_rollout(
@@ -951,23 +945,6 @@ class TextPolicy(Policy):
         return self._logprobs(self.ref_model, rollout, grad=False)
 
     # ------------------------------------------------------------------ weights
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def trainable_state_dict(self) -> dict[str, Tensor]:
-        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-
-    def load_trainable_state_dict(self, state: dict[str, Tensor]) -> None:
-        params = dict(self.model.named_parameters())
-        missing = [n for n, p in params.items() if p.requires_grad and n not in state]
-        unknown = [n for n in state if n not in params]
-        if missing or unknown:
-            raise ValueError(
-                f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unknown[:5]}"
-            )
-        with torch.no_grad():
-            for n, v in state.items():
-                params[n].copy_(v)
 
     def save(self, path: str | Path) -> None:
         """`save_pretrained` of the adapter (LoRA) or the whole model, plus the tokenizer."""

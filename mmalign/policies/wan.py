@@ -91,8 +91,9 @@ from torch import Tensor
 
 from mmalign.batch import Rollout
 from mmalign.config import LoraConfig
+from mmalign.policies.base import torch_dtype
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings, add_lora
-from mmalign.policies.flow import _DTYPES, FlowPolicy
+from mmalign.policies.flow import FlowPolicy
 from mmalign.policies.wan_components import (
     WAN_MAX_SEQUENCE_LENGTH,
     WanComponents,
@@ -434,7 +435,7 @@ class WanPolicy(FlowPolicy):
         A ``boundary_ratio`` keyword overrides the folder's. Other kwargs go to the constructor."""
         from mmalign.policies.wan_components import load_wan_components
 
-        c = load_wan_components(name_or_path, dtype=_DTYPES[dtype])
+        c = load_wan_components(name_or_path, dtype=torch_dtype(dtype))
         train_expert = kwargs.get("train_expert", "both")
         boundary = kwargs.pop("boundary_ratio", None)
         if boundary is None:
