@@ -1,19 +1,9 @@
 """`mmalign demo RUN_DIR [RUN_DIR ...]`: a Gradio app that browses the samples of runs (the ``demo`` extra).
 
-Two layers:
-
-- the data layer (pure functions of the run directories, no Gradio, unit-tested without a browser):
-  `list_steps`, `list_groups`, `load_group`, `reward_table`, `group_overview`, `box_annotations`,
-  `metric_keys`, `curve_rows`, `checkpoint_choices`, `find_group`, `generate_samples`. They read the run
-  directory only through `mmalign.rundir` and read it again on every call, so a run that is still
-  training shows its new steps;
-- the layout: `build_app(run_dirs)` returns the `gr.Blocks` (tabs "Samples", "Curves", "Compare"),
-  `launch_app` serves it with ``allowed_paths`` = the run directories and nothing else, `demo_main` is
-  the command line (``argv`` without the leading ``demo``).
-
-Generation on demand (the "Compare" tab) runs `mmalign.app.cli.cmd_sample` on the run's ``config.yaml`` with the
-chosen checkpoint (`mmalign.app.evaluation.resolve_checkpoint`), writing into ``RUN_DIR/demo_samples/`` (inside
-the run directory, so it can be served) and reading that folder back.
+The data layer (`list_steps`, `load_group`, `reward_table`, `curve_rows`, `generate_samples`, ...) is pure
+functions of the run directories, read through `mmalign.rundir` on every call (a run still training shows
+its new steps). The layout: `build_app` returns the `gr.Blocks` (tabs "Samples", "Curves", "Compare"),
+`launch_app` serves it with ``allowed_paths`` = the run directories only, `demo_main` is the command line.
 """
 
 from __future__ import annotations
@@ -28,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from mmalign import rundir
@@ -277,10 +268,8 @@ def _reference_boxes(sample: dict[str, Any]) -> list[list[float]]:
 def box_annotations(
     sample: dict[str, Any], coords: str = "absolute"
 ) -> tuple[Any, list[tuple[tuple[int, int, int, int], str]]] | None:
-    """What `gr.AnnotatedImage` shows for a grounding sample: ``(base image, [(box, label), ...])`` with the
-    reference boxes ("reference") and the predicted ones ("predicted"), or None when the sample has no box.
-    The base image is the sample's image (a path in the run directory) when it has one, else a grey canvas
-    large enough for the boxes (the run does not store the input image in its samples)."""
+    """``(base image, [(box, "reference" | "predicted"), ...])`` for `gr.AnnotatedImage`, or None without a
+    box. The base is the sample's image when it has one, else a grey canvas large enough for the boxes."""
     import numpy as np
 
     refs = _reference_boxes(sample)
@@ -412,12 +401,10 @@ def generate_samples(
     *,
     sample_fn: Callable[[argparse.Namespace], int] | None = None,
 ) -> tuple[str, list[dict[str, Any]]]:
-    """Generate `n` samples for each of `prompts` from `checkpoint` of `run_dir` (``latest``, ``base`` or a
-    checkpoint folder) with sampling seed `seed`, through `mmalign.app.cli.cmd_sample` (`sample_fn`, for tests)
-    on the run's ``config.yaml``. Returns ``(label, rows)``: rows as ``samples.jsonl`` of `cmd_sample` with
-    media paths made absolute. The result is kept in ``RUN_DIR/demo_samples/<key>/`` and reused for the
-    same checkpoint, prompts, n and seed. Paths in the config (the model) are relative to the current
-    directory, as for `mmalign sample`."""
+    """`n` samples per prompt from `checkpoint` (``latest``, ``base`` or a folder) of `run_dir` with seed `seed`,
+    by `mmalign.app.cli.cmd_sample` (or `sample_fn`) on the run's ``config.yaml``; ``(label, rows)`` with media
+    paths absolute. Kept in ``RUN_DIR/demo_samples/<key>/`` (servable) and reused for the same arguments.
+    Paths in the config are relative to the current directory, as for `mmalign sample`."""
     from mmalign.app.evaluation import resolve_checkpoint
     from mmalign.config import ConfigError
 
@@ -480,322 +467,439 @@ def _frame(headers: list[str], rows: list[list[Any]]) -> Any:
     return pd.DataFrame(rows, columns=headers)
 
 
-def build_app(run_dirs: Sequence[str | Path], refresh_s: float = 5.0) -> Any:
-    """The `gr.Blocks` of the demo on `run_dirs` (tabs "Samples", "Curves", "Compare"); with `refresh_s` > 0 a
-    timer re-reads the runs every `refresh_s` seconds (new steps of a run still training appear)."""
+# ----------------------------------------------------------------------------- event handlers
+# Module-level so each is one job; their names are kept (Gradio names the app's API endpoints after them).
+
+
+def step_update(run: str, step: Any, follow: bool = False) -> Any:
+    """The step picker of `run`: its steps; keeps `step` when the run has it, else (or when `follow`ing)
+    the newest step."""
     gr = _check_gradio()
+    steps = list_steps(run)
+    if follow and steps:
+        value = steps[-1]
+    else:
+        value = int(step) if step is not None and int(step) in steps else (steps[-1] if steps else None)
+    return gr.update(choices=steps, value=value)
+
+
+def timer_step_update(run: str, step: Any, follow: bool = False) -> Any:
+    """The timer's update of the step picker: new steps appear; the selection moves only when following
+    the newest step or when none is selected (setting the request's step back would undo a click made
+    while the request was in flight)."""
+    gr = _check_gradio()
+    steps = list_steps(run)
+    if (follow or step is None) and steps:
+        return gr.update(choices=steps, value=steps[-1])
+    return gr.update(choices=steps)
+
+
+def groups_update(run: str, step: Any, group: Any = None) -> Any:
+    """The group picker of `step`: ``"group: prompt"`` choices; keeps `group` when the step has it, else
+    the first group."""
+    gr = _check_gradio()
+    groups = list_groups(run, int(step)) if step is not None else []
+    ids = [g for g, _ in groups]
+    value = int(group) if group is not None and int(group) in ids else (ids[0] if ids else None)
+    choices = [(f"{g}: {p[:70]}", g) for g, p in groups]
+    return gr.update(choices=choices, value=value)
+
+
+def _group_header(step: Any, group: Any, samples: list[dict[str, Any]], has_media: bool) -> str:
+    """The Markdown above a group: step, group, sample count, prompt, the logged dataset columns, and a
+    note when the samples carry neither media nor text."""
+    cols = row_columns(samples)
+    prompt = samples[0].get("prompt", "") if samples else ""
+    md = f"**step {step}, group {group}** ({len(samples)} samples)\n\n**prompt:**\n```\n{prompt}\n```"
+    if cols:
+        md += "\n" + "\n".join(f"- **{k}**: `{json.dumps(v)[:300]}`" for k, v in cols.items())
+    if not has_media and not any("text" in s for s in samples):
+        md += "\n\n*this run's samples carry no media or text (e.g. latents only); rewards are below*"
+    return md
+
+
+def show_group(run: str, step: Any, group: Any) -> tuple[Any, ...]:
+    """The Samples tab for one group, as the 8 values of ``header, table, gallery, videos, overview,
+    sample picker, boxes, video`` (the first sample shown in the last two); placeholders without a group."""
+    gr = _check_gradio()
+    if step is None or group is None:
+        empty = _frame(["sample"], [])
+        return (
+            "*no samples logged yet*",
+            empty,
+            [],
+            gr.update(value=[], visible=False),
+            empty,
+            gr.update(choices=[], value=None),
+            None,
+            gr.update(value=None, visible=False),
+        )
+    samples = load_group(run, int(step), int(group))
+    headers, rows = reward_table(samples)
+    images, videos = media_items(samples)
+    md = _group_header(step, group, samples, bool(images or videos))
+    oh, orows = group_overview(run, int(step))
+    sample_choices = list(range(len(samples)))
+    first = sample_choices[0] if sample_choices else None
+    ann, vid = show_sample(run, step, group, first)
+    return (
+        md,
+        _frame(headers, rows),
+        images,
+        gr.update(value=videos, visible=bool(videos)),
+        _frame(oh, orows),
+        gr.update(choices=sample_choices, value=first),
+        ann,
+        vid,
+    )
+
+
+def show_sample(run: str, step: Any, group: Any, k: Any) -> tuple[Any, Any]:
+    """``(boxes, video)`` updates for sample `k` of the group: its `box_annotations` and its mp4, each
+    hidden when the sample has none (both hidden when nothing is selected)."""
+    gr = _check_gradio()
+    if step is None or group is None or k is None:
+        return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
+    samples = load_group(run, int(step), int(group))
+    if not 0 <= int(k) < len(samples):
+        return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
+    s = samples[int(k)]
+    ann = box_annotations(s, box_coords(run))
+    video = s.get("video")
+    return (
+        gr.update(value=ann, visible=ann is not None),
+        gr.update(
+            value=str(video) if video is not None and Path(video).is_file() else None,
+            visible=video is not None,
+        ),
+    )
+
+
+def move(choices_of: Callable[..., list[Any]], delta: int) -> Callable[..., Any]:
+    """A button handler ``fn(*context, current)``: the item `delta` places from `current` among
+    ``choices_of(*context)``, clamped to the ends (the first item when `current` is not among them)."""
+
+    def fn(*args: Any) -> Any:
+        *ctx, current = args
+        items = choices_of(*ctx)
+        if not items:
+            return None
+        if current is None or int(current) not in items:
+            return items[0]
+        i = items.index(int(current)) + delta
+        return items[max(0, min(len(items) - 1, i))]
+
+    return fn
+
+
+def _curve_frames(runs: Sequence[str], keys_r: list[str], keys_d: list[str]) -> tuple[Any, Any]:
+    """The data of the two plots of the Curves tab: `curve_rows` of the reward and diagnostic keys."""
     import pandas as pd
 
+    cols = ["step", "value", "series"]
+    r = pd.DataFrame(curve_rows(runs, keys_r or []), columns=cols)
+    d = pd.DataFrame(curve_rows(runs, keys_d or []), columns=cols)
+    return r, d
+
+
+def sync_prompt(run: str, step: Any, group: Any) -> tuple[Any, Any]:
+    """The Compare tab follows the Samples tab: the selected group's prompt and step."""
+    gr = _check_gradio()
+    groups = dict(list_groups(run, int(step))) if step is not None else {}
+    return gr.update(value=groups.get(int(group), "") if group is not None else ""), step
+
+
+def _logged_side(run: str, step: Any, prompt: str) -> list[Any]:
+    """``[header, images, table]`` of the group of `run` at `step` whose prompt is `prompt` (a note and
+    an empty table when there is none)."""
+    g = find_group(run, int(step or 0), prompt) if prompt else None
+    if g is None:
+        return [f"**{run_label(run)}**, step {step}: no group with this prompt", [], _frame(["sample"], [])]
+    samples = load_group(run, int(step), g)
+    h, rows = reward_table(samples)
+    return [
+        f"**{run_label(run)}**, step {step}, group {g} (logged)",
+        media_items(samples)[0],
+        _frame(h, rows),
+    ]
+
+
+def logged(ra: str, rb: str, step: Any, prompts: str) -> tuple[Any, ...]:
+    """Both sides of the Compare tab from the logged samples of the first prompt at `step`."""
+    found = split_prompts(prompts)
+    prompt = found[0] if found else ""
+    return tuple(_logged_side(ra, step, prompt) + _logged_side(rb, step, prompt))
+
+
+def _generated_side(label: str, rows: list[dict[str, Any]], n: int) -> list[Any]:
+    """``[header, images, table]`` of one side's generated rows (`n` samples per prompt)."""
+    images = [
+        (str(r.get("image") or r.get("video_frames")), f"prompt {k // n} sample {r.get('sample')}")
+        for k, r in enumerate(rows)
+        if r.get("image") or r.get("video_frames")
+    ]
+    has_text = any("text" in r for r in rows)
+    table_rows = [
+        [r.get("prompt", ""), r.get("sample")] + ([r.get("text", "")] if has_text else []) for r in rows
+    ]
+    cols = ["prompt", "sample"] + (["text"] if has_text else [])
+    return [f"**{label}**", images, _frame(cols, table_rows)]
+
+
+def _generate_both(
+    sides: Sequence[tuple[str, str]], prompts: str, n: Any, seed: Any, progress: Any
+) -> tuple[Any, ...]:
+    """Generate on both ``(run, checkpoint)`` `sides` (`generate_samples`), reporting to `progress`;
+    `gr.Error` without a prompt or when a side fails (the app keeps running)."""
+    gr = _check_gradio()
+    lines = split_prompts(prompts)
+    if not lines:
+        raise gr.Error("write at least one prompt")
+    out: list[Any] = []
+    for i, (run, ck) in enumerate(sides):
+        progress(i / 2, desc=f"{'left' if i == 0 else 'right'}: loading the model and generating")
+        try:
+            label, rows = generate_samples(run, ck, lines, int(n or 1), int(seed or 0))
+        except Exception as e:  # a wrong config / checkpoint: shown, the app keeps running
+            raise gr.Error(f"{run_label(run)} ({ck}): {type(e).__name__}: {e}") from e
+        out += _generated_side(label, rows, int(n or 1))
+    progress(1.0, desc="done")
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- tabs
+
+
+def _samples_tab(
+    gr: Any,
+    ui: SimpleNamespace,
+    labels: list[tuple[str, str]],
+    steps0: list[int],
+    groups0: list[tuple[int, str]],
+) -> None:
+    """Lay out the "Samples" tab, adding its components to `ui`: run / step / group pickers (opened on the
+    first run's newest step `steps0[-1]`, its first group of `groups0`), navigation buttons, the group's
+    table, media, boxes and the step's overview."""
+    with gr.Tab("Samples"):
+        with gr.Row():
+            ui.run_dd = gr.Dropdown(choices=labels, value=labels[0][1], label="run", elem_id="run")
+            ui.step_dd = gr.Dropdown(
+                choices=steps0, value=steps0[-1] if steps0 else None, label="step", elem_id="step"
+            )
+            ui.group_dd = gr.Dropdown(
+                choices=[(f"{g}: {p[:70]}", g) for g, p in groups0],
+                value=groups0[0][0] if groups0 else None,
+                label="group",
+                elem_id="group",
+            )
+            ui.follow = gr.Checkbox(value=False, label="follow the newest step", elem_id="follow")
+        with gr.Row():
+            ui.prev_step = gr.Button("◀ previous step", elem_id="prev-step", size="sm")
+            ui.next_step = gr.Button("next step ▶", elem_id="next-step", size="sm")
+            ui.prev_group = gr.Button("◀ previous group", elem_id="prev-group", size="sm")
+            ui.next_group = gr.Button("next group ▶", elem_id="next-group", size="sm")
+        ui.header = gr.Markdown(elem_id="group-header")
+        ui.table = gr.Dataframe(label="rewards and advantage per sample", elem_id="reward-table", wrap=True)
+        ui.gallery = gr.Gallery(label="images (or video frame strips)", columns=4, elem_id="gallery")
+        ui.videos = gr.Gallery(label="videos", columns=4, visible=False, elem_id="videos")
+        with gr.Row():
+            ui.sample_dd = gr.Dropdown(choices=[], label="sample (boxes, video)", elem_id="sample")
+            ui.boxes = gr.AnnotatedImage(
+                label="boxes: reference and predicted",
+                color_map={"reference": "#22c55e", "predicted": "#ef4444"},
+                visible=False,
+                elem_id="boxes",
+            )
+            ui.video = gr.Video(label="video", visible=False, elem_id="video")
+        ui.overview = gr.Dataframe(label="groups of this step", elem_id="overview", wrap=True)
+
+
+def _curves_tab(gr: Any, ui: SimpleNamespace, runs: list[str]) -> None:
+    """Lay out the "Curves" tab, adding its components to `ui`: key pickers (every metric key; the
+    `default_curve_keys` selected) and the reward and diagnostic plots."""
+    all_keys = metric_keys(runs)
+    rk, dk = default_curve_keys(all_keys)
+    with gr.Tab("Curves"):
+        ui.keys_r = gr.Dropdown(choices=all_keys, value=rk, multiselect=True, label="reward curves")
+        ui.keys_d = gr.Dropdown(choices=all_keys, value=dk, multiselect=True, label="diagnostic curves")
+        r0, d0 = _curve_frames(runs, rk, dk)
+        ui.plot_r = gr.LinePlot(
+            r0, x="step", y="value", color="series", title="rewards", elem_id="plot-rewards"
+        )
+        ui.plot_d = gr.LinePlot(
+            d0, x="step", y="value", color="series", title="diagnostics", elem_id="plot-diagnostics"
+        )
+
+
+def _compare_pickers(gr: Any, ui: SimpleNamespace, runs: list[str], labels: list[tuple[str, str]]) -> None:
+    """Lay out the Compare tab's run and checkpoint pickers into `ui`: left = the first run's latest
+    checkpoint, right = the last run's (its base model when there is one run)."""
+    with gr.Row():
+        with gr.Column():
+            ui.run_a = gr.Dropdown(choices=labels, value=runs[0], label="left run")
+            ui.ckpt_a = gr.Dropdown(
+                choices=checkpoint_choices(runs[0]), value="latest", label="left checkpoint"
+            )
+        with gr.Column():
+            ui.run_b = gr.Dropdown(choices=labels, value=runs[-1], label="right run")
+            ui.ckpt_b = gr.Dropdown(
+                choices=checkpoint_choices(runs[-1]),
+                value="base" if len(runs) == 1 else "latest",
+                label="right checkpoint",
+            )
+
+
+def _compare_tab(
+    gr: Any,
+    ui: SimpleNamespace,
+    runs: list[str],
+    labels: list[tuple[str, str]],
+    steps0: list[int],
+    groups0: list[tuple[int, str]],
+) -> None:
+    """Lay out the "Compare" tab, adding its components to `ui`: pickers, step and prompts (opened on the
+    Samples tab's group), generation settings, the two sides."""
+    with gr.Tab("Compare"):
+        gr.Markdown(
+            "Logged samples of two runs at the same step and prompt, or new samples generated from two "
+            "checkpoints (of one run or two) on the same prompts with the same seed."
+        )
+        _compare_pickers(gr, ui, runs, labels)
+        with gr.Row():
+            ui.cmp_step = gr.Number(value=steps0[-1] if steps0 else 0, precision=0, label="step (logged)")
+            ui.show_logged = gr.Button("show logged samples of the prompt above", elem_id="show-logged")
+        ui.prompts_box = gr.Textbox(
+            value=groups0[0][1] if groups0 else "",
+            lines=3,
+            label="prompts (separate two prompts with a line holding only ---)",
+            elem_id="prompts",
+        )
+        with gr.Row():
+            ui.n_box = gr.Number(value=4, precision=0, minimum=1, label="samples per prompt")
+            ui.seed_box = gr.Number(value=0, precision=0, label="seed")
+            ui.gen = gr.Button("generate both sides", variant="primary", elem_id="generate")
+        with gr.Row():
+            with gr.Column():
+                ui.head_a = gr.Markdown()
+                ui.gal_a = gr.Gallery(columns=4, label="left")
+                ui.tab_a = gr.Dataframe(wrap=True)
+            with gr.Column():
+                ui.head_b = gr.Markdown()
+                ui.gal_b = gr.Gallery(columns=4, label="right")
+                ui.tab_b = gr.Dataframe(wrap=True)
+
+
+# ----------------------------------------------------------------------------- events
+
+
+def _wire_samples(demo: Any, ui: SimpleNamespace) -> None:
+    """Events of the Samples tab: run -> steps -> groups -> the group shown, sample -> boxes / video,
+    the navigation buttons, and the group shown when the page loads."""
+    group_outputs = [
+        ui.header,
+        ui.table,
+        ui.gallery,
+        ui.videos,
+        ui.overview,
+        ui.sample_dd,
+        ui.boxes,
+        ui.video,
+    ]
+    where = [ui.run_dd, ui.step_dd, ui.group_dd]
+    ui.run_dd.change(step_update, [ui.run_dd, ui.step_dd], ui.step_dd)
+    ui.step_dd.change(groups_update, where, ui.group_dd).then(show_group, where, group_outputs)
+    ui.group_dd.change(show_group, where, group_outputs)
+    ui.sample_dd.change(show_sample, [*where, ui.sample_dd], [ui.boxes, ui.video])
+    ui.prev_step.click(move(list_steps, -1), [ui.run_dd, ui.step_dd], ui.step_dd)
+    ui.next_step.click(move(list_steps, +1), [ui.run_dd, ui.step_dd], ui.step_dd)
+    group_ids = lambda run, step: [g for g, _ in list_groups(run, int(step))] if step is not None else []  # noqa: E731
+    ui.prev_group.click(move(group_ids, -1), where, ui.group_dd)
+    ui.next_group.click(move(group_ids, +1), where, ui.group_dd)
+    demo.load(show_group, where, group_outputs)
+
+
+def _wire_curves(runs: list[str], ui: SimpleNamespace) -> Callable[[list[str], list[str]], tuple[Any, Any]]:
+    """Events of the Curves tab: a key picker change redraws both plots. Returns the redraw function."""
+
+    def curves(keys_r: list[str], keys_d: list[str]) -> tuple[Any, Any]:
+        return _curve_frames(runs, keys_r, keys_d)
+
+    for k in (ui.keys_r, ui.keys_d):
+        k.change(curves, [ui.keys_r, ui.keys_d], [ui.plot_r, ui.plot_d])
+    return curves
+
+
+def _wire_compare(gr: Any, ui: SimpleNamespace) -> None:
+    """Events of the Compare tab: follow the Samples tab's group, refresh the checkpoint pickers, show the
+    logged samples, generate both sides (one generation at a time)."""
+    ui.group_dd.change(sync_prompt, [ui.run_dd, ui.step_dd, ui.group_dd], [ui.prompts_box, ui.cmp_step])
+    ui.run_a.change(lambda r: gr.update(choices=checkpoint_choices(r), value="latest"), ui.run_a, ui.ckpt_a)
+    ui.run_b.change(lambda r: gr.update(choices=checkpoint_choices(r), value="latest"), ui.run_b, ui.ckpt_b)
+    sides = [ui.head_a, ui.gal_a, ui.tab_a, ui.head_b, ui.gal_b, ui.tab_b]
+    ui.show_logged.click(logged, [ui.run_a, ui.run_b, ui.cmp_step, ui.prompts_box], sides)
+
+    def generate_both(
+        ra: str,
+        ca: str,
+        rb: str,
+        cb: str,
+        prompts: str,
+        n: Any,
+        seed: Any,
+        progress: Any = gr.Progress(track_tqdm=True),
+    ) -> tuple[Any, ...]:
+        return _generate_both(((ra, ca), (rb, cb)), prompts, n, seed, progress)
+
+    inputs = [ui.run_a, ui.ckpt_a, ui.run_b, ui.ckpt_b, ui.prompts_box, ui.n_box, ui.seed_box]
+    ui.gen.click(generate_both, inputs, sides, concurrency_limit=1)
+
+
+def _wire_timer(
+    gr: Any, runs: list[str], ui: SimpleNamespace, curves: Callable[..., Any], refresh_s: float
+) -> None:
+    """Every `refresh_s` seconds re-read the runs: the status line, new steps (`timer_step_update`), the
+    plots and the metric keys offered."""
+    timer = gr.Timer(refresh_s)
+
+    def tick(run: str, step: Any, follow_: bool, kr: list[str], kd: list[str]) -> tuple[Any, ...]:
+        keys = metric_keys(runs)
+        return (
+            "\n\n".join(run_status(r) for r in runs) + f"\n\n*refreshed {time.strftime('%H:%M:%S')}*",
+            timer_step_update(run, step, follow_),
+            *curves(kr, kd),
+            gr.update(choices=keys),
+            gr.update(choices=keys),
+        )
+
+    timer.tick(
+        tick,
+        [ui.run_dd, ui.step_dd, ui.follow, ui.keys_r, ui.keys_d],
+        [ui.status, ui.step_dd, ui.plot_r, ui.plot_d, ui.keys_r, ui.keys_d],
+    )
+
+
+def build_app(run_dirs: Sequence[str | Path], refresh_s: float = 5.0) -> Any:
+    """The `gr.Blocks` of the demo on `run_dirs` (tabs "Samples", "Curves", "Compare"; ``.run_dirs``: the
+    resolved run directories); with `refresh_s` > 0 a timer re-reads the runs every `refresh_s` seconds."""
+    gr = _check_gradio()
     runs = [str(Path(r).resolve()) for r in run_dirs]
     if not runs:
         raise ValueError("no run directory given")
     labels = [(run_label(r), r) for r in runs]
-
-    def step_update(run: str, step: Any, follow: bool = False) -> Any:
-        steps = list_steps(run)
-        if follow and steps:
-            value = steps[-1]
-        else:
-            value = int(step) if step is not None and int(step) in steps else (steps[-1] if steps else None)
-        return gr.update(choices=steps, value=value)
-
-    def timer_step_update(run: str, step: Any, follow: bool = False) -> Any:
-        """The timer's update of the step list: new steps appear; the selected step moves only when following
-        the newest step, or when none is selected yet. (The timer's request carries the step that was selected
-        when it was sent; setting that value back would undo a click made while the request was in flight.)"""
-        steps = list_steps(run)
-        if (follow or step is None) and steps:
-            return gr.update(choices=steps, value=steps[-1])
-        return gr.update(choices=steps)
-
-    def groups_update(run: str, step: Any, group: Any = None) -> Any:
-        groups = list_groups(run, int(step)) if step is not None else []
-        ids = [g for g, _ in groups]
-        value = int(group) if group is not None and int(group) in ids else (ids[0] if ids else None)
-        choices = [(f"{g}: {p[:70]}", g) for g, p in groups]
-        return gr.update(choices=choices, value=value)
-
-    def show_group(run: str, step: Any, group: Any) -> tuple[Any, ...]:
-        if step is None or group is None:
-            empty = _frame(["sample"], [])
-            return (
-                "*no samples logged yet*",
-                empty,
-                [],
-                gr.update(value=[], visible=False),
-                empty,
-                gr.update(choices=[], value=None),
-                None,
-                gr.update(value=None, visible=False),
-            )
-        samples = load_group(run, int(step), int(group))
-        headers, rows = reward_table(samples)
-        images, videos = media_items(samples)
-        cols = row_columns(samples)
-        prompt = samples[0].get("prompt", "") if samples else ""
-        md = f"**step {step}, group {group}** ({len(samples)} samples)\n\n**prompt:**\n```\n{prompt}\n```"
-        if cols:
-            md += "\n" + "\n".join(f"- **{k}**: `{json.dumps(v)[:300]}`" for k, v in cols.items())
-        if not images and not videos and not any("text" in s for s in samples):
-            md += "\n\n*this run's samples carry no media or text (e.g. latents only); rewards are below*"
-        oh, orows = group_overview(run, int(step))
-        sample_choices = list(range(len(samples)))
-        first = sample_choices[0] if sample_choices else None
-        ann, vid = show_sample(run, step, group, first)
-        return (
-            md,
-            _frame(headers, rows),
-            images,
-            gr.update(value=videos, visible=bool(videos)),
-            _frame(oh, orows),
-            gr.update(choices=sample_choices, value=first),
-            ann,
-            vid,
-        )
-
-    def show_sample(run: str, step: Any, group: Any, k: Any) -> tuple[Any, Any]:
-        if step is None or group is None or k is None:
-            return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
-        samples = load_group(run, int(step), int(group))
-        if not 0 <= int(k) < len(samples):
-            return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
-        s = samples[int(k)]
-        ann = box_annotations(s, box_coords(run))
-        video = s.get("video")
-        return (
-            gr.update(value=ann, visible=ann is not None),
-            gr.update(
-                value=str(video) if video is not None and Path(video).is_file() else None,
-                visible=video is not None,
-            ),
-        )
-
-    def move(choices_of: Callable[..., list[Any]], delta: int) -> Callable[..., Any]:
-        def fn(*args: Any) -> Any:
-            *ctx, current = args
-            items = choices_of(*ctx)
-            if not items:
-                return None
-            if current is None or int(current) not in items:
-                return items[0]
-            i = items.index(int(current)) + delta
-            return items[max(0, min(len(items) - 1, i))]
-
-        return fn
-
-    def curves(keys_r: list[str], keys_d: list[str]) -> tuple[Any, Any]:
-        cols = ["step", "value", "series"]
-        r = pd.DataFrame(curve_rows(runs, keys_r or []), columns=cols)
-        d = pd.DataFrame(curve_rows(runs, keys_d or []), columns=cols)
-        return r, d
-
-    all_keys = metric_keys(runs)
-    rk, dk = default_curve_keys(all_keys)
-
+    steps0 = list_steps(runs[0])
+    groups0 = list_groups(runs[0], steps0[-1]) if steps0 else []
+    ui = SimpleNamespace()
     with gr.Blocks(title="mmalign demo") as demo:
         gr.Markdown("# mmalign: samples of a run")
-        status = gr.Markdown("\n\n".join(run_status(r) for r in runs), elem_id="run-status")
-        with gr.Tab("Samples"):
-            with gr.Row():
-                run_dd = gr.Dropdown(choices=labels, value=runs[0], label="run", elem_id="run")
-                steps0 = list_steps(runs[0])
-                step_dd = gr.Dropdown(
-                    choices=steps0, value=steps0[-1] if steps0 else None, label="step", elem_id="step"
-                )
-                groups0 = list_groups(runs[0], steps0[-1]) if steps0 else []
-                group_dd = gr.Dropdown(
-                    choices=[(f"{g}: {p[:70]}", g) for g, p in groups0],
-                    value=groups0[0][0] if groups0 else None,
-                    label="group",
-                    elem_id="group",
-                )
-                follow = gr.Checkbox(value=False, label="follow the newest step", elem_id="follow")
-            with gr.Row():
-                prev_step = gr.Button("◀ previous step", elem_id="prev-step", size="sm")
-                next_step = gr.Button("next step ▶", elem_id="next-step", size="sm")
-                prev_group = gr.Button("◀ previous group", elem_id="prev-group", size="sm")
-                next_group = gr.Button("next group ▶", elem_id="next-group", size="sm")
-            header = gr.Markdown(elem_id="group-header")
-            table = gr.Dataframe(label="rewards and advantage per sample", elem_id="reward-table", wrap=True)
-            gallery = gr.Gallery(label="images (or video frame strips)", columns=4, elem_id="gallery")
-            videos = gr.Gallery(label="videos", columns=4, visible=False, elem_id="videos")
-            with gr.Row():
-                sample_dd = gr.Dropdown(choices=[], label="sample (boxes, video)", elem_id="sample")
-                boxes = gr.AnnotatedImage(
-                    label="boxes: reference and predicted",
-                    color_map={"reference": "#22c55e", "predicted": "#ef4444"},
-                    visible=False,
-                    elem_id="boxes",
-                )
-                video = gr.Video(label="video", visible=False, elem_id="video")
-            overview = gr.Dataframe(label="groups of this step", elem_id="overview", wrap=True)
-
-        with gr.Tab("Curves"):
-            keys_r = gr.Dropdown(choices=all_keys, value=rk, multiselect=True, label="reward curves")
-            keys_d = gr.Dropdown(choices=all_keys, value=dk, multiselect=True, label="diagnostic curves")
-            r0, d0 = curves(rk, dk)
-            plot_r = gr.LinePlot(
-                r0, x="step", y="value", color="series", title="rewards", elem_id="plot-rewards"
-            )
-            plot_d = gr.LinePlot(
-                d0, x="step", y="value", color="series", title="diagnostics", elem_id="plot-diagnostics"
-            )
-
-        with gr.Tab("Compare"):
-            gr.Markdown(
-                "Logged samples of two runs at the same step and prompt, or new samples generated from two "
-                "checkpoints (of one run or two) on the same prompts with the same seed."
-            )
-            with gr.Row():
-                with gr.Column():
-                    run_a = gr.Dropdown(choices=labels, value=runs[0], label="left run")
-                    ckpt_a = gr.Dropdown(
-                        choices=checkpoint_choices(runs[0]), value="latest", label="left checkpoint"
-                    )
-                with gr.Column():
-                    run_b = gr.Dropdown(choices=labels, value=runs[-1], label="right run")
-                    ckpt_b = gr.Dropdown(
-                        choices=checkpoint_choices(runs[-1]),
-                        value="base" if len(runs) == 1 else "latest",
-                        label="right checkpoint",
-                    )
-            with gr.Row():
-                cmp_step = gr.Number(value=steps0[-1] if steps0 else 0, precision=0, label="step (logged)")
-                show_logged = gr.Button("show logged samples of the prompt above", elem_id="show-logged")
-            prompts_box = gr.Textbox(
-                value=groups0[0][1] if groups0 else "",
-                lines=3,
-                label="prompts (separate two prompts with a line holding only ---)",
-                elem_id="prompts",
-            )
-            with gr.Row():
-                n_box = gr.Number(value=4, precision=0, minimum=1, label="samples per prompt")
-                seed_box = gr.Number(value=0, precision=0, label="seed")
-                gen = gr.Button("generate both sides", variant="primary", elem_id="generate")
-            with gr.Row():
-                with gr.Column():
-                    head_a = gr.Markdown()
-                    gal_a = gr.Gallery(columns=4, label="left")
-                    tab_a = gr.Dataframe(wrap=True)
-                with gr.Column():
-                    head_b = gr.Markdown()
-                    gal_b = gr.Gallery(columns=4, label="right")
-                    tab_b = gr.Dataframe(wrap=True)
-
-        # ------------------------------------------------------------------ events
-        group_outputs = [header, table, gallery, videos, overview, sample_dd, boxes, video]
-        run_dd.change(step_update, [run_dd, step_dd], step_dd)
-        step_dd.change(groups_update, [run_dd, step_dd, group_dd], group_dd).then(
-            show_group, [run_dd, step_dd, group_dd], group_outputs
-        )
-        group_dd.change(show_group, [run_dd, step_dd, group_dd], group_outputs)
-        sample_dd.change(show_sample, [run_dd, step_dd, group_dd, sample_dd], [boxes, video])
-        prev_step.click(move(list_steps, -1), [run_dd, step_dd], step_dd)
-        next_step.click(move(list_steps, +1), [run_dd, step_dd], step_dd)
-        group_ids = lambda run, step: [g for g, _ in list_groups(run, int(step))] if step is not None else []  # noqa: E731
-        prev_group.click(move(group_ids, -1), [run_dd, step_dd, group_dd], group_dd)
-        next_group.click(move(group_ids, +1), [run_dd, step_dd, group_dd], group_dd)
-        demo.load(show_group, [run_dd, step_dd, group_dd], group_outputs)
-        for k in (keys_r, keys_d):
-            k.change(curves, [keys_r, keys_d], [plot_r, plot_d])
-
-        def sync_prompt(run: str, step: Any, group: Any) -> tuple[Any, Any]:
-            groups = dict(list_groups(run, int(step))) if step is not None else {}
-            return gr.update(value=groups.get(int(group), "") if group is not None else ""), step
-
-        group_dd.change(sync_prompt, [run_dd, step_dd, group_dd], [prompts_box, cmp_step])
-        run_a.change(lambda r: gr.update(choices=checkpoint_choices(r), value="latest"), run_a, ckpt_a)
-        run_b.change(lambda r: gr.update(choices=checkpoint_choices(r), value="latest"), run_b, ckpt_b)
-
-        def logged(ra: str, rb: str, step: Any, prompts: str) -> tuple[Any, ...]:
-            found = split_prompts(prompts)
-            prompt = found[0] if found else ""
-            out: list[Any] = []
-            for run in (ra, rb):
-                g = find_group(run, int(step or 0), prompt) if prompt else None
-                if g is None:
-                    out += [
-                        f"**{run_label(run)}**, step {step}: no group with this prompt",
-                        [],
-                        _frame(["sample"], []),
-                    ]
-                    continue
-                samples = load_group(run, int(step), g)
-                h, rows = reward_table(samples)
-                out += [
-                    f"**{run_label(run)}**, step {step}, group {g} (logged)",
-                    media_items(samples)[0],
-                    _frame(h, rows),
-                ]
-            return tuple(out)
-
-        show_logged.click(
-            logged, [run_a, run_b, cmp_step, prompts_box], [head_a, gal_a, tab_a, head_b, gal_b, tab_b]
-        )
-
-        def generate_both(
-            ra: str,
-            ca: str,
-            rb: str,
-            cb: str,
-            prompts: str,
-            n: Any,
-            seed: Any,
-            progress: Any = gr.Progress(track_tqdm=True),
-        ) -> tuple[Any, ...]:
-            lines = split_prompts(prompts)
-            if not lines:
-                raise gr.Error("write at least one prompt")
-            out: list[Any] = []
-            for i, (run, ck) in enumerate(((ra, ca), (rb, cb))):
-                progress(i / 2, desc=f"{'left' if i == 0 else 'right'}: loading the model and generating")
-                try:
-                    label, rows = generate_samples(run, ck, lines, int(n or 1), int(seed or 0))
-                except Exception as e:  # a wrong config / checkpoint: shown, the app keeps running
-                    raise gr.Error(f"{run_label(run)} ({ck}): {type(e).__name__}: {e}") from e
-                images = [
-                    (
-                        str(r.get("image") or r.get("video_frames")),
-                        f"prompt {k // int(n or 1)} sample {r.get('sample')}",
-                    )
-                    for k, r in enumerate(rows)
-                    if r.get("image") or r.get("video_frames")
-                ]
-                has_text = any("text" in r for r in rows)
-                table_rows = [
-                    [r.get("prompt", ""), r.get("sample")] + ([r.get("text", "")] if has_text else [])
-                    for r in rows
-                ]
-                cols = ["prompt", "sample"] + (["text"] if has_text else [])
-                out += [f"**{label}**", images, _frame(cols, table_rows)]
-            progress(1.0, desc="done")
-            return tuple(out)
-
-        gen.click(
-            generate_both,
-            [run_a, ckpt_a, run_b, ckpt_b, prompts_box, n_box, seed_box],
-            [head_a, gal_a, tab_a, head_b, gal_b, tab_b],
-            concurrency_limit=1,
-        )
-
+        ui.status = gr.Markdown("\n\n".join(run_status(r) for r in runs), elem_id="run-status")
+        _samples_tab(gr, ui, labels, steps0, groups0)
+        _curves_tab(gr, ui, runs)
+        _compare_tab(gr, ui, runs, labels, steps0, groups0)
+        _wire_samples(demo, ui)
+        curves = _wire_curves(runs, ui)
+        _wire_compare(gr, ui)
         if refresh_s and refresh_s > 0:
-            timer = gr.Timer(refresh_s)
-
-            def tick(run: str, step: Any, follow_: bool, kr: list[str], kd: list[str]) -> tuple[Any, ...]:
-                keys = metric_keys(runs)
-                return (
-                    "\n\n".join(run_status(r) for r in runs) + f"\n\n*refreshed {time.strftime('%H:%M:%S')}*",
-                    timer_step_update(run, step, follow_),
-                    *curves(kr, kd),
-                    gr.update(choices=keys),
-                    gr.update(choices=keys),
-                )
-
-            timer.tick(
-                tick,
-                [run_dd, step_dd, follow, keys_r, keys_d],
-                [status, step_dd, plot_r, plot_d, keys_r, keys_d],
-            )
+            _wire_timer(gr, runs, ui, curves, refresh_s)
     demo.run_dirs = runs
     return demo
 

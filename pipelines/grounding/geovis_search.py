@@ -1,39 +1,12 @@
 """GeoViS inference-time tree search: UCT over zoomed views of the image, valued by the model itself.
 
-The search (GeoViS; where the paper is silent the choice is marked "(our design)"):
-
-- a NODE holds a view (`pipelines.grounding.geovis_views.View`; view 0 = the full image). Actions: zoom into one of
-  the ``grid`` x ``grid`` (3 x 3) equal cells of the node's region (cells that `check_crop` refuses, too
-  small or too thin, are not offered), or zoom out to the view's parent (not from view 0). The same region
-  reached twice is the same view (and its value is computed once per search);
-- each SIMULATION (``simulations``, 10): SELECT from the root by UCT while the node is fully expanded,
-  ``Q_child + c * sqrt(ln N_parent / N_child)`` with Q = mean backed-up value, c = sqrt(2) (our design:
-  the paper gives no constant); EXPAND one untried action (in the fixed order cells row-major then zoom
-  out; in a random order when ``temperature > 0``); EVALUATE the new node's view; BACKPROPAGATE the value
-  (N += 1, W += v on the path, Q = W / N). Nodes at tree depth ``max_depth`` (5 actions from the root)
-  are not expanded. The root is evaluated once before the simulations (not counted as one);
-- VALUE of a view: ``v = w_qa * r_QA + w_iou * r_IoU`` with 0.1 / 0.9:
-
-  * r_QA: the mean P("yes") over yes/no checks on the crop alone: the object (``YESNO_PROMPT`` on the
-    row's ``object`` column), the position (``YESNO_PROMPT`` on ``expression``) and the relation
-    (``RELATION_PROMPT`` on ``relation``); a missing / empty column drops its check (our design: the
-    templates). With no check at all r_QA is left out and v = r_IoU (our design);
-  * r_IoU: IoU, in the crop's own frame, of the model's box for ``BOX_PROMPT`` on the crop alone with the
-    CENTRAL box of the crop, [1/3, 2/3] of its width and height (our design: the middle cell of the 3 x 3
-    grid), so a view scores high when the target sits in its middle at about a third of its size; no
-    parsable box -> 0;
-
-- the BEST VIEW is the tree node with the highest mean value Q among visited nodes; ties go to the deeper
-  view (more zoom-ins from view 0), then to the earlier one;
-- FINAL BOX: ``final="full_image"`` (the paper): the model gets the full image AND the best crop (two
-  images, ``FULL_IMAGE_BOX_PROMPT``) and writes the box in the FIRST image's (view 0's) coordinates;
-  ``final="best_crop"`` (our design, for small models): the box the model wrote for the best crop during
-  its evaluation (no extra call), mapped to global pixels by the view's affine map. With view 0 as the best
-  view both reduce to ``BOX_PROMPT`` on the full image. The box is clipped to the image.
-
-Model calls go through a `SearchOracle` (``yes_probability`` / ``predict_box``); `VLMOracle` implements it
-with a `VLMPolicy`, rendering prompts exactly as the policy does. `TreeSearchPolicy` wraps a VLMPolicy as a
-`Policy` for ``mmalign eval`` only (training refuses it).
+A node holds a view (`geovis_views.View`, view 0 = the full image); its actions zoom into one of the
+``grid`` x ``grid`` cells `check_crop` accepts, or out to the parent view. Each simulation selects by UCT
+(c = sqrt 2, our design), expands one untried action (not at ``max_depth``), evaluates the view
+(``w_qa * r_QA + w_iou * r_IoU``, see `_Search.evaluate`) and backs the value up. The best view (highest
+mean value) gives the final box (`_Search.final_box`). "(our design)" marks choices the paper leaves open.
+Model calls go through a `SearchOracle` (`VLMOracle` wraps a `VLMPolicy`); `TreeSearchPolicy` serves the
+search as a `Policy` for ``mmalign eval`` only.
 """
 
 from __future__ import annotations
@@ -124,16 +97,9 @@ def _parse_box(text: str) -> tuple[float, float, float, float] | None:
 
 
 class VLMOracle:
-    """`SearchOracle` backed by a `VLMPolicy`: prompts are rendered by the policy's own `encode_row` /
-    `batch_inputs` (its chat template, system prompt and processor), so the search sees the prompts
-    training uses.
-
-    - `yes_probability`: one forward; softmax over the next-token logits after the generation prompt
-      restricted to the FIRST token of "yes" and of "no": P(yes) = e^l_yes / (e^l_yes + e^l_no);
-    - `predict_box`: ``generate`` (greedy when ``temperature`` is 0, else sampled at that temperature;
-      ``max_new_tokens`` defaults to the policy's), then `parse_box` (the <answer> box first).
-
-    ``convention``: how the model writes boxes ("resized" by default; a family alias is accepted)."""
+    """`SearchOracle` backed by a `VLMPolicy`, whose own `encode_row` / `batch_inputs` render the prompts
+    (chat template, system prompt, processor) as in training. ``convention``: how the model writes boxes
+    ("resized" by default; a family alias is accepted)."""
 
     def __init__(
         self,
@@ -169,6 +135,7 @@ class VLMOracle:
 
     @torch.no_grad()
     def yes_probability(self, images: list[Any], question: str) -> float:
+        """One forward: softmax of the next-token logits over the first tokens of "yes" and "no"."""
         inputs = self._inputs(images, question)
         logits = self.policy.model(**inputs, logits_to_keep=1, use_cache=False).logits[0, -1].float()
         pair = torch.stack([logits[self.yes_id], logits[self.no_id]])
@@ -176,6 +143,8 @@ class VLMOracle:
 
     @torch.no_grad()
     def predict_box(self, images: list[Any], prompt: str, frame: int = -1) -> Sequence[float] | None:
+        """``generate`` (greedy at temperature 0, else sampled; ``max_new_tokens`` defaults to the
+        policy's), then `parse_box` of the completion (kept in ``last_text``)."""
         p = self.policy
         inputs = self._inputs(images, prompt)
         kwargs: dict[str, Any] = {
@@ -200,7 +169,7 @@ class VLMOracle:
 # ============================================================================ tree
 @dataclass
 class SearchConfig:
-    """Search settings; see the module docstring. ``c``: UCT exploration constant (our design: sqrt 2)."""
+    """Search settings (see the module docstring). ``c``: UCT exploration constant (our design: sqrt 2)."""
 
     simulations: int = 10
     max_depth: int = 5
@@ -297,6 +266,214 @@ def yes_no_questions(row: dict[str, Any]) -> list[str]:
     return out
 
 
+def _expression(row: dict[str, Any]) -> str:
+    """The row's ``expression`` (stripped); ValueError when it is missing or empty."""
+    expression = row.get("expression")
+    if expression is None or not str(expression).strip():
+        raise ValueError(
+            f"{row.get('_source', 'row')}: the GeoViS search needs an 'expression' column "
+            f"(columns: {sorted(row)})"
+        )
+    return str(expression).strip()
+
+
+class _Search:
+    """The state of one `tree_search`: views by id and by region, their evaluations (in order of first
+    evaluation), the tree nodes, the deepest node created and the oracle calls made."""
+
+    def __init__(
+        self,
+        image: Any,
+        row: dict[str, Any],
+        oracle: SearchOracle,
+        cfg: SearchConfig,
+        *,
+        min_pixels: int,
+        max_pixels: int,
+        factor: int,
+        rng: random.Random | None,
+    ) -> None:
+        self.expression = _expression(row)
+        self.image, self.oracle, self.cfg, self.rng = image, oracle, cfg, rng
+        self.image_size = image.size
+        self.convention = resolve_convention(oracle.convention)
+        self.questions = yes_no_questions(row)
+        self.bounds = {"min_pixels": min_pixels, "max_pixels": max_pixels, "factor": factor}
+        self.root_view = View.root(self.image_size, min_pixels, max_pixels, factor)
+        self.views: dict[int, View] = {0: self.root_view}
+        self.by_region: dict[Region, View] = {self.root_view.region: self.root_view}
+        self.evals: dict[int, dict[str, Any]] = {}
+        self.nodes: list[_Node] = []
+        self.depth_reached = 0
+        self.calls = 0
+
+    # ------------------------------------------------------------------ evaluation
+    def r_iou(self, box: Sequence[float] | None, view: View) -> float:
+        """IoU of `box` (the crop's frame, ``convention``) with `CENTRAL_BOX`, in fractions of the crop; 0
+        without a box."""
+        if box is None:
+            return 0.0
+        fw, fh = view_frame(view, self.convention)
+        return iou((box[0] / fw, box[1] / fh, box[2] / fw, box[3] / fh), CENTRAL_BOX)
+
+    def evaluate(self, view: View) -> float:
+        """The value of `view`, computed once per search: ``w_qa * r_QA + w_iou * r_IoU``, r_QA the mean
+        P("yes") of `yes_no_questions` on the crop alone (no check: the value is r_IoU, our design).
+        Records {"value", "r_qa", "r_iou", "box"} (box: in the crop's frame) in ``evals``."""
+        if view.id in self.evals:
+            return self.evals[view.id]["value"]
+        crop = crop_image(self.image, view.region)
+        probs = [self.oracle.yes_probability([crop], q) for q in self.questions]
+        self.calls += len(probs)
+        box = self.oracle.predict_box([crop], BOX_PROMPT.format(expression=self.expression))
+        self.calls += 1
+        box = order_box(box) if box is not None else None
+        r_iou = self.r_iou(box, view)
+        if probs:
+            r_qa = sum(min(max(p, 0.0), 1.0) for p in probs) / len(probs)
+            value = self.cfg.w_qa * r_qa + self.cfg.w_iou * r_iou
+        else:
+            r_qa, value = None, r_iou
+        self.evals[view.id] = {"value": value, "r_qa": r_qa, "r_iou": r_iou, "box": box}
+        return value
+
+    # ------------------------------------------------------------------ expansion
+    def actions(self, view: View) -> list[Any]:
+        """The actions of `view`: its ``grid`` x ``grid`` cells (row-major) that `check_crop` accepts, then
+        "out" (to the parent view) when allowed; shuffled by ``rng`` when given."""
+        acts: list[Any] = []
+        for cell in grid_cells(view, self.cfg.grid):
+            region = clip_region(cell, self.image_size)
+            if check_crop(region, self.cfg.min_crop_px, self.cfg.max_aspect) is None:
+                acts.append(region)
+        if self.cfg.allow_zoom_out and view.parent is not None:
+            acts.append("out")
+        if self.rng is not None:
+            self.rng.shuffle(acts)
+        return acts
+
+    def open_view(self, action: Any, node: _Node) -> View:
+        """The view `action` leads to from `node`: the parent view for "out", else the view of the region
+        (an existing view when that region was reached before, else a new one)."""
+        if action == "out":
+            assert node.view.parent is not None
+            return self.views[node.view.parent]
+        v = make_view(
+            action, view_id=len(self.views), parent=node.view.id, image_size=self.image_size, **self.bounds
+        )
+        known = self.by_region.get(v.region)
+        if known is not None:
+            return known
+        self.views[v.id] = v
+        self.by_region[v.region] = v
+        return v
+
+    def new_node(self, view: View, depth: int, parent: _Node | None = None) -> _Node:
+        """A tree node for `view` with its untried actions, recorded in ``nodes``."""
+        node = _Node(view=view, depth=depth, parent=parent)
+        node.untried = self.actions(view)
+        self.nodes.append(node)
+        return node
+
+    def expand(self, node: _Node) -> _Node:
+        """Open `node`'s next untried action: the new child node (tree depth + 1)."""
+        action = node.untried.pop(0)
+        child = self.new_node(self.open_view(action, node), node.depth + 1, parent=node)
+        node.children.append(child)
+        self.depth_reached = max(self.depth_reached, child.depth)
+        return child
+
+    # ------------------------------------------------------------------ simulation
+    def select(self, root: _Node) -> list[_Node]:
+        """The path from `root` down by `select_child` while the node is below ``max_depth``, fully
+        expanded and has children."""
+        node, path = root, [root]
+        while node.depth < self.cfg.max_depth and not node.untried and node.children:
+            node = select_child(node, self.cfg.c)
+            path.append(node)
+        return path
+
+    @staticmethod
+    def backup(path: Sequence[_Node], value: float) -> None:
+        """Add one visit and `value` to every node of `path`."""
+        for n in path:
+            n.visits += 1
+            n.total += value
+
+    def simulate(self, root: _Node) -> None:
+        """One simulation: select, expand one untried action (not at ``max_depth``), evaluate the reached
+        view, back its value up the path."""
+        path = self.select(root)
+        node = path[-1]
+        if node.depth < self.cfg.max_depth and node.untried:
+            node = self.expand(node)
+            path.append(node)
+        self.backup(path, self.evaluate(node.view))
+
+    # ------------------------------------------------------------------ answer
+    def best_view(self) -> View:
+        """The view of the node of highest mean value; ties: the deeper view, then the earlier evaluated."""
+        rank = {vid: i for i, vid in enumerate(self.evals)}
+        best = max(self.nodes, key=lambda n: (n.q, view_depth(n.view, self.views), -rank[n.view.id]))
+        return best.view
+
+    def final_box(self, best: View) -> Region | None:
+        """The global box (original pixels, clipped to the image), None without one. "full_image" (the
+        paper): `FULL_IMAGE_BOX_PROMPT` on the image + best crop, box in view 0's frame; "best_crop" (our
+        design), or view 0 as best: the box of `best`'s evaluation, mapped to global pixels."""
+        if self.cfg.final == "best_crop" or best.id == 0:
+            box, frame_view = self.evals[best.id]["box"], best
+        else:
+            crop = crop_image(self.image, best.region)
+            prompt = FULL_IMAGE_BOX_PROMPT.format(expression=self.expression)
+            raw = self.oracle.predict_box([self.image, crop], prompt, frame=0)
+            self.calls += 1
+            box, frame_view = (order_box(raw) if raw is not None else None), self.root_view
+        if box is None:
+            return None
+        return clip_region(view_to_global(box, frame_view, self.convention), self.image_size)
+
+    def scores(self) -> list[dict[str, Any]]:
+        """Per evaluated view, in order: its evaluation and the visits / mean summed over its tree nodes."""
+        per_view: dict[int, list[_Node]] = {}
+        for n in self.nodes:
+            per_view.setdefault(n.view.id, []).append(n)
+        out = []
+        for vid, e in self.evals.items():
+            held = per_view.get(vid, [])
+            visits = sum(n.visits for n in held)
+            mean = sum(n.total for n in held) / visits if visits else None
+            out.append(
+                {
+                    "view": vid,
+                    "value": e["value"],
+                    "r_qa": e["r_qa"],
+                    "r_iou": e["r_iou"],
+                    "visits": visits,
+                    "mean": mean,
+                }
+            )
+        return out
+
+    def run(self) -> SearchResult:
+        """Evaluate the root, run ``simulations`` simulations, pick the best view and its box."""
+        root = self.new_node(self.root_view, 0)
+        root.visits, root.total = 1, self.evaluate(self.root_view)
+        for _ in range(self.cfg.simulations):
+            self.simulate(root)
+        best = self.best_view()
+        answer = self.final_box(best)
+        return SearchResult(
+            views=[self.views[vid] for vid in self.evals],
+            best_view=best,
+            answer_box=answer,
+            simulations=self.cfg.simulations,
+            depth_reached=self.depth_reached,
+            model_calls=self.calls,
+            scores=self.scores(),
+        )
+
+
 def tree_search(
     image: Any,
     row: dict[str, Any],
@@ -311,147 +488,17 @@ def tree_search(
     """Run the GeoViS search on the PIL `image` for `row` (``expression``, optional ``object`` /
     ``relation``). `min_pixels` / `max_pixels` / `factor`: the processor's resize bounds (the views'
     ``resized`` sizes). `rng`: shuffles the expansion order when given (``temperature > 0``)."""
-    cfg = config or SearchConfig()
-    expression = row.get("expression")
-    if expression is None or not str(expression).strip():
-        raise ValueError(
-            f"{row.get('_source', 'row')}: the GeoViS search needs an 'expression' column "
-            f"(columns: {sorted(row)})"
-        )
-    expression = str(expression).strip()
-    image_size = image.size
-    convention = resolve_convention(oracle.convention)
-    questions = yes_no_questions(row)
-    root_view = View.root(image_size, min_pixels, max_pixels, factor)
-    views: dict[int, View] = {0: root_view}
-    by_region: dict[Region, View] = {root_view.region: root_view}
-    evals: dict[int, dict[str, Any]] = {}
-    calls = 0
-
-    def evaluate(view: View) -> float:
-        nonlocal calls
-        if view.id in evals:
-            return evals[view.id]["value"]
-        crop = crop_image(image, view.region)
-        probs = [oracle.yes_probability([crop], q) for q in questions]
-        calls += len(probs)
-        box = oracle.predict_box([crop], BOX_PROMPT.format(expression=expression))
-        calls += 1
-        box = order_box(box) if box is not None else None
-        r_iou = 0.0
-        if box is not None:
-            fw, fh = view_frame(view, convention)
-            frac = (box[0] / fw, box[1] / fh, box[2] / fw, box[3] / fh)
-            r_iou = iou(frac, CENTRAL_BOX)
-        if probs:
-            r_qa = sum(min(max(p, 0.0), 1.0) for p in probs) / len(probs)
-            value = cfg.w_qa * r_qa + cfg.w_iou * r_iou
-        else:
-            r_qa, value = None, r_iou
-        evals[view.id] = {"value": value, "r_qa": r_qa, "r_iou": r_iou, "box": box}
-        return value
-
-    def actions(view: View) -> list[Any]:
-        acts: list[Any] = []
-        for cell in grid_cells(view, cfg.grid):
-            region = clip_region(cell, image_size)
-            if check_crop(region, cfg.min_crop_px, cfg.max_aspect) is None:
-                acts.append(region)
-        if cfg.allow_zoom_out and view.parent is not None:
-            acts.append("out")
-        if rng is not None:
-            rng.shuffle(acts)
-        return acts
-
-    def open_view(action: Any, node: _Node) -> View:
-        if action == "out":
-            assert node.view.parent is not None
-            return views[node.view.parent]
-        v = make_view(
-            action,
-            view_id=len(views),
-            parent=node.view.id,
-            image_size=image_size,
-            min_pixels=min_pixels,
-            max_pixels=max_pixels,
-            factor=factor,
-        )
-        known = by_region.get(v.region)
-        if known is not None:
-            return known
-        views[v.id] = v
-        by_region[v.region] = v
-        return v
-
-    root = _Node(view=root_view, depth=0)
-    root.untried = actions(root_view)
-    root.visits, root.total = 1, evaluate(root_view)
-    nodes = [root]
-    depth_reached = 0
-    for _ in range(cfg.simulations):
-        node, path = root, [root]
-        while node.depth < cfg.max_depth and not node.untried and node.children:
-            node = select_child(node, cfg.c)
-            path.append(node)
-        if node.depth < cfg.max_depth and node.untried:
-            action = node.untried.pop(0)
-            child = _Node(view=open_view(action, node), depth=node.depth + 1, parent=node)
-            child.untried = actions(child.view)
-            node.children.append(child)
-            nodes.append(child)
-            path.append(child)
-            depth_reached = max(depth_reached, child.depth)
-            node = child
-        value = evaluate(node.view)
-        for n in path:
-            n.visits += 1
-            n.total += value
-
-    order = list(evals)  # views in order of first evaluation
-    rank = {vid: i for i, vid in enumerate(order)}
-    best = max(
-        nodes,
-        key=lambda n: (n.q, view_depth(n.view, views), -rank[n.view.id]),
+    search = _Search(
+        image,
+        row,
+        oracle,
+        config or SearchConfig(),
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        factor=factor,
+        rng=rng,
     )
-    best_view = best.view
-    if cfg.final == "best_crop" or best_view.id == 0:
-        box = evals[best_view.id]["box"]
-        global_box = view_to_global(box, best_view, convention) if box is not None else None
-    else:
-        crop = crop_image(image, best_view.region)
-        raw = oracle.predict_box([image, crop], FULL_IMAGE_BOX_PROMPT.format(expression=expression), frame=0)
-        calls += 1
-        box = order_box(raw) if raw is not None else None
-        global_box = view_to_global(box, root_view, convention) if box is not None else None
-    if global_box is not None:
-        global_box = clip_region(global_box, image_size)
-    per_view: dict[int, list[_Node]] = {}
-    for n in nodes:
-        per_view.setdefault(n.view.id, []).append(n)
-    scores = []
-    for vid in order:
-        held = per_view.get(vid, [])
-        visits = sum(n.visits for n in held)
-        e = evals[vid]
-        scores.append(
-            {
-                "view": vid,
-                "value": e["value"],
-                "r_qa": e["r_qa"],
-                "r_iou": e["r_iou"],
-                "visits": visits,
-                "mean": sum(n.total for n in held) / visits if visits else None,
-            }
-        )
-    return SearchResult(
-        views=[views[vid] for vid in order],
-        best_view=best_view,
-        answer_box=global_box,
-        simulations=cfg.simulations,
-        depth_reached=depth_reached,
-        model_calls=calls,
-        scores=scores,
-    )
+    return search.run()
 
 
 def format_answer(box: Sequence[float] | None) -> str:
@@ -472,26 +519,30 @@ def _load_rgb(x: Any) -> Any:
         return im.convert("RGB")
 
 
+def _env_state(r: SearchResult) -> dict[str, Any]:
+    """A sample's ``env_state``: the visited views, the best view's id, the search's statistics and, when
+    the model wrote one, the answer box (original pixels)."""
+    state: dict[str, Any] = {
+        "views": [v.to_dict() for v in r.views],
+        "best_view": r.best_view.id,
+        "search": {
+            "simulations": r.simulations,
+            "depth_reached": r.depth_reached,
+            "model_calls": r.model_calls,
+            "scores": r.scores,
+        },
+    }
+    if r.answer_box is not None:
+        state["answer_box"] = [float(v) for v in r.answer_box]
+    return state
+
+
 class TreeSearchPolicy(Policy):
-    """A `VLMPolicy` driven by the GeoViS tree search, for ``mmalign eval`` only.
+    """A `VLMPolicy` driven by the GeoViS tree search, for ``mmalign eval`` only (see `rollout`).
 
-    `rollout` returns per sample (``outputs``):
-
-    - ``texts``: ``<answer>[x1, y1, x2, y2]</answer>`` with the GLOBAL box in absolute ORIGINAL pixels
-      (box rewards must read it with ``coords: absolute``);
-    - ``env_state``: {"views": [visited views, `View.to_dict`], "answer_box": [x1,y1,x2,y2] (absent when
-      the model wrote no box), "best_view": id, "search": {"simulations", "depth_reached", "model_calls",
-      "scores"}};
-    - ``num_turns`` Long[B]: the TURNS USED = zoom depth of the chosen view + 1 (the zoom-ins that reach
-      it, plus the answer), what a zoom policy would need to answer from that view; ``model_calls``
-      Long[B]: the oracle calls the search made.
-
-    ``mask`` is Bool[B,1], all False (no trained actions); ``payload`` is empty. With ``temperature`` 0
-    the search is deterministic and the `group_size` samples of a row are copies of one search; with
-    ``temperature > 0`` each sample runs its own search, expanding actions in a random order (seeded from
-    torch's generator, so ``eval.seed`` fixes it) and sampling the box predictions at that temperature.
-    `action_stats` / `reference_logprobs` / `save` raise (``INFERENCE_ONLY``); trainable parameters and
-    state are the wrapped policy's, so a trained checkpoint loads into it."""
+    With ``temperature`` 0 the search is deterministic and a row's `group_size` samples copy one search;
+    above 0 each sample searches on its own (random expansion order seeded from torch's generator, boxes
+    sampled). Training methods raise ``INFERENCE_ONLY``; the weights are the wrapped policy's."""
 
     def __init__(
         self,
@@ -537,20 +588,9 @@ class TreeSearchPolicy(Policy):
             rng=rng,
         )
 
-    def setup(self, run: Any) -> None:
-        """Called by the trainer only: training with the tree search is refused (it has no trained actions)."""
-        from mmalign.config import ConfigError
-
-        raise ConfigError(
-            f"{run.cfg.source}: key 'options.search': {INFERENCE_ONLY}; train the zoom policy with "
-            f"options.search: zoom and compare with the search at evaluation"
-        )
-
-    @torch.no_grad()
-    def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = False) -> Rollout:
-        """Search once per row (once per sample when ``temperature > 0``); see the class docstring."""
-        if compute_logp:
-            raise RuntimeError(INFERENCE_ONLY + " (compute_logp=True asked for log-probs)")
+    def _search_rows(self, rows: list[dict[str, Any]], group_size: int) -> list[SearchResult]:
+        """`group_size` results per row, in row order (one search copied at temperature 0, else one search
+        per sample seeded from torch's generator); the model is in eval mode meanwhile."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -565,24 +605,29 @@ class TreeSearchPolicy(Policy):
         finally:
             if was_training:
                 self.model.train()
-        views_by_result = [{v.id: v for v in r.views} for r in results]
-        texts, states, turns = [], [], []
-        for r, vmap in zip(results, views_by_result, strict=True):
-            texts.append(format_answer(r.answer_box))
-            state: dict[str, Any] = {
-                "views": [v.to_dict() for v in r.views],
-                "best_view": r.best_view.id,
-                "search": {
-                    "simulations": r.simulations,
-                    "depth_reached": r.depth_reached,
-                    "model_calls": r.model_calls,
-                    "scores": r.scores,
-                },
-            }
-            if r.answer_box is not None:
-                state["answer_box"] = [float(v) for v in r.answer_box]
-            states.append(state)
-            turns.append(view_depth(r.best_view, vmap) + 1)
+        return results
+
+    def setup(self, run: Any) -> None:
+        """Called by the trainer only: training with the tree search is refused (it has no trained actions)."""
+        from mmalign.config import ConfigError
+
+        raise ConfigError(
+            f"{run.cfg.source}: key 'options.search': {INFERENCE_ONLY}; train the zoom policy with "
+            f"options.search: zoom and compare with the search at evaluation"
+        )
+
+    @torch.no_grad()
+    def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = False) -> Rollout:
+        """Search once per row (per sample when ``temperature > 0``). Outputs: ``texts`` (`format_answer`,
+        absolute ORIGINAL pixels: read with ``coords: absolute``), ``env_state`` ({"views", "answer_box" when
+        a box, "best_view", "search"}), ``num_turns`` (zoom depth of the best view + 1), ``model_calls``.
+        ``mask`` is Bool[B,1], all False; ``payload`` is empty."""
+        if compute_logp:
+            raise RuntimeError(INFERENCE_ONLY + " (compute_logp=True asked for log-probs)")
+        results = self._search_rows(rows, group_size)
+        texts = [format_answer(r.answer_box) for r in results]
+        states = [_env_state(r) for r in results]
+        turns = [view_depth(r.best_view, {v.id: v for v in r.views}) + 1 for r in results]
         prompts = [str(r.get("prompt", r.get("expression", ""))) for r in rows for _ in range(group_size)]
         group = torch.arange(len(rows)).repeat_interleave(group_size)
         columns: dict[str, list[Any]] = {}
