@@ -33,10 +33,11 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from mmalign import registry as _registry
+from mmalign.errors import MmalignError
 
 
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the key and the source."""
+class ConfigError(MmalignError, ValueError):
+    """A config file or override is invalid; the message names the key and the source (a ValueError too)."""
 
 
 # ----------------------------------------------------------------------------- sections
@@ -718,6 +719,28 @@ def load_config(
     if overrides:
         src.label = f"{path} (with command-line overrides)"
     return _from_dict(data, src, pipeline_finder)
+
+
+def check_names(cfg: Config) -> None:
+    """The registry names of the ``algorithm`` section (estimator, loss, loss aggregation, KL estimator,
+    filter) are registered: a `ConfigError` naming the key, with close matches, otherwise.
+
+    The one check of these names: the command line's validation pass (`mmalign.app.preflight.validate`)
+    makes it before any model is built, `mmalign.trainer.GroupTrainer` for a config built in code."""
+    from mmalign import advantages, filters, losses
+
+    a = cfg.algorithm
+    for key, get, name in (
+        ("algorithm.estimator", advantages.get, a.estimator),
+        ("algorithm.loss", losses.get, a.loss),
+        ("algorithm.loss_agg", losses.AGGREGATIONS.get, a.loss_agg),
+        ("algorithm.kl_estimator", losses.KL_ESTIMATORS.get, a.kl_estimator),
+        ("algorithm.filter", filters.get, a.filter),
+    ):
+        try:
+            get(name)
+        except _registry.RegistryError as e:
+            raise ConfigError(f"{cfg.source}: key '{key}': {e}") from None
 
 
 def _validate_trackers(t: TrainerConfig, need: typing.Callable[[bool, str, str], None]) -> None:

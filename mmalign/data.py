@@ -1,4 +1,4 @@
-"""Prompt data: JSONL files (or Hugging Face datasets) and a resumable prompt sampler.
+"""Prompt data: JSONL files (or Hugging Face datasets) turned into rows with prompts.
 
 Every row is a dict; all of its columns travel with the samples to the rewards. The prompt
 text is made from the row with a format template (``"{question}"`` by default) and stored
@@ -13,11 +13,11 @@ from pathlib import Path
 from string import Formatter
 from typing import Any
 
-import torch
+from mmalign.errors import MmalignError
 
 
-class DataError(ValueError):
-    """Bad input data; the message names the file and line."""
+class DataError(MmalignError, ValueError):
+    """Bad input data; the message names the file and line (a ValueError too)."""
 
 
 def load_jsonl(path: str | Path, max_rows: int | None = None) -> list[dict[str, Any]]:
@@ -185,46 +185,3 @@ def load_prompt_rows(source: str, template: str = "{question}") -> list[dict[str
     if all("prompt" in r for r in rows):
         return rows
     return add_prompts(rows, template)
-
-
-class PromptSampler:
-    """Yields rows in shuffled epochs; its position is part of checkpoints, so resume is exact."""
-
-    def __init__(self, num_rows: int, seed: int = 0, shuffle: bool = True) -> None:
-        if num_rows < 1:
-            raise DataError("PromptSampler needs at least one row")
-        self.num_rows = num_rows
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-        self.position = 0
-        self._order = self._make_order()
-
-    def _make_order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_rows))
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**64)
-        return torch.randperm(self.num_rows, generator=g).tolist()
-
-    def next_indices(self, n: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < n:
-            if self.position >= self.num_rows:
-                self.epoch += 1
-                self.position = 0
-                self._order = self._make_order()
-            take = min(n - len(out), self.num_rows - self.position)
-            out.extend(self._order[self.position : self.position + take])
-            self.position += take
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": self.num_rows}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["num_rows"] != self.num_rows:
-            raise DataError(
-                f"the checkpoint's sampler saw {state['num_rows']} rows but the data now has {self.num_rows}"
-            )
-        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
-        self._order = self._make_order()

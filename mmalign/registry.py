@@ -1,7 +1,8 @@
 """A small name -> object registry shared by estimators, losses, rewards and pipelines.
 
-Also what lets plugins live outside this package: `Discovery` finds the modules that register into a
-`Registry` (the submodules of a package, scanned with pkgutil, and the entry points of a group), and
+Also what lets plugins live outside this package: `Discovery` finds what a name means for a `Registry`
+(a registered name, the submodules of a package, scanned with pkgutil, the entry points of a group, and
+an explicit ``package.module:attr`` path, `import_path`: the one implementation of plugin lookup), and
 the pipeline hook (`set_pipeline_finder` / `find_pipeline`) through which `mmalign.config` learns a
 pipeline's options class without importing the ``pipelines`` package, which sits above it.
 """
@@ -15,14 +16,16 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from mmalign.errors import MmalignError
+
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
 
 T = TypeVar("T")
 
 
-class RegistryError(KeyError):
-    """Raised when a name is not registered (the message lists close matches)."""
+class RegistryError(MmalignError, KeyError):
+    """Raised when a name is not registered (the message lists close matches); a KeyError too."""
 
     def __str__(self) -> str:  # KeyError quotes its message; we want it plain
         return str(self.args[0]) if self.args else ""
@@ -111,7 +114,9 @@ def option_checked(kind: str, name: str, fn: Callable[..., Any], n_positional: i
 
 
 class PluginError(RegistryError):
-    """A plugin module could not be imported; the message names the entry point and its distribution."""
+    """A plugin module could not be imported; the message names the entry point and its distribution.
+
+    A `RegistryError`, hence an `MmalignError` and a KeyError."""
 
 
 def _dist_label(ep: EntryPoint) -> str:
@@ -127,23 +132,53 @@ def _entry_point_label(ep: EntryPoint, group: str) -> str:
     return f"entry point {ep.name!r} = {ep.value!r} (group {group}, {_dist_label(ep)})"
 
 
-class Discovery:
-    """Finds the modules that register into `registry`, importing them lazily.
+def import_path(spec: str, what: str, form: str = "package.module:Name") -> Any:
+    """The object an explicit ``"package.module:attr"`` path names (``attr`` may be dotted: ``Class.method``).
 
-    Sources: the modules of `package` and of its subpackages (``pkgutil.walk_packages``; names starting with ``_``
-    are skipped)
-    and the entry points of `group`, each naming a module (or a ``module:object``) that registers on import.
+    Errors name `what` (``"reward"``, ``"geometry model"``, ...) and `spec`: a ValueError when `spec` is not
+    of the shape `form`, an ImportError when the module cannot be imported (whatever importing it raised,
+    chained), an AttributeError when the module lacks the attribute."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {spec!r}: expected {form!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise ImportError(
+            f"{what} {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
+        ) from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+class Discovery:
+    """Finds what a name means for `registry`, importing lazily: the one plugin lookup of the project.
+
+    Sources: the registry itself; the modules of `package` and of its subpackages (``pkgutil.walk_packages``;
+    names starting with ``_`` are skipped; None: no package is scanned); the entry points of `group`, each
+    naming a module (or a ``module:object``) that registers on import, or (for `resolve`) the object itself;
+    and, for `resolve`, an explicit ``package.module:attr`` path (`import_path`).
+
     `find(name)` imports as little as it can: the registry itself, then the module ``package.name``, then
     the entry points called `name`, and only then everything. `load_all()` imports everything once; a
     broken entry point is collected in `errors` (a `PluginError` naming it and its distribution) and
-    skipped, except by `find` when the entry point carries the name looked up, which raises it. What was
-    imported is remembered; `clear()` forgets it (and the cached entry-point list), not the registry.
+    skipped, except by `find` / `resolve` when the entry point carries the name looked up, which raises it.
+    What was imported is remembered; `clear()` forgets it (and the cached entry-point list), not the registry.
+    With `cache` False the entry-point list is read again at every lookup and a broken entry point is tried
+    again (a plugin installed while the process runs is seen).
     """
 
-    def __init__(self, registry: Registry[Any], package: str, group: str | None) -> None:
+    def __init__(
+        self, registry: Registry[Any], package: str | None, group: str | None, *, cache: bool = True
+    ) -> None:
         self.registry = registry
         self.package = package
         self.group = group
+        self.cache = cache
         self.origins: dict[str, str] = {}
         """Registered name -> the entry point that registered it (`mmalign list` shows it)."""
         self.clear()
@@ -160,9 +195,10 @@ class Discovery:
         return list(self._errors.values())
 
     def entry_points(self) -> list[EntryPoint]:
+        """The entry points of `group` (nothing is imported), each (name, value) once."""
         if self.group is None:
             return []
-        if self._eps is None:
+        if self._eps is None or not self.cache:
             from importlib.metadata import entry_points
 
             seen: set[tuple[str, str]] = set()
@@ -173,15 +209,18 @@ class Discovery:
                     self._eps.append(ep)
         return self._eps
 
-    def _load_entry_point(self, ep: EntryPoint) -> None:
+    def entry_point_names(self) -> list[str]:
+        """The names of the entry points of `group`, sorted (nothing is imported)."""
+        return sorted({ep.name for ep in self.entry_points()})
+
+    def _load_entry_point(self, ep: EntryPoint) -> Any:
+        """Import `ep`; the object it names. A failure is a `PluginError` naming it and its distribution."""
         key = (ep.name, ep.value)
-        if key in self._errors:
+        if self.cache and key in self._errors:
             raise self._errors[key]
-        if key in self._loaded:
-            return
         before = set(self.registry.names())
         try:
-            ep.load()
+            obj = ep.load()
         except Exception as e:
             err = PluginError(
                 f"{self.registry.kind} {_entry_point_label(ep, str(self.group))} could not be loaded: "
@@ -189,15 +228,18 @@ class Discovery:
             )
             self._errors[key] = err
             raise err from e
-        self._loaded.add(key)
-        for name in set(self.registry.names()) - before:
-            self.origins[name] = f"entry point {ep.name!r} of {_dist_label(ep)}"
+        self._errors.pop(key, None)
+        if key not in self._loaded:
+            self._loaded.add(key)
+            for name in set(self.registry.names()) - before:
+                self.origins[name] = f"entry point {ep.name!r} of {_dist_label(ep)}"
+        return obj
 
     def _import_module(self, name: str) -> bool:
         """Import ``package.name`` if it exists; whether it does."""
         from importlib.util import find_spec
 
-        if not name.isidentifier() or name.startswith("_"):
+        if self.package is None or not name.isidentifier() or name.startswith("_"):
             return False
         module = f"{self.package}.{name}"
         try:
@@ -226,12 +268,13 @@ class Discovery:
     def load_all(self) -> list[PluginError]:
         """Import every module of `package` and every entry point of `group` (once); the broken entry points."""
         if not self._scanned:
-            import pkgutil
+            if self.package is not None:
+                import pkgutil
 
-            pkg = importlib.import_module(self.package)
-            for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
-                if not any(part.startswith("_") for part in info.name.split(".")):
-                    importlib.import_module(info.name)
+                pkg = importlib.import_module(self.package)
+                for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+                    if not any(part.startswith("_") for part in info.name.split(".")):
+                        importlib.import_module(info.name)
             self._scanned = True
         for ep in self.entry_points():
             try:
@@ -249,6 +292,40 @@ class Discovery:
                 notes = "".join(f". Also: {err}" for err in self.errors)
                 raise RegistryError(f"{e}{notes}") from None
         return self.registry.get(name)
+
+    def resolve(self, spec: str) -> Any:
+        """What `spec` names, in this order, importing only what that needs (never everything):
+
+        1. a registered name (after importing ``package.spec`` when there is such a module);
+        2. an entry point of `group` called `spec`: what it registered as `spec`, else the object it names
+           (a broken one raises its `PluginError`);
+        3. an explicit ``package.module:attr`` path (`spec` has a ``:``; `import_path`): a `RegistryError`
+           naming the spec when it cannot be imported.
+
+        Anything else is a `RegistryError` listing close matches, the registered names, the entry points of
+        `group` and the path form."""
+        if spec in self.registry:
+            return self.registry.get(spec)
+        if self._import_module(spec) and spec in self.registry:
+            return self.registry.get(spec)
+        for ep in self.entry_points():
+            if ep.name == spec:
+                obj = self._load_entry_point(ep)
+                return self.registry.get(spec) if spec in self.registry else obj
+        if ":" in spec:
+            try:
+                return import_path(spec, self.registry.kind, "package.module:Class")
+            except (ImportError, AttributeError, ValueError) as e:
+                raise RegistryError(str(e)) from e
+        names = self.registry.names()
+        eps = self.entry_point_names()
+        close = difflib.get_close_matches(spec, list(dict.fromkeys(names + eps)), n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        installed = f" Entry points ({self.group}): {', '.join(eps) or 'none'}." if self.group else ""
+        raise RegistryError(
+            f"unknown {self.registry.kind} {spec!r}.{hint} Registered: {', '.join(names) or 'none'}."
+            f"{installed} Or give an explicit 'package.module:Class' path."
+        )
 
     def names(self) -> list[str]:
         self.load_all()

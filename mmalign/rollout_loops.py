@@ -66,12 +66,11 @@ through `TurnPolicy` (the primitives `TextPolicy` and `VLMPolicy` implement).
 from __future__ import annotations
 
 import abc
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
-from mmalign.registry import Registry, RegistryError, option_checked
+from mmalign.registry import Registry, RegistryError, import_path, option_checked
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -438,14 +437,10 @@ def make_loop(name: str, *, environment: Environment | None = None, **options: A
 
 
 def resolve_environment(spec: str) -> Environment:
-    """``"package.module:function"`` -> the function (an environment named in ``loop_kwargs``)."""
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"an environment is named as 'package.module:function', got {spec!r}")
+    """``"package.module:function"`` -> the function (an environment named in ``loop_kwargs``); found with
+    `mmalign.registry.import_path`. A ValueError naming the spec if it cannot be imported or is not callable."""
     try:
-        obj: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
+        obj = import_path(spec, "rollout environment", "package.module:function")
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot import the environment {spec!r}: {e}") from None
     if not callable(obj):

@@ -2,7 +2,8 @@
 
 ``rewards.get(name)`` returns the registered reward class, ``rewards.names()`` lists the registered
 names; ``load_reward(spec, **options)`` builds one from a name, an entry point of group
-``mmalign.rewards`` or a ``package.module:Class`` path; ``RewardSet`` evaluates a config's list.
+``mmalign.rewards`` or a ``package.module:Class`` path (``resolve(spec)``: what it names, nothing built);
+``RewardSet`` evaluates a config's list, ``check_reward_specs`` checks one without building it.
 """
 
 from . import geometry as geometry  # registers the latent geometry rewards (rewards/geometry.py)
@@ -19,11 +20,13 @@ from .base import (
     RewardKeyError,
     RewardSet,
     RewardSpec,
+    check_reward_specs,
     entry_point_names,
     get,
     load_reward,
     names,
     register_reward,
+    resolve,
 )
 from .boxes import BoxCenter, BoxF1, BoxGIoU, IoUAt, IoUSweep
 from .geometry import CameraSmoothness, MotionGuard, ReprojectionConsistency
@@ -81,9 +84,11 @@ __all__ = [
     "RewardKeyError",
     "RewardSet",
     "RewardSpec",
+    "check_reward_specs",
     "entry_point_names",
     "get",
     "load_reward",
     "names",
     "register_reward",
+    "resolve",
 ]

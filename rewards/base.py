@@ -69,9 +69,6 @@ Per-reward options of a config entry (`RewardSpec`; checked by `spec_problem`, e
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib
-import importlib.metadata
 import inspect
 import math
 import threading
@@ -82,7 +79,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from mmalign.registry import Registry, RegistryError
+from mmalign.errors import MmalignError
+from mmalign.registry import Discovery, Registry
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -94,11 +92,13 @@ __all__ = [
     "RewardKeyError",
     "RewardSet",
     "RewardSpec",
+    "check_reward_specs",
     "entry_point_names",
     "get",
     "load_reward",
     "names",
     "register_reward",
+    "resolve",
     "spec_problem",
     "takes_option",
 ]
@@ -107,16 +107,20 @@ ENTRY_POINT_GROUP = "mmalign.rewards"
 
 REGISTRY: Registry[Any] = Registry("reward")
 
+DISCOVERY = Discovery(REGISTRY, None, ENTRY_POINT_GROUP, cache=False)
+"""Reward lookup (`resolve`): registered names, the ``mmalign.rewards`` entry points (read at each lookup,
+so a plugin installed while the process runs is found) and explicit ``package.module:attr`` paths."""
 
-class RewardError(RuntimeError):
-    """A reward failed or returned something unusable; the message names the reward."""
+
+class RewardError(MmalignError, RuntimeError):
+    """A reward failed or returned something unusable; the message names the reward (a RuntimeError too)."""
 
 
 class _RewardTimeout(Exception):
     """Internal: a reward call ran past its ``timeout_s`` (re-raised as a `RewardError`)."""
 
 
-class RewardKeyError(KeyError):
+class RewardKeyError(MmalignError, KeyError):
     """A key is missing from a `RewardBatch` (the message lists the available keys)."""
 
     def __str__(self) -> str:  # KeyError quotes its message; we want it plain
@@ -329,49 +333,20 @@ def names() -> list[str]:
     return REGISTRY.names()
 
 
-def _entry_points() -> list[importlib.metadata.EntryPoint]:
-    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
-
-
 def entry_point_names() -> list[str]:
     """Names of the rewards installed through the ``mmalign.rewards`` entry-point group (nothing is imported)."""
-    return sorted({ep.name for ep in _entry_points()})
+    return DISCOVERY.entry_point_names()
 
 
-def _resolve(spec: str) -> Any:
-    if spec in REGISTRY:
-        return REGISTRY.get(spec)
-    eps = _entry_points()
-    for ep in eps:
-        if ep.name == spec:
-            try:
-                return ep.load()
-            except Exception as e:
-                raise RegistryError(
-                    f"reward entry point {spec!r} ({ep.value}) could not be loaded: {type(e).__name__}: {e}"
-                ) from e
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as e:
-            raise RegistryError(
-                f"reward {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
-            ) from e
-        obj: Any = module
-        for part in attr.split("."):
-            if not hasattr(obj, part):
-                raise RegistryError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
-            obj = getattr(obj, part)
-        return obj
-    registered = ", ".join(REGISTRY.names()) or "none"
-    installed = ", ".join(sorted({ep.name for ep in eps})) or "none"
-    close = difflib.get_close_matches(spec, REGISTRY.names() + [ep.name for ep in eps], n=3)
-    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-    raise RegistryError(
-        f"unknown reward {spec!r}.{hint} Registered: {registered}. "
-        f"Entry points ({ENTRY_POINT_GROUP}): {installed}. Or give an explicit 'package.module:Class' path."
-    )
+def resolve(spec: str) -> Any:
+    """What the reward `spec` names (`mmalign.registry.Discovery.resolve`): a registered name, an entry point
+    of group ``mmalign.rewards`` (only that one is imported) or a ``package.module:attr`` path. Nothing is
+    constructed. Unknown or broken: a `RegistryError` (a KeyError) listing the registered names and the
+    installed entry points, or naming the entry point (`PluginError`) or the path that failed."""
+    return DISCOVERY.resolve(spec)
+
+
+_resolve = resolve  # the former private name (scripts and tests use it)
 
 
 def load_reward(spec: str, **kwargs: Any) -> Reward:
@@ -380,7 +355,7 @@ def load_reward(spec: str, **kwargs: Any) -> Reward:
     Unknown options are a TypeError naming the reward; an unknown spec a `RegistryError` (a KeyError)
     listing the registered names and the installed entry points.
     """
-    obj = _resolve(spec)
+    obj = resolve(spec)
     if isinstance(obj, type):
         if not issubclass(obj, Reward):
             raise TypeError(
@@ -476,9 +451,9 @@ def spec_problem(
     """The first problem with the per-reward options ``device``, ``batch_size`` and ``timeout_s`` of
     `spec` (entry `index` of the config list `key`), as (config key, exception), or None.
 
-    `obj` is what the spec's name resolves to (`_resolve`); when given and ``device`` is set, a reward
-    whose constructor takes no ``device`` is a problem. `RewardSet` raises these; `mmalign.app.preflight` can
-    report them before any model loads."""
+    `obj` is what the spec's name resolves to (`resolve`); when given and ``device`` is set, a reward
+    whose constructor takes no ``device`` is a problem. `RewardSet` raises these; `check_reward_specs` reports
+    them before any model loads."""
     where = f"{key}[{index}]"
     label = f"{where} ({spec.name!r})"
     if spec.device is not None:
@@ -603,7 +578,7 @@ class RewardSet:
             options = dict(s.kwargs)
             if s.device is not None:
                 try:
-                    obj = _resolve(s.name)
+                    obj = resolve(s.name)
                 except (KeyError, ImportError, AttributeError) as e:
                     raise self._config_error(source, f"{key}[{i}].name", e) from e
                 problem = spec_problem(s, i, key, obj=obj)
@@ -968,14 +943,48 @@ class RewardSet:
             out.extend((name, gid) for gid in order if all_nan[gid])
         return out
 
-    def nan_group_messages(self, rewards: Tensor, group: Tensor, prompts: Sequence[str]) -> list[str]:
-        """One warning line per `nan_groups` entry, quoting (the start of) the group's prompt."""
-        first: dict[int, int] = {}
-        for i, gid in enumerate(group.detach().cpu().tolist()):
-            first.setdefault(gid, i)
-        msgs = []
-        for name, gid in self.nan_groups(rewards, group):
-            p = str(prompts[first[gid]])
-            p = p if len(p) <= 80 else p[:77] + "..."
-            msgs.append(f"reward {name!r} returned NaN for every sample of group {gid} (prompt: {p!r})")
-        return msgs
+
+# ---------------------------------------------------------------------- a config's list, checked without building
+def check_reward_specs(specs: Sequence[Any], source: str, key: str = "rewards") -> None:
+    """What `RewardSet(specs, source=source, key=key)` would reject about names and options, with the same
+    `mmalign.config.ConfigError` messages, without constructing any reward (some load a model when
+    constructed): the name resolves (`resolve`: registered, entry point or ``module:attr``), the ``kwargs``
+    fit the reward's signature, and the per-reward ``device`` / ``batch_size`` / ``timeout_s`` are valid
+    (`spec_problem`). The command line's validation (`mmalign.app.preflight.validate`) calls it; so may a
+    pipeline before it builds its model."""
+
+    def error(k: str, err: Exception) -> Exception:
+        return RewardSet._config_error(source, k, err)
+
+    for i, item in enumerate(specs):
+        s = RewardSpec.coerce(item)
+        options = dict(s.kwargs)
+        try:
+            obj = resolve(s.name)
+        except (KeyError, ImportError, AttributeError) as e:
+            raise error(f"{key}[{i}].name", e) from e
+        try:
+            if isinstance(obj, type):
+                if not issubclass(obj, Reward):
+                    raise TypeError(
+                        f"reward {s.name!r} resolves to class {obj.__qualname__}, which does not subclass "
+                        f"rewards.Reward (a reward is a Reward subclass or a function)"
+                    )
+                _check_options(s.name, obj.__init__, 1, options)
+            elif isinstance(obj, Reward):
+                if options:
+                    raise TypeError(
+                        f"reward {s.name!r} is an already built Reward instance and takes no options"
+                    )
+            elif callable(obj):
+                batch_style = FunctionReward.detect_style(obj) == "batch"
+                _check_options(s.name, obj, 1 if batch_style else 0, options, check_missing=batch_style)
+            else:
+                raise TypeError(
+                    f"reward {s.name!r} resolves to {type(obj).__name__}, not a Reward class or a function"
+                )
+        except (TypeError, ValueError) as e:
+            raise error(f"{key}[{i}].kwargs", e) from e
+        problem = spec_problem(s, i, key, obj=obj)
+        if problem is not None:
+            raise error(*problem)

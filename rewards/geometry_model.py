@@ -35,7 +35,6 @@ The reward math (pure tensor functions, Float[B] each, higher is better except `
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mmalign.registry import import_path
 from rewards.camera import intrinsics as camera_intrinsics
 from rewards.camera import project, rotation_from_angles, unproject
 
@@ -242,21 +242,9 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def _import_spec(spec: str) -> Any:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"geometry model {spec!r}: expected 'package.module:ClassName'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ImportError(
-            f"geometry model {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
-        ) from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise AttributeError(f"geometry model {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+    """The class an import spec names (`mmalign.registry.import_path`): ValueError, ImportError or
+    AttributeError naming the spec."""
+    return import_path(spec, "geometry model", "package.module:ClassName")
 
 
 def load_geometry_model(spec: str | Path, **kwargs: Any) -> LatentGeometryModel:

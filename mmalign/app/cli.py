@@ -10,9 +10,10 @@ or `accelerate launch`): see docs/distributed_runs.md. On a machine without CUDA
 processes (gloo; `ACCELERATE_USE_CPU` is set for it), and a launch that accelerate would not set up as N
 processes is refused instead of running N independent copies into one output directory.
 
-Before any model is built or loaded, a command checks everything that needs none (`mmalign.app.preflight.preflight`:
-the output directory, the rewards, the model folders; then the pipeline reads its data files), so a wrong
-command fails in seconds with one `mmalign: error: ...` line and leaves an existing run as it was.
+Before any model is built or loaded, a command checks everything that needs none, in one pass
+(`mmalign.app.preflight.validate`: the pipeline and registry names, the output directory, the rewards, the
+model folders; then the pipeline reads its data files), so a wrong command fails in seconds with one
+`mmalign: error: ...` line (any `mmalign.errors.MmalignError`) and leaves an existing run as it was.
 """
 
 from __future__ import annotations
@@ -30,68 +31,29 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mmalign.config import Config
 
-EXPECTED_ERRORS: tuple[type[BaseException], ...] = ()
 
-_ERROR_CLASSES = [
-    ("mmalign.config", "ConfigError"),
-    ("mmalign.data", "DataError"),
-    ("mmalign.registry", "RegistryError"),
-    ("mmalign.trainer", "TrainingError"),
-    ("rewards", "RewardError"),
-]
+def _expected(e: BaseException) -> bool:
+    """Reported as one `mmalign: error: ...` line: an `MmalignError` (config, data, registry, plugin, reward,
+    training errors) or an OSError (a file that cannot be read or written). Anything else is a bug and also
+    prints its traceback."""
+    from mmalign.errors import MmalignError
 
-
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    """Errors reported as one `mmalign: error: ...` line (anything else also prints its traceback)."""
-    import importlib
-
-    found: list[type[BaseException]] = [OSError]
-    for module, name in _ERROR_CLASSES:
-        try:  # a module that fails to import must not turn the error report itself into a crash
-            found.append(getattr(importlib.import_module(module), name))
-        except Exception:  # pragma: no cover - only when part of the package is broken
-            continue
-    return tuple(found)
-
-
-def _check_names(cfg: Config) -> None:
-    """Registry names of `cfg.algorithm`, checked before the (possibly slow) model is built."""
-    from mmalign import advantages, filters, losses
-    from mmalign.config import ConfigError
-    from mmalign.registry import RegistryError
-
-    a = cfg.algorithm
-    for key, get, name in (
-        ("algorithm.estimator", advantages.get, a.estimator),
-        ("algorithm.loss", losses.get, a.loss),
-        ("algorithm.loss_agg", losses.AGGREGATIONS.get, a.loss_agg),
-        ("algorithm.kl_estimator", losses.KL_ESTIMATORS.get, a.kl_estimator),
-        ("algorithm.filter", filters.get, a.filter),
-    ):
-        try:
-            get(name)
-        except RegistryError as e:
-            raise ConfigError(f"{cfg.source}: key '{key}': {e}") from None
+    return isinstance(e, MmalignError | OSError)
 
 
 def _prepare(
     args: argparse.Namespace, *, resume: bool | None = None, eval_rewards: bool = False
 ) -> tuple[Config, Callable[[Config], Any]]:
-    """The config (with overrides), checked as far as it can be without a model (`mmalign.app.preflight.preflight`:
-    the output directory for `resume` not None, rewards, model folders), and its pipeline's ``build``.
+    """The config (with overrides; its schema checked by `mmalign.config.load_config`), put through the one
+    validation pass of a command (`mmalign.app.preflight.validate`: pipeline and registry names, the output
+    directory for `resume` not None, data files, rewards, model folders), and its pipeline's ``build``.
     ``build`` then reads the data files before it builds or loads the model."""
     import pipelines
-    from mmalign.app.preflight import preflight
-    from mmalign.config import ConfigError, load_config
-    from mmalign.registry import RegistryError
+    from mmalign.app.preflight import validate
+    from mmalign.config import load_config
 
     cfg = load_config(args.config, args.overrides, pipeline_finder=pipelines.find)
-    try:
-        build = pipelines.get(cfg.pipeline)
-    except RegistryError as e:
-        raise ConfigError(f"{cfg.source}: key 'pipeline': {e}") from None
-    _check_names(cfg)
-    preflight(cfg, resume=resume, eval_rewards=eval_rewards)
+    build = validate(cfg, resume=resume, eval_rewards=eval_rewards)
     return cfg, build
 
 
@@ -361,6 +323,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             print(f"mmalign: warning: {err}", file=sys.stderr)
     if what in ("rewards", "all"):
         import rewards
+        from mmalign.registry import PluginError
 
         items = [(n, rewards.REGISTRY.describe(n)) for n in rewards.names()]
         errors = []
@@ -368,9 +331,14 @@ def cmd_list(args: argparse.Namespace) -> int:
             if n in rewards.names():
                 continue
             try:  # an installed plugin: its summary line and the package it comes from
-                obj = rewards.base._resolve(n)
+                obj = rewards.resolve(n)
             except Exception as e:  # noqa: BLE001 - a broken plugin must not hide the others
-                errors.append(f"reward entry point {n!r} could not be loaded: {e}")
+                # (a PluginError names the entry point, its distribution and the failure itself)
+                errors.append(
+                    str(e)
+                    if isinstance(e, PluginError)
+                    else f"reward entry point {n!r} could not be loaded: {e}"
+                )
                 items.append((n, "(entry point, failed to load)"))
                 continue
             doc = (inspect.getdoc(obj) or "").strip().splitlines()
@@ -516,10 +484,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if args.debug or not isinstance(e, _expected_errors()):
+        expected = _expected(e)
+        if args.debug or not expected:
             traceback.print_exc()
         msg = str(e)
-        if e.__cause__ is not None and args.debug is False and isinstance(e, _expected_errors()):
+        if e.__cause__ is not None and args.debug is False and expected:
             cause = e.__cause__
             if str(cause) and str(cause) not in msg:
                 msg += f"\n  caused by {type(cause).__name__}: {cause}"

@@ -40,7 +40,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from mmalign.config import Config
 
-DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 """Where ``--write`` writes the reference and what ``--check`` compares against."""
 
 WRITE_COMMAND = "python -m mmalign.app.config_reference --write"

@@ -1,9 +1,12 @@
-"""Checks of a run that need no model, made before anything slow is built or loaded.
+"""The validation pass of a command: every check of a run that needs no model, before anything slow is built.
 
-A wrong command should fail in seconds, not after minutes of model building: `mmalign train` calls
-`preflight` right after the config is read, and only then the pipeline's ``build`` (which loads the
-data files first and the model last).
+A wrong command should fail in seconds, not after minutes of model building: every command that takes a
+config (`mmalign train`, `sample`, `eval`) reads it with `mmalign.config.load_config` (the schema: keys,
+types, cross-field rules) and then calls `validate` once, and only then the pipeline's ``build`` (which
+loads the data files first and the model last). `validate` checks, cheapest first:
 
+- the pipeline name (``pipelines.get``) and the registry names of ``algorithm`` (`mmalign.config.check_names`);
+- then `preflight`, the checks of the files and options the config names:
 - `mmalign.rundir.check_output_dir(cfg, resume)`: ``output_dir`` already holds a run (without ``--resume``
   or ``overwrite=true``), or ``--resume`` finds no checkpoint. `GroupTrainer` calls it again (and then
   acts on the folder: loads the checkpoint, or clears it under ``overwrite``) once the model is loaded.
@@ -11,7 +14,7 @@ data files first and the model last).
   that rewards name (``rewards[i].kwargs.path``) are local folders, folders a tiny builder will create,
   or hub ids that can be loaded (offline: ids already in the Hugging Face cache).
 - `check_data_files(cfg)`: ``data.train`` / ``data.eval`` name files that exist.
-- `check_reward_specs(specs, source)`: every reward name resolves and its ``kwargs`` fit the reward's
+- `rewards.check_reward_specs(specs, source)`: every reward name resolves and its ``kwargs`` fit the reward's
   constructor, without constructing it (some load a model when constructed).
 
 The run directory itself (its layout, checkpoints, samples) is `mmalign.rundir`'s.
@@ -21,12 +24,14 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mmalign.config import Config, ConfigError
+from mmalign.config import Config, ConfigError, check_names
+from mmalign.registry import RegistryError
 from mmalign.rundir import check_output_dir
+from rewards import check_reward_specs
 
 MODEL_FILES = ("config.json", "model_index.json")
 """A hub id counts as cached when one of these is in the Hugging Face cache (transformers / diffusers folders)."""
@@ -132,7 +137,6 @@ def check_model_source(
 
 def _check_builder(name: str, key: str, source: str) -> None:
     from mmalign import tiny
-    from mmalign.registry import RegistryError
 
     try:
         tiny.get_builder(name)
@@ -188,11 +192,11 @@ def _reward_model_options(spec: Any) -> list[tuple[str, str, str]]:
     ``mlp_path`` (a local weights file). Plugin rewards are left alone: their ``path`` may mean anything."""
     import inspect
 
-    from rewards.base import _resolve
+    from rewards import resolve
 
     kwargs = dict(getattr(spec, "kwargs", None) or {})
     try:
-        obj = _resolve(spec.name)
+        obj = resolve(spec.name)
     except Exception:  # an unknown name is `check_reward_specs`' message
         return []
     if not isinstance(obj, type) or not obj.__module__.startswith("rewards."):
@@ -230,54 +234,6 @@ def check_data_files(cfg: Config) -> None:
             )
 
 
-# ----------------------------------------------------------------------------- rewards
-
-
-def check_reward_specs(specs: Sequence[Any], source: str, key: str = "rewards") -> None:
-    """What `rewards.RewardSet(specs, source=source, key=key)` would reject about names and options,
-    with the same `ConfigError` messages, without constructing any reward: the name resolves
-    (registered, entry point or ``module:attr``), the ``kwargs`` fit the reward's signature, and the
-    per-reward ``device`` / ``batch_size`` / ``timeout_s`` are valid (`rewards.base.spec_problem`)."""
-    from rewards.base import FunctionReward, Reward, RewardSpec, _check_options, _resolve, spec_problem
-
-    def error(k: str, err: Exception) -> ConfigError:
-        text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-        return ConfigError(f"{source}: key '{k}': {text}")
-
-    for i, item in enumerate(specs):
-        s = RewardSpec.coerce(item)
-        options = dict(s.kwargs)
-        try:
-            obj = _resolve(s.name)
-        except (KeyError, ImportError, AttributeError) as e:
-            raise error(f"{key}[{i}].name", e) from e
-        try:
-            if isinstance(obj, type):
-                if not issubclass(obj, Reward):
-                    raise TypeError(
-                        f"reward {s.name!r} resolves to class {obj.__qualname__}, which does not subclass "
-                        f"rewards.Reward (a reward is a Reward subclass or a function)"
-                    )
-                _check_options(s.name, obj.__init__, 1, options)
-            elif isinstance(obj, Reward):
-                if options:
-                    raise TypeError(
-                        f"reward {s.name!r} is an already built Reward instance and takes no options"
-                    )
-            elif callable(obj):
-                batch_style = FunctionReward.detect_style(obj) == "batch"
-                _check_options(s.name, obj, 1 if batch_style else 0, options, check_missing=batch_style)
-            else:
-                raise TypeError(
-                    f"reward {s.name!r} resolves to {type(obj).__name__}, not a Reward class or a function"
-                )
-        except (TypeError, ValueError) as e:
-            raise error(f"{key}[{i}].kwargs", e) from e
-        problem = spec_problem(s, i, key, obj=obj)
-        if problem is not None:
-            raise error(*problem)
-
-
 # ----------------------------------------------------------------------------- all of it
 
 
@@ -295,3 +251,21 @@ def preflight(cfg: Config, *, resume: bool | None = None, eval_rewards: bool = F
     if eval_rewards:
         check_reward_specs(cfg.eval.rewards, cfg.source, key="eval.rewards")
     check_model_paths(cfg, eval_rewards=eval_rewards)
+
+
+def validate(
+    cfg: Config, *, resume: bool | None = None, eval_rewards: bool = False
+) -> Callable[[Config], Any]:
+    """The one validation pass of a command, after `mmalign.config.load_config` checked the schema: the
+    pipeline name, the registry names of ``algorithm`` (`mmalign.config.check_names`), then `preflight`
+    (output directory and trackers when `resume` is not None, data files, rewards, model folders). Every
+    problem is a `ConfigError` naming the file and the key. Returns the pipeline's ``build``."""
+    import pipelines
+
+    try:
+        build = pipelines.get(cfg.pipeline)
+    except RegistryError as e:
+        raise ConfigError(f"{cfg.source}: key 'pipeline': {e}") from None
+    check_names(cfg)
+    preflight(cfg, resume=resume, eval_rewards=eval_rewards)
+    return build

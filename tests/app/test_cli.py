@@ -13,6 +13,10 @@ import rewards
 from mmalign import advantages, filters, losses, sde
 from mmalign import prompt_samplers as samplers
 from mmalign.app.cli import main
+from mmalign.config import ConfigError
+from mmalign.data import DataError
+from mmalign.errors import MmalignError
+from mmalign.registry import PluginError, RegistryError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "text_reasoning-tiny.yaml"
@@ -327,6 +331,42 @@ def test_unexpected_error_shows_its_traceback(capsys, tmp_path, monkeypatch):
     assert rc == 1
     assert "Traceback" in err
     assert err.strip().splitlines()[-1] == "mmalign: error: a bug, not a user error"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        DataError("rows.jsonl:3: bad line"),
+        rewards.RewardError("reward 'x' failed: boom"),
+        MmalignError("a plain user error"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_every_mmalign_error_is_one_line(capsys, tmp_path, monkeypatch, error):
+    """The command line catches the base class: any `MmalignError` subclass is one line, no traceback."""
+    exc = error
+
+    def fail(cfg):
+        raise exc
+
+    monkeypatch.setattr(pipelines.text_reasoning, "build_text_policy", fail)
+    cfg, _ = tiny_config(tmp_path)
+    rc, _, err = run_main(capsys, "train", str(cfg))
+    assert rc == 1
+    assert_one_error_line(err, str(exc))
+
+
+def test_user_error_classes_share_the_base_and_keep_their_standard_class():
+    for cls, std in (
+        (ConfigError, ValueError),
+        (DataError, ValueError),
+        (RegistryError, KeyError),
+        (PluginError, KeyError),
+        (rewards.RewardError, RuntimeError),
+        (rewards.RewardKeyError, KeyError),
+    ):
+        assert issubclass(cls, MmalignError) and issubclass(cls, std), cls
+    assert str(RegistryError("plain")) == "plain"  # not quoted like a KeyError
 
 
 def test_debug_shows_traceback_for_user_errors(capsys, tmp_path, no_model):

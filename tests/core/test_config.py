@@ -673,3 +673,26 @@ def test_special_floats_round_trip(tmp_path):
     back = _round_trip(cfg, tmp_path)
     assert back.trainer.max_grad_norm == 1000.0 and back.rollout.top_p == 1e-3
     assert not math.isnan(back.rollout.top_p)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("estimator", "grpoo"),
+        ("loss", "nope"),
+        ("loss_agg", "nope"),
+        ("kl_estimator", "k9"),
+        ("filter", "nope"),
+    ],
+)
+def test_check_names_names_the_key_and_the_registered_names(key, value):
+    """`check_names`: the one check of the algorithm's registry names (the CLI's validation, the trainer)."""
+    from mmalign.config import ConfigError, check_names, config_from_dict
+
+    cfg = config_from_dict(
+        {"pipeline": "text_reasoning", "output_dir": "runs/x", "rewards": [{"name": "format"}]}
+    )
+    check_names(cfg)  # the defaults are registered
+    setattr(cfg.algorithm, key, value)
+    with pytest.raises(ConfigError, match=rf"key 'algorithm.{key}': unknown .*{value!r}.*Registered: "):
+        check_names(cfg)

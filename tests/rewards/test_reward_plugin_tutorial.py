@@ -144,7 +144,8 @@ from pathlib import Path
 
 import rewards
 from mmalign.config import load_config
-from mmalign.app.preflight import check_data_files, check_reward_specs
+from mmalign.app.preflight import check_data_files
+from rewards import check_reward_specs
 
 site = Path(sys.argv[1]).resolve()
 configs = sys.argv[2:]

@@ -17,7 +17,7 @@ import torch
 
 import rewards
 from mmalign.batch import Rollout
-from mmalign.registry import RegistryError
+from mmalign.registry import PluginError, RegistryError
 from rewards import (
     FunctionReward,
     Reward,
@@ -452,6 +452,22 @@ class TestLoading:
         finally:
             sys.modules.pop(mod, None)
 
+    def test_broken_entry_point_names_itself_and_its_distribution(self, tmp_path, monkeypatch) -> None:
+        dist = tmp_path / "mm_ep_broken-0.2.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mm-ep-broken\nVersion: 0.2\n")
+        (dist / "entry_points.txt").write_text("[mmalign.rewards]\nep_broken = _mm_no_such_module:R\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        with pytest.raises(PluginError) as e:  # a RegistryError (a KeyError) too
+            load_reward("ep_broken")
+        msg = str(e.value)
+        assert (
+            "reward entry point 'ep_broken' = '_mm_no_such_module:R'" in msg and "'mm-ep-broken' 0.2" in msg
+        )
+        assert "could not be loaded: ModuleNotFoundError" in msg
+        with pytest.raises(KeyError, match=r"Or give an explicit 'package.module:Class' path"):
+            load_reward("ep_brokn")
+
 
 # ================================================================================= RewardBatch
 class TestRewardBatch:
@@ -613,11 +629,6 @@ class TestRewardSet:
             ]
         )
         assert rs.nan_groups(r, group) == [("a", 5), ("b", 3)]
-        prompts = ["p3", "p3", "p5", "p5", "p7", "p7"]
-        assert rs.nan_group_messages(r, group, prompts) == [
-            "reward 'a' returned NaN for every sample of group 5 (prompt: 'p5')",
-            "reward 'b' returned NaN for every sample of group 3 (prompt: 'p3')",
-        ]
         assert rs.nan_groups(torch.zeros(6, 2), group) == []
 
 
