@@ -196,7 +196,8 @@ def vlm_worker(args: argparse.Namespace) -> None:
     from PIL import Image
 
     from mmalign.batch import Rollout
-    from mmalign.policies.vlm import _VISION_KEYS, VLMPolicy
+    from mmalign.policies.token_scoring import VISION_KEYS
+    from mmalign.policies.vlm import VLMPolicy
 
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").exists():
@@ -222,7 +223,7 @@ def vlm_worker(args: argparse.Namespace) -> None:
         "mm_token_type_ids": enc["mm_token_type_ids"][None].repeat(g, 1),
         "completion_ids": completion,
     }
-    for key in _VISION_KEYS:
+    for key in VISION_KEYS:
         payload[key] = [enc[key]] * g
     ro = Rollout(group=torch.zeros(g, dtype=torch.long), mask=mask, prompts=[text] * g, payload=payload)
     image_tokens = int((enc["input_ids"] == pol.processor.image_token_id).sum())

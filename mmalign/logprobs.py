@@ -1,22 +1,12 @@
 """Per-token log-probs and entropies of a language model's output distribution.
 
-Two ways to get ``log softmax(head(h_t) / temperature)[y_t]`` for the completion tokens ``y_t``:
-
-- the full-logits path (`selective_log_softmax` on the model's ``[B, T, V]`` logits): simple, but the
-  logits and their fp32 copy grow with the vocabulary (B = 64, T = 512, V = 151,936: 20 GB for the fp32
-  copy alone);
-- the chunked path (`chunked_token_logprobs`): the model returns its final hidden states ``[B, T, H]``
-  (`final_hidden_states`), and the output head is applied to ``chunk_tokens`` valid tokens at a time.
-  Each chunk's logits are freed as soon as its log-probs are taken and are recomputed in the backward
-  pass (`torch.utils.checkpoint`), so the peak memory of the head is one fp32 ``[chunk_tokens, V]``
-  block (plus its gradient) whatever the vocabulary, batch or length. Only the tokens whose mask is
-  set are scored; the others get 0, as in the full path.
-
-Both give the same numbers and gradients (to fp32 rounding; `tests/core/test_logprobs.py`). The text and VLM
-policies use the chunked path when ``model.logprob_chunk_size`` is set (the default) and check once,
-on the first batch, that it agrees with the full path for the model at hand (`check_agreement`), so
-a model whose head does more than ``lm_head(hidden_states[-1])`` (logit soft-capping, a logit scale)
-is reported instead of silently mis-scored.
+Two ways to get ``log softmax(head(h_t) / temperature)[y_t]``: from the model's full ``[B, T, V]`` logits
+(`selective_log_softmax`), or chunked (`chunked_token_logprobs`): the output head applied to a few valid
+tokens at a time to the final hidden states (`final_hidden_states`), each chunk checkpointed, so the head's
+peak memory is one fp32 ``[chunk_tokens, V]`` block whatever the batch, length or vocabulary. Both give the
+same numbers and gradients; `check_agreement` verifies it once per model (a head that does more than
+``lm_head(hidden_states[-1])`` is reported, not mis-scored). The policies' scorer is
+`mmalign.policies.token_scoring`.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from mmalign.engines.base import (
     merged_state_dict,
     outputs_to_tensors,
 )
+from mmalign.engines.client import EngineClient
 
 ENGINE_NAMES = ("hf", "fake", "vllm")
 
@@ -49,6 +50,7 @@ def get_engine(name: str, **kwargs: Any) -> RolloutEngine | None:
 
 __all__ = [
     "ENGINE_NAMES",
+    "EngineClient",
     "EngineOutput",
     "EnginePrompt",
     "EngineStateError",

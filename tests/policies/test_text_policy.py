@@ -11,7 +11,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from mmalign import tiny
 from mmalign.config import LoraConfig
-from mmalign.policies.text import TextPolicy, completion_mask, selective_log_softmax, token_entropy
+from mmalign.logprobs import selective_log_softmax, token_entropy
+from mmalign.policies.text import TextPolicy
+from mmalign.policies.token_sampling import completion_mask
 
 
 def test_bpe_tokenizer_survives_save_and_auto_load(tmp_path: Path) -> None:

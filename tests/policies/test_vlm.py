@@ -308,15 +308,15 @@ def pipeline_policy(model_dir: Path, out: Path, **model: Any) -> VLMPolicy:
 
 
 def spy_shared_prefix(policy: VLMPolicy) -> list[int]:
-    """Record the batch size of every `_shared_prefix_vlm_logits` call of `policy`."""
+    """Record the batch size of every shared-prefix forward (`TokenScorer.shared_prefix_features`) of `policy`."""
     calls: list[int] = []
-    original = policy._shared_prefix_vlm_logits
+    original = policy.scorer.shared_prefix_features
 
     def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(len(args[2]))  # the rollout
+        calls.append(len(args[3]))  # the sample -> prompt index
         return original(*args, **kwargs)
 
-    policy._shared_prefix_vlm_logits = wrapped  # type: ignore[method-assign]
+    policy.scorer.shared_prefix_features = wrapped  # type: ignore[method-assign]
     return calls
 
 
@@ -346,7 +346,7 @@ def test_vlm_shared_prefix_equals_plain_forward(
     ro = ro[torch.randperm(len(ro), generator=torch.Generator().manual_seed(1))]
     check_shared_prefix_matches_plain(pol, ro, plain=plain)
     # each policy ran the path it was built with; the 1: the first (chunked) log-prob call also scores one
-    # sample from the full logits to check the chunked path (`TextPolicy._check_chunking`)
+    # sample from the full logits to check the chunked path (`TokenScorer._check_chunking`)
     assert shared_calls == [len(ro), 1] and plain_calls == []
 
 
@@ -387,7 +387,7 @@ def test_vlm_shared_prefix_off_says_why(
         model["gradient_checkpointing"] = True
         level, reason = logging.WARNING, "(gradient checkpointing is on"
     else:
-        monkeypatch.setattr("mmalign.policies.vlm._rope_index_fn", lambda _model: None)
+        monkeypatch.setattr("mmalign.policies.vlm.rope_index_fn", lambda _model: None)
         level, reason = logging.WARNING, "has no M-RoPE get_rope_index"
     with caplog.at_level(logging.INFO, logger="mmalign.policies.vlm"):
         pol = pipeline_policy(random_vlm_dir, tmp_path / "run", **model)

@@ -1,0 +1,109 @@
+"""`EngineClient`: a token policy's side of a rollout engine (building it, weight sync, per-step seeds)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmalign.batch import Rollout
+from mmalign.engines.base import (
+    EnginePrompt,
+    RolloutEngine,
+    SamplingSpec,
+    adapter_state_dict,
+    full_state_dict,
+    outputs_to_tensors,
+)
+
+
+class EngineClient:
+    """Holds the optional rollout engine of a policy: builds it from ``rollout.engine``, pushes the trainer's
+    weights when they changed, seeds each step's sampling, and turns its outputs into tensors."""
+
+    def __init__(self) -> None:
+        self.engine: RolloutEngine | None = None
+        """The engine that samples instead of the policy's ``generate`` (None: ``hf``)."""
+        self.seed = 0
+        """The seed of the current step's sampling."""
+        self.stale = True
+        """The engine holds older weights than the trainer."""
+        self.run: Any = None
+        """The `mmalign.policies.base.RunInfo` given to `setup` (None outside a run)."""
+
+    def setup(
+        self, run: Any, *, loop: Any, fill_defaults: Callable[[str, dict[str, Any], Any], None]
+    ) -> None:
+        """Build the engine named by ``rollout.engine`` (none for ``hf``); `fill_defaults(name, kwargs, run)`
+        adds what the policy's engine needs beyond ``rollout.engine_kwargs``."""
+        self.run = run
+        r = run.cfg.rollout
+        if r.engine == "hf":
+            return
+        from mmalign.config import ConfigError
+        from mmalign.engines import get_engine
+
+        if loop.multi_turn:
+            raise ConfigError(
+                f"{run.cfg.source}: key 'rollout.loop': the {loop.name!r} loop samples with the policy's "
+                f"own generate; leave rollout.engine at 'hf' (got {r.engine!r})"
+            )
+        kwargs = dict(r.engine_kwargs)
+        fill_defaults(r.engine, kwargs, run)
+        try:
+            self.engine = get_engine(r.engine, **kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{run.cfg.source}: key 'rollout.engine_kwargs': {e}") from None
+        self.stale = True
+
+    def on_train_step(self, step: int, sync: Callable[[int], None]) -> None:
+        """Before a step's sampling: `sync(step)` when the weights changed, and this step's seed."""
+        if self.engine is None:
+            return
+        if self.stale:
+            sync(step)
+        run = self.run
+        base = run.cfg.seed if run is not None and run.cfg is not None else 0
+        rank = run.rank if run is not None else 0
+        self.seed = base * 1_000_003 + step * 7919 + rank
+
+    def after_optimizer_step(self) -> None:
+        self.stale = self.engine is not None
+
+    def sync(self, model: torch.nn.Module, *, lora: bool, step: int = 0) -> None:
+        """Push `model`'s weights (merged LoRA, or the adapter where the engine loads adapters); raises
+        `WeightSyncError` past ``rollout.sync_timeout_s`` instead of hanging."""
+        assert self.engine is not None
+        run = self.run
+        if run is not None and run.accelerator:
+            model = run.accelerator.unwrap_model(model)
+        if getattr(self.engine, "supports_lora_adapters", False) and lora:
+            state, as_adapter = adapter_state_dict(model), True
+        else:
+            state, as_adapter = full_state_dict(model), False
+        timeout = run.cfg.rollout.sync_timeout_s if run is not None and run.cfg is not None else None
+        limit = {} if timeout is None else {"timeout_s": timeout}  # outside a run: the engine's default
+        self.engine.sync_weights(state, lora=as_adapter, step=step, **limit)
+        self.stale = False
+
+    def generate(
+        self, prompts: list[EnginePrompt], n: int, sampling: SamplingSpec, pad_id: int
+    ) -> tuple[Tensor, Tensor]:
+        """`n` samples per prompt (prompt-major): right-padded completion ids and the engine's log-probs."""
+        assert self.engine is not None
+        outs = self.engine.generate(prompts, n, sampling)
+        completion_ids, logp_engine, _ = outputs_to_tensors(outs, pad_id)
+        return completion_ids, logp_engine
+
+    @staticmethod
+    def keep_logprobs(rollout: Rollout, logp_engine: Tensor) -> Rollout:
+        """``rollout.logp_sampler``: the engine's log-probs cut or padded to the rollout's width, 0 where
+        masked (the importance-sampling correction compares them with ``logp_old``)."""
+        width = rollout.mask.shape[1]
+        logp = logp_engine.float()[:, :width]
+        if logp.shape[1] < width:
+            logp = torch.cat([logp, logp.new_zeros(logp.shape[0], width - logp.shape[1])], dim=1)
+        rollout.logp_sampler = logp.masked_fill(~rollout.mask, 0.0)
+        return rollout
