@@ -24,7 +24,7 @@ consistently: tensors and lists whose first dimension is B, recursively inside d
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,15 +178,6 @@ class Rollout:
         rows = [i for i, g in enumerate(self.group.tolist()) if g in keep_set]
         return self[rows]
 
-    def minibatches(
-        self, size: int, shuffle: bool = False, generator: torch.Generator | None = None
-    ) -> Iterator[Rollout]:
-        """Consecutive slices of `size` samples (the last may be smaller)."""
-        n = len(self)
-        order = torch.randperm(n, generator=generator).tolist() if shuffle else list(range(n))
-        for start in range(0, n, size):
-            yield self[order[start : start + size]]
-
     @staticmethod
     def cat(rollouts: Sequence[Rollout]) -> Rollout:
         """Concatenate rollouts sample-wise (T is padded to the longest, with mask False)."""
@@ -217,8 +208,3 @@ class Rollout:
         return dataclasses.replace(
             self, **{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)}
         )
-
-    def reward_column(self, name: str) -> Tensor:
-        if self.rewards is None:
-            raise ValueError("rewards have not been computed yet")
-        return self.rewards[:, self.reward_names.index(name)]

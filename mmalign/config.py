@@ -723,11 +723,12 @@ def load_config(
 
 def check_names(cfg: Config) -> None:
     """The registry names of the ``algorithm`` section (estimator, loss, loss aggregation, KL estimator,
-    filter) are registered: a `ConfigError` naming the key, with close matches, otherwise.
+    filter) and the prompt sampler (``data.sampler``) are registered: a `ConfigError` naming the key, with
+    close matches, otherwise.
 
     The one check of these names: the command line's validation pass (`mmalign.app.preflight.validate`)
     makes it before any model is built, `mmalign.trainer.GroupTrainer` for a config built in code."""
-    from mmalign import advantages, filters, losses
+    from mmalign import advantages, filters, losses, prompt_samplers
 
     a = cfg.algorithm
     for key, get, name in (
@@ -736,6 +737,7 @@ def check_names(cfg: Config) -> None:
         ("algorithm.loss_agg", losses.AGGREGATIONS.get, a.loss_agg),
         ("algorithm.kl_estimator", losses.KL_ESTIMATORS.get, a.kl_estimator),
         ("algorithm.filter", filters.get, a.filter),
+        ("data.sampler", prompt_samplers.get, cfg.data.sampler),
     ):
         try:
             get(name)

@@ -1,4 +1,4 @@
-"""Reading videos and edit masks for the video pipelines and rewards.
+"""Media helpers: reading and writing images, videos and edit masks (one module for every layer).
 
 A video is ``Float[F, 3, H, W]`` in [0, 1] and an edit mask ``Float[F, H, W]`` in {0, 1} (1 = the region the
 edit may change). Three storage forms are read, chosen by the path:
@@ -16,14 +16,16 @@ A mask may also be one image file (``.png`` ...), which then holds for every fra
 `num_frames` keeps that many frames evenly spaced over the clip (first and last included; the clip must
 have at least that many frames, a shorter clip is an error, never padded); `size` = (H, W) resizes each
 frame (bilinear with antialiasing for videos, nearest for masks, so a mask stays binary). Every error names
-the path. Writing is in `mmalign.rundir` (`save_video`: H.264 mp4; `save_frame_strip`: a PNG strip) and
-here (`write_frames`: a lossless frame folder; `write_array`: a compressed ``.npz``).
+the path. Writing: `save_image`, `save_frame_strip` (a PNG strip), `save_grid` (a PNG grid), `save_video` (H.264
+mp4), `write_frames` (a lossless frame folder), `write_array` (a compressed ``.npz``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,8 +35,15 @@ __all__ = [
     "IMAGE_SUFFIXES",
     "VIDEO_SUFFIXES",
     "even_frame_indices",
+    "frame_strip",
+    "load_rgb",
     "read_mask",
     "read_video",
+    "save_frame_strip",
+    "save_grid",
+    "save_image",
+    "save_video",
+    "to_uint8_hwc",
     "write_array",
     "write_frames",
 ]
@@ -210,4 +219,95 @@ def write_array(frames: Tensor, path: str | Path) -> Path:
     if arr.dim() == 4:
         arr = arr.permute(0, 2, 3, 1)
     np.savez_compressed(path, frames=arr.numpy())
+    return path
+
+
+# ----------------------------------------------------------------------------- writing images and clips
+
+
+def to_uint8_hwc(image: Tensor) -> Any:
+    """Float[C,H,W] in [0, 1] (C = 1 or 3) -> a uint8 H x W (x 3) numpy array."""
+    if image.dim() != 3 or image.shape[0] not in (1, 3):
+        raise ValueError(f"an image must be Float[3,H,W] or Float[1,H,W] in [0, 1], got {tuple(image.shape)}")
+    arr = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().permute(1, 2, 0).numpy()
+    return arr[..., 0] if arr.shape[-1] == 1 else arr
+
+
+def save_image(image: Tensor, path: str | Path) -> Path:
+    """Write one Float[3,H,W] image in [0, 1] as PNG."""
+    from PIL import Image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(to_uint8_hwc(image)).save(path)
+    return path
+
+
+def save_frame_strip(video: Tensor, path: str | Path, max_frames: int = 8) -> Path:
+    """Up to `max_frames` evenly spaced frames of a Float[F,3,H,W] video side by side, as one PNG."""
+    if video.dim() != 4:
+        raise ValueError(f"a video must be Float[F,3,H,W] in [0, 1], got {tuple(video.shape)}")
+    return save_image(frame_strip(video, max_frames), path)
+
+
+def save_video(video: Tensor, path: str | Path, fps: int = 8) -> Path:
+    """Write a Float[F,3,H,W] video in [0, 1] as H.264 mp4 with PyAV (its wheel carries the encoder). H.264's
+    yuv420p needs even sides: an odd height or width is padded by repeating the last row / column."""
+    try:
+        import av
+    except ImportError as e:
+        raise ImportError(f"writing {path} needs PyAV: pip install av") from e
+    if video.dim() != 4 or video.shape[1] != 3:
+        raise ValueError(f"a video must be Float[F,3,H,W] in [0, 1], got {tuple(video.shape)}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    import numpy as np
+
+    h, w = video.shape[-2:]
+    # yuv420p needs even sides: an odd side gets one more row / column, a copy of the last (not a resize)
+    frames = [np.pad(to_uint8_hwc(frame), ((0, h % 2), (0, w % 2), (0, 0)), mode="edge") for frame in video]
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height = w + w % 2, h + h % 2
+        stream.pix_fmt = "yuv420p"
+        for arr in frames:
+            frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+def frame_strip(video: Tensor, max_frames: int = 8) -> Tensor:
+    """Up to `max_frames` evenly spaced frames of a Float[F,3,H,W] clip side by side: Float[3,H,W*k]."""
+    idx = torch.linspace(0, video.shape[0] - 1, min(video.shape[0], max_frames)).round().long()
+    return torch.cat(list(video[idx]), dim=-1)
+
+
+def load_rgb(image: Any) -> Any:
+    """A PIL RGB image from a path or a PIL image (the file is closed before returning)."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    with Image.open(image) as im:
+        return im.convert("RGB")
+
+
+def save_grid(images: Tensor, path: str | Path, ncols: int, pad: int = 2) -> Path:
+    """Write Float[N,3,H,W] in [0, 1] as one PNG grid with `ncols` columns (white padding)."""
+    from PIL import Image
+
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be Float[N,3,H,W], got {tuple(images.shape)}")
+    n, _, h, w = images.shape
+    nrows = math.ceil(n / ncols)
+    grid = torch.ones((3, nrows * (h + pad) + pad, ncols * (w + pad) + pad))
+    for i in range(n):
+        r, c = divmod(i, ncols)
+        y, x = pad + r * (h + pad), pad + c * (w + pad)
+        grid[:, y : y + h, x : x + w] = images[i].float().clamp(0, 1)
+    arr = (grid.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr).save(path)
     return path

@@ -11,7 +11,7 @@ A prompt sampler picks row indices each round and may learn from how those promp
 
 Registered samplers (``names()``):
 
-- ``uniform``  shuffled epochs, like ``mmalign.data.PromptSampler`` (same order for the same seed);
+- ``uniform``  shuffled epochs, like the former `mmalign.data.PromptSampler` (same order for the same seed);
                ``observe`` is a no-op.
 - ``vade``     our design from the paper's description (VADE): a Beta posterior on each prompt's
                success rate, Thompson sampling, pick the prompts of largest p̂(1 − p̂), decay toward
@@ -238,14 +238,14 @@ class PromptSamplerBase:
 
 @SAMPLERS.register("uniform")
 class UniformSampler(PromptSamplerBase):
-    """Shuffled epochs: every row once per epoch, in the order of `mmalign.data.PromptSampler`.
+    """Shuffled epochs: every row once per epoch, in the order of the former `mmalign.data.PromptSampler`.
 
     Epoch e's order is ``randperm(num_rows)`` from a generator seeded with ``seed * 1_000_003 + e``
-    (identity order with ``shuffle=False``), exactly as `data.PromptSampler`. One difference: a call
+    (identity order with ``shuffle=False``), exactly as the former `mmalign.data.PromptSampler`. One difference: a call
     that crosses an epoch boundary stays distinct — rows of the new epoch already returned in this
     call (from the tail of the old epoch) are moved, in their order, to the end of the new epoch
     ("deferred"), so each epoch still holds every row exactly once. When the calls' n divides
-    num_rows nothing is ever deferred and the sequence equals `data.PromptSampler`'s. Its state
+    num_rows nothing is ever deferred and the sequence equals the former `mmalign.data.PromptSampler`'s. Its state
     dicts (which lack ``name`` and ``deferred``) load here too.
     """
 

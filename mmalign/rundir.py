@@ -28,10 +28,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from mmalign.config import Config, ConfigError
+from mmalign.media import save_frame_strip, save_image, save_video
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -160,63 +160,6 @@ def finish_checkpoint(output_dir: str | Path, step: int, keep: int) -> Path:
     for old in every[: max(0, len(every) - keep)]:
         shutil.rmtree(old)
     return final
-
-
-# ----------------------------------------------------------------------------- media
-
-
-def _uint8_hwc(image: Tensor) -> Any:
-    """Float[C,H,W] in [0, 1] (C = 1 or 3) -> a uint8 H x W (x 3) numpy array."""
-    if image.dim() != 3 or image.shape[0] not in (1, 3):
-        raise ValueError(f"an image must be Float[3,H,W] or Float[1,H,W] in [0, 1], got {tuple(image.shape)}")
-    arr = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().permute(1, 2, 0).numpy()
-    return arr[..., 0] if arr.shape[-1] == 1 else arr
-
-
-def save_image(image: Tensor, path: str | Path) -> Path:
-    """Write one Float[3,H,W] image in [0, 1] as PNG."""
-    from PIL import Image
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(_uint8_hwc(image)).save(path)
-    return path
-
-
-def save_frame_strip(video: Tensor, path: str | Path, max_frames: int = 8) -> Path:
-    """Up to `max_frames` evenly spaced frames of a Float[F,3,H,W] video side by side, as one PNG."""
-    if video.dim() != 4:
-        raise ValueError(f"a video must be Float[F,3,H,W] in [0, 1], got {tuple(video.shape)}")
-    f = video.shape[0]
-    idx = torch.linspace(0, f - 1, min(f, max_frames)).round().long()
-    return save_image(torch.cat(list(video[idx]), dim=-1), path)
-
-
-def save_video(video: Tensor, path: str | Path, fps: int = 8) -> Path:
-    """Write a Float[F,3,H,W] video in [0, 1] as H.264 mp4 with PyAV (its wheel carries the encoder). H.264's
-    yuv420p needs even sides: an odd height or width is padded by repeating the last row / column."""
-    try:
-        import av
-    except ImportError as e:
-        raise ImportError(f"writing {path} needs PyAV: pip install av") from e
-    if video.dim() != 4 or video.shape[1] != 3:
-        raise ValueError(f"a video must be Float[F,3,H,W] in [0, 1], got {tuple(video.shape)}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    import numpy as np
-
-    h, w = video.shape[-2:]
-    # yuv420p needs even sides: an odd side gets one more row / column, a copy of the last (not a resize)
-    frames = [np.pad(_uint8_hwc(frame), ((0, h % 2), (0, w % 2), (0, 0)), mode="edge") for frame in video]
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height = w + w % 2, h + h % 2
-        stream.pix_fmt = "yuv420p"
-        for arr in frames:
-            frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
-    return path
 
 
 def store_media(

@@ -20,11 +20,15 @@ owns that layout.
 
 The trainer knows no modality: what is special to a model family sits behind the hooks of
 `mmalign.policies.base.Policy` (sampling, materialising outputs for the rewards, what a sample looks
-like in the run directory), what is special to a domain in the pipeline's `Components`.
+like in the run directory), what is special to a domain in the pipeline's `Components`. It knows no tool
+either: live diagnostics and experiment trackers reach it as monitors (`TrainerCallback`), which the app
+layer passes in (`mmalign.app.run.build_trainer`); without them it trains, writes the run directory and
+logs nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -35,8 +39,10 @@ import sys
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -51,26 +57,39 @@ from mmalign import is_correction as isc
 from mmalign import losses as loss_lib
 from mmalign import prompt_samplers as sampler_lib
 from mmalign import rundir
-from mmalign.app.doctor import LiveDoctor
-from mmalign.app.trackers import RunTrackers, accelerator_kwargs, check_available
 from mmalign.batch import Rollout
-from mmalign.config import Config, ConfigError
+from mmalign.config import Config, ConfigError, check_names
 from mmalign.distributed import is_fsdp2
+from mmalign.errors import MmalignError
 from mmalign.policies.base import RunInfo
-from mmalign.registry import RegistryError
 
 log = logging.getLogger(__name__)
 
 
-class TrainingError(RuntimeError):
+class TrainingError(MmalignError, RuntimeError):
     """Training stopped; the message says at which step and what was kept."""
 
 
-def _check_registry(cfg: Config, key: str, registry_get: Any, name: str) -> None:
-    try:
-        registry_get(name)
-    except RegistryError as e:
-        raise ConfigError(f"{cfg.source}: key '{key}': {e}") from None
+class TrainerCallback(Protocol):
+    """What `GroupTrainer` calls on its callbacks (the pipeline's ``Components.callbacks``) and monitors (the
+    ``monitors`` argument: the app's live doctor and trackers). Every method is optional; the trainer calls
+    only those an object has, callbacks first, each in list order, on every process (a hook that should act
+    on the main process only checks ``trainer.is_main``).
+
+    - ``accelerator_kwargs()``: keyword arguments for the ``Accelerator`` the trainer builds (monitors only;
+      unused when an accelerator is passed in);
+    - ``on_init(trainer)``: the accelerator exists (``trainer.accelerator``), nothing else is set up yet;
+    - ``on_train_start(trainer, step)``: `GroupTrainer.train` starts, continuing after `step`;
+    - ``on_rewards(trainer, rewards, group, names)``: the gathered rewards of a sampling round;
+    - ``on_step_end(trainer, step, metrics)``: every step's metrics, which it may add to;
+    - ``on_log(trainer, step, metrics)``: the steps written to ``metrics.jsonl``;
+    - ``on_samples(trainer, step, rows, views)``: the steps whose samples are written: this process's rows (as
+      the run directory stores them) and `Policy.sample_view`'s views of them;
+    - ``on_train_end(trainer)``: `train` ends, also when it fails;
+    - ``state_dict()`` / ``load_state_dict(state)``: saved in and restored from checkpoints (callbacks only).
+
+    (Every hook being optional, the protocol declares none; it names the contract.)
+    """
 
 
 def set_seed(seed: int) -> None:
@@ -101,17 +120,22 @@ class GroupTrainer:
 
     sharded: bool = False
     """The model is FSDP2-sharded (set in `__init__`)."""
-    trackers: RunTrackers = RunTrackers(None, None)
-    """TensorBoard / W&B (`trainer.log_with`; `mmalign.app.trackers`): config, step metrics, sample media. Off
-    here; `__init__` sets the run's."""
+    monitors: Sequence[TrainerCallback] = ()
+    """Run monitors (`TrainerCallback`): live diagnostics, experiment trackers. Not checkpointed."""
 
     def __init__(
-        self, cfg: Config, components: Any, *, resume: bool = False, accelerator: Any = None
+        self,
+        cfg: Config,
+        components: Any,
+        *,
+        resume: bool = False,
+        accelerator: Any = None,
+        monitors: Sequence[TrainerCallback] = (),
     ) -> None:
         from accelerate import Accelerator
         from accelerate.utils import DistributedType
 
-        check_available(cfg)  # a tracker in trainer.log_with whose package is missing: fail before anything
+        self.monitors = list(monitors)
         self.cfg = cfg
         self.policy = components.policy
         self.reward_set = components.rewards
@@ -119,24 +143,23 @@ class GroupTrainer:
         self.callbacks = list(components.callbacks)
         self.sample_columns = list(getattr(components, "sample_columns", ()))
         """Dataset columns written beside each sample in the run directory (the pipeline's choice)."""
+        acc_kwargs: dict[str, Any] = {}
+        for monitor in self.monitors:
+            if hasattr(monitor, "accelerator_kwargs"):
+                acc_kwargs.update(monitor.accelerator_kwargs())
         self.accelerator = accelerator or Accelerator(
-            cpu=cfg.trainer.cpu, mixed_precision=cfg.trainer.mixed_precision, **accelerator_kwargs(cfg)
+            cpu=cfg.trainer.cpu, mixed_precision=cfg.trainer.mixed_precision, **acc_kwargs
         )
         acc = self.accelerator
         dist_lib.check_launch(acc.distributed_type, acc.num_processes)  # N launched processes, N set up
-        self.trackers = RunTrackers(cfg, acc, resume=resume)
+        self._emit("on_init")
         self.world = acc.num_processes
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
         self.out = Path(cfg.output_dir)
         a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
 
-        # ---- registry names are checked up front, with the config key in the message
-        _check_registry(cfg, "algorithm.estimator", adv_lib.get, a.estimator)
-        _check_registry(cfg, "algorithm.loss", loss_lib.get, a.loss)
-        _check_registry(cfg, "algorithm.loss_agg", loss_lib.AGGREGATIONS.get, a.loss_agg)
-        _check_registry(cfg, "algorithm.kl_estimator", loss_lib.KL_ESTIMATORS.get, a.kl_estimator)
-        _check_registry(cfg, "algorithm.filter", filter_lib.get, a.filter)
+        self._check_names()
         if r.prompts_per_step % self.world:
             raise ConfigError(
                 f"{cfg.source}: key 'rollout.prompts_per_step' ({r.prompts_per_step}) must be divisible by "
@@ -204,7 +227,6 @@ class GroupTrainer:
         opts = dict(cfg.data.sampler_kwargs)
         if cfg.data.sampler == "uniform":
             opts.setdefault("shuffle", cfg.data.shuffle)
-        _check_registry(cfg, "data.sampler", sampler_lib.get, cfg.data.sampler)
         try:
             self.sampler = sampler_lib.build_sampler(cfg.data.sampler, len(self.rows), cfg.seed, **opts)
         except (TypeError, ValueError) as e:
@@ -217,6 +239,17 @@ class GroupTrainer:
         self._prepare_output_dir(resume)
 
     # ----------------------------------------------------------------- set-up
+    def _check_names(self) -> None:
+        """Registry names of the config, checked up front with the config key in the message."""
+        check_names(self.cfg)
+
+    def _emit(self, hook: str, *args: Any) -> None:
+        """Call `hook` (a `TrainerCallback` method) on every callback, then every monitor, that has it."""
+        for target in (*self.callbacks, *self.monitors):
+            fn = getattr(target, hook, None)
+            if fn is not None:
+                fn(self, *args)
+
     def _lr_lambda(self, step: int) -> float:
         t = self.cfg.trainer
         if t.warmup_steps and step < t.warmup_steps:
@@ -283,9 +316,7 @@ class GroupTrainer:
         g_rewards, g_group = self._gather(rewards), self._gather(rollout.group)
         # callbacks that follow the rewards (curricula): the GLOBAL batch in global group order, so their
         # decisions are the same on every process and for any number of processes
-        for cb in self.callbacks:
-            if hasattr(cb, "on_rewards"):
-                cb.on_rewards(self, g_rewards, g_group, list(self.reward_set.names))
+        self._emit("on_rewards", g_rewards, g_group, list(self.reward_set.names))
         g_actions = self._gather(rollout.mask.sum(dim=1).to(rollout.group.device))
         # feedback for adaptive prompt samplers, from the GLOBAL batch so every rank's sampler agrees
         total = adv_lib.combine_rewards(g_rewards, self.reward_set.weights.tolist())
@@ -437,135 +468,104 @@ class GroupTrainer:
         return float(self._gather(torch.tensor([x], dtype=torch.float64)).sum())
 
     def update(self, batch: Rollout) -> dict[str, float]:
-        """num_iterations passes over `batch`, one optimizer step per minibatch."""
-        cfg, acc = self.cfg, self.accelerator
-        a, t, r_cfg = cfg.algorithm, cfg.trainer, cfg.rollout
-        if a.kl_coef > 0 and not self.policy.kl_in_action_stats:
+        """`trainer.num_iterations` passes over `batch`, one optimizer step per minibatch, whose gradient is
+        accumulated over microbatches; returns the update's metrics."""
+        if self.cfg.algorithm.kl_coef > 0 and not self.policy.kl_in_action_stats:
             batch.logp_ref = self.policy.reference_logprobs(batch).detach()
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, float] = defaultdict(float)
-        n = len(batch)
-        mb_size = self.minibatch or n
-        loss_kwargs = dict(a.loss_kwargs)
-        for _epoch in range(t.num_iterations):
-            order = (
-                torch.randperm(n, generator=self.shuffle_gen).tolist()
-                if t.shuffle_minibatches and t.num_iterations * math.ceil(n / mb_size) > 1
-                else list(range(n))
-            )
-            for start in range(0, n, mb_size):
-                mb = batch[order[start : start + mb_size]]
-                n_tok = self._global_sum(float(mb.mask.sum()))
-                n_seq = self._global_sum(float(len(mb)))
-                micro = list(range(0, len(mb), self.microbatch))
-                for j, ms in enumerate(micro):
-                    mu = mb[list(range(ms, min(ms + self.microbatch, len(mb))))]
-                    if j == len(micro) - 1:
-                        ctx: Any = _NoSync()
-                    elif self.sharded:
-                        ctx = dist_lib.no_grad_sync(self.policy.forward_model)
-                    else:
-                        ctx = acc.no_sync(self.policy.forward_model)
-                    with ctx:
-                        stats = self.policy.action_stats(mu)
-                        logp = stats.logp
-                        logp_old = mu.logp_old if mu.logp_old is not None else logp.detach()
-                        mask = mu.mask.to(logp.device)
-                        out = self.loss_fn(
-                            logp, logp_old.to(logp.device), mu.advantages.to(logp.device), mask, **loss_kwargs
-                        )
-                        per_token = out.per_token
-                        if mu.logp_sampler is not None and r_cfg.is_correction != "none":
-                            logp_sampler = mu.logp_sampler.to(logp.device)
-                            w = isc.tis_weights(
-                                logp_old.to(logp.device),
-                                logp_sampler,
-                                mask,
-                                level=r_cfg.is_correction,
-                                cap=r_cfg.is_cap,
-                            )
-                            per_token = isc.apply_is_weights(per_token, w)
-                            is_stats = isc.is_metrics(
-                                logp_old.to(logp.device),
-                                logp_sampler,
-                                mask,
-                                level=r_cfg.is_correction,
-                                cap=r_cfg.is_cap,
-                                weights=w,
-                            )
-                            for key, value in is_stats.items():
-                                sums[key] += float(value)
-                                counts[key] += 1
-                        kl_tok = None
-                        if a.kl_coef > 0:
-                            kl_tok = (
-                                stats.kl
-                                if stats.kl is not None
-                                else loss_lib.kl(logp, mu.logp_ref.to(logp.device), a.kl_estimator)
-                            )
-                            per_token = per_token + a.kl_coef * kl_tok
-                        loss = (
-                            loss_lib.aggregate(
-                                per_token,
-                                mask,
-                                a.loss_agg,
-                                num_tokens=n_tok,
-                                num_seqs=n_seq,
-                                max_len=self.policy.max_actions,
-                            )
-                            * self.world
-                        )  # DDP (and FSDP2's reduce-scatter) average gradients over processes
-                        aux_total = self._aux_loss(stats.aux_losses, len(mu) / n_seq, sums)
-                        acc.backward(loss if aux_total is None else loss + aux_total * self.world)
-                    with torch.no_grad():
-                        k = float(mask.sum())
-                        sums["loss"] += float(loss) / self.world
-                        sums["clip_frac"] += float((out.clipped & mask).sum())
-                        sums["approx_kl"] += float(loss_lib.approx_kl(logp, logp_old, mask)) * k
-                        if kl_tok is not None:
-                            sums["kl"] += float((kl_tok * mask).sum())
-                        if stats.entropy is not None:
-                            sums["entropy"] += float((stats.entropy * mask).sum())
-                        counts["tokens"] += k
-                if t.max_grad_norm is not None:
-                    if self.sharded:  # the global norm over all shards, as a plain tensor
-                        gn = dist_lib.clip_grad_norm_(self.policy.trainable_parameters(), t.max_grad_norm)
-                    else:
-                        gn = acc.clip_grad_norm_(self.policy.trainable_parameters(), t.max_grad_norm)
-                    sums["grad_norm"] += float(gn)
-                    counts["opt_steps"] += 1
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.policy.after_optimizer_step()
-                counts["updates"] += 1
-        tok = max(counts["tokens"], 1.0)
-        m = {
-            "loss": sums["loss"] / max(counts["updates"], 1),
-            "clip_frac": sums["clip_frac"] / tok,
-            "approx_kl": sums["approx_kl"] / tok,
-        }
-        if a.kl_coef > 0:
-            m["kl"] = sums["kl"] / tok
-        if "entropy" in sums:
-            m["entropy"] = sums["entropy"] / tok
-        for key in [k for k in sums if k.startswith("is/")]:
-            m[key] = sums[key] / max(counts[key], 1.0)
-        for key in [k for k in sums if k.startswith("aux/")]:  # per update: the minibatch mean of the term
-            m[key] = sums[key] / max(counts["updates"], 1)
-        if counts["opt_steps"]:
-            m["grad_norm"] = sums["grad_norm"] / counts["opt_steps"]
-        if self.world > 1:
-            vec = self._gather(torch.tensor([m[k] for k in sorted(m)], dtype=torch.float64).reshape(1, -1))
-            m = dict(zip(sorted(m), vec.mean(0).tolist(), strict=True))
-            # each process logged its share of the loss (global normalisers): the loss is their sum
-            m["loss"] *= self.world
-        return m
+        tally = _Tally()
+        for _epoch in range(self.cfg.trainer.num_iterations):
+            for mb in self._minibatches(batch):
+                n_tok, n_seq = self._global_sum(float(mb.mask.sum())), self._global_sum(float(len(mb)))
+                starts = range(0, len(mb), self.microbatch)
+                for start in starts:
+                    mu = mb[list(range(start, min(start + self.microbatch, len(mb))))]
+                    with self._grad_sync(last=start == starts[-1]):
+                        micro = self._microbatch_loss(mu, n_tok, n_seq)
+                        self.accelerator.backward(micro.total)
+                    tally.add_microbatch(micro, self.world)
+                tally.add_optimizer_step(self._optimizer_step())
+        return self._update_metrics(tally)
 
-    def _aux_loss(self, terms: dict[str, Tensor], share: float, sums: dict[str, float]) -> Tensor | None:
-        """``sum_name coef[name] * term * share``: the policy's auxiliary loss terms (microbatch means) weighted
-        by the microbatch's share of the minibatch's samples (over all processes), so that the update sees
-        the minibatch mean. Logs each term's value under ``aux/<name>``."""
-        total = None
+    def _minibatches(self, batch: Rollout) -> Iterator[Rollout]:
+        """One pass over `batch` in minibatches of this process's share of `trainer.minibatch_size` (the whole
+        batch when unset), reshuffled (`shuffle_gen`) when `trainer.shuffle_minibatches` and the update makes
+        more than one optimizer step."""
+        t, n = self.cfg.trainer, len(batch)
+        size = self.minibatch or n
+        shuffle = t.shuffle_minibatches and t.num_iterations * math.ceil(n / size) > 1
+        order = torch.randperm(n, generator=self.shuffle_gen).tolist() if shuffle else list(range(n))
+        for start in range(0, n, size):
+            yield batch[order[start : start + size]]
+
+    def _grad_sync(self, *, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """The context of a microbatch's backward: gradients are synced across processes on the last one only."""
+        if last:
+            return contextlib.nullcontext()
+        if self.sharded:
+            return dist_lib.no_grad_sync(self.policy.forward_model)
+        return self.accelerator.no_sync(self.policy.forward_model)
+
+    def _microbatch_loss(self, mu: Rollout, n_tok: float, n_seq: float) -> _MicroLoss:
+        """The loss of microbatch `mu` whose gradient is its part of the minibatch's gradient: the per-action
+        loss (importance-weighted, plus the KL penalty) aggregated with the minibatch's global normalisers
+        `n_tok` / `n_seq`, plus the auxiliary terms; and what its metrics need (docs/algorithms.md)."""
+        a, r = self.cfg.algorithm, self.cfg.rollout
+        stats = self.policy.action_stats(mu)
+        logp = stats.logp
+        logp_old = mu.logp_old if mu.logp_old is not None else logp.detach()
+        mask = mu.mask.to(logp.device)
+        out = self.loss_fn(
+            logp, logp_old.to(logp.device), mu.advantages.to(logp.device), mask, **dict(a.loss_kwargs)
+        )
+        per_token, is_stats = out.per_token, {}
+        if mu.logp_sampler is not None and r.is_correction != "none":
+            per_token, is_stats = is_weighted(
+                per_token,
+                logp_old.to(logp.device),
+                mu.logp_sampler.to(logp.device),
+                mask,
+                level=r.is_correction,
+                cap=r.is_cap,
+            )
+        kl_tok = None
+        if a.kl_coef > 0:
+            kl_tok = (
+                stats.kl
+                if stats.kl is not None
+                else loss_lib.kl(logp, mu.logp_ref.to(logp.device), a.kl_estimator)
+            )
+            per_token = per_token + a.kl_coef * kl_tok
+        loss = self._aggregate(per_token, mask, n_tok, n_seq)
+        aux_total, aux_values = self._aux_loss(stats.aux_losses, len(mu) / n_seq)
+        return _MicroLoss(
+            total=loss if aux_total is None else loss + aux_total * self.world,
+            loss=loss,
+            logp=logp,
+            logp_old=logp_old,
+            mask=mask,
+            clipped=out.clipped,
+            kl=kl_tok,
+            entropy=stats.entropy,
+            is_stats=is_stats,
+            aux=aux_values,
+        )
+
+    def _aggregate(self, per_token: Tensor, mask: Tensor, n_tok: float, n_seq: float) -> Tensor:
+        """`algorithm.loss_agg` of the per-action loss with the minibatch's global normalisers, times the number
+        of processes: DDP (and FSDP2's reduce-scatter) average gradients over processes."""
+        a = self.cfg.algorithm
+        return (
+            loss_lib.aggregate(
+                per_token, mask, a.loss_agg, num_tokens=n_tok, num_seqs=n_seq, max_len=self.policy.max_actions
+            )
+            * self.world
+        )
+
+    def _aux_loss(self, terms: dict[str, Tensor], share: float) -> tuple[Tensor | None, dict[str, float]]:
+        """The policy's auxiliary loss terms (`ActionStats.aux_losses`, microbatch means) weighted by their
+        ``algorithm.aux_coefs`` and by the microbatch's `share` of the minibatch's samples (all processes), so
+        the update sees the minibatch mean; and each term's share of its logged ``aux/<name>`` value."""
+        total, values = None, {}
         for name, term in terms.items():
             if name not in self.aux_coefs:
                 raise ConfigError(
@@ -579,8 +579,34 @@ class GroupTrainer:
                 )
             weighted = self.aux_coefs[name] * term * share
             total = weighted if total is None else total + weighted
-            sums[f"aux/{name}"] += float(term.detach()) * share * self.world
-        return total
+            values[f"aux/{name}"] = float(term.detach()) * share * self.world
+        return total, values
+
+    def _optimizer_step(self) -> float | None:
+        """Clip the accumulated gradients (`trainer.max_grad_norm`), step the optimizer, clear the gradients;
+        returns the gradient norm before clipping (None without clipping)."""
+        max_norm, grad_norm = self.cfg.trainer.max_grad_norm, None
+        if max_norm is not None:
+            if self.sharded:  # the global norm over all shards, as a plain tensor
+                grad_norm = float(dist_lib.clip_grad_norm_(self.policy.trainable_parameters(), max_norm))
+            else:
+                grad_norm = float(
+                    self.accelerator.clip_grad_norm_(self.policy.trainable_parameters(), max_norm)
+                )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.policy.after_optimizer_step()
+        return grad_norm
+
+    def _update_metrics(self, tally: _Tally) -> dict[str, float]:
+        """The update's metrics: this process's (`_Tally.metrics`), averaged over processes; the loss, of which
+        each process holds its share, summed."""
+        m = tally.metrics(kl=self.cfg.algorithm.kl_coef > 0)
+        if self.world > 1:
+            vec = self._gather(torch.tensor([m[k] for k in sorted(m)], dtype=torch.float64).reshape(1, -1))
+            m = dict(zip(sorted(m), vec.mean(0).tolist(), strict=True))
+            m["loss"] *= self.world
+        return m
 
     # ----------------------------------------------------------------- one step
     def train_step(self) -> dict[str, Any]:
@@ -622,10 +648,8 @@ class GroupTrainer:
             dynamic_ncols=True,
         )
         metrics_f = (self.out / rundir.METRICS_FILE).open("a") if self.is_main else None
-        # learning diagnostics on each step's metrics: rate-limited warnings (logger "mmalign.app.doctor"), never raises
-        doctor = LiveDoctor(self.cfg.to_dict()) if self.is_main else None
         try:
-            self.trackers.start(self.step)
+            self._emit("on_train_start", self.step)
             while self.step < t.steps:
                 try:
                     m = self.train_step()
@@ -641,18 +665,15 @@ class GroupTrainer:
                         f"training stopped at step {self.step + 1}: {e}\n"
                         f"  kept: {kept}; {where}" + (" (continue with --resume)" if ckpt else "")
                     ) from e
-                for cb in self.callbacks:  # they may add their numbers to `m` (a curriculum's threshold)
-                    if hasattr(cb, "on_step_end"):
-                        cb.on_step_end(self, self.step, m)
+                # callbacks may add their numbers to `m` (a curriculum's threshold); monitors see them
+                self._emit("on_step_end", self.step, m)
                 self.history.append(m)
-                if doctor is not None:
-                    doctor.observe(m)
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     if metrics_f is not None:
                         metrics_f.write(json.dumps(rundir.jsonable(m)) + "\n")
                         metrics_f.flush()
                         os.fsync(metrics_f.fileno())
-                    self.trackers.log_metrics(m, self.step)
+                    self._emit("on_log", self.step, m)
                 if self.step % t.sample_every == 0 or self.step == 1:
                     self.dump_samples(self._last_batch)
                 if self.step % t.save_every == 0 or self.step == t.steps:
@@ -665,7 +686,7 @@ class GroupTrainer:
             bar.close()
             if metrics_f is not None:
                 metrics_f.close()
-            self.trackers.finish()
+            self._emit("on_train_end")
         if self.sharded:
             self._save_final_sharded(self.out / rundir.FINAL_DIR)
         elif self.is_main:
@@ -736,7 +757,7 @@ class GroupTrainer:
             if isinstance(state, list) and len(state) == len(batch) and state[i]:
                 row["env_state"] = state[i]  # what a multi-turn environment recorded (views, tool calls)
             rows.append(row)
-        self.trackers.log_samples(self.step, rows, shown)  # this process's first samples; main only
+        self._emit("on_samples", self.step, rows, shown)  # this process's samples
         if self.world > 1:
             rows = gather_object(rows)
         if self.is_main:
@@ -820,14 +841,100 @@ class GroupTrainer:
         self.policy.load_rng_state(rng.get("policy", {}))
 
 
-class _NoSync:
-    """Stands in for ``accelerator.no_sync`` on the last microbatch (whose backward syncs gradients)."""
+# ----------------------------------------------------------------- update parts
+def is_weighted(
+    per_token: Tensor, logp_old: Tensor, logp_sampler: Tensor, mask: Tensor, *, level: str, cap: float
+) -> tuple[Tensor, dict[str, Any]]:
+    """The per-action loss weighted by the truncated importance weights of the trainer's over the sampler's
+    log-probs (`rollout.is_correction` = `level`, `rollout.is_cap` = `cap`; `mmalign.is_correction`), and the
+    weights' metrics (``is/...``)."""
+    w = isc.tis_weights(logp_old, logp_sampler, mask, level=level, cap=cap)
+    weighted = isc.apply_is_weights(per_token, w)
+    return weighted, isc.is_metrics(logp_old, logp_sampler, mask, level=level, cap=cap, weights=w)
 
-    def __enter__(self) -> None:
-        return None
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+@dataclass
+class _MicroLoss:
+    """One microbatch's loss (`GroupTrainer._microbatch_loss`) and what its metrics need."""
+
+    total: Tensor
+    """What the backward runs on: the policy loss plus the weighted auxiliary terms (times the processes)."""
+    loss: Tensor
+    """The policy loss (aggregated, times the processes)."""
+    logp: Tensor
+    logp_old: Tensor
+    mask: Tensor
+    clipped: Tensor
+    kl: Tensor | None
+    entropy: Tensor | None
+    is_stats: dict[str, Any]
+    aux: dict[str, float]
+
+
+def microbatch_sums(micro: _MicroLoss, world: int) -> dict[str, float]:
+    """One microbatch's contributions to the update's sums: the loss (this process's share), clipped actions,
+    ``approx_kl``, KL and entropy (summed over actions), and ``tokens``, its number of actions."""
+    with torch.no_grad():
+        mask = micro.mask
+        k = float(mask.sum())
+        sums = {
+            "loss": float(micro.loss) / world,
+            "clip_frac": float((micro.clipped & mask).sum()),
+            "approx_kl": float(loss_lib.approx_kl(micro.logp, micro.logp_old, mask)) * k,
+        }
+        if micro.kl is not None:
+            sums["kl"] = float((micro.kl * mask).sum())
+        if micro.entropy is not None:
+            sums["entropy"] = float((micro.entropy * mask).sum())
+        sums["tokens"] = k
+        return sums
+
+
+class _Tally:
+    """Sums and counts of one update's metrics, added microbatch by microbatch and step by step."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, float] = defaultdict(float)
+
+    def add_microbatch(self, micro: _MicroLoss, world: int) -> None:
+        for key, value in micro.is_stats.items():
+            self.sums[key] += float(value)
+            self.counts[key] += 1
+        for key, value in micro.aux.items():
+            self.sums[key] += value
+        values = microbatch_sums(micro, world)
+        self.counts["tokens"] += values.pop("tokens")
+        for key, value in values.items():
+            self.sums[key] += value
+
+    def add_optimizer_step(self, grad_norm: float | None) -> None:
+        if grad_norm is not None:
+            self.sums["grad_norm"] += grad_norm
+            self.counts["opt_steps"] += 1
+        self.counts["updates"] += 1
+
+    def metrics(self, *, kl: bool) -> dict[str, float]:
+        """Per action: clip_frac, approx_kl, kl (`kl`: logged), entropy; per update: loss, ``aux/*``; per IS
+        measurement: ``is/*``; per clipped step: grad_norm."""
+        sums, counts = self.sums, self.counts
+        tok = max(counts["tokens"], 1.0)
+        m = {
+            "loss": sums["loss"] / max(counts["updates"], 1),
+            "clip_frac": sums["clip_frac"] / tok,
+            "approx_kl": sums["approx_kl"] / tok,
+        }
+        if kl:
+            m["kl"] = sums["kl"] / tok
+        if "entropy" in sums:
+            m["entropy"] = sums["entropy"] / tok
+        for key in [k for k in sums if k.startswith("is/")]:
+            m[key] = sums[key] / max(counts[key], 1.0)
+        for key in [k for k in sums if k.startswith("aux/")]:
+            m[key] = sums[key] / max(counts["updates"], 1)
+        if counts["opt_steps"]:
+            m["grad_norm"] = sums["grad_norm"] / counts["opt_steps"]
+        return m
 
 
 def _per_sample(adv: Tensor, mask: Tensor) -> Tensor:

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mmalign.app.preflight import check_reward_specs
 from mmalign.config import Config, ConfigError
 from mmalign.data import load_rows
 from mmalign.distributed import process_seed
@@ -31,7 +30,7 @@ from mmalign.policies.denoising import SamplerSettings
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
 from pipelines.common import options
-from rewards import RewardSet
+from rewards import RewardSet, check_reward_specs
 
 CATEGORIES = ("safe", "unsafe")
 

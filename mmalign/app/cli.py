@@ -122,11 +122,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     import json
 
     from mmalign import rundir
+    from mmalign.app.run import build_trainer
     from mmalign.distributed import check_launch
-    from mmalign.trainer import GroupTrainer
 
     cfg, components = _load(args, resume=args.resume)
-    trainer = GroupTrainer(cfg, components, resume=args.resume)
+    trainer = build_trainer(cfg, components, resume=args.resume)
     acc = trainer.accelerator
     check_launch(acc.distributed_type, acc.num_processes)
     if trainer.is_main:
@@ -179,7 +179,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
     from mmalign import rundir
-    from mmalign.app.evaluation import eval_rows, generate_chunks, load_weights, resolve_checkpoint, save_grid
+    from mmalign.app.evaluation import eval_rows, generate_chunks, load_weights, resolve_checkpoint
+    from mmalign.media import save_grid
 
     cfg, build = _prepare(args)
     state = _process_state(cfg)

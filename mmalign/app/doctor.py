@@ -13,7 +13,8 @@ returns at least one finding, so a report covers all of them.
     diagnose(run_dir) -> list[Finding]         # every check (or `checks=[...]`) on a run directory
     format_report(findings) -> str             # the text report, most severe first
     doctor_main(argv) -> int                   # `mmalign doctor RUN_DIR [--json] [--checks a,b]`
-    LiveDoctor(config).observe(metrics)        # the trainer's per-step hook: rate-limited logging warnings
+    LiveDoctor(config).observe(metrics)        # per-step: rate-limited logging warnings
+    DoctorMonitor()                            # the trainer's monitor that feeds a LiveDoctor
 
 The checks read only logged numbers; a number a check needs that the run did not log is reported as
 "not logged" (level ``info``), never guessed. Thresholds are the module constants below;
@@ -1115,3 +1116,19 @@ class LiveDoctor:
                 self._last_warned[name] = step
                 emitted.extend(now)
         return emitted
+
+
+class DoctorMonitor:
+    """`LiveDoctor` as a `GroupTrainer` monitor (`mmalign.trainer.TrainerCallback`): every `GroupTrainer.train`
+    call starts a fresh doctor on the main process (the run's resolved config), which observes every step's
+    metrics. Never raises into training."""
+
+    def __init__(self) -> None:
+        self.doctor: LiveDoctor | None = None
+
+    def on_train_start(self, trainer: Any, step: int) -> None:
+        self.doctor = LiveDoctor(trainer.cfg.to_dict()) if trainer.is_main else None
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        if self.doctor is not None:
+            self.doctor.observe(metrics)

@@ -15,7 +15,6 @@
   are its two halves (per-sample values, then the means).
 - `evaluate_run(cfg, components, ...)`: the before/after report: the base model and the checkpoint,
   side by side; with ``rank`` / ``world`` each process scores its chunks and every process gets the report.
-- `save_grid(images, path, ncols)`: a PNG grid (rows = prompts, columns = samples).
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ __all__ = [
     "generate_chunks",
     "load_weights",
     "resolve_checkpoint",
-    "save_grid",
     "score",
     "score_table",
     "summarize",
@@ -335,23 +333,3 @@ def format_report(report: dict[str, Any]) -> str:
                 line += f" {vals[1] - vals[0]:>+10.4f}"
             lines.append(line)
     return "\n".join(lines)
-
-
-def save_grid(images: Tensor, path: str | Path, ncols: int, pad: int = 2) -> Path:
-    """Write Float[N,3,H,W] in [0, 1] as one PNG grid with `ncols` columns (white padding)."""
-    from PIL import Image
-
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must be Float[N,3,H,W], got {tuple(images.shape)}")
-    n, _, h, w = images.shape
-    nrows = math.ceil(n / ncols)
-    grid = torch.ones((3, nrows * (h + pad) + pad, ncols * (w + pad) + pad))
-    for i in range(n):
-        r, c = divmod(i, ncols)
-        y, x = pad + r * (h + pad), pad + c * (w + pad)
-        grid[:, y : y + h, x : x + w] = images[i].float().clamp(0, 1)
-    arr = (grid.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(arr).save(path)
-    return path

@@ -2,7 +2,7 @@
 
 ``trainer.log_with: [tensorboard, wandb]`` (the ``trackers`` extra) makes `GroupTrainer` build its
 ``Accelerator`` with ``log_with=`` and ``project_dir=output_dir`` (`accelerator_kwargs`), and `RunTrackers`
-then
+then (through `TrackerMonitor`, the monitor `mmalign.app.run.build_trainer` gives the trainer)
 
 - starts them when training starts: ``accelerator.init_trackers(project, config=<the resolved config,
   flattened to dotted keys>, init_kwargs=trainer.tracker_kwargs)``;
@@ -171,7 +171,7 @@ def _tensorboard_gif(writer: Any, tag: str, video: Tensor, step: int) -> None:
 
 
 class RunTrackers:
-    """The trackers of one training run: started, fed and finished by `GroupTrainer` (module docstring).
+    """The trackers of one training run: started, fed and finished by `TrackerMonitor` (module docstring).
 
     With an empty ``trainer.log_with`` (or no config: ``RunTrackers(None, None)``, trackers off) every method
     does nothing. An ``Accelerator`` built elsewhere (passed to `GroupTrainer`) must have been built with
@@ -326,3 +326,38 @@ class RunTrackers:
             except Exception as e:
                 self._warn(f"finishing {tracker.name}", e)
         self.accelerator.trackers.clear()
+
+
+class TrackerMonitor:
+    """`RunTrackers` as a `GroupTrainer` monitor (`mmalign.trainer.TrainerCallback`): the trainer builds its
+    ``Accelerator`` with `accelerator_kwargs`, and the trackers start with `GroupTrainer.train`, log every
+    logged step's metrics and every sample step's media, and finish when training ends.
+
+    Building it checks that the listed trackers are installed (`check_available`): before anything else."""
+
+    def __init__(self, cfg: Config, *, resume: bool = False) -> None:
+        check_available(cfg)
+        self.cfg = cfg
+        self.resume = resume
+        self.run = RunTrackers(None, None)
+        """The run's trackers (off until the trainer's accelerator exists)."""
+
+    def accelerator_kwargs(self) -> dict[str, Any]:
+        return accelerator_kwargs(self.cfg)
+
+    def on_init(self, trainer: Any) -> None:
+        self.run = RunTrackers(self.cfg, trainer.accelerator, resume=self.resume)
+
+    def on_train_start(self, trainer: Any, step: int) -> None:
+        self.run.start(step)
+
+    def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        self.run.log_metrics(metrics, step)
+
+    def on_samples(
+        self, trainer: Any, step: int, rows: list[dict[str, Any]], views: list[dict[str, Any]]
+    ) -> None:
+        self.run.log_samples(step, rows, views)  # this process's first samples; main only
+
+    def on_train_end(self, trainer: Any) -> None:
+        self.run.finish()

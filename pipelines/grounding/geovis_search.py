@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from mmalign.batch import Rollout
+from mmalign.media import load_rgb
 from mmalign.policies.base import ActionStats, Policy
 from pipelines.grounding.geovis_views import (
     BOX_PROMPT,
@@ -510,15 +511,6 @@ def format_answer(box: Sequence[float] | None) -> str:
 
 
 # ============================================================================ policy
-def _load_rgb(x: Any) -> Any:
-    from PIL import Image
-
-    if isinstance(x, Image.Image):
-        return x.convert("RGB")
-    with Image.open(x) as im:
-        return im.convert("RGB")
-
-
 def _env_state(r: SearchResult) -> dict[str, Any]:
     """A sample's ``env_state``: the visited views, the best view's id, the search's statistics and, when
     the model wrote one, the answer box (original pixels)."""
@@ -578,7 +570,7 @@ class TreeSearchPolicy(Policy):
                 f"{row.get('_source', 'row')}: the GeoViS search needs an image ('images' column)"
             )
         return tree_search(
-            _load_rgb(images[0]),
+            load_rgb(images[0]),
             row,
             self.oracle,
             self.config,

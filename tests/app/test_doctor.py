@@ -13,7 +13,16 @@ import pytest
 import yaml
 
 from mmalign.app import doctor
-from mmalign.app.doctor import CHECKS, Finding, LiveDoctor, diagnose, doctor_main, format_report, format_steps
+from mmalign.app.doctor import (
+    CHECKS,
+    DoctorMonitor,
+    Finding,
+    LiveDoctor,
+    diagnose,
+    doctor_main,
+    format_report,
+    format_steps,
+)
 
 N = 20
 
@@ -397,8 +406,9 @@ def test_live_doctor_warns_each_check_separately(caplog: pytest.LogCaptureFixtur
 def test_trainer_feeds_every_step_to_the_live_doctor(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`GroupTrainer.train` hands each step's metrics to a `LiveDoctor` (main process), whose warnings reach the
-    log, and a doctor failure does not stop training. The loop runs with stubs in place of the model."""
+    """`GroupTrainer.train` hands each step's metrics to its `DoctorMonitor`'s `LiveDoctor` (main process), whose
+    warnings reach the log, and a doctor failure does not stop training. The loop runs with stubs in place of
+    the model."""
     from types import SimpleNamespace
 
     from mmalign.config import config_from_dict
@@ -424,6 +434,7 @@ def test_trainer_feeds_every_step_to_the_live_doctor(
         [],
     )
     trainer.is_main, trainer._last_batch = True, None
+    trainer.monitors = [DoctorMonitor()]  # as `mmalign.app.run.build_trainer` gives it
     trainer.policy = SimpleNamespace(save=lambda path: None)
     trainer.accelerator = SimpleNamespace(wait_for_everyone=lambda: None)
     trainer.dump_samples = lambda batch: None

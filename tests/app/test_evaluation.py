@@ -12,10 +12,11 @@ import yaml
 from PIL import Image
 
 from mmalign.app.cli import main
-from mmalign.app.evaluation import format_report, resolve_checkpoint, save_grid, score
+from mmalign.app.evaluation import format_report, resolve_checkpoint, score
 from mmalign.batch import Rollout
 from mmalign.config import ConfigError, config_from_dict
 from mmalign.data import DataError, load_prompt_rows, load_rows
+from mmalign.media import save_grid
 from rewards import RewardSet, register_reward
 from rewards.base import Reward
 

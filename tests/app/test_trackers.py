@@ -17,8 +17,8 @@ from PIL import Image
 
 from mmalign import rundir
 from mmalign.app import trackers
+from mmalign.app.run import build_trainer
 from mmalign.config import ConfigError, load_config
-from mmalign.trainer import GroupTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "text_to_image-tiny.yaml"
@@ -62,7 +62,7 @@ def train(cfg) -> list[dict[str, Any]]:
     from mmalign.trainer import set_seed
 
     set_seed(cfg.seed)
-    trainer = GroupTrainer(cfg, pipelines.get(cfg.pipeline)(cfg))
+    trainer = build_trainer(cfg, pipelines.get(cfg.pipeline)(cfg))
     return trainer.train()
 
 
@@ -93,11 +93,11 @@ def test_missing_package_names_the_key_and_extra_before_anything_is_built(
 ) -> None:
     cfg = load_config(TINY, [f"output_dir={tmp_path}", "trainer.log_with=[tensorboard, wandb]"])
     monkeypatch.setattr(trackers, "_installed", lambda package: package not in ("wandb",))
-    # the check is the trainer's first act: no components, no Accelerator are needed to see it
+    # the check is the first act of building a trainer: no components, no Accelerator are needed to see it
     with pytest.raises(
         ConfigError, match=r"trainer\.log_with\[1\].*'wandb'.*pip install -e \"\.\[trackers\]\""
     ):
-        GroupTrainer(cfg, None)
+        build_trainer(cfg, None)
 
 
 def test_defaults_and_flat_config(tmp_path: Path) -> None:

@@ -1,14 +1,12 @@
-"""mmalign.data: JSONL loading with file:line errors, prompt templates, and the resumable PromptSampler."""
+"""mmalign.data: JSONL loading with file:line errors and prompt templates (the prompt samplers: test_prompt_samplers)."""
 
 from __future__ import annotations
 
-import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from mmalign.data import DataError, PromptSampler, add_prompts, load_jsonl, load_rows
+from mmalign.data import DataError, add_prompts, load_jsonl, load_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -208,103 +206,6 @@ def test_bundled_tiny_data_loads():
     rows = load_rows(str(ROOT / "assets" / "text_reasoning" / "train.jsonl"), "Q: {question} = ?\nA:")
     assert len(rows) > 10
     assert all(r["prompt"].startswith("Q: ") and "answer" in r for r in rows)
-
-
-# ----------------------------------------------------------------------------- PromptSampler
-
-
-def test_sampler_covers_every_row_once_per_epoch():
-    n = 37
-    s = PromptSampler(n, seed=3)
-    for epoch in range(4):
-        seen = s.next_indices(n)
-        assert sorted(seen) == list(range(n)), epoch
-        assert s.epoch == epoch
-
-
-def test_sampler_epoch_boundary_inside_one_call():
-    n = 10
-    s = PromptSampler(n, seed=1)
-    draws = s.next_indices(4) + s.next_indices(4) + s.next_indices(4) + s.next_indices(8)
-    assert len(draws) == 20
-    assert sorted(draws[:10]) == list(range(n))
-    assert sorted(draws[10:]) == list(range(n))
-
-
-def test_sampler_request_larger_than_the_data():
-    s = PromptSampler(3, seed=0)
-    out = s.next_indices(10)
-    assert Counter(out[:9]) == Counter({0: 3, 1: 3, 2: 3})
-    assert len(out) == 10
-
-
-def test_sampler_is_deterministic_for_a_seed():
-    a = PromptSampler(50, seed=7)
-    b = PromptSampler(50, seed=7)
-    assert [a.next_indices(13) for _ in range(10)] == [b.next_indices(13) for _ in range(10)]
-
-
-def test_sampler_seeds_differ():
-    assert PromptSampler(50, seed=1).next_indices(50) != PromptSampler(50, seed=2).next_indices(50)
-
-
-def test_sampler_epochs_differ_and_shuffle():
-    s = PromptSampler(50, seed=0)
-    epochs = [s.next_indices(50) for _ in range(3)]
-    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
-    assert all(e != list(range(50)) for e in epochs)
-
-
-def test_sampler_without_shuffle_is_in_order():
-    s = PromptSampler(5, shuffle=False)
-    assert s.next_indices(7) == [0, 1, 2, 3, 4, 0, 1]
-
-
-@pytest.mark.parametrize("first", [0, 1, 12, 20, 49, 50, 51, 100, 137])
-def test_sampler_state_dict_round_trip_continues_exactly(first):
-    ref = PromptSampler(50, seed=11)
-    ref.next_indices(first)
-    state = ref.state_dict()
-    expected = [ref.next_indices(9) for _ in range(15)]
-
-    resumed = PromptSampler(50, seed=11)
-    resumed.load_state_dict(json.loads(json.dumps(state)))  # checkpoints store it as JSON-able data
-    assert [resumed.next_indices(9) for _ in range(15)] == expected
-
-
-def test_sampler_state_restores_its_own_seed():
-    ref = PromptSampler(20, seed=5)
-    ref.next_indices(7)
-    state = ref.state_dict()
-    other = PromptSampler(20, seed=999)
-    other.load_state_dict(state)
-    assert other.next_indices(30) == ref.next_indices(30)
-
-
-def test_sampler_state_is_a_snapshot():
-    s = PromptSampler(10, seed=0)
-    state = s.state_dict()
-    s.next_indices(25)
-    assert state == {"epoch": 0, "position": 0, "seed": 0, "num_rows": 10}
-
-
-def test_sampler_mismatched_num_rows_raises():
-    state = PromptSampler(20, seed=0).state_dict()
-    s = PromptSampler(21, seed=0)
-    with pytest.raises(DataError, match="20 rows but the data now has 21"):
-        s.load_state_dict(state)
-    assert s.next_indices(21) == PromptSampler(21, seed=0).next_indices(21)  # unchanged by the failed load
-
-
-def test_sampler_needs_rows():
-    with pytest.raises(DataError):
-        PromptSampler(0)
-
-
-def test_sampler_large_and_negative_seeds():
-    for seed in (2**62, -3):
-        s = PromptSampler(10, seed=seed)
-        assert sorted(s.next_indices(10)) == list(range(10))
 
 
 def test_hf_dataset_saved_to_disk_loads_with_split_and_all_columns(tmp_path):

@@ -2,7 +2,7 @@
 `mmalign.tiny.video_shapes`.
 
 Every storage form is written and read back: a frame folder (`write_frames`), a ``.npz`` (`write_array`), a
-``.npy`` (written here with NumPy) and an H.264 ``.mp4`` (`mmalign.rundir.save_video`, lossy: compared with a
+``.npy`` (written here with NumPy) and an H.264 ``.mp4`` (`mmalign.media.save_video`, lossy: compared with a
 tolerance). Frame subsampling is checked against hand-computed indices, resizing against frames whose resized
 value is known, and every error against a message naming the path. The editing clips are checked for the
 invariants the rewards rely on: the target equals the source outside the mask, the mask covers every changed
@@ -21,8 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmalign.media import even_frame_indices, read_mask, read_video, write_array, write_frames
-from mmalign.rundir import save_video
+from mmalign.media import even_frame_indices, read_mask, read_video, save_video, write_array, write_frames
 from mmalign.tiny import video_shapes
 from mmalign.tiny.video_shapes import EDIT_KINDS, FRAMES, SIZE, make_edit_clip, write_video_edit_dataset
 from mmalign.tiny.world import PALETTE

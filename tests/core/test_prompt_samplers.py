@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from mmalign import prompt_samplers as samplers
-from mmalign.data import PromptSampler
 from mmalign.prompt_samplers import (
     UniformSampler,
     VadeSampler,
@@ -102,14 +101,20 @@ def test_uniform_covers_each_row_once_per_epoch_and_stays_distinct():
     assert s.last_stats() == {"sampler/epoch": 3.0}
 
 
-def test_uniform_matches_data_prompt_sampler_and_loads_its_state():
-    ours, theirs = UniformSampler(12, seed=7), PromptSampler(12, seed=7)
-    for _ in range(9):  # 4 divides 12: no deferral, identical sequences
-        assert ours.next_indices(4) == theirs.next_indices(4)
-    theirs.next_indices(3)
+def _legacy_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    """One epoch of the former `mmalign.data.PromptSampler`: the order `UniformSampler` keeps."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)
+    return torch.randperm(num_rows, generator=g).tolist()
+
+
+def test_uniform_keeps_the_legacy_order_and_loads_its_state():
+    ours = UniformSampler(12, seed=7)
+    legacy = [i for epoch in range(3) for i in _legacy_order(12, 7, epoch)]
+    assert [i for _ in range(9) for i in ours.next_indices(4)] == legacy  # 4 divides 12: no deferral
     fresh = UniformSampler(12, seed=7)
-    fresh.load_state_dict(theirs.state_dict())  # legacy dict without name/deferred
-    assert fresh.next_indices(5) == theirs.next_indices(5)
+    # a legacy state dict (no name / deferred): epoch 3, 3 rows taken
+    fresh.load_state_dict({"epoch": 3, "position": 3, "seed": 7, "num_rows": 12})
+    assert fresh.next_indices(5) == _legacy_order(12, 7, 3)[3:8]
     ordered = UniformSampler(4, shuffle=False)
     assert ordered.next_indices(3) == [0, 1, 2] and ordered.next_indices(3) == [3, 0, 1]
 

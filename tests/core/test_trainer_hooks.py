@@ -1,7 +1,7 @@
 """Trainer hooks the grounding pipelines stand on: numbers a reward reports (``last_metrics``), callbacks
-that see the gathered rewards (``on_rewards``) and add to the step's metrics (``on_step_end``), the
-multi-turn environment's per-sample state (``outputs["env_state"]``) and over-turn masking
-(``outputs["exclude_from_loss"]``)."""
+that see the gathered rewards (``on_rewards``) and add to the step's metrics (``on_step_end``), the run
+monitors' hooks (`mmalign.trainer.TrainerCallback`), the multi-turn environment's per-sample state
+(``outputs["env_state"]``) and over-turn masking (``outputs["exclude_from_loss"]``)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,35 @@ class Recorder:
         metrics["recorder/steps_seen"] = float(step)
 
 
+class MonitorRecorder:
+    """A run monitor recording every hook of the trainer's `TrainerCallback` protocol it is called with."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def accelerator_kwargs(self) -> dict[str, Any]:
+        self.events.append(("accelerator_kwargs",))
+        return {}
+
+    def on_init(self, trainer: Any) -> None:
+        self.events.append(("init", trainer.accelerator is not None))
+
+    def on_train_start(self, trainer: Any, step: int) -> None:
+        self.events.append(("train_start", step))
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        self.events.append(("step_end", step, metrics.get("recorder/steps_seen")))
+
+    def on_log(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        self.events.append(("log", step))
+
+    def on_samples(self, trainer: Any, step: int, rows: list[Any], views: list[Any]) -> None:
+        self.events.append(("samples", step, len(rows), len(views)))
+
+    def on_train_end(self, trainer: Any) -> None:
+        self.events.append(("train_end",))
+
+
 def test_reward_metrics_and_callbacks_reach_metrics_jsonl(
     random_text_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -55,8 +84,21 @@ def test_reward_metrics_and_callbacks_reach_metrics_jsonl(
     components.callbacks.append(recorder)
     from mmalign.trainer import GroupTrainer
 
-    history = GroupTrainer(cfg, components).train()
+    monitor = MonitorRecorder()
+    history = GroupTrainer(cfg, components, monitors=[monitor]).train()
     assert [e[0] for e in recorder.events] == ["rewards", "step_end", "rewards", "step_end"]
+    # monitors: after the callbacks (they see the callbacks' numbers); samples at step 1, every step logged
+    assert monitor.events == [
+        ("accelerator_kwargs",),
+        ("init", True),
+        ("train_start", 0),
+        ("step_end", 1, 1.0),
+        ("log", 1),
+        ("samples", 1, 16, 16),
+        ("step_end", 2, 2.0),
+        ("log", 2),
+        ("train_end",),
+    ]
     rewards, group, names = recorder.events[0][1]
     assert names == ["odd"] and rewards.shape == (16, 1) and group.tolist() == sorted(group.tolist())
     # the reported share is the mean of the reward column itself (an independent count of the same thing)
