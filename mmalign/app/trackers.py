@@ -34,11 +34,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from mmalign import rundir
 from mmalign.config import TRACKERS, Config, ConfigError
+from mmalign.media import frame_strip, to_uint8_hwc
 
 log = logging.getLogger(__name__)
 
@@ -137,28 +137,16 @@ def caption(prompt: str, rewards: dict[str, float | None]) -> str:
     return f"{prompt} | {' '.join(parts)}" if parts else prompt
 
 
-def _uint8_hwc(image: Tensor) -> Any:
-    """Float[3,H,W] in [0, 1] -> uint8 numpy H x W x 3."""
-    return (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().permute(1, 2, 0).numpy()
-
-
 def gif_bytes(video: Tensor, fps: int = GIF_FPS) -> bytes:
     """A Float[F,3,H,W] clip in [0, 1] as an animated GIF (Pillow), looping."""
     from PIL import Image
 
-    frames = [Image.fromarray(_uint8_hwc(f)) for f in video]
+    frames = [Image.fromarray(to_uint8_hwc(f)) for f in video]
     buf = io.BytesIO()
     frames[0].save(
         buf, format="GIF", save_all=True, append_images=frames[1:], duration=max(1, round(1000 / fps)), loop=0
     )
     return buf.getvalue()
-
-
-def frame_strip(video: Tensor, max_frames: int = 8) -> Tensor:
-    """Up to `max_frames` evenly spaced frames of a Float[F,3,H,W] clip side by side: Float[3,H,W*k] (the
-    ``video_frames`` PNG of the run directory)."""
-    idx = torch.linspace(0, video.shape[0] - 1, min(video.shape[0], max_frames)).round().long()
-    return torch.cat(list(video[idx]), dim=-1)
 
 
 def _tensorboard_gif(writer: Any, tag: str, video: Tensor, step: int) -> None:
@@ -298,14 +286,14 @@ class RunTrackers:
             image, video = views[i].get("image"), views[i].get("video")
             if isinstance(image, Tensor):
                 path = stored[i].get("image") if i < len(stored) else None
-                src = str(root / path) if isinstance(path, str) else _uint8_hwc(image)
+                src = str(root / path) if isinstance(path, str) else to_uint8_hwc(image)
                 images.append(wandb.Image(src, caption=text))
             if isinstance(video, Tensor):
                 path = stored[i].get("video") if i < len(stored) else None
                 if isinstance(path, str) and (root / path).is_file():
                     videos.append(wandb.Video(str(root / path), caption=text, format="mp4"))
                 else:  # no mp4 to point at: the strip of frames
-                    images.append(wandb.Image(_uint8_hwc(frame_strip(video)), caption=text))
+                    images.append(wandb.Image(to_uint8_hwc(frame_strip(video)), caption=text))
         values: dict[str, Any] = {}
         if images:
             values["samples/images"] = images

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from mmalign.batch import Rollout
+from mmalign.media import load_rgb
 from mmalign.policies.base import RunInfo
 from mmalign.policies.text import TextPolicy
 from mmalign.policies.token_sampling import pad_left, pad_right
@@ -60,15 +61,6 @@ def language_model_lora_targets(target_modules: list[str] | str = "all-linear") 
     else:
         return target_modules
     return rf".*language_model\.layers\.\d+\.{leaf}"
-
-
-def _load_image(x: Any) -> Any:
-    from PIL import Image
-
-    if isinstance(x, Image.Image):
-        return x.convert("RGB")
-    with Image.open(x) as im:
-        return im.convert("RGB")
 
 
 def _as_list(x: Any) -> list[Any]:
@@ -179,8 +171,8 @@ class VLMPolicy(TextPolicy):
 
     def encode_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """Processor outputs for one row (unbatched): ids, token types, vision tensors, image sizes."""
-        images = [_load_image(x) for x in _as_list(row.get("images", row.get("image")))]
-        frames = [_load_image(x) for x in _as_list(row.get("video"))]
+        images = [load_rgb(x) for x in _as_list(row.get("images", row.get("image")))]
+        frames = [load_rgb(x) for x in _as_list(row.get("video"))]
         text = self.format_vlm_prompt(str(row["prompt"]), len(images), bool(frames))
         kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
         if images:
@@ -291,7 +283,7 @@ class VLMPolicy(TextPolicy):
             raise ValueError(
                 "a video row cannot be sampled with a rollout engine yet; use rollout.engine: hf for video"
             )
-        images = [_load_image(x) for x in _as_list(row.get("images", row.get("image")))]
+        images = [load_rgb(x) for x in _as_list(row.get("images", row.get("image")))]
         text = self.format_vlm_prompt(str(row["prompt"]), len(images), False)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return MultimodalPrompt(ids, images) if images else ids
@@ -399,7 +391,7 @@ class VLMPolicy(TextPolicy):
         expanded, their token types and vision tensors."""
         previous = conversation.segments[-1] if conversation.segments else None
         text = self.insert_text(insert, previous)
-        images = [_load_image(x) for x in insert.images]
+        images = [load_rgb(x) for x in insert.images]
         kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt", "add_special_tokens": False}
         if images:
             kwargs["images"] = images
