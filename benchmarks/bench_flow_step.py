@@ -12,11 +12,11 @@ A 2x2 grid, one configuration per fresh subprocess:
   because the reward needs ``images``) vs ``latent`` = `bench_latent_energy`, a reward registered
   here with ``needs = {"latents"}`` that reads ``outputs["latents"]`` (no decode);
 - trained steps: ``full`` = every one of the `--num-steps` denoising steps is an SDE step and trained,
-  vs ``window`` = FlowPolicy ``window_size=--window`` (SDE + trained inside a window at a random
+  vs ``window`` = SD3Policy ``window_size=--window`` (SDE + trained inside a window at a random
   start, deterministic Euler ODE outside it; Flow-GRPO-Fast).
 
 The model (random weights, built from config kwargs, saved with ``save_pretrained`` into a temporary
-folder in the SD3 layout, loaded back with `FlowPolicy.from_pretrained`): an SD3Transformer2DModel
+folder in the SD3 layout, loaded back with `SD3Policy.from_pretrained`): an SD3Transformer2DModel
 (`--layers` joint blocks, `--heads` x `--head-dim`, patch 2, 16 latent channels), an AutoencoderKL with
 4 down / 4 up blocks (8x down-sampling: `--size` 128 -> 16x16 latents; channels 32/64/64/64, SD3's
 scaling and shift factors, no quant convs) and one small CLIP text encoder (byte tokenizer, 16 tokens).
@@ -265,7 +265,7 @@ class Worker:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from mmalign.config import config_from_dict
-        from mmalign.policies.flow import FlowPolicy
+        from mmalign.policies.sd3 import SD3Policy
         from mmalign.trainer import GroupTrainer
         from pipelines import Components
         from rewards import RewardSet
@@ -289,7 +289,7 @@ class Worker:
                 seed=0,
             )
         else:
-            pol = FlowPolicy.from_pretrained(
+            pol = SD3Policy.from_pretrained(
                 args.model_dir, num_steps=args.num_steps, window_size=window, seed=0
             )
         for m in (pol.model, pol.vae, pol.text_encoder):

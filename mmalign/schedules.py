@@ -5,7 +5,7 @@ finished training steps, 0 before the first one), so it needs no state of its ow
 the step is restored from checkpoints.
 
 - `SlidingWindow` -- MixGRPO's window of trained SDE steps, sliding from high noise to low noise as
-  training goes on (`mmalign.policies.flow.FlowPolicy` with ``window_mode="sliding"``).
+  training goes on (`mmalign.policies.flow_matching.FlowMatchingPolicy` with ``window_mode="sliding"``).
 """
 
 from __future__ import annotations

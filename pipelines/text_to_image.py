@@ -1,7 +1,7 @@
 """Text to image: a flow-matching model (SD3 / SD3.5 style) trained with Flow-GRPO on image rewards.
 
 Each prompt is sampled ``rollout.group_size`` times with the stochastic Flow-GRPO sampler of
-`mmalign.policies.flow.FlowPolicy` (one action = one SDE denoising step), the decoded images are
+a `mmalign.policies.flow_matching.FlowMatchingPolicy` (SD3 or FLUX.1) (one action = one SDE denoising step), the decoded images are
 scored by the rewards of the config (``clip_score``, ``preference``, ``aesthetic``,
 ``shapes_compositional``, ...), and the shared `GroupTrainer` turns group-relative advantages into a
 clipped-surrogate update of the transformer (usually its LoRA adapter), with an optional KL to the
@@ -38,7 +38,7 @@ from typing import Any
 from mmalign.config import Config
 from mmalign.distributed import process_seed
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
-from mmalign.policies.flow import FlowPolicy
+from mmalign.policies.flow_matching import FlowMatchingPolicy
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
 from pipelines.common import load_prompts, options
@@ -87,8 +87,8 @@ def flow_options(cfg: Config) -> FlowOptions:
 # ----------------------------------------------------------------------------- policy
 
 
-def build_flow_policy(cfg: Config) -> FlowPolicy:
-    """The `FlowPolicy` described by `cfg.model` and the `options:` section (`FlowOptions`): a `FluxPolicy`
+def build_flow_policy(cfg: Config) -> FlowMatchingPolicy:
+    """The `SD3Policy` described by `cfg.model` and the `options:` section (`FlowOptions`): a `FluxPolicy`
     for a FLUX.1 model (see the module docstring for how it is detected and which options it ignores)."""
     from mmalign.policies.flux import FluxPolicy, flow_policy_class
 
@@ -114,7 +114,7 @@ def build_flow_policy(cfg: Config) -> FlowPolicy:
     return policy
 
 
-def latent_size_for(policy: FlowPolicy, resolution: int, source: str = "<config>") -> int:
+def latent_size_for(policy: FlowMatchingPolicy, resolution: int, source: str = "<config>") -> int:
     """Latent side for an image of `resolution` pixels: resolution / the VAE's downsampling factor, which
     must also be a multiple of the transformer's patch size."""
     factor = 2 ** (len(policy.vae.config.block_out_channels) - 1)

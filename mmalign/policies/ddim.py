@@ -24,7 +24,7 @@ one action = one stochastic DDIM step (eta > 0).
   sqrt(1-ab_t). ``clip_sample`` and ``thresholding`` schedulers are refused (SD ships neither).
 - Classifier-free guidance with `guidance_scale` > 1 (negative prompt = empty prompt) on the raw model
   output, the same in sampling and in `action_stats`, so the log-probs agree (``train_guidance: false``: the
-  log-probs use the conditional branch, as `FlowPolicy`'s CFG-free training).
+  log-probs use the conditional branch, as the flow policies' CFG-free training).
 - The payload stores, for each trained step j of each sample, x_t (``latents``), x_{t-1}
   (``next_latents``), the step index, the UNet timestep and both alpha-bars, plus the prompt embeddings;
   `action_stats` re-scores the stored transitions with grad (``prev_sample`` = stored x_{t-1}) so with

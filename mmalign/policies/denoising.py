@@ -1,54 +1,15 @@
-"""What the diffusion policies share: the sampler settings (`SamplerSettings`) and `DenoisingPolicy`, which
-owns the rollout loop and the re-scoring loop once; `FlowPolicy` (flow matching, SD3 style), `FluxPolicy`
-and `DDIMPolicy` (SD 1.x/2.x UNets) only override small hooks.
+"""What the diffusion policies share: `SamplerSettings` and `DenoisingPolicy`, the one rollout / re-scoring loop.
 
-One stochastic denoising step is one action. `DenoisingPolicy.rollout` encodes the prompts (each distinct
-prompt once, through a cache shared by every subclass), draws the initial noise, runs the `num_steps` steps
-and stores x_t / x_{t+1} and the log-prob of every trained step; `action_stats` and `reference_logprobs` re-score
-the stored transitions (``prev_sample`` = stored x_{t+1}), so with unchanged weights the ratio is 1, and
-`action_stats` adds the KL on step means (`mean_kl`) when a reference is used.
+Tree: `DenoisingPolicy` -> `mmalign.policies.flow_matching.FlowMatchingPolicy` (-> `SD3Policy`, `FluxPolicy`,
+`WanPolicy`) and `mmalign.policies.ddim.DDIMPolicy`. One stochastic denoising step is one action: `rollout`
+stores x_t / x_{t+1} and the log-prob of every trained step; `action_stats` / `reference_logprobs` re-score the
+stored transitions, so with unchanged weights the ratio is 1 (plus the KL on step means with a reference).
 
-Hooks a subclass overrides (`FlowPolicy` and `DDIMPolicy` are the worked examples):
-
-- ``conditioning_keys`` / ``schedule_keys`` (class attributes): the payload keys of the prompt conditioning
-  and of the per-step schedule values.
-- `encode_conditioning(prompts) -> {key: Float[B, ...]}`: the text encoders (uncached; `conditioning` caches).
-- `schedule() -> {key: Float[num_steps] or 0-d}`: per-step values (sigmas, timesteps, alpha-bars ...) and
-  constants of a rollout (0-d). At step i the hooks see them per sample as ``sched[key]`` Float[B] (plus
-  ``sched["step_index"]`` Long[B]); the payload keeps each trained step's values as [B, T] ([B] for constants).
-- `latent_shape() -> (C, H, W)` or any rank (a video policy: (C, F, H, W)); `_initial_noise` and `decode` do
-  not assume images (`decode_latents` decodes [B, C, F, H, W] frame by frame).
-- `predict(model, latents, sched, cond, *, guided) -> (prediction, conditional prediction)`: the network
-  call, classifier-free guidance included (`_cfg_inputs`, `_cfg_combine`).
-- `step(prediction, latents, sched, **kw) -> mmalign.sde.StepOutput`: the stochastic step (`mmalign.sde`).
-- `ode_step(prediction, latents, sched) -> latents`: the deterministic step outside a window or where the
-  std is 0.
-- `shift_step_mean(mean, latents, t_index, context) -> mean`: called before x_{t+1} is drawn; identity by
-  default. A guided SDE adds s * grad r here: the sample and its log-prob are those of the shifted mean, the
-  shift of every trained step is stored (``payload["mean_shift"]``) and re-scoring adds it again.
-- `_num_trainable_steps()`: how many leading steps have std > 0.
-- ``row_conditioning_keys`` (attribute, ``()``) / `row_conditioning(columns, group) -> {key: Float[B, ...]}`:
-  per-sample conditioning built from the rows' dataset columns (a source video's latents, a control tensor)
-  rather than from the prompt. It is merged into ``cond`` (the network sees it in `predict`), stored in the
-  payload under its keys and read back by `_score`, so re-scoring sees exactly what sampling saw; the
-  negative branch of two-branch CFG gets the same tensors (`_cfg_inputs`). Default: nothing.
-- `initial_latents(group, cond, columns) -> Float[B, *latent_shape]`: the state the first step starts from
-  (default `_initial_noise`; SDEdit: source latents noised to the schedule's first sigma).
-- `num_denoising_steps()`: the steps a rollout runs (default ``num_steps``; SDEdit runs only the steps after
-  its strength, and `schedule` then holds that many).
-- `_trainable_offset()`: the first step that can be trained (default 0). The trainable steps are the
-  `_num_trainable_steps` consecutive steps from there; the other steps run as deterministic ODE steps (a
-  two-expert model training only its low-noise expert trains a suffix of the steps).
-- `rollout_outputs(rollout)`: adds what the rewards read besides the latents (default: nothing; a video
-  editing policy adds the source videos and edit masks).
-
-``columns`` (what the row hooks and the rewards see) holds every column any row of the batch has, None
-where a row lacks it.
-
-The base also holds the trained-step selection (`_trained_steps`: a random or MixGRPO sliding window of
-``window_size`` steps, else a random ``train_fraction`` of the steps per sample), the reference network
-(`_reference`: the adapter-disabled denoiser under LoRA, else a frozen copy), the trainable-parameter
-accessors and the private generator (``seed``) that checkpoints save.
+Subclasses override hooks only (each documented on its method; the table is in docs/architecture.md):
+``conditioning_keys`` / ``schedule_keys`` / ``row_conditioning_keys``, `encode_conditioning`, `schedule`,
+`latent_shape`, `predict`, `step`, `ode_step`, `shift_step_mean`, `row_conditioning`, `initial_latents`,
+`num_denoising_steps`, `_num_trainable_steps`, `_trainable_offset`, `rollout_outputs`. ``columns`` (what the
+row hooks and rewards see) holds every column any row of the batch has, None where a row lacks it.
 """
 
 from __future__ import annotations

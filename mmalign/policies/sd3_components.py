@@ -3,7 +3,7 @@
 `load_sd3_components(path)` loads a pipeline folder (``transformer/``, ``vae/``, ``scheduler/``,
 ``text_encoder/``, ``tokenizer/``; the SD3 layout also ``text_encoder_2/``, ``tokenizer_2/`` and
 optionally ``text_encoder_3/``, ``tokenizer_3/``) with ``from_pretrained`` per component, from a local
-folder or a hub id; `SD3Components.save_pretrained` writes one. `FlowPolicy` loads its model through
+folder or a hub id; `SD3Components.save_pretrained` writes one. `mmalign.policies.sd3.SD3Policy` loads its model through
 here, and the tiny SD3-style builders of `mmalign.tiny.sd3` write their folders through here too.
 
 Text encoders, two layouts (`load_sd3_components` detects which from the folder):

@@ -1,82 +1,13 @@
-"""Wan 2.1 / 2.2 video flow-matching models as GRPO policies: `WanPolicy`, text to video and video editing.
+"""`WanPolicy`: Wan 2.1 / 2.2 video flow-matching models as GRPO policies (text to video and video editing).
 
-`WanPolicy` is a `mmalign.policies.flow.FlowPolicy` in everything that does not depend on the network: the
-step kinds of `mmalign.sde` (``flow_sde``, ``cps``, ``dance``) with their ``noise_level``, the trained-step
-selection (``train_fraction``, random and sliding windows), classifier-free guidance (``guidance_scale``,
-``train_guidance``), the payload of stored transitions, `action_stats` / the reference / the KL on step means and
-the private generator -- all through `mmalign.policies.denoising.DenoisingPolicy`'s hooks; no loop is copied
-here (it inherits FlowPolicy's step methods but has its own constructor: no SD3 text encoders). What Wan
-changes:
-
-- **Video latents** [B, C, F, h, w]: `latent_shape` is (z_dim, F_lat, h, w) with F_lat = (num_frames - 1) //
-  temporal + 1, h = height / spatial, w = width / spatial, the factors read from the VAE config
-  (`mmalign.policies.wan_components.vae_factors`). ``num_frames`` must be 1 + a multiple of the temporal factor,
-  ``height`` / ``width`` multiples of the spatial factor times the transformer's patch (the constructor says
-  which config key to look at otherwise).
-- **Prompt encoding**: UMT5 states exactly as ``WanPipeline`` (``max_sequence_length`` tokens, default 512,
-  zeros past each prompt's length); no pooled embedding. The CFG negative prompt is the empty prompt.
-- **Network call** (`predict`): ``WanTransformer3DModel(hidden_states, timestep = sigma * num_train_timesteps,
-  encoder_hidden_states)``; the timestep stays fp32 (Wan keeps its time embedder in fp32). A folder with
-  ``expand_timesteps`` (Wan2.2 TI2V-5B) is run with one timestep per sample, which for text to video equals
-  the pipeline's per-token timesteps up to float rounding; its image conditioning is not supported.
-- **Sigmas**: the ``FlowMatchEulerDiscreteScheduler``'s ``set_timesteps(num_steps)`` (shifted by its
-  ``shift``; a real folder's UniPC ``flow_shift`` becomes that shift, see `wan_components`), as ``WanPipeline``
-  sets them.
-- **Decoding** (`decode_latents`, only when a reward needs ``videos``): the whole clip through the Wan VAE,
-  un-normalised with ``latents_mean`` / ``latents_std`` as ``WanPipeline`` does; Float[B, F, 3, H, W] in [0, 1] on
-  the CPU, stored as ``outputs["videos"]`` by `DenoisingPolicy.decode`.
-
-**Editing** (``condition``). Rows carry ``source_video`` (a path: a frame folder, a video file or a ``.npy``,
-read with `mmalign.media.read_video` at ``num_frames`` x ``height`` x ``width``), optionally ``edit_mask`` (a
-path for `mmalign.media.read_mask`; 1 = the region the edit may change) and, for VACE, ``reference_frames``.
-Whatever the condition, when the rows carry them the rollout sets ``outputs["source_videos"]`` (Float[B, F, 3,
-H, W]) and ``outputs["edit_masks"]`` (Float[B, F, H, W]; a row without a mask gets ones) for the rewards.
-
-- ``none``: text to video; the source columns are only passed on to the rewards.
-- ``concat`` (VIVA's channel-concat scheme): the transformer has in_channels = 2 z_dim; its input is
-  ``cat([x_t, source_latents], dim=1)`` and its output z_dim channels. The source latents (the normalised VAE
-  latents of the source video, Float[B, z, F_lat, h, w]) are row conditioning: stored in the payload as
-  ``source_latents`` and re-scoring uses the stored ones.
-- ``sdedit`` (SDEdit, any text-to-video checkpoint): the source latents noised to the sigma
-  s = ``sdedit_strength``, ``x = (1 - s) z_src + s eps`` (diffusers' ``scale_noise``), then the steps of the
-  ``num_steps``-step schedule below s: the sigmas run are ``[s, every schedule sigma < s - 0.001 ..., 0]``
-  (`SDEDIT_MIN_FIRST_STEP`), so the first step goes from s to the next schedule sigma (`num_denoising_steps` of them; s = 1 is text to video). Only
-  those steps are actions; windows and ``train_fraction`` index into them. (diffusers'
-  ``WanVideoToVideoPipeline`` instead keeps the last ``int(num_steps * strength)`` schedule steps, so its start
-  sigma is a shifted schedule sigma, not the strength.)
-- ``vace`` (``WanVACETransformer3DModel``): the control tensor of `wan_components.vace_control_tensor`
-  (VAE(video * (1 - m)), VAE(video * m) and the mask folded s x s into s^2 channels, 96 channels for the real
-  model) is the ``control_hidden_states`` of every call (``control_hidden_states_scale`` =
-  ``conditioning_scale`` for every VACE layer), stored in the payload as ``control_latents``. A row without an
-  ``edit_mask`` regenerates everything (mask of ones, the pipeline's default). ``num_reference_frames`` = R > 0:
-  every row's ``reference_frames`` (a path, or a list of paths, read with `mmalign.media.read_video`; R
-  frames in all) are letterboxed and prepended as ``WanVACEPipeline`` does; the latents then have F_lat + R
-  frames and `decode_latents` drops the first R.
-
-With classifier-free guidance the negative (empty-prompt) branch gets the same source latents / control
-tensor as the conditional one (as ``WanVACEPipeline`` does), so the guidance is on the instruction only.
-
-The per-sample source tensors are cached per path on the CPU, least recently used dropped first: pixels up
-to `PIXEL_CACHE_BYTES`, latents / control tensors up to `LATENT_CACHE_BYTES` (their VAE encoding is
-deterministic: the posterior's mode), so each distinct source is read and encoded once while it stays cached.
-
-**Two experts** (Wan2.2 A14B: ``transformer`` for high noise, ``transformer_2`` for low noise). As
-``WanPipeline``, step i uses ``transformer`` when its timestep ``scheduler.timesteps[i] >= boundary_ratio *
-num_train_timesteps`` and ``transformer_2`` otherwise (``boundary_ratio`` from ``model_index.json``, or the
-option). The schedule carries the expert of every step (``expert``: 0 high, 1 low), so the payload records
-which expert produced each trained step and re-scoring calls the same one; `rollout_stats` reports
-``expert_high_share`` / ``expert_low_share`` of the trained steps. ``model`` is then a `WanExperts` module
-holding both (one forward dispatches each sample to its expert, so a DDP wrapper sees one call).
-``train_expert``: ``both`` trains both; ``high`` / ``low`` trains one and freezes the other, and only the
-stochastic steps of the trained expert are trainable actions (the other expert's steps run as deterministic
-ODE steps; windows and ``train_fraction`` index into the trained expert's steps). Under LoRA each trained
-expert gets its own adapter; without LoRA the KL reference copies only the trained expert and shares the
-frozen one. The CFG scale is the same for both experts (``WanPipeline``'s ``guidance_scale_2``
-is not exposed).
-
-**LoRA** targets (`WAN_LORA_TARGETS`): the attention projections of the self- and cross-attention of every
-block (``to_q``, ``to_k``, ``to_v``, ``to_out.0``; in a VACE model the VACE blocks' too) and the feed-forward
-layers (``ffn.net.0.proj``, ``ffn.net.2``). ``lora.target_modules`` given as a list replaces the set.
+Only the Wan parts live here: the components (`mmalign.policies.wan_components`), UMT5 prompt states (as
+``WanPipeline``), video latents [B, C, F, h, w], the transformer call (timestep sigma * num_train_timesteps in
+fp32), the editing conditions (``none``, ``concat``, ``sdedit``, ``vace``: row conditioning stored in the
+payload, so re-scoring sees what sampling saw), Wan2.2's two experts (``transformer`` for high noise,
+``transformer_2`` for low, switched at ``boundary_ratio``; ``train_expert``) and per-path LRU caches of the
+source pixels and latents. Sampling, CFG, steps and the trainable-step rules are
+`mmalign.policies.flow_matching.FlowMatchingPolicy`'s. docs/video.md describes the conditions and experts;
+docs/algorithms.md the math.
 """
 
 from __future__ import annotations
@@ -84,16 +15,15 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import Tensor
 
 from mmalign.batch import Rollout
 from mmalign.config import LoraConfig
-from mmalign.policies.base import torch_dtype
-from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings, add_lora
-from mmalign.policies.flow import FlowPolicy
+from mmalign.policies.denoising import SamplerSettings, add_lora
+from mmalign.policies.flow_matching import FlowMatchingPolicy
 from mmalign.policies.wan_components import (
     WAN_MAX_SEQUENCE_LENGTH,
     WanComponents,
@@ -226,11 +156,14 @@ class WanExperts(torch.nn.Module):
             m.enable_adapters()
 
 
-class WanPolicy(FlowPolicy):
+class WanPolicy(FlowMatchingPolicy):
     """A Wan video transformer (one or two experts) as a GRPO policy. See the module docstring."""
 
+    components: WanComponents
     conditioning_keys = ("prompt_embeds",)
     schedule_keys = ("sigmas", "sigmas_next", "sigma_max_fallback", "expert")
+    constructor_takes_parts = True
+    lora_targets = WAN_LORA_TARGETS
 
     def __init__(
         self,
@@ -256,18 +189,94 @@ class WanPolicy(FlowPolicy):
         lora: bool = False,
         **sampler_kwargs: Any,
     ) -> None:
-        """`transformer` (+ `transformer_2` and `boundary_ratio` for Wan2.2's two experts), `vae`
-        (``AutoencoderKLWan``), `scheduler` (``FlowMatchEulerDiscreteScheduler``), `text_encoder` (UMT5) and
-        `tokenizer`. ``num_frames`` / ``height`` / ``width``: the video size in pixels (``WanPipeline``'s
-        defaults 81 x 480 x 832). ``condition``, ``sdedit_strength`` (in (0, 1]), ``conditioning_scale`` (VACE)
-        and ``num_reference_frames`` (VACE) as in the module docstring; ``train_expert``: ``high`` / ``low`` /
-        ``both``. `lora`: the trained expert(s) already carry an adapter (`from_pretrained` adds it). The
-        sampler settings as for `FlowPolicy` (``sampler=`` or its fields as keywords)."""
-        sampler = self._settings(sampler, sampler_kwargs)
-        if sampler.sde_kind not in FLOW_SDE_KINDS:
+        """The parts of a Wan folder (`WanComponents`; `transformer_2` and `boundary_ratio` for Wan2.2's two
+        experts). ``num_frames`` x ``height`` x ``width``: the video size in pixels (``WanPipeline``'s
+        defaults); ``condition`` and its options as in the module docstring; `lora`: the trained expert(s)
+        already carry an adapter. Sampler settings as `FlowMatchingPolicy`."""
+        self._check_options(
+            condition, train_expert, transformer_2, boundary_ratio, sdedit_strength, num_reference_frames
+        )
+        if max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+        self.condition = condition
+        self.sdedit_strength = float(sdedit_strength)
+        self.conditioning_scale = float(conditioning_scale)
+        self.num_reference_frames = int(num_reference_frames)
+        self.boundary_ratio = boundary_ratio
+        self.train_expert = train_expert
+        self.max_sequence_length = max_sequence_length
+        self.num_frames, self.height, self.width = int(num_frames), int(height), int(width)
+        self.transformer, self.transformer_2 = transformer, transformer_2
+        self._check_model(vae)
+        self.row_conditioning_keys = {"concat": ("source_latents",), "vace": ("control_latents",)}.get(
+            condition, ()
+        )
+        self._pixels: _LRU = _LRU(PIXEL_CACHE_BYTES)
+        self._latents: _LRU = _LRU(LATENT_CACHE_BYTES)
+        components = WanComponents(
+            transformer,
+            vae,
+            scheduler,
+            text_encoder,
+            tokenizer,
+            transformer_2=transformer_2,
+            boundary_ratio=boundary_ratio,
+        )
+        # a frozen expert is its own reference: copy only the trained one (a 14B expert is 28 GB in bf16)
+        share = transformer_2 is not None and train_expert != "both" and need_reference and not lora
+        super().__init__(
+            components,
+            sampler=sampler,
+            latent_size=self.height // self.spatial_factor,
+            need_reference=need_reference and not share,
+            lora=lora,
+            **sampler_kwargs,
+        )
+        if share:
+            self._share_frozen_expert()
+
+    def build_denoiser(self, components: Any) -> torch.nn.Module:
+        """The transformer, or both experts as one `WanExperts` with the untrained one frozen."""
+        if components.transformer_2 is None:
+            return components.transformer
+        for name, module in (("high", components.transformer), ("low", components.transformer_2)):
+            if self.train_expert not in (name, "both"):
+                module.requires_grad_(False)
+        return WanExperts(components.transformer, components.transformer_2)
+
+    def _share_frozen_expert(self) -> None:
+        """The KL reference of a one-expert-trained model: a frozen copy of the trained expert, the frozen
+        expert shared."""
+        self.need_reference = self.kl_in_action_stats = True
+        trained = self.transformer if self.train_expert == "high" else self.transformer_2
+        ref = copy.deepcopy(trained).eval().requires_grad_(False)
+        pair = (ref, self.transformer_2) if self.train_expert == "high" else (self.transformer, ref)
+        self.ref_model = WanExperts(*pair)
+
+    def _select_trainable(self, stochastic: list[int]) -> list[int]:
+        """The stochastic steps of the trained expert(s) (sets ``step_experts``)."""
+        self.step_experts = self._step_experts()
+        """Long[steps a rollout runs]: the expert of every step (0: transformer, 1: transformer_2)."""
+        want = {"high": 0, "low": 1}.get(self.train_expert)
+        trainable = [i for i in stochastic if want is None or int(self.step_experts[i]) == want]
+        if not trainable:
             raise ValueError(
-                f"{type(self).__name__} samples with sde_kind {', '.join(FLOW_SDE_KINDS)}; got {sampler.sde_kind!r}"
+                f"train_expert {self.train_expert!r}: no stochastic step of the {self.num_denoising_steps()} "
+                f"steps run uses the {self.train_expert}-noise expert (boundary_ratio={self.boundary_ratio}, "
+                f"num_steps={self.num_steps}); change boundary_ratio, num_steps or train_expert"
             )
+        return trainable
+
+    # ------------------------------------------------------------------ checks
+    @staticmethod
+    def _check_options(
+        condition: str,
+        train_expert: str,
+        transformer_2: torch.nn.Module | None,
+        boundary_ratio: float | None,
+        sdedit_strength: float,
+        num_reference_frames: int,
+    ) -> None:
         if condition not in CONDITIONS:
             raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}; got {condition!r}")
         if train_expert not in TRAIN_EXPERTS:
@@ -291,95 +300,15 @@ class WanPolicy(FlowPolicy):
                 f"num_reference_frames must be >= 0 and is only used with condition: vace; got "
                 f"{num_reference_frames} with condition {condition!r}"
             )
-        if max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
 
-        self.condition = condition
-        self.sdedit_strength = float(sdedit_strength)
-        self.conditioning_scale = float(conditioning_scale)
-        self.num_reference_frames = int(num_reference_frames)
-        self.boundary_ratio = boundary_ratio
-        self.train_expert = train_expert
-        self.max_sequence_length = max_sequence_length
-        self.num_frames, self.height, self.width = int(num_frames), int(height), int(width)
-        self.transformer, self.transformer_2 = transformer, transformer_2
-        self._check_architecture(transformer, vae)
-        if transformer_2 is not None:
-            self._check_architecture(transformer_2, vae)
+    def _check_model(self, vae: torch.nn.Module) -> None:
+        """Check the experts against the condition and the VAE, set the VAE factors, check the video size."""
+        self._check_architecture(self.transformer, vae)
+        if self.transformer_2 is not None:
+            self._check_architecture(self.transformer_2, vae)
         self.temporal_factor, self.spatial_factor = vae_factors(vae)
-        self._check_size(transformer)
+        self._check_size(self.transformer)
 
-        if transformer_2 is not None:
-            for name, module in (("high", transformer), ("low", transformer_2)):
-                if train_expert not in (name, "both"):
-                    module.requires_grad_(False)
-            model: torch.nn.Module = WanExperts(transformer, transformer_2)
-        else:
-            model = transformer
-        # a frozen expert is its own reference: copy only the trained one (a 14B expert is 28 GB in bf16)
-        share = transformer_2 is not None and train_expert != "both" and need_reference and not lora
-        self._init_denoising(
-            model,
-            vae,
-            sampler,
-            latent_size=self.height // self.spatial_factor,
-            need_reference=need_reference and not share,
-            lora=lora,
-        )
-        if share:
-            self.need_reference = self.kl_in_action_stats = True
-            trained = transformer if train_expert == "high" else transformer_2
-            ref = copy.deepcopy(trained).eval().requires_grad_(False)
-            pair = (ref, transformer_2) if train_expert == "high" else (transformer, ref)
-            self.ref_model = WanExperts(*pair)
-        self.scheduler = scheduler
-        self.components = WanComponents(  # type: ignore[assignment]
-            transformer,
-            self.vae,
-            scheduler,
-            text_encoder,
-            tokenizer,
-            transformer_2=transformer_2,
-            boundary_ratio=boundary_ratio,
-        )
-        text_encoder.eval().requires_grad_(False)
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.row_conditioning_keys = {"concat": ("source_latents",), "vace": ("control_latents",)}.get(
-            condition, ()
-        )
-        self._pixels: _LRU = _LRU(PIXEL_CACHE_BYTES)
-        self._latents: _LRU = _LRU(LATENT_CACHE_BYTES)
-
-        sig = self.sigmas()
-        self.stochastic_steps = self._stochastic_steps(sig)
-        """Step indices (of the steps a rollout runs) whose std is > 0, ascending (a prefix)."""
-        if not self.stochastic_steps:
-            raise ValueError(
-                f"{self.sde_kind} with num_steps={self.num_steps} has no stochastic step to train"
-            )
-        self.step_experts = self._step_experts()
-        """Long[steps a rollout runs]: the expert of every step (0: transformer, 1: transformer_2)."""
-        trainable = [
-            i
-            for i in self.stochastic_steps
-            if train_expert == "both" or int(self.step_experts[i]) == (0 if train_expert == "high" else 1)
-        ]
-        if not trainable:
-            raise ValueError(
-                f"train_expert {train_expert!r}: no stochastic step of the {self.num_denoising_steps()} steps "
-                f"run uses the {train_expert}-noise expert (boundary_ratio={boundary_ratio}, num_steps="
-                f"{self.num_steps}); change boundary_ratio, num_steps or train_expert"
-            )
-        if trainable != list(range(trainable[0], trainable[-1] + 1)):
-            raise ValueError(
-                f"the trainable steps of train_expert {train_expert!r} are not consecutive: {trainable}"
-            )
-        self.trainable_steps = trainable
-        """The step indices that can be trained: consecutive (a prefix for high, a suffix for low)."""
-        self._init_trained_steps()
-
-    # ------------------------------------------------------------------ checks
     def _check_architecture(self, transformer: torch.nn.Module, vae: torch.nn.Module) -> None:
         cfg, z = transformer.config, int(vae.config.z_dim)
         is_vace = hasattr(cfg, "vace_layers")
@@ -421,50 +350,36 @@ class WanPolicy(FlowPolicy):
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_pretrained(  # type: ignore[override]
-        cls,
-        name_or_path: str | Path,
-        *,
-        dtype: str = "float32",
-        lora: LoraConfig | None = None,
-        **kwargs: Any,
-    ) -> WanPolicy:
-        """Load a Wan folder or hub id (`mmalign.policies.wan_components.load_wan_components`). With
-        ``lora.enabled`` each trained expert (``train_expert``) gets a peft LoRA adapter on
-        `WAN_LORA_TARGETS` and only the adapters train; the reference is then the experts with adapters off.
-        A ``boundary_ratio`` keyword overrides the folder's. Other kwargs go to the constructor."""
+    def load_components(
+        cls, name_or_path: str | Path, *, dtype: torch.dtype, **options: Any
+    ) -> WanComponents:
+        """`load_wan_components` of a Wan folder or hub id."""
         from mmalign.policies.wan_components import load_wan_components
 
-        c = load_wan_components(name_or_path, dtype=torch_dtype(dtype))
-        train_expert = kwargs.get("train_expert", "both")
-        boundary = kwargs.pop("boundary_ratio", None)
-        if boundary is None:
-            boundary = c.boundary_ratio
+        return load_wan_components(name_or_path, dtype=dtype)
+
+    @classmethod
+    def add_lora(cls, components: Any, lora: LoraConfig | None, options: dict[str, Any]) -> bool:
+        """A LoRA adapter on `WAN_LORA_TARGETS` for each trained expert (``train_expert`` in `options`)."""
+        train_expert = options.get("train_expert", "both")
         use_lora = False
-        for which, module in (("high", c.transformer), ("low", c.transformer_2)):
-            if module is not None and (c.transformer_2 is None or train_expert in (which, "both")):
-                use_lora = add_lora(module, lora, WAN_LORA_TARGETS) or use_lora
-        return cls(
-            c.transformer,
-            c.vae,
-            c.scheduler,
-            c.text_encoder,
-            c.tokenizer,
-            transformer_2=c.transformer_2,
-            boundary_ratio=boundary,
-            lora=use_lora,
-            **kwargs,
-        )
+        for which, module in (("high", components.transformer), ("low", components.transformer_2)):
+            if module is not None and (components.transformer_2 is None or train_expert in (which, "both")):
+                use_lora = add_lora(module, lora, cls.lora_targets) or use_lora
+        return use_lora
+
+    @classmethod
+    def from_components(cls, components: Any, **kwargs: Any) -> Self:
+        """As `FlowMatchingPolicy.from_components`; a ``boundary_ratio`` of None keeps the folder's."""
+        if kwargs.get("boundary_ratio", 0) is None:
+            del kwargs["boundary_ratio"]
+        return super().from_components(components, **kwargs)
 
     # ------------------------------------------------------------------ prompts, shapes and sigmas
     def encode_conditioning(self, prompts: list[str]) -> dict[str, Tensor]:
         dev = next(self.text_encoder.parameters()).device
         pe = self.components.encode_prompt(prompts, dev, max_sequence_length=self.max_sequence_length)
         return {"prompt_embeds": pe.to(self.device)}
-
-    def encode_prompt(self, prompts: list[str]) -> Tensor:  # type: ignore[override]
-        """Float[B, max_sequence_length, D] in fp32 on the policy's device; each distinct prompt once."""
-        return self.conditioning(prompts)["prompt_embeds"]
 
     def latent_frames(self) -> int:
         """Latent frames of a sample: (num_frames - 1) // temporal + 1, plus the VACE reference frames."""
@@ -478,14 +393,12 @@ class WanPolicy(FlowPolicy):
     def _full_schedule(self) -> tuple[Tensor, Tensor]:
         """(sigmas Float[num_steps + 1], timesteps Float[num_steps]) of ``set_timesteps(num_steps)``, fp32 on
         the CPU, as ``WanPipeline`` sets them."""
-        self.scheduler.set_timesteps(self.num_steps)
-        sig = self.scheduler.sigmas.detach().to("cpu", torch.float32)
+        sig = self.full_sigmas()
         return sig, self.scheduler.timesteps.detach().to("cpu", torch.float32)
 
     def _run_schedule(self) -> tuple[Tensor, Tensor]:
         """(sigmas Float[n + 1], timesteps Float[n]) of the n steps a rollout runs: the full schedule, or with
-        ``sdedit`` the strength s followed by the schedule's sigmas below s (timestep s * num_train_timesteps
-        for the first step, the scheduler's own for the others)."""
+        ``sdedit`` the strength s followed by the schedule's sigmas below s (see docs/algorithms.md)."""
         sig, t = self._full_schedule()
         if self.condition != "sdedit":
             return sig, t
@@ -495,47 +408,24 @@ class WanPolicy(FlowPolicy):
         return torch.cat([s, sig[:-1][below], sig[-1:]]), torch.cat([s * n_train, t[below]])
 
     def num_denoising_steps(self) -> int:
-        """``num_steps``, or with ``sdedit`` the steps from the strength s down (1 + the schedule sigmas in
-        (0, s))."""
+        """``num_steps``, or with ``sdedit`` the steps from the strength s down."""
         return len(self._run_schedule()[1])
 
     def sigmas(self) -> Tensor:
-        """Float[num_denoising_steps + 1]: the scheduler's shifted sigmas of ``set_timesteps(num_steps)``
-        (as ``WanPipeline``), from 1 -- or with ``sdedit`` from the strength -- down to 0; fp32 on the CPU."""
+        """Float[num_denoising_steps + 1]: the shifted sigmas from 1 (``sdedit``: from the strength) to 0."""
         return self._run_schedule()[0]
 
     def _step_experts(self) -> Tensor:
         """Long[num_denoising_steps]: 0 (``transformer``) where the step's timestep >= boundary_ratio *
-        num_train_timesteps, else 1 (``transformer_2``) -- ``WanPipeline``'s rule on the scheduler's timesteps."""
+        num_train_timesteps, else 1 (``transformer_2``) -- ``WanPipeline``'s rule."""
         t = self._run_schedule()[1]
         if self.boundary_ratio is None:
             return torch.zeros(len(t), dtype=torch.long)
         return (t < self.boundary_ratio * self.scheduler.config.num_train_timesteps).long()
 
     def schedule(self) -> dict[str, Tensor]:
-        """sigma and sigma' of every step run, the ``flow_sde`` sigma_max fallback (the full schedule's second
-        sigma, used where sigma = 1) and the expert of every step."""
-        full = self._full_schedule()[0]
-        sig = self.sigmas()
-        fallback = float(full[1]) if self.num_steps > 1 else 0.5
-        return {
-            "sigmas": sig[:-1],
-            "sigmas_next": sig[1:],
-            "sigma_max_fallback": torch.tensor(fallback),
-            "expert": self._step_experts(),
-        }
-
-    def _stochastic_steps(self, sig: Tensor) -> list[int]:
-        n = self.num_denoising_steps()
-        if self.sde_kind == "cps":
-            return [i for i in range(n) if float(sig[i + 1]) > 0]
-        return list(range(n))
-
-    def _trainable_offset(self) -> int:
-        return self.trainable_steps[0]
-
-    def _num_trainable_steps(self) -> int:
-        return len(self.trainable_steps)
+        """`FlowMatchingPolicy.schedule` plus the expert of every step."""
+        return {**super().schedule(), "expert": self._step_experts()}
 
     # ------------------------------------------------------------------ rows: sources, masks, references
     def _column(self, columns: dict[str, list[Any]], key: str, b: int) -> list[Any]:
@@ -680,27 +570,15 @@ class WanPolicy(FlowPolicy):
         return {"expert_high_share": (e == 0).float().mean(dim=1), "expert_low_share": e.mean(dim=1)}
 
     # ------------------------------------------------------------------ model
-    def predict(
-        self,
-        model: torch.nn.Module,
-        latents: Tensor,
-        sched: dict[str, Tensor],
-        cond: dict[str, Tensor],
-        *,
-        guided: bool = True,
-    ) -> tuple[Tensor, Tensor]:
-        """(velocity, conditional velocity), fp32 [B, z, F, h, w]: one call of the transformer (both CFG
-        branches batched when `guided` and ``guidance_scale`` > 1) with the source latents concatenated on
-        the channels (concat) or the control tensor (vace); two experts: each sample's step expert."""
+    def velocity(
+        self, model: torch.nn.Module, latents: Tensor, sched: dict[str, Tensor], cond: dict[str, Tensor]
+    ) -> Tensor:
+        """One transformer call with the source latents concatenated on the channels (concat) or the control
+        tensor (vace); two experts: each sample's step expert. An ``expand_timesteps`` folder (TI2V-5B) gets
+        one timestep per sample (text to video; its image conditioning is not supported)."""
         dtype = next(model.parameters()).dtype
-        b = latents.shape[0]
         t = sched["sigmas"] * float(self.scheduler.config.num_train_timesteps)
-        expert = sched["expert"]
-        use_cfg = guided and self.guidance_scale > 1.0
         x = latents
-        if use_cfg:
-            cond = self._cfg_inputs(cond, b)
-            x, t, expert = torch.cat([x, x]), torch.cat([t, t]), torch.cat([expert, expert])
         if self.condition == "concat":
             x = torch.cat([x, cond["source_latents"].to(x)], dim=1)
         kw: dict[str, Any] = {}
@@ -711,15 +589,14 @@ class WanPolicy(FlowPolicy):
                 (n_layers,), self.conditioning_scale, device=x.device, dtype=dtype
             )
         if self.transformer_2 is not None:
-            kw["expert"] = expert
-        v = model(
+            kw["expert"] = sched["expert"]
+        return model(
             hidden_states=x.to(dtype),
             timestep=t.float(),
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
             return_dict=False,
             **kw,
-        )[0].float()
-        return self._cfg_combine(v) if use_cfg else (v, v)
+        )[0]
 
     # ------------------------------------------------------------------ decoding and saving
     def decode_latents(self, z: Tensor) -> Tensor:

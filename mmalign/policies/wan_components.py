@@ -91,6 +91,10 @@ class WanComponents:
         if self.boundary_ratio is not None and not 0 < self.boundary_ratio < 1:
             raise ValueError(f"boundary_ratio must be in (0, 1), got {self.boundary_ratio}")
 
+    def text_encoders(self) -> list[torch.nn.Module]:
+        """The UMT5 text encoder (the one there is)."""
+        return [self.text_encoder]
+
     @property
     def is_vace(self) -> bool:
         """True when the transformer is a ``WanVACETransformer3DModel`` (it takes a control tensor)."""

@@ -20,7 +20,7 @@ Builders registered in `mmalign.tiny.BUILDERS` (32x32 images, a VAE with one 2x 
 
 - ``text_to_image`` (`build_text_to_image`): an SD3-layout folder (``transformer/ vae/ scheduler/
   text_encoder/ tokenizer/``, loadable by `mmalign.policies.sd3_components.load_sd3_components` and
-  `FlowPolicy.from_pretrained`), warm-started with the rectified-flow loss and stopped early, so its
+  `SD3Policy.from_pretrained`), warm-started with the rectified-flow loss and stopped early, so its
   samples satisfy the prompt only part of the time: a promising but imperfect base model for GRPO.
 - ``safe_diffusion`` (`build_safe_diffusion`): an SD1.5-layout folder (``unet/ vae/ scheduler/
   text_encoder/ tokenizer/``, a DDIM scheduler) warm-started with the epsilon-prediction loss on clean
@@ -391,12 +391,12 @@ def sampled_shapes_reward(
     seed: int = 0,
 ) -> float:
     """Mean ``shapes_compositional`` reward of `group_size` samples per row (default: the 32 scenes of
-    `shapes_rows`) drawn by `FlowPolicy` with the Flow-GRPO sampler (`num_steps` SDE steps at
+    `shapes_rows`) drawn by `SD3Policy` with the Flow-GRPO sampler (`num_steps` SDE steps at
     `noise_level`, no guidance), as the text_to_image pipeline's rollouts draw them."""
-    from mmalign.policies.flow import FlowPolicy
+    from mmalign.policies.sd3 import SD3Policy
     from rewards import RewardSet
 
-    policy = FlowPolicy(
+    policy = SD3Policy(
         transformer,
         vae,
         scheduler,

@@ -12,7 +12,7 @@ import pipelines
 from mmalign.app.cli import main
 from mmalign.config import ConfigError, load_config
 from mmalign.policies.ddim import DDIMPolicy
-from mmalign.policies.flow import FlowPolicy
+from mmalign.policies.sd3 import SD3Policy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,7 +90,7 @@ def test_flow_policy_option(tmp_path, models):
             tmp_path, models, **{"model.name_or_path": str(models["flow"]), "options.policy": "flow"}
         )
     )
-    assert isinstance(pipelines.get("safe_diffusion")(cfg).policy, FlowPolicy)
+    assert isinstance(pipelines.get("safe_diffusion")(cfg).policy, SD3Policy)
 
 
 def test_sampler_options_are_validated_and_reach_the_policy(tmp_path, models):
@@ -113,7 +113,7 @@ def test_sampler_options_are_validated_and_reach_the_policy(tmp_path, models):
     )
     pol = pipelines.get("safe_diffusion")(cfg).policy
     assert (
-        isinstance(pol, FlowPolicy)
+        isinstance(pol, SD3Policy)
         and pol.sde_kind == "cps"
         and pol.noise_level == 0.5
         and pol.sampler.seed == 7

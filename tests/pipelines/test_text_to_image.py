@@ -13,7 +13,7 @@ import pipelines
 from mmalign.config import ConfigError, load_config
 from mmalign.data import DataError
 from mmalign.policies.denoising import SamplerSettings
-from mmalign.policies.flow import FlowPolicy
+from mmalign.policies.sd3 import SD3Policy
 from mmalign.tiny import shapes as tiny_shapes
 from mmalign.trainer import GroupTrainer
 from pipelines.common import load_prompts
@@ -165,7 +165,7 @@ def test_pipeline_builds_samples_and_trains_a_step(quick_model: Path, tmp_path: 
     )
     comps = pipelines.get("text_to_image")(cfg)
     pol = comps.policy
-    assert isinstance(pol, FlowPolicy) and pol.num_steps == 3 and pol.need_reference
+    assert isinstance(pol, SD3Policy) and pol.num_steps == 3 and pol.need_reference
     assert pol.latent_size == 8 and len(comps.data) == 24 and len(comps.eval_data) == 8
     before = {k: v.clone() for k, v in pol.trainable_state_dict().items()}
     history = GroupTrainer(cfg, comps).train()

@@ -1,4 +1,4 @@
-"""The denoising policies through the loops `DenoisingPolicy` owns, parametrised over FlowPolicy (a tiny SD3
+"""The denoising policies through the loops `DenoisingPolicy` owns, parametrised over SD3Policy (a tiny SD3
 folder), FluxPolicy (a tiny FLUX.1-dev folder) and DDIMPolicy (a tiny SD 1.5 folder): shapes, ratio = 1,
 gradients, initial noise, windows, KL and reference, LoRA, save / load, the trainer and checkpointed
 randomness. Then a video-like toy subclass (5-D latents), the `shift_step_mean` hook and `SamplerSettings`.
@@ -19,8 +19,8 @@ from mmalign import sde
 from mmalign.config import LoraConfig
 from mmalign.policies.ddim import DDIMPolicy
 from mmalign.policies.denoising import DenoisingPolicy, SamplerSettings
-from mmalign.policies.flow import FlowPolicy
 from mmalign.policies.flux import FluxPolicy
+from mmalign.policies.sd3 import SD3Policy
 
 ROWS = [{"prompt": "a red cat", "label": 1}, {"prompt": "a blue dog", "label": 2}]
 SEQ = 8
@@ -85,7 +85,7 @@ def get_case(request: pytest.FixtureRequest, name: str) -> Case:
     if name == "flow":
         return Case(
             "flow",
-            FlowPolicy,
+            SD3Policy,
             request.getfixturevalue("sd3_dir"),
             {"num_steps": 4, "seed": 0},
             1,
@@ -631,12 +631,12 @@ def test_sampler_settings_are_validated_once_and_taken_by_the_policies(sd3_dir: 
         with pytest.raises(ValueError, match=message):
             SamplerSettings(**bad)
     s = SamplerSettings(num_steps=3, noise_level=0.5, seed=0)
-    flow = FlowPolicy.from_pretrained(sd3_dir, sampler=s)
+    flow = SD3Policy.from_pretrained(sd3_dir, sampler=s)
     assert (
         flow.sampler is s and flow.num_steps == 3 and flow.noise_level == 0.5 and flow.generator is not None
     )
     with pytest.raises(TypeError, match="not both"):
-        FlowPolicy.from_pretrained(sd3_dir, sampler=s, num_steps=4)
+        SD3Policy.from_pretrained(sd3_dir, sampler=s, num_steps=4)
     with pytest.raises(ValueError, match="window_size must be in"):
         flow.window_size = 9  # setting a policy's sampler attribute validates the new settings
     with pytest.raises(ValueError, match="sde_kind must be 'ddim'"):

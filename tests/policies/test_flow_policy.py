@@ -1,4 +1,4 @@
-"""FlowPolicy on a tiny offline SD3-style pipeline: round trip, the KL's sigma_t, step kinds, options, CFG-free
+"""SD3Policy on a tiny offline SD3-style pipeline: round trip, the KL's sigma_t, step kinds, options, CFG-free
 training, the SD3 layout and schedule (what every denoising policy shares is in test_denoising_policies.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmalign.policies.flow import FlowPolicy
+from mmalign.policies.sd3 import SD3Policy
 from mmalign.policies.sd3_components import encode_prompt, load_sd3_components
 from mmalign.tiny.sd3 import build_tiny_sd3
 
@@ -18,10 +18,10 @@ def pipe_dir(tmp_path_factory: pytest.TempPathFactory):
     return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3") / "sd3")
 
 
-def make(pipe_dir, **kw) -> FlowPolicy:
+def make(pipe_dir, **kw) -> SD3Policy:
     kw.setdefault("num_steps", 4)
     kw.setdefault("seed", 0)
-    return FlowPolicy.from_pretrained(pipe_dir, **kw)
+    return SD3Policy.from_pretrained(pipe_dir, **kw)
 
 
 def test_tiny_pipeline_round_trip(pipe_dir):
@@ -233,7 +233,7 @@ def test_three_encoder_prompt_embeds_match_diffusers(sd3_dir):
 def test_flow_policy_on_the_three_encoder_folder(sd3_dir, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
-    pol = FlowPolicy.from_pretrained(sd3_dir, num_steps=3, seed=0, max_sequence_length=8, guidance_scale=2.0)
+    pol = SD3Policy.from_pretrained(sd3_dir, num_steps=3, seed=0, max_sequence_length=8, guidance_scale=2.0)
     pe, po = pol.encode_prompt(["a red cat"])
     assert pe.shape == (1, 16 + 8, 32) and po.shape == (1, 16)
     r = pol.rollout(ROWS, 2)
@@ -253,7 +253,7 @@ def test_flow_policy_on_the_three_encoder_folder(sd3_dir, tmp_path):
         "model_index.json",
     ):
         assert (tmp_path / "out" / sub).exists(), sub
-    again = FlowPolicy.from_pretrained(
+    again = SD3Policy.from_pretrained(
         tmp_path / "out", num_steps=3, max_sequence_length=8, guidance_scale=2.0
     )
     torch.testing.assert_close(again.action_stats(r).logp.detach(), r.logp_old, atol=1e-5, rtol=0)
@@ -263,14 +263,14 @@ def test_flow_policy_on_the_three_encoder_folder(sd3_dir, tmp_path):
 
 @pytest.mark.parametrize("shift", [None, 3.0])
 def test_sd3_sigmas_are_the_sd3_pipelines(sd3_dir, shift):
-    """FlowPolicy's schedule for an SD3 folder is the one diffusers' StableDiffusion3Pipeline runs: the
+    """SD3Policy's schedule for an SD3 folder is the one diffusers' StableDiffusion3Pipeline runs: the
     timesteps its transformer is called with, for 10 steps (and with SD3.5's shift 3)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     c = load_sd3_components(sd3_dir)
     if shift is not None:
         c.scheduler = FlowMatchEulerDiscreteScheduler.from_config(c.scheduler.config, shift=shift)
-    pol = FlowPolicy(
+    pol = SD3Policy(
         c.transformer,
         c.vae,
         c.scheduler,

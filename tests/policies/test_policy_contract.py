@@ -1,6 +1,6 @@
 """The policy contract (`mmalign.policies.base.Policy`), checked for EVERY policy on tiny offline models.
 
-Each test runs for text (`TextPolicy`), VLM (`VLMPolicy`), flow matching (`FlowPolicy`, SD3 layout: two
+Each test runs for text (`TextPolicy`), VLM (`VLMPolicy`), flow matching (`SD3Policy`, SD3 layout: two
 CLIPs + T5), Flux (`FluxPolicy`), DDIM (`DDIMPolicy`) and Wan video (`WanPolicy`: text to video, channel-concat
 editing with a ``source_video`` column, VACE editing with an ``edit_mask``, and Wan2.2's two experts), each with
 full fine-tuning and with LoRA:
@@ -176,9 +176,9 @@ def _vlm_policy(path: Path, **kw: Any) -> Policy:
 
 
 def _flow_policy(path: Path, **kw: Any) -> Policy:
-    from mmalign.policies.flow import FlowPolicy
+    from mmalign.policies.sd3 import SD3Policy
 
-    return FlowPolicy.from_pretrained(path, num_steps=NUM_STEPS, seed=0, max_sequence_length=SEQ, **kw)
+    return SD3Policy.from_pretrained(path, num_steps=NUM_STEPS, seed=0, max_sequence_length=SEQ, **kw)
 
 
 def _flux_policy(path: Path, **kw: Any) -> Policy:

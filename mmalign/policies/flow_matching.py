@@ -1,0 +1,291 @@
+"""`FlowMatchingPolicy`: what every flow-matching family (SD3, FLUX.1, Wan, ...) shares.
+
+It owns the sigma schedule (the scheduler's shift, dynamic shifting through `calculate_mu`), the velocity
+prediction with two-branch CFG, the flow SDE / ODE steps of `mmalign.sde`, the trainable steps, LoRA and
+saving. It builds no model: it takes loaded components (`FlowComponents`). A family adds one subclass that
+supplies `load_components` and overrides `encode_conditioning` and `velocity`; the math is in
+docs/algorithms.md ("Denoising steps with log-prob").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Protocol, Self
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mmalign import sde
+from mmalign.config import LoraConfig
+from mmalign.policies.base import torch_dtype
+from mmalign.policies.denoising import (
+    CPS_LOG_PROBS,
+    FLOW_SDE_KINDS,
+    WINDOW_MODES,
+    DenoisingPolicy,
+    SamplerSettings,
+    add_lora,
+)
+
+__all__ = [
+    "CPS_LOG_PROBS",
+    "SDE_KINDS",
+    "WINDOW_MODES",
+    "FlowComponents",
+    "FlowMatchingPolicy",
+    "calculate_mu",
+]
+
+SDE_KINDS = FLOW_SDE_KINDS
+"""Step kinds a flow-matching policy samples with (`mmalign.sde` functions of the flow convention)."""
+
+
+def calculate_mu(image_seq_len: int, scheduler_config: Any, *, default_max_shift: float = 1.15) -> float:
+    """The dynamic-shift mu for `image_seq_len` latent tokens: linear through the scheduler config's
+    (``base_image_seq_len``, ``base_shift``) and (``max_image_seq_len``, ``max_shift``); missing keys take
+    diffusers' defaults 256 -> 0.5 and 4096 -> `default_max_shift` (Flux 1.15, SD3 1.16)."""
+    get = scheduler_config.get
+    n0, n1 = get("base_image_seq_len", 256), get("max_image_seq_len", 4096)
+    s0, s1 = get("base_shift", 0.5), get("max_shift", default_max_shift)
+    slope = (s1 - s0) / (n1 - n0)
+    return image_seq_len * slope + (s0 - slope * n0)  # (this operation order matches the pipelines' bitwise)
+
+
+class FlowComponents(Protocol):
+    """What `FlowMatchingPolicy` needs of a family's loaded components (a dataclass)."""
+
+    transformer: torch.nn.Module
+    vae: torch.nn.Module
+    scheduler: Any
+    text_encoder: torch.nn.Module
+    tokenizer: Any
+
+    def text_encoders(self) -> list[torch.nn.Module]: ...
+
+    def save_pretrained(self, path: str | Path, *, transformer: torch.nn.Module | None = None) -> None: ...
+
+
+class FlowMatchingPolicy(DenoisingPolicy):
+    """A flow-matching denoiser as a GRPO policy; one action = one SDE step (``flow_sde``, ``cps``, ``dance``).
+
+    Subclass contract: `load_components` (classmethod), `encode_conditioning`, `velocity`; optionally
+    `image_seq_len` / `base_sigmas` (schedule), `latent_shape`, ``lora_targets``, ``two_branch_cfg``."""
+
+    conditioning_keys = ("prompt_embeds", "pooled_embeds")
+    schedule_keys = ("sigmas", "sigmas_next", "sigma_max_fallback")
+    lora_targets: tuple[str, ...] = ()
+    """The modules LoRA ``target_modules: all-linear`` adapts."""
+    load_options: tuple[str, ...] = ()
+    """`from_pretrained` keywords that go to `load_components` instead of the constructor."""
+    two_branch_cfg = True
+    """`predict` runs negative and conditional branches when ``guidance_scale`` > 1 (False: the family
+    handles guidance inside `velocity`, e.g. FLUX.1-dev's distilled guidance)."""
+    default_max_shift = 1.16
+    """`calculate_mu`'s max shift where the scheduler config has none."""
+    constructor_takes_parts = False
+    """The constructor takes the components' fields as keywords (and builds the components itself)."""
+
+    def __init__(
+        self,
+        components: FlowComponents,
+        *,
+        sampler: SamplerSettings | None = None,
+        latent_size: int | None = None,
+        need_reference: bool = False,
+        lora: bool = False,
+        **sampler_kwargs: Any,
+    ) -> None:
+        """`components`: loaded parts (`FlowComponents`); `sampler`: the `SamplerSettings` (or its fields as
+        keywords) with a flow ``sde_kind``; `lora`: the denoiser already carries an adapter."""
+        sampler = self._settings(sampler, sampler_kwargs)
+        if sampler.sde_kind not in FLOW_SDE_KINDS:
+            raise ValueError(
+                f"{type(self).__name__} samples with sde_kind {', '.join(FLOW_SDE_KINDS)}; got {sampler.sde_kind!r}"
+            )
+        self.components = components
+        self.scheduler = components.scheduler
+        self._init_denoising(
+            self.build_denoiser(components),
+            components.vae,
+            sampler,
+            latent_size=latent_size,
+            need_reference=need_reference,
+            lora=lora,
+        )
+        for enc in components.text_encoders():
+            enc.eval().requires_grad_(False)
+        self.text_encoder = components.text_encoder
+        self.tokenizer = components.tokenizer
+        self._init_steps()
+
+    def build_denoiser(self, components: FlowComponents) -> torch.nn.Module:
+        """The network `predict` calls (default: ``components.transformer``)."""
+        return components.transformer
+
+    def _init_steps(self) -> None:
+        """Set ``stochastic_steps`` (std > 0) and ``trainable_steps`` (consecutive), then the windows."""
+        self.stochastic_steps = self._stochastic_steps(self.sigmas())
+        """Indices of the steps a rollout runs whose std is > 0, ascending."""
+        if not self.stochastic_steps:
+            raise ValueError(
+                f"{self.sde_kind} with num_steps={self.num_steps} has no stochastic step to train"
+            )
+        trainable = self._select_trainable(self.stochastic_steps)
+        if trainable != list(range(trainable[0], trainable[-1] + 1)):
+            raise ValueError(f"the trainable steps of {self.sde_kind} are not consecutive: {trainable}")
+        self.trainable_steps = trainable
+        """The step indices that can be trained (consecutive)."""
+        self._init_trained_steps()
+
+    def _select_trainable(self, stochastic: list[int]) -> list[int]:
+        """The trainable steps among the `stochastic` ones (default: all)."""
+        return stochastic
+
+    def _stochastic_steps(self, sig: Tensor) -> list[int]:
+        """Steps whose std is > 0: CPS's std sigma' sin(a pi / 2) is 0 at sigma' = 0; flow_sde and dance: all."""
+        n = self.num_denoising_steps()
+        if self.sde_kind == "cps":
+            return [i for i in range(n) if float(sig[i + 1]) > 0]
+        return list(range(n))
+
+    def _trainable_offset(self) -> int:
+        return self.trainable_steps[0]
+
+    def _num_trainable_steps(self) -> int:
+        return len(self.trainable_steps)
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def load_components(cls, name_or_path: str | Path, *, dtype: torch.dtype, **options: Any) -> Any:
+        """The family's components of a folder or hub id (the one loader hook a family supplies)."""
+        raise NotImplementedError
+
+    @classmethod
+    def add_lora(cls, components: Any, lora: LoraConfig | None, options: dict[str, Any]) -> bool:
+        """Give the denoiser a LoRA adapter on `lora_targets` when ``lora.enabled``; `options`: the
+        constructor keywords. Returns whether an adapter was added."""
+        return add_lora(components.transformer, lora, cls.lora_targets)
+
+    @classmethod
+    def from_components(cls, components: Any, **kwargs: Any) -> Self:
+        """The policy of loaded `components`: ``cls(components, **kwargs)``, or with ``constructor_takes_parts``
+        the components' dataclass fields as constructor keywords (`kwargs` over them)."""
+        if not cls.constructor_takes_parts:
+            return cls(components, **kwargs)
+        parts = {f.name: getattr(components, f.name) for f in dataclasses.fields(components)}
+        return cls(**{**parts, **kwargs})
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path,
+        *,
+        dtype: str = "float32",
+        lora: LoraConfig | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """Load a folder or hub id through `load_components` (``load_options`` keywords go there); with
+        ``lora.enabled`` only a LoRA adapter trains and the reference is the adapter-disabled model. Other
+        kwargs go to the constructor."""
+        load_kw = {k: kwargs.pop(k) for k in cls.load_options if k in kwargs}
+        c = cls.load_components(name_or_path, dtype=torch_dtype(dtype), **load_kw)
+        return cls.from_components(c, lora=cls.add_lora(c, lora, kwargs), **kwargs)
+
+    # ------------------------------------------------------------------ sigmas
+    def image_seq_len(self) -> int:
+        """Latent tokens of one sample for dynamic shifting: (latent_size / patch)^2."""
+        patch = int(getattr(self.model.config, "patch_size", 1) or 1)
+        return (self.latent_size // patch) ** 2
+
+    def base_sigmas(self) -> np.ndarray | None:
+        """Unshifted sigmas given to ``set_timesteps`` (default None: the scheduler's own spacing)."""
+        return None
+
+    def full_sigmas(self) -> Tensor:
+        """Float[num_steps + 1]: the scheduler's shifted sigmas 1 -> 0 (fp32, CPU); mu under dynamic shifting."""
+        kw: dict[str, Any] = {}
+        if self.scheduler.config.get("use_dynamic_shifting", False):
+            kw["mu"] = calculate_mu(
+                self.image_seq_len(), self.scheduler.config, default_max_shift=self.default_max_shift
+            )
+        base = self.base_sigmas()
+        if base is None:
+            self.scheduler.set_timesteps(self.num_steps, **kw)
+        else:
+            self.scheduler.set_timesteps(sigmas=base, **kw)
+        return self.scheduler.sigmas.detach().to("cpu", torch.float32)
+
+    def sigmas(self) -> Tensor:
+        """Float[num_denoising_steps + 1]: the sigmas a rollout runs (default `full_sigmas`)."""
+        return self.full_sigmas()
+
+    def schedule(self) -> dict[str, Tensor]:
+        """sigma and sigma' of every step, and ``flow_sde``'s sigma_max fallback (the full schedule's sigmas[1])."""
+        sig = self.sigmas()
+        full = self.full_sigmas()
+        fallback = float(full[1]) if self.num_steps > 1 else 0.5
+        return {"sigmas": sig[:-1], "sigmas_next": sig[1:], "sigma_max_fallback": torch.tensor(fallback)}
+
+    # ------------------------------------------------------------------ prompts
+    def encode_prompt(self, prompts: list[str]) -> Any:
+        """The cached conditioning of `prompts` (fp32, the policy's device): one tensor per
+        ``conditioning_keys`` entry, a lone tensor when there is one key."""
+        cond = self.conditioning(prompts)
+        out = tuple(cond[k] for k in self.conditioning_keys)
+        return out[0] if len(out) == 1 else out
+
+    # ------------------------------------------------------------------ model and step
+    def velocity(
+        self, model: torch.nn.Module, latents: Tensor, sched: dict[str, Tensor], cond: dict[str, Tensor]
+    ) -> Tensor:
+        """The network's velocity at `latents` [B, ...] (any float dtype): the family's forward call."""
+        raise NotImplementedError
+
+    def predict(
+        self,
+        model: torch.nn.Module,
+        latents: Tensor,
+        sched: dict[str, Tensor],
+        cond: dict[str, Tensor],
+        *,
+        guided: bool = True,
+    ) -> tuple[Tensor, Tensor]:
+        """(velocity, conditional velocity), fp32: with `guided`, ``two_branch_cfg`` and ``guidance_scale`` > 1
+        one batched `velocity` of both branches, combined v_u + w (v_c - v_u); else v_c twice."""
+        use_cfg = guided and self.two_branch_cfg and self.guidance_scale > 1.0
+        if use_cfg:
+            cond = self._cfg_inputs(cond, latents.shape[0])
+            latents = torch.cat([latents, latents])
+            sched = {k: torch.cat([v, v]) for k, v in sched.items()}
+        v = self.velocity(model, latents, sched, cond).float()
+        return self._cfg_combine(v) if use_cfg else (v, v)
+
+    def step(
+        self, prediction: Tensor, latents: Tensor, sched: dict[str, Tensor], **kw: Any
+    ) -> sde.StepOutput:
+        """One `sde.step` of ``sde_kind`` with ``noise_level`` mapped to the kind's option."""
+        if self.sde_kind == "flow_sde":
+            opts: dict[str, Any] = {
+                "noise_level": self.noise_level,
+                "sigma_max_fallback": sched["sigma_max_fallback"],
+            }
+        elif self.sde_kind == "cps":
+            opts = {"noise_level": self.noise_level, "log_prob_form": self.cps_log_prob}
+        else:  # dance
+            opts = {"eta": self.noise_level}
+        return sde.step(
+            self.sde_kind, prediction, latents, sched["sigmas"], sched["sigmas_next"], **opts, **kw
+        )
+
+    def ode_step(self, prediction: Tensor, latents: Tensor, sched: dict[str, Tensor]) -> Tensor:
+        """The Euler step x + v dt (outside a window; CPS's zero-std final step)."""
+        dt = sched["sigmas_next"] - sched["sigmas"]
+        return latents + prediction * dt.view(-1, *([1] * (latents.ndim - 1)))
+
+    def save(self, path: str | Path) -> None:
+        """Write every component to `path` (loadable by `from_pretrained`); under LoRA the adapter is merged
+        into a copy of the transformer and also saved alone in ``transformer_lora/``."""
+        path = Path(path)
+        self.components.save_pretrained(path, transformer=self._denoiser_to_save(path, "transformer"))
