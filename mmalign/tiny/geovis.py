@@ -652,14 +652,6 @@ def load_rows(jsonl: str | Path, max_rows: int | None = None) -> list[dict[str, 
     return rows
 
 
-def _iou(a: Sequence[float], b: Sequence[float]) -> float:
-    iw = min(a[2], b[2]) - max(a[0], b[0])
-    ih = min(a[3], b[3]) - max(a[1], b[1])
-    inter = max(iw, 0.0) * max(ih, 0.0)
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
-
-
 def evaluate(
     model: str | Path,
     jsonl: str | Path = ASSETS / "eval.jsonl",
@@ -682,6 +674,7 @@ def evaluate(
     from mmalign.policies.vlm import VLMPolicy
     from pipelines.grounding.geovis_env import ZoomEnvironment, replay
     from pipelines.grounding.geovis_views import BOX_PROMPT, ZOOM_PROMPT
+    from rewards.boxes import iou
 
     torch.manual_seed(seed)
     rows = load_rows(jsonl, max_rows)
@@ -708,7 +701,7 @@ def evaluate(
                 row = chunk[i // n_samples]
                 state = replay(row, sample_turns, **env_options)
                 box = state.get("answer_box")
-                hit = box is not None and max(_iou(box, b) for b in row["boxes"]) >= threshold
+                hit = box is not None and max(iou(box, b) for b in row["boxes"]) >= threshold
                 if i % n_samples == 0:
                     hits[name].append([])
                 hits[name][-1].append(bool(hit))
