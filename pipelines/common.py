@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -136,26 +137,40 @@ def load_vlm_rows(
     source: str, template: str, opts: VLMOptions, max_rows: int | None = None
 ) -> list[dict[str, Any]]:
     """Rows of `source` with resolved image paths; bad rows raise or are skipped per ``opts.on_bad_row``."""
-    if opts.image_root:
-        root = Path(opts.image_root)
-    else:  # next to a JSONL file; the working directory for hf: sources
-        root = Path.cwd() if source.startswith("hf:") else Path(source).resolve().parent
+    return load_resolved_rows(source, template, resolve_row, opts.image_root, opts.on_bad_row, max_rows)
+
+
+def load_resolved_rows(
+    source: str,
+    template: str,
+    resolve: Callable[[dict[str, Any], Path], dict[str, Any]],
+    root: str | None,
+    on_bad_row: str,
+    max_rows: int | None = None,
+) -> list[dict[str, Any]]:
+    """Rows of `source` passed through ``resolve(row, root)`` (which resolves a row's file paths against `root`,
+    default: the JSONL file's folder, the working directory for ``hf:`` sources, and raises `DataError` for a
+    bad row). ``on_bad_row == "error"``: the first bad row raises; ``"skip"``: bad rows (unparsable lines
+    included) are skipped, each logged, with a count at the end. No usable row left is a DataError."""
+    if root:
+        base = Path(root)
+    else:
+        base = Path.cwd() if source.startswith("hf:") else Path(source).resolve().parent
     try:
         rows = load_rows(source, template, max_rows)
     except DataError:
-        if opts.on_bad_row == "error" or source.startswith("hf:"):  # skipping reads local JSONL line by line
+        if on_bad_row == "error" or source.startswith("hf:"):  # skipping reads local JSONL line by line
             raise
         rows = load_rows_skipping(source, template, max_rows)
-    out, skipped = [], 0
+    out, skipped = [], int(getattr(rows, "skipped", 0))
     for row in rows:
         try:
-            out.append(resolve_row(row, root))
+            out.append(resolve(row, base))
         except DataError as e:
-            if opts.on_bad_row == "error":
+            if on_bad_row == "error":
                 raise
             skipped += 1
             log.warning("skipping a bad row: %s", e)
-    skipped += getattr(rows, "skipped", 0)
     if skipped:
         log.warning(
             "%s: skipped %d bad row(s) of %d (options.on_bad_row: skip)", source, skipped, len(out) + skipped

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mmalign.config import Config
-from mmalign.data import DataError, load_rows
+from mmalign.data import DataError
 from mmalign.tiny import ensure_model
 from pipelines import Components, register_pipeline
-from pipelines.common import options
+from pipelines.common import load_resolved_rows, options
 from pipelines.video.wan import WanVideoOptions, build_wan_policy
 from rewards import RewardSet
 
@@ -108,34 +108,7 @@ def load_edit_rows(
     source: str, template: str, opts: VideoEditOptions, max_rows: int | None = None
 ) -> list[dict[str, Any]]:
     """Rows of `source` with resolved paths; bad rows raise or are skipped per ``opts.on_bad_row``."""
-    from pipelines.common import load_rows_skipping
-
-    if opts.video_root:
-        root = Path(opts.video_root)
-    else:
-        root = Path.cwd() if source.startswith("hf:") else Path(source).resolve().parent
-    try:
-        rows = load_rows(source, template, max_rows)
-    except DataError:
-        if opts.on_bad_row == "error" or source.startswith("hf:"):
-            raise
-        rows = load_rows_skipping(source, template, max_rows)
-    out, skipped = [], int(getattr(rows, "skipped", 0))
-    for row in rows:
-        try:
-            out.append(resolve_edit_row(row, root))
-        except DataError as e:
-            if opts.on_bad_row == "error":
-                raise
-            skipped += 1
-            log.warning("skipping a bad row: %s", e)
-    if skipped:
-        log.warning(
-            "%s: skipped %d bad row(s) of %d (options.on_bad_row: skip)", source, skipped, len(out) + skipped
-        )
-    if not out:
-        raise DataError(f"{source}: no usable rows")
-    return out
+    return load_resolved_rows(source, template, resolve_edit_row, opts.video_root, opts.on_bad_row, max_rows)
 
 
 # ----------------------------------------------------------------------------- policy
