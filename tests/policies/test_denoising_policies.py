@@ -2,7 +2,7 @@
 folder), FluxPolicy (a tiny FLUX.1-dev folder) and DDIMPolicy (a tiny SD 1.5 folder): shapes, ratio = 1,
 gradients, initial noise, windows, KL and reference, LoRA, save / load, the trainer and checkpointed
 randomness. Then a video-like toy subclass (5-D latents), the `shift_step_mean` hook and `SamplerSettings`.
-Policy-specific behaviour is in test_flow_policy.py, test_flux_policy.py and test_ddim_policy.py."""
+Policy-specific behaviour is in test_sd3_policy.py, test_flux_policy.py and test_ddim_policy.py."""
 
 from __future__ import annotations
 
