@@ -133,7 +133,6 @@ class GroupTrainer:
         monitors: Sequence[TrainerCallback] = (),
     ) -> None:
         from accelerate import Accelerator
-        from accelerate.utils import DistributedType
 
         self.monitors = list(monitors)
         self.cfg = cfg
@@ -157,7 +156,7 @@ class GroupTrainer:
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
         self.out = Path(cfg.output_dir)
-        a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
+        r = cfg.rollout
 
         self._check_names()
         if r.prompts_per_step % self.world:
@@ -165,6 +164,21 @@ class GroupTrainer:
                 f"{cfg.source}: key 'rollout.prompts_per_step' ({r.prompts_per_step}) must be divisible by "
                 f"the number of processes ({self.world})"
             )
+        self._set_algorithm()
+        updates_per_pass = self._set_batching()
+        self._set_optimization(updates_per_pass)
+        self._set_prompt_sampler()
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7919)
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self._timers: dict[str, float] = defaultdict(float)
+        set_seed(cfg.seed + 1000 * self.rank)
+        self._prepare_output_dir(resume)
+
+    # ----------------------------------------------------------------- set-up
+    def _set_algorithm(self) -> None:
+        """The estimator, loss and group filter of ``algorithm``, with the checks that need the rewards."""
+        cfg, a = self.cfg, self.cfg.algorithm
         self.estimator = adv_lib.get(a.estimator)
         self.estimator_takes_lengths = adv_lib.accepts_num_actions(a.estimator)
         """The estimator weighs samples by their number of actions (e.g. reinforce_pp over tokens)."""
@@ -191,6 +205,9 @@ class GroupTrainer:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{cfg.source}: key 'algorithm.filter_kwargs': {e}") from None
 
+    def _set_batching(self) -> int:
+        """Prompts, minibatches and microbatches per process; returns the optimizer updates per pass over a rollout."""
+        cfg, r, t = self.cfg, self.cfg.rollout, self.cfg.trainer
         self.local_prompts = r.prompts_per_step // self.world
         self.samples_per_group = r.group_size + self.extra_samples
         local_batch = self.local_prompts * self.samples_per_group
@@ -201,8 +218,13 @@ class GroupTrainer:
                 f"{cfg.source}: key 'trainer.minibatch_size' must be divisible by the number of processes"
             )
         updates_per_pass = math.ceil(local_batch / self.minibatch) if self.minibatch else 1
+        return updates_per_pass
 
-        # ---- optimisation
+    def _set_optimization(self, updates_per_pass: int) -> None:
+        """AdamW and the LR schedule on the trainable parameters, accelerate's preparation, the policy's `setup`."""
+        from accelerate.utils import DistributedType
+
+        cfg, acc, a, t = self.cfg, self.accelerator, self.cfg.algorithm, self.cfg.trainer
         params = self.policy.trainable_parameters()
         if not params:
             raise ConfigError(f"{cfg.source}: the policy has no trainable parameters (check model.lora)")
@@ -224,6 +246,10 @@ class GroupTrainer:
         self.need_logp_old = (
             t.num_iterations > 1 or updates_per_pass > 1 or a.filter == "replay" or self.policy.needs_logp_old
         )
+
+    def _set_prompt_sampler(self) -> None:
+        """The prompt sampler of ``data.sampler`` over the training rows."""
+        cfg = self.cfg
         opts = dict(cfg.data.sampler_kwargs)
         if cfg.data.sampler == "uniform":
             opts.setdefault("shuffle", cfg.data.shuffle)
@@ -231,14 +257,7 @@ class GroupTrainer:
             self.sampler = sampler_lib.build_sampler(cfg.data.sampler, len(self.rows), cfg.seed, **opts)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{cfg.source}: key 'data.sampler_kwargs': {e}") from None
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7919)
-        self.step = 0
-        self.history: list[dict[str, Any]] = []
-        self._timers: dict[str, float] = defaultdict(float)
-        set_seed(cfg.seed + 1000 * self.rank)
-        self._prepare_output_dir(resume)
 
-    # ----------------------------------------------------------------- set-up
     def _check_names(self) -> None:
         """Registry names of the config, checked up front with the config key in the message."""
         check_names(self.cfg)
