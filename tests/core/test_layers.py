@@ -3,7 +3,8 @@
 - the core (``mmalign/*.py``, ``mmalign/policies/``, ``mmalign/engines/``) imports no tool (``mmalign.app``), no
   tiny-model builder (``mmalign.tiny``), no reward family (``rewards``) and no pipeline (``pipelines``);
 - ``rewards/`` imports no pipeline and no tool;
-- ``pipelines/`` imports no tool, and no pipeline imports another pipeline's private (``_``) name.
+- ``pipelines/`` imports no tool, and no pipeline imports another pipeline's private (``_``) name;
+- ``mmalign/tiny/`` (fixtures for every layer) imports no tool; rewards use only its world definitions.
 """
 
 from __future__ import annotations
@@ -91,3 +92,14 @@ def test_the_check_sees_hidden_and_package_imports(
     path.parent.mkdir()
     path.write_text(source)
     assert len(violations([path], forbidden)) == expected
+
+
+def test_tiny_builders_import_no_tool_and_rewards_only_the_world_definitions() -> None:
+    """``mmalign/tiny/`` builds fixtures for every layer (it may use rewards and pipelines, never a tool);
+    rewards read only the synthetic world's definitions from it (`mmalign.tiny.world`, which imports nothing)."""
+    assert violations(sorted((REPO / "mmalign" / "tiny").rglob("*.py")), ("mmalign.app",)) == []
+    world = REPO / "mmalign" / "tiny" / "world.py"
+    assert [m for _, m, _ in imports(world) if m.startswith(("mmalign", "rewards", "pipelines"))] == []
+    reward_files = sorted((REPO / "rewards").rglob("*.py"))
+    used = {m for p in reward_files for _, m, _ in imports(p) if m.startswith("mmalign.tiny")}
+    assert used <= {"mmalign.tiny.world"}, used
