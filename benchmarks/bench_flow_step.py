@@ -267,7 +267,7 @@ class Worker:
         from mmalign.config import config_from_dict
         from mmalign.policies.sd3 import SD3Policy
         from mmalign.trainer import GroupTrainer
-        from pipelines import Components
+        from pipelines import TrainingSetup
         from rewards import RewardSet
 
         self.args = args
@@ -337,7 +337,7 @@ class Worker:
                 "a purple ring",
             )
         ]
-        self.trainer = GroupTrainer(cfg, Components(policy=pol, rewards=RewardSet(cfg.rewards), data=rows))
+        self.trainer = GroupTrainer(cfg, TrainingSetup(policy=pol, rewards=RewardSet(cfg.rewards), data=rows))
         if dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

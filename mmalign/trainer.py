@@ -20,7 +20,7 @@ owns that layout.
 
 The trainer knows no modality: what is special to a model family sits behind the hooks of
 `mmalign.policies.base.Policy` (sampling, materialising outputs for the rewards, what a sample looks
-like in the run directory), what is special to a domain in the pipeline's `Components`. It knows no tool
+like in the run directory), what is special to a domain in the pipeline's `TrainingSetup`. It knows no tool
 either: live diagnostics and experiment trackers reach it as monitors (`TrainerCallback`), which the app
 layer passes in (`mmalign.app.run.build_trainer`); without them it trains, writes the run directory and
 logs nothing else.
@@ -71,7 +71,7 @@ class TrainingError(MmalignError, RuntimeError):
 
 
 class TrainerCallback(Protocol):
-    """What `GroupTrainer` calls on its callbacks (the pipeline's ``Components.callbacks``) and monitors (the
+    """What `GroupTrainer` calls on its callbacks (the pipeline's ``TrainingSetup.callbacks``) and monitors (the
     ``monitors`` argument: the app's live doctor and trackers). Every method is optional; the trainer calls
     only those an object has, callbacks first, each in list order, on every process (a hook that should act
     on the main process only checks ``trainer.is_main``).

@@ -1,4 +1,4 @@
-"""Domain pipelines: each module registers `build(cfg) -> Components` under its name.
+"""Domain pipelines: each module registers `build(cfg) -> TrainingSetup` under its name.
 
 A pipeline owns what is special to its domain (policy construction, reward plugins, data,
 callbacks such as curricula, the typed ``options:`` section of its configs) and nothing else: the
@@ -9,7 +9,7 @@ training loop is `mmalign.trainer.GroupTrainer`. It registers where it is define
         levels: int = 3
 
     @register_pipeline("my_pipeline", options=MyOptions)
-    def build(cfg: Config) -> Components: ...
+    def build(cfg: Config) -> TrainingSetup: ...
 
 Where pipelines are found (`DISCOVERY`, a `mmalign.registry.Discovery`): the modules of this package
 (``pipelines/<module>.py``, found with pkgutil) and the entry points of group ``mmalign.pipelines``
@@ -42,7 +42,7 @@ DISCOVERY = Discovery(REGISTRY, __name__, ENTRY_POINT_GROUP)
 
 
 @dataclass
-class Components:
+class TrainingSetup:
     """What a pipeline hands to the trainer."""
 
     policy: Any
@@ -60,7 +60,7 @@ class Components:
 def register_pipeline(
     name: str, *, options: type | None = None, **meta: Any
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator registering ``build(cfg) -> Components`` as pipeline `name`.
+    """Decorator registering ``build(cfg) -> TrainingSetup`` as pipeline `name`.
 
     `options`: the dataclass that validates the ``options:`` section of the pipeline's configs (its
     instance is ``cfg.options``); None: the pipeline takes no options section. Other keyword arguments are
@@ -115,3 +115,14 @@ def refresh() -> None:
 
 
 _registry.set_pipeline_finder(find)
+
+
+def __getattr__(name: str) -> Any:
+    """``pipelines.Components``, the former name of `TrainingSetup`, still resolves (with a DeprecationWarning)
+    for third-party pipelines written against it."""
+    if name == "Components":
+        import warnings
+
+        warnings.warn("pipelines.Components is now pipelines.TrainingSetup", DeprecationWarning, stacklevel=2)
+        return TrainingSetup
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

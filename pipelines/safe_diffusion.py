@@ -28,7 +28,7 @@ from mmalign.data import load_rows
 from mmalign.distributed import process_seed
 from mmalign.policies.denoising import SamplerSettings
 from mmalign.tiny import ensure_model
-from pipelines import Components, register_pipeline
+from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import options
 from rewards import RewardSet, check_reward_specs
 
@@ -162,6 +162,6 @@ def build(cfg: Config) -> Any:
         ensure_model(path, builder)
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_policy(cfg, o)
-    return Components(
+    return TrainingSetup(
         policy=policy, rewards=rewards, data=train, eval_data=evals or None, sample_columns=["category"]
     )

@@ -14,7 +14,7 @@ from mmalign.config import Config
 from mmalign.data import load_rows
 from mmalign.policies.text import TextPolicy
 from mmalign.tiny import ensure_model
-from pipelines import Components, register_pipeline
+from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import policy_kwargs
 from rewards import RewardSet
 
@@ -36,6 +36,6 @@ def build(cfg: Config) -> Any:
     eval_rows = load_rows(cfg.data.eval, cfg.data.prompt_template) if cfg.data.eval else None
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_text_policy(cfg)
-    return Components(
+    return TrainingSetup(
         policy=policy, rewards=rewards, data=rows, eval_data=eval_rows, sample_columns=["answer", "solution"]
     )

@@ -40,7 +40,7 @@ from mmalign.distributed import process_seed
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.policies.flow_matching import FlowMatchingPolicy
 from mmalign.tiny import ensure_model
-from pipelines import Components, register_pipeline
+from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_prompts, options
 from rewards import RewardSet
 
@@ -134,4 +134,4 @@ def build(cfg: Config) -> Any:
     eval_rows = load_prompts(cfg.data.eval, cfg.data.prompt_template) if cfg.data.eval else None
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_flow_policy(cfg)
-    return Components(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)
+    return TrainingSetup(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)

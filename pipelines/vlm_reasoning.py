@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from mmalign.config import Config
-from pipelines import Components, register_pipeline
+from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import VLMOptions, build_vlm_policy, load_vlm_rows, vlm_options
 from rewards import RewardSet
 
@@ -29,6 +29,6 @@ def build(cfg: Config) -> Any:
     eval_rows = load_vlm_rows(cfg.data.eval, cfg.data.prompt_template, opts) if cfg.data.eval else None
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_vlm_policy(cfg)
-    return Components(
+    return TrainingSetup(
         policy=policy, rewards=rewards, data=rows, eval_data=eval_rows, sample_columns=["answer", "solution"]
     )

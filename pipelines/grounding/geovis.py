@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mmalign.config import Config
-from pipelines import Components, register_pipeline
+from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import build_vlm_policy, options
 from pipelines.grounding.data import GroundingOptions, load_grounding_rows
 from pipelines.grounding.geovis_env import ZoomEnvironment
@@ -124,6 +124,6 @@ def build(cfg: Config) -> Any:
             temperature=opts.search_temperature,
             max_new_tokens=cfg.rollout.max_new_tokens,
         )
-    return Components(
+    return TrainingSetup(
         policy=policy, rewards=rewards, data=rows, eval_data=eval_rows, sample_columns=["boxes"]
     )

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmalign.config import Config
-from pipelines import Components, register_pipeline
+from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import build_vlm_policy, options
 from pipelines.grounding.curriculum import CurriculumCallback, IoUThresholdCurriculum
 from pipelines.grounding.data import GroundingOptions, load_grounding_rows
@@ -118,7 +118,7 @@ def build(cfg: Config) -> Any:
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     callbacks = [build_curriculum(cfg, opts, rewards)] if opts.curriculum else []
     policy = build_vlm_policy(cfg)
-    return Components(
+    return TrainingSetup(
         policy=policy,
         rewards=rewards,
         data=rows,

@@ -40,7 +40,7 @@ from typing import Any, Literal
 from mmalign.config import Config
 from mmalign.data import DataError
 from mmalign.tiny import ensure_model
-from pipelines import Components, register_pipeline
+from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_resolved_rows, options
 from pipelines.video.wan import WanVideoOptions, build_wan_policy
 from rewards import RewardSet
@@ -131,7 +131,7 @@ def build(cfg: Config) -> Any:
         ensure_model(path, builder)
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_video_policy(cfg)
-    return Components(
+    return TrainingSetup(
         policy=policy,
         rewards=rewards,
         data=rows,

@@ -39,7 +39,7 @@ from mmalign.policies.base import ActionStats
 from mmalign.policies.denoising import StepContext
 from mmalign.policies.wan import WanPolicy
 from mmalign.tiny import ensure_model
-from pipelines import Components, register_pipeline
+from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_prompts, options
 from pipelines.video.wan import WanVideoOptions, build_wan_policy
 from rewards import RewardSet
@@ -310,4 +310,4 @@ def build(cfg: Config) -> Any:
         guide_eval=opts.guide_eval,
     )
     rewards = RewardSet(cfg.rewards, source=cfg.source)
-    return Components(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)
+    return TrainingSetup(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)

@@ -26,7 +26,7 @@ from typing import Any
 
 from mmalign.config import Config
 from mmalign.tiny import ensure_model
-from pipelines import Components, register_pipeline
+from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_prompts, options
 from pipelines.video.wan import WanVideoOptions, build_wan_policy
 from rewards import RewardSet
@@ -49,4 +49,4 @@ def build(cfg: Config) -> Any:
         ensure_model(path, builder)
     policy = build_wan_policy(cfg, opts)
     rewards = RewardSet(cfg.rewards, source=cfg.source)
-    return Components(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)
+    return TrainingSetup(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)

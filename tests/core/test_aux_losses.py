@@ -17,7 +17,7 @@ from mmalign.batch import Rollout
 from mmalign.config import ConfigError, config_from_dict
 from mmalign.policies.base import ActionStats, Policy
 from mmalign.trainer import GroupTrainer, TrainingError
-from pipelines import Components
+from pipelines import TrainingSetup
 from rewards import RewardSet
 
 
@@ -90,7 +90,9 @@ def train(tmp_path: Path, *, coef: float | None, microbatch: int | None = None, 
         }
     )
     policy = WeightPolicy(name)
-    comps = Components(policy=policy, rewards=RewardSet(cfg.rewards), data=[{"prompt": "a"}, {"prompt": "b"}])
+    comps = TrainingSetup(
+        policy=policy, rewards=RewardSet(cfg.rewards), data=[{"prompt": "a"}, {"prompt": "b"}]
+    )
     history = GroupTrainer(cfg, comps).train()
     return history[-1], policy.model.weight.detach().flatten()
 

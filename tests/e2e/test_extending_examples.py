@@ -93,7 +93,7 @@ def test_the_documented_process_reward_fills_step_rewards(namespace: dict[str, A
 def test_the_documented_aux_loss_is_added_with_its_coefficient(namespace: dict[str, Any]) -> None:
     from mmalign.config import config_from_dict
     from mmalign.trainer import GroupTrainer
-    from pipelines import Components
+    from pipelines import TrainingSetup
     from rewards import RewardSet
 
     def run(coef: float, tmp: Path) -> tuple[list[dict[str, Any]], torch.Tensor]:
@@ -109,7 +109,7 @@ def test_the_documented_aux_loss_is_added_with_its_coefficient(namespace: dict[s
             }
         )
         policy = namespace["BanditWithPrior"]()
-        comps = Components(policy=policy, rewards=RewardSet(cfg.rewards), data=[{"prompt": "q"}] * 4)
+        comps = TrainingSetup(policy=policy, rewards=RewardSet(cfg.rewards), data=[{"prompt": "q"}] * 4)
         return GroupTrainer(cfg, comps).train(), policy.model.weight.detach().clone()
 
     base = namespace["run_dir"].parent

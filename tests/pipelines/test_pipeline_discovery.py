@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from mmalign.data import load_rows
 from mmalign.policies.text import TextPolicy
-from pipelines import Components, register_pipeline
+from pipelines import TrainingSetup, register_pipeline
 from rewards import Reward, RewardSet
 
 
@@ -71,7 +71,7 @@ def build(cfg):
         max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature,
     )
-    return Components(policy=policy, rewards=RewardSet(cfg.rewards, source=cfg.source), data=rows)
+    return TrainingSetup(policy=policy, rewards=RewardSet(cfg.rewards, source=cfg.source), data=rows)
 '''
 
 TOY_BUILDER = '''
@@ -384,3 +384,12 @@ def test_config_does_not_import_pipelines_and_imports_only_the_named_pipeline():
         assert not stripped.startswith(
             ("import pipelines", "from pipelines", "import rewards", "from rewards")
         ), line
+
+
+def test_the_former_components_name_still_resolves_with_a_warning():
+    import pipelines
+
+    with pytest.warns(DeprecationWarning, match="TrainingSetup"):
+        assert pipelines.Components is pipelines.TrainingSetup
+    with pytest.raises(AttributeError):
+        pipelines.NoSuchThing  # noqa: B018

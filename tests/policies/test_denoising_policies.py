@@ -323,7 +323,7 @@ def test_group_trainer_runs_the_policy(case: Case, tmp_path: Path) -> None:
     needs them, the policy's own step-mean KL is used, and the denoiser's weights move."""
     from mmalign.config import config_from_dict
     from mmalign.trainer import GroupTrainer
-    from pipelines import Components
+    from pipelines import TrainingSetup
     from rewards import RewardSet
 
     cfg = config_from_dict(
@@ -340,7 +340,7 @@ def test_group_trainer_runs_the_policy(case: Case, tmp_path: Path) -> None:
     pol = case.make(num_steps=4 if case.name == "flow" else 3, need_reference=True)
     rows = [{"prompt": "a red square"}, {"prompt": "two blue circles"}, {"prompt": "green"}]
     before = {k: v.clone() for k, v in pol.trainable_state_dict().items()}
-    trainer = GroupTrainer(cfg, Components(policy=pol, rewards=RewardSet(cfg.rewards), data=rows))
+    trainer = GroupTrainer(cfg, TrainingSetup(policy=pol, rewards=RewardSet(cfg.rewards), data=rows))
     history = trainer.train()
     assert [m["step"] for m in history] == [1, 2]
     assert "images" in trainer._last_batch.outputs and trainer._last_batch.logp_ref is None
@@ -354,7 +354,7 @@ def test_policy_generator_round_trips_through_checkpoints(case: Case, tmp_path: 
     checkpoint and restored on resume, so the next rollout after a resume is the uninterrupted one's."""
     from mmalign.config import config_from_dict
     from mmalign.trainer import GroupTrainer
-    from pipelines import Components
+    from pipelines import TrainingSetup
     from rewards import RewardSet
 
     cfg = config_from_dict(
@@ -372,7 +372,7 @@ def test_policy_generator_round_trips_through_checkpoints(case: Case, tmp_path: 
     def trainer(resume: bool) -> GroupTrainer:
         pol = case.make(num_steps=3, seed=123)
         return GroupTrainer(
-            cfg, Components(policy=pol, rewards=RewardSet(cfg.rewards), data=rows), resume=resume
+            cfg, TrainingSetup(policy=pol, rewards=RewardSet(cfg.rewards), data=rows), resume=resume
         )
 
     first = trainer(False)

@@ -590,7 +590,7 @@ def _trainer_config(b: Built, out: Path):
 
 def test_two_trainer_steps_change_only_trainable_parameters(built: Built, tmp_path: Path) -> None:
     from mmalign.trainer import GroupTrainer
-    from pipelines import Components
+    from pipelines import TrainingSetup
 
     pol = built.make(need_reference=True)
     cfg = _trainer_config(built, tmp_path / "run")
@@ -598,7 +598,7 @@ def test_two_trainer_steps_change_only_trainable_parameters(built: Built, tmp_pa
     trainable, frozen = split_parameters(pol)
     before_t = {n: p.detach().clone() for n, p in trainable}
     before_f = {n: p.detach().clone() for n, p in frozen}
-    trainer = GroupTrainer(cfg, Components(policy=pol, rewards=rewards, data=list(built.rows)))
+    trainer = GroupTrainer(cfg, TrainingSetup(policy=pol, rewards=rewards, data=list(built.rows)))
     history = trainer.train()
     assert [m["step"] for m in history] == [1, 2]
     assert history[0]["reward/varied/std"] > 0, "the reward must vary (else nothing is updated)"

@@ -319,7 +319,7 @@ def test_group_trainer_drives_the_window_and_saves_images(pipe_dir, tmp_path):
 
     from mmalign.config import config_from_dict
     from mmalign.trainer import GroupTrainer
-    from pipelines import Components
+    from pipelines import TrainingSetup
     from rewards import RewardSet
 
     cfg = config_from_dict(
@@ -334,7 +334,7 @@ def test_group_trainer_drives_the_window_and_saves_images(pipe_dir, tmp_path):
     )
     pol = make(pipe_dir, num_steps=4, window_size=2, window_mode="sliding", window_shift_every=1)
     rows = [{"prompt": "a red square"}, {"prompt": "two blue circles"}]
-    trainer = GroupTrainer(cfg, Components(policy=pol, rewards=RewardSet(cfg.rewards), data=rows))
+    trainer = GroupTrainer(cfg, TrainingSetup(policy=pol, rewards=RewardSet(cfg.rewards), data=rows))
     trainer.train()
     assert pol.train_step == 1 and trainer._last_batch.payload["step_index"][0].tolist() == [1, 2]
     samples = tmp_path / "run" / "samples"

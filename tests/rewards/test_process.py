@@ -247,7 +247,7 @@ def test_trainer_refuses_a_per_step_reward_with_an_estimator_that_ignores_it(tmp
 
     from mmalign.config import ConfigError, config_from_dict
     from mmalign.trainer import GroupTrainer
-    from pipelines import Components
+    from pipelines import TrainingSetup
     from rewards import RewardSet, register_reward
     from rewards.base import REGISTRY
 
@@ -277,7 +277,7 @@ def test_trainer_refuses_a_per_step_reward_with_an_estimator_that_ignores_it(tmp
                     "algorithm": {"estimator": estimator},
                 }
             )
-            comps = Components(policy=Stub(), rewards=RewardSet(cfg.rewards), data=[{"prompt": "q"}])
+            comps = TrainingSetup(policy=Stub(), rewards=RewardSet(cfg.rewards), data=[{"prompt": "q"}])
             with pytest.raises(ConfigError, match="algorithm.estimator"):
                 GroupTrainer(cfg, comps)
     finally:

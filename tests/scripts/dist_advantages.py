@@ -22,7 +22,7 @@ from mmalign.batch import Rollout
 from mmalign.config import config_from_dict
 from mmalign.policies.base import ActionStats, Policy
 from mmalign.trainer import GroupTrainer
-from pipelines import Components
+from pipelines import TrainingSetup
 from rewards import RewardSet
 
 
@@ -88,7 +88,7 @@ def main() -> None:
         "dist_advantages",
     )
     rows = [{"question": str(i), "answer": str(i % 4), "prompt": f"q{i}"} for i in range(18)]
-    comps = Components(policy=FakePolicy(), rewards=RewardSet(cfg.rewards), data=rows)
+    comps = TrainingSetup(policy=FakePolicy(), rewards=RewardSet(cfg.rewards), data=rows)
     trainer = GroupTrainer(cfg, comps, accelerator=Accelerator(cpu=True))
     acc = trainer.accelerator
     launched = int(os.environ.get("WORLD_SIZE", "1"))
