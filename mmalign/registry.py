@@ -236,19 +236,29 @@ class Discovery:
         return obj
 
     def _import_module(self, name: str) -> bool:
-        """Import ``package.name`` if it exists; whether it does."""
+        """Import the module called `name`: ``package.name``, else ``package.<subpackage>.name`` (one level
+        down, e.g. ``pipelines.grounding.medloc``); whether one exists."""
+        import pkgutil
         from importlib.util import find_spec
 
         if self.package is None or not name.isidentifier() or name.startswith("_"):
             return False
-        module = f"{self.package}.{name}"
-        try:
-            if find_spec(module) is None:
-                return False
-        except ModuleNotFoundError:
-            return False
-        importlib.import_module(module)
-        return True
+        candidates = [f"{self.package}.{name}"]
+        pkg = importlib.import_module(self.package)
+        candidates += [
+            f"{info.name}.{name}"
+            for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")
+            if info.ispkg and not info.name.rpartition(".")[2].startswith("_")
+        ]
+        for module in candidates:
+            try:
+                if find_spec(module) is None:
+                    continue
+            except ModuleNotFoundError:
+                continue
+            importlib.import_module(module)
+            return True
+        return False
 
     def find(self, name: str) -> bool:
         """Import what registers `name` (see the class); whether it is registered now. Raises the

@@ -11,16 +11,18 @@ training loop is `mmalign.trainer.GroupTrainer`. It registers where it is define
     @register_pipeline("my_pipeline", options=MyOptions)
     def build(cfg: Config) -> TrainingSetup: ...
 
-Where pipelines are found (`DISCOVERY`, a `mmalign.registry.Discovery`): the modules of this package
-(``pipelines/<module>.py``, found with pkgutil) and the entry points of group ``mmalign.pipelines``
+Where pipelines are found (`DISCOVERY`, a `mmalign.registry.Discovery`): the modules of this package and of its
+domain subpackages (``pipelines/<module>.py``, ``pipelines/<domain>/<module>.py``, found with pkgutil; a
+module is named after the pipeline it registers) and the entry points of group ``mmalign.pipelines``
 (each names a module, or a ``module:build`` object, that registers on import), so a third-party package
 declares, in its ``pyproject.toml``::
 
     [project.entry-points."mmalign.pipelines"]
     my_pipeline = "my_package.my_pipeline"
 
-Nothing is imported by ``import pipelines``: a lookup (`get`, `find`) imports ``pipelines/<name>.py``
-when it exists, else the entry point called ``<name>``, and only then every module and entry point;
+Nothing is imported by ``import pipelines``: a lookup (`get`, `find`) imports ``pipelines/<name>.py`` or
+``pipelines/<domain>/<name>.py`` when it exists, else the entry point called ``<name>``, and only then every
+module and entry point;
 `names` imports everything. `refresh` forgets what discovery cached (after installing a plugin).
 """
 

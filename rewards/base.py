@@ -346,7 +346,6 @@ def resolve(spec: str) -> Any:
     return DISCOVERY.resolve(spec)
 
 
-_resolve = resolve  # the former private name (scripts and tests use it)
 
 
 def load_reward(spec: str, **kwargs: Any) -> Reward:

@@ -429,10 +429,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device is not None:
         if "device" in options:
             parser.error("the device is given twice, as --device and in --kwargs; keep one")
-        from .base import _resolve
+        from .base import resolve
 
         try:
-            takes_device = takes_option(_resolve(args.reward), "device")
+            takes_device = takes_option(resolve(args.reward), "device")
         except (KeyError, ImportError, AttributeError) as e:
             parser.error(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
         if not takes_device:

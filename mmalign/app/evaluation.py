@@ -84,7 +84,10 @@ def load_weights(policy: Any, checkpoint: Path) -> None:
     file = Path(checkpoint) / TRAINABLE_FILE
     if not file.is_file():
         raise ConfigError(f"checkpoint {checkpoint}: no trainable.safetensors in it")
-    policy.load_trainable_state_dict(load_file(str(file)))
+    try:
+        policy.load_trainable_state_dict(load_file(str(file)))
+    except ValueError as e:  # the weights of another model (or another LoRA setup)
+        raise ConfigError(f"checkpoint {checkpoint}: {e}") from None
 
 
 CHUNK_SEED_STRIDE = 1_000_003

@@ -1,5 +1,5 @@
 """A tiny text-to-video Wan model of rendered 3-D scenes under a moving camera, with its latent geometry model
-(VGGRPO's tiny task, `pipelines.video.geometry`; also Euphonium's, `pipelines.video.euphonium`).
+(VGGRPO's tiny task, `pipelines.video.video_geometry`; also Euphonium's, `pipelines.video.euphonium`).
 
 Builder ``video_geometry`` (`build_video_geometry`), in four phases, on clips of `mmalign.tiny.geometry_scenes`
 (textured boxes in a room, 9 frames of 32 x 32 px, a camera that pans, dollies, trucks, orbits or stays still;

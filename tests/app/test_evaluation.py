@@ -12,7 +12,7 @@ import yaml
 from PIL import Image
 
 from mmalign.app.cli import main
-from mmalign.app.evaluation import format_report, resolve_checkpoint, score
+from mmalign.app.evaluation import format_report, load_weights, resolve_checkpoint, score
 from mmalign.batch import Rollout
 from mmalign.config import ConfigError, config_from_dict
 from mmalign.data import DataError, load_prompt_rows, load_rows
@@ -100,6 +100,32 @@ def test_resolve_checkpoint(tmp_path):
     assert resolve_checkpoint(tmp_path / "x", str(tmp_path)) == ck
     with pytest.raises(ConfigError, match="neither a checkpoint"):
         resolve_checkpoint(tmp_path, str(tmp_path / "nope"))
+
+
+def test_weights_of_another_model_are_a_config_error_naming_the_checkpoint(tmp_path):
+    """A checkpoint whose tensors do not match the policy's trainable parameters: one line naming the folder
+    (a user error), and the policy's weights are left as they were."""
+    from safetensors.torch import save_file
+
+    from mmalign.policies.base import Policy
+
+    class Tiny(Policy):
+        rollout = action_stats = reference_logprobs = save = None
+
+        def __init__(self):
+            self.model = torch.nn.Linear(2, 2)
+
+    pol = Tiny()
+    before = {n: p.detach().clone() for n, p in pol.model.named_parameters()}
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    save_file({"other.weight": torch.zeros(2, 2)}, str(ck / "trainable.safetensors"))
+    with pytest.raises(ConfigError, match=r"checkpoint .*ck: checkpoint does not match the model"):
+        load_weights(pol, ck)
+    assert all(torch.equal(p, before[n]) for n, p in pol.model.named_parameters())
+    save_file({k: v + 1 for k, v in before.items()}, str(ck / "trainable.safetensors"))
+    load_weights(pol, ck)
+    assert all(torch.equal(p, before[n] + 1) for n, p in pol.model.named_parameters())
 
 
 def test_text_prompt_files(tmp_path):

@@ -31,7 +31,7 @@ def test_config_is_valid(path: Path) -> None:
     assert a.filter in filters.names()
     for key, specs in (("rewards", cfg.rewards), ("eval.rewards", cfg.eval.rewards)):
         for spec in specs:
-            cls = rewards_base._resolve(spec.name)
+            cls = rewards_base.resolve(spec.name)
             if _needs_model_files(spec.kwargs):
                 # models named by hub id or built by a tiny builder at run time: check the options only
                 rewards_base._check_options(spec.name, cls.__init__, 1, dict(spec.kwargs))

@@ -393,3 +393,24 @@ def test_the_former_components_name_still_resolves_with_a_warning():
         assert pipelines.Components is pipelines.TrainingSetup
     with pytest.raises(AttributeError):
         pipelines.NoSuchThing  # noqa: B018
+
+
+def test_a_domain_package_pipeline_is_found_without_importing_the_others():
+    """``medloc`` lives in ``pipelines/grounding/``: looking it up imports its package, not the video pipelines
+    nor the other top-level ones (a broken unrelated module cannot stop it)."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import pipelines
+        pipelines.get("medloc")
+        loaded = sorted(m for m in sys.modules if m.startswith("pipelines."))
+        assert "pipelines.grounding.medloc" in loaded, loaded
+        assert not [m for m in loaded if m.startswith("pipelines.video")], loaded
+        assert not {"pipelines.text_to_image", "pipelines.safe_diffusion", "pipelines.text_reasoning"} & set(loaded)
+        pipelines.get("video_edit")
+        assert "pipelines.video.video_edit" in sys.modules
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

@@ -131,14 +131,14 @@ def _run_config(run: Path) -> dict[str, Any]:
 def _reward_weights(cfg: dict[str, Any]) -> tuple[list[str], list[float]]:
     """Column names and outcome weights of the run's rewards, as `rewards.RewardSet` has them (no reward is
     built, only resolved: a per-step reward's outcome weight is 0; its weight is already in ``step_rewards``)."""
-    from rewards.base import _resolve
+    from rewards.base import resolve
 
     names, weights = [], []
     for spec in cfg["rewards"]:
         spec = {"name": spec} if isinstance(spec, str) else spec
         names.append(str(spec.get("alias") or spec["name"]))
         try:
-            per_step = bool(getattr(_resolve(str(spec["name"])), "per_step", False))
+            per_step = bool(getattr(resolve(str(spec["name"])), "per_step", False))
         except (
             KeyError,
             ImportError,

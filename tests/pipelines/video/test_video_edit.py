@@ -16,7 +16,7 @@ import torch
 from mmalign.config import ConfigError, load_config
 from mmalign.data import DataError
 from mmalign.media import read_video, write_array
-from pipelines.video.edit import VideoEditOptions, load_edit_rows, resolve_edit_row
+from pipelines.video.video_edit import VideoEditOptions, load_edit_rows, resolve_edit_row
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "configs" / "video_edit-tiny.yaml"

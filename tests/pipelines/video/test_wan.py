@@ -9,7 +9,7 @@ import pytest
 
 from mmalign.config import load_config
 from mmalign.distributed import process_seed
-from pipelines.video.edit import VideoEditOptions
+from pipelines.video.video_edit import VideoEditOptions
 from pipelines.video.wan import WanVideoOptions, build_wan_policy
 
 REPO = Path(__file__).resolve().parents[3]
