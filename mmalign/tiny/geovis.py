@@ -59,6 +59,16 @@ from mmalign.tiny.vlm import (
     qwen2_vl_model,
     special_token_ids,
 )
+from pipelines.grounding.geovis_env import REFUSAL, ZoomEnvironment, replay
+from pipelines.grounding.geovis_views import (
+    BOX_PROMPT,
+    YESNO_PROMPT,
+    ZOOM_PROMPT,
+    View,
+    crop_image,
+    global_to_view,
+    make_view,
+)
 
 MAP_SIZE = 224
 """Side of a map in pixels."""
@@ -255,8 +265,6 @@ LABEL_SIDES = (48, 52, 56, 60, 64, 68)
 
 def _corpus(rng: random.Random) -> list[str]:
     """Texts the tokenizer is trained on: every prompt, expression, action and reply form."""
-    from pipelines.grounding.geovis_env import REFUSAL
-    from pipelines.grounding.geovis_views import BOX_PROMPT, YESNO_PROMPT, ZOOM_PROMPT
 
     texts = []
     for c in BUILDING_COLOURS:
@@ -402,7 +410,6 @@ def box_text(box: Sequence[float], tag: str, view: int | None = None) -> str:
 
 def zoom_messages(expression: str, crop: str, inserted: str, answer: str) -> list[dict[str, Any]]:
     """The GeoViS 2-turn conversation: ZOOM_PROMPT + view 0, the crop turn, the inserted view, the answer."""
-    from pipelines.grounding.geovis_views import ZOOM_PROMPT
 
     return [
         user_message(ZOOM_PROMPT.format(expression=expression), 1),
@@ -437,7 +444,6 @@ def _label_crop(m: GeoMap, rng: random.Random, root: Any, noise: float) -> list[
 
 
 def _answer_box(box: Sequence[float], view: Any, rng: random.Random, jitter: float) -> list[int]:
-    from pipelines.grounding.geovis_views import global_to_view
 
     b = [v + rng.gauss(0, jitter) for v in global_to_view(box, view, "resized")]
     x1, y1, x2, y2 = (round(v) for v in b)
@@ -450,7 +456,6 @@ def zoom_example(
     """(a) The 2-turn zoom conversation of map `m`, rendered (`render_conversation`): the crop turn is a
     coarse square around the target (`_label_crop`), the environment `env` (a `ZoomEnvironment`) opens it
     exactly as in a rollout, the answer is the target box in the crop's resized pixels, jittered."""
-    from pipelines.grounding.geovis_views import View
 
     row = _map_row(m)
     state: dict[str, Any] = {}
@@ -486,7 +491,6 @@ def _random_region(
 
 def _centred_region(m: GeoMap, rng: random.Random, noise: float) -> tuple[float, float, float, float]:
     """The original-pixel region of a `_label_crop` (a square around the target, as the zoom turn asks)."""
-    from pipelines.grounding.geovis_views import View
 
     root = View.root(m.image.size, PIXELS, PIXELS)
     x1, y1, x2, y2 = _label_crop(m, rng, root, noise)
@@ -506,7 +510,6 @@ def box_example(
     """(b) ``BOX_PROMPT`` on an image holding the target -> the box in that image's resized pixels. The image
     is the whole map (probability `full`), a square around the target as a zoom turn would ask for
     (`centred`, centre noise `noise` original pixels), else a random crop of 40-112 px holding the target."""
-    from pipelines.grounding.geovis_views import BOX_PROMPT, crop_image, make_view
 
     size = m.image.width
     u = rng.random()
@@ -529,7 +532,6 @@ def box_example(
 
 def yesno_example(processor: Any, m: GeoMap, rng: random.Random) -> dict[str, Any]:
     """(c) ``YESNO_PROMPT`` on a crop with (half the time) or without the target -> ``yes`` / ``no``."""
-    from pipelines.grounding.geovis_views import YESNO_PROMPT, crop_image
 
     yes = rng.random() < 0.5
     region = _random_region(m, rng, yes, m.image.width)
@@ -579,7 +581,6 @@ def build_geovis(
     Each step draws `batch_size` examples from the pools (a) zoom conversations, (b) box, (c) yes/no in
     proportions `mix`; the loss is the mean cross-entropy over assistant tokens. `crop_noise` (original
     pixels) and `answer_jitter` (resized pixels) keep the warm policy imprecise, so RL has work to do."""
-    from pipelines.grounding.geovis_env import ZoomEnvironment
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -672,8 +673,6 @@ def evaluate(
     Also: the mean number of turns, the share of samples with an accepted crop, the share of accepted
     crops that hold the whole target."""
     from mmalign.policies.vlm import VLMPolicy
-    from pipelines.grounding.geovis_env import ZoomEnvironment, replay
-    from pipelines.grounding.geovis_views import BOX_PROMPT, ZOOM_PROMPT
     from rewards.boxes import iou
 
     torch.manual_seed(seed)
