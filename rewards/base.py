@@ -346,8 +346,6 @@ def resolve(spec: str) -> Any:
     return DISCOVERY.resolve(spec)
 
 
-
-
 def load_reward(spec: str, **kwargs: Any) -> Reward:
     """Build the reward `spec` (registered name, entry point or ``module:attr``) with options `kwargs`.
 
