@@ -106,6 +106,13 @@ class DataConfig:
     success_threshold: float | None = 0.5
     """For the sampler's feedback: a sample succeeds when its total reward is > this (null: the
     group's mean reward clamped to [0, 1] is its success rate)."""
+    too_long: Literal["error", "skip", "truncate"] = "error"
+    """A prompt whose tokens plus ``rollout.max_new_tokens`` exceed the model's context, found before the
+    first step: stop with an error naming file, line and length; skip the row (counted, logged); or cut the
+    prompt's start so that it fits (counted, logged)."""
+    too_few_prompts: Literal["warn", "error"] = "warn"
+    """Fewer distinct prompts than ``rollout.prompts_per_step``: a step then trains copies of one prompt;
+    warn (default) or stop."""
 
 
 @dataclass
@@ -239,6 +246,12 @@ class TrainerConfig:
     """Checkpoints kept in output_dir/checkpoints (older ones are deleted)."""
     progress_bar: bool = True
     """Show a progress bar (main process only)."""
+    dist_timeout_s: float = 300.0
+    """Multi-process runs: the bound on waiting for another process, in seconds. It is the process group's
+    collective timeout and the heartbeat watchdog's limit: when a peer is frozen or dead, every process stops
+    within about this long with an error naming the rank and the last complete checkpoint."""
+    nan_reward_steps: int = 3
+    """Stop the run when one reward is NaN for every sample this many steps in a row (0: never)."""
     log_with: list[str] = field(default_factory=list)
     """Experiment trackers that also receive the run, through accelerate: ``tensorboard`` and / or ``wandb``
     (the ``trackers`` extra: ``pip install -e ".[trackers]"``). They get the config at the start, the numbers
@@ -837,6 +850,8 @@ def validate(cfg: Config, src: _Source | str | None = None) -> None:
     need(t.max_grad_norm is None or t.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0 or null")
     for key in ("log_every", "sample_every", "save_every", "keep_checkpoints"):
         need(getattr(t, key) >= 1, f"trainer.{key}", "must be >= 1")
+    need(_finite(t.dist_timeout_s) and t.dist_timeout_s > 0, "trainer.dist_timeout_s", "must be > 0")
+    need(t.nan_reward_steps >= 0, "trainer.nan_reward_steps", "must be >= 0 (0: never stop)")
     _validate_trackers(t, need)
     need(_finite(a.kl_coef) and a.kl_coef >= 0, "algorithm.kl_coef", "must be a finite number >= 0")
     need(a.adv_clip is None or a.adv_clip > 0, "algorithm.adv_clip", "must be > 0 or null")
