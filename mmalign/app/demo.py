@@ -3,16 +3,26 @@
 The data layer (`list_steps`, `load_group`, `reward_table`, `curve_rows`, `generate_samples`, ...) is pure
 functions of the run directories, read through `mmalign.rundir` on every call (a run still training shows
 its new steps). The layout: `build_app` returns the `gr.Blocks` (tabs "Samples", "Curves", "Compare"),
-`launch_app` serves it with ``allowed_paths`` = the run directories only, `demo_main` is the command line.
+`launch_app` serves it, `demo_main` is the command line.
+
+The app serves only what it shows (`served_paths`): each run's ``samples/`` (media, sample JSONL),
+``demo_samples/`` (generations) and ``metrics.jsonl``; ``config.yaml``, ``checkpoints/``, ``final/`` and
+everything else of the run directory are blocked. Generation asks at most `MAX_PROMPTS` prompts and
+`MAX_SAMPLES_PER_PROMPT` samples per prompt, and ``demo_samples/`` is pruned to `DEMO_MAX_BYTES` /
+`DEMO_MAX_GENERATIONS` (oldest generations first). Secret-looking config values (`mask_secrets`) are never
+shown.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import math
 import os
+import re
+import shutil
 import sys
 import threading
 import time
@@ -24,7 +34,11 @@ from typing import Any
 from mmalign import rundir
 
 __all__ = [
+    "DEMO_MAX_BYTES",
+    "DEMO_MAX_GENERATIONS",
     "DEMO_SAMPLES_DIR",
+    "MAX_PROMPTS",
+    "MAX_SAMPLES_PER_PROMPT",
     "box_annotations",
     "build_app",
     "checkpoint_choices",
@@ -38,17 +52,41 @@ __all__ = [
     "list_groups",
     "list_steps",
     "load_group",
+    "mask_secrets",
     "media_items",
     "metric_keys",
     "predicted_boxes",
+    "prune_demo_samples",
     "reward_names",
     "reward_table",
-    "split_prompts",
     "run_status",
+    "served_paths",
+    "split_prompts",
 ]
 
 DEMO_SAMPLES_DIR = "demo_samples"
 """Where on-demand generations are written, inside the run directory (``RUN_DIR/demo_samples/<key>/``)."""
+
+MAX_SAMPLES_PER_PROMPT = 16
+"""The most samples per prompt one generation request may ask (``n``); more is refused."""
+
+MAX_PROMPTS = 16
+"""The most prompts one generation request may hold; more is refused."""
+
+DEMO_MAX_BYTES = 200 * 2**20
+"""``demo_samples/`` of a run is pruned (oldest generations first) to at most this many bytes..."""
+
+DEMO_MAX_GENERATIONS = 50
+"""... and at most this many generations; the two generations of the last request are always kept."""
+
+MEDIA_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".gif", ".mp4", ".webm"})
+"""The kinds of file the app shows (and so hands to Gradio to serve): images, videos, frame strips."""
+
+SECRET_KEY = re.compile(r"header|token|secret|key|passw|auth|credential|cookie", re.IGNORECASE)
+"""A config key whose value is never shown (`mask_secrets`): headers, tokens, API keys, passwords..."""
+
+NOT_SECRET_KEY = re.compile(r"tokens$|tokenizer|keyframe", re.IGNORECASE)
+"""... except counts and names that only look like one (``max_new_tokens``, ``tokenizer``)."""
 
 MEDIA_KEYS = ("image", "video", "video_frames")
 STANDARD_KEYS = {"group", "prompt", "advantage", "rewards", "text", "boxes", "env_state", *MEDIA_KEYS}
@@ -79,6 +117,66 @@ def _fmt(x: Any, digits: int = 4) -> str:
 def run_label(run_dir: str | Path) -> str:
     """The name a run is shown under: its folder name."""
     return Path(run_dir).name or str(run_dir)
+
+
+def _is_media(path: Any) -> bool:
+    """`path` names an existing image or video file (`MEDIA_SUFFIXES`): the only files the app shows."""
+    return path is not None and Path(path).suffix.lower() in MEDIA_SUFFIXES and Path(path).is_file()
+
+
+def served_paths(run_dirs: Sequence[str | Path]) -> tuple[list[str], list[str]]:
+    """``(allowed_paths, blocked_paths)`` for Gradio's file route: of each run, its ``samples/`` (media and
+    sample JSONL), ``demo_samples/`` (generations) and ``metrics.jsonl`` are served; its ``config.yaml``
+    (a remote reward's headers, tokens), ``checkpoints/``, ``final/`` and every other entry it holds now
+    are blocked (blocked paths win over every other path Gradio serves)."""
+    allowed: list[str] = []
+    blocked: list[str] = []
+    for r in run_dirs:
+        run = Path(r).resolve()
+        served = (rundir.SAMPLES_DIR, DEMO_SAMPLES_DIR, rundir.METRICS_FILE)
+        allowed += [str(run / name) for name in served]
+        names = {rundir.CONFIG_FILE, rundir.CHECKPOINTS_DIR, rundir.FINAL_DIR, rundir.DISTRIBUTED_FILE}
+        if run.is_dir():
+            names |= {p.name for p in run.iterdir()}
+        keep = {n.lower() for n in served}  # Gradio compares blocked paths case-insensitively
+        blocked += [str(run / name) for name in sorted(names) if name.lower() not in keep]
+    return allowed, blocked
+
+
+def _is_secret_key(key: Any) -> bool:
+    return bool(SECRET_KEY.search(str(key))) and not NOT_SECRET_KEY.search(str(key))
+
+
+def mask_secrets(value: Any) -> Any:
+    """`value` (a config, or part of one) with the values of secret-looking keys (`SECRET_KEY`: headers,
+    token, secret, key, password, ...) replaced by ``"***"``, at any depth."""
+    if isinstance(value, dict):
+        return {k: "***" if _is_secret_key(k) else mask_secrets(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [mask_secrets(v) for v in value]
+    return value
+
+
+def _secret_strings(value: Any, secret: bool = False) -> set[str]:
+    """Every string (of at least 4 characters) under a secret-looking key of `value`."""
+    out: set[str] = set()
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out |= _secret_strings(v, secret or _is_secret_key(k))
+    elif isinstance(value, list | tuple):
+        for v in value:
+            out |= _secret_strings(v, secret)
+    elif secret and isinstance(value, str) and len(value) >= 4:
+        out.add(value)
+        out.update(w for w in value.split() if len(w) >= 8)  # "Bearer <token>": the token alone too
+    return out
+
+
+def _scrub(text: str, run_dir: str | Path) -> str:
+    """`text` (an error message shown in the UI) with the secret values of the run's config masked."""
+    for secret in sorted(_secret_strings(_run_config(run_dir)), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
 
 
 def list_steps(run_dir: str | Path) -> list[int]:
@@ -187,15 +285,15 @@ def _caption(k: int, s: dict[str, Any]) -> str:
 
 def media_items(samples: Sequence[dict[str, Any]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """``(images, videos)``: per sample that has one, ``(path, caption)`` of its image (or, for a video, its
-    frame strip) and of its mp4; the caption names the sample, its rewards and advantage. Only files that
-    exist are listed."""
+    frame strip) and of its mp4; the caption names the sample, its rewards and advantage. Only image and
+    video files (`MEDIA_SUFFIXES`) that exist are listed."""
     images, videos = [], []
     for k, s in enumerate(samples):
         cap = _caption(k, s)
         still = s.get("image") or s.get("video_frames")
-        if still is not None and Path(still).is_file():
+        if _is_media(still):
             images.append((str(still), cap))
-        if s.get("video") is not None and Path(s["video"]).is_file():
+        if _is_media(s.get("video")):
             videos.append((str(s["video"]), cap))
     return images, videos
 
@@ -282,7 +380,7 @@ def box_annotations(
     base: Any = None
     scale = 1.0
     image = sample.get("image")
-    if image is not None and Path(image).is_file():
+    if _is_media(image):
         base = str(image)
     else:
         size = _size(sample, "image_width", "image_height")
@@ -390,6 +488,47 @@ def _generation_key(ckpt: Path | None, prompts: Sequence[str], n: int, seed: int
 
 
 _GENERATE_LOCK = threading.Lock()
+_RECENT: collections.deque[Path] = collections.deque(maxlen=2)
+"""The last generations handed to the UI (the two sides of the last request): never pruned, so their
+files are still there when Gradio reads them."""
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def prune_demo_samples(
+    run_dir: str | Path,
+    keep: Sequence[Path] = (),
+    max_bytes: int | None = None,
+    max_generations: int | None = None,
+) -> list[Path]:
+    """Delete the oldest generations (by last use) of ``RUN_DIR/demo_samples/`` until at most
+    `max_generations` (`DEMO_MAX_GENERATIONS`) remain and they hold at most `max_bytes` (`DEMO_MAX_BYTES`);
+    the folders of `keep` (the generations being shown) are never deleted. Returns the deleted paths."""
+    max_bytes = DEMO_MAX_BYTES if max_bytes is None else max_bytes
+    max_generations = DEMO_MAX_GENERATIONS if max_generations is None else max_generations
+    root = Path(run_dir) / DEMO_SAMPLES_DIR
+    if not root.is_dir() or root.is_symlink():
+        return []
+    kept = {Path(k).resolve() for k in keep}
+    entries = sorted(root.iterdir(), key=lambda p: p.lstat().st_mtime)  # oldest first
+    folder = lambda p: p.is_dir() and not p.is_symlink()  # noqa: E731
+    sizes = {p: _tree_bytes(p) if folder(p) else p.lstat().st_size for p in entries}
+    total, count = sum(sizes.values()), len(entries)
+    deleted = []
+    for p in entries:
+        if total <= max_bytes and count <= max_generations:
+            break
+        if p.resolve() in kept:
+            continue
+        if folder(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        total, count = total - sizes[p], count - 1
+        deleted.append(p)
+    return deleted
 
 
 def generate_samples(
@@ -403,8 +542,10 @@ def generate_samples(
 ) -> tuple[str, list[dict[str, Any]]]:
     """`n` samples per prompt from `checkpoint` (``latest``, ``base`` or a folder) of `run_dir` with seed `seed`,
     by `mmalign.app.cli.cmd_sample` (or `sample_fn`) on the run's ``config.yaml``; ``(label, rows)`` with media
-    paths absolute. Kept in ``RUN_DIR/demo_samples/<key>/`` (servable) and reused for the same arguments.
-    Paths in the config are relative to the current directory, as for `mmalign sample`."""
+    paths absolute. Kept in ``RUN_DIR/demo_samples/<key>/`` (served) and reused for the same arguments; the
+    folder is then pruned to its caps (`prune_demo_samples`). `ValueError` for more than `MAX_PROMPTS` prompts
+    or `MAX_SAMPLES_PER_PROMPT` samples per prompt. Paths in the config are relative to the current
+    directory, as for `mmalign sample`."""
     from mmalign.app.evaluation import resolve_checkpoint
     from mmalign.config import ConfigError
 
@@ -414,6 +555,10 @@ def generate_samples(
         raise ValueError("no prompt to generate from")
     if n < 1:
         raise ValueError(f"samples per prompt must be >= 1, got {n}")
+    if n > MAX_SAMPLES_PER_PROMPT:
+        raise ValueError(f"at most {MAX_SAMPLES_PER_PROMPT} samples per prompt, got {n}")
+    if len(prompts) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} prompts per generation, got {len(prompts)}")
     config = run / rundir.CONFIG_FILE
     if not config.is_file():
         raise ConfigError(f"{run}: no {rundir.CONFIG_FILE}, so no model to generate with")
@@ -423,23 +568,30 @@ def generate_samples(
     label = f"{run_label(run)} / {ckpt.name if ckpt else 'base model'} / seed {seed}"
     out = run / DEMO_SAMPLES_DIR / _generation_key(ckpt, prompts, n, seed)
     done = out / "samples.jsonl"
-    if not done.is_file():
-        if sample_fn is None:
-            from mmalign.app.cli import cmd_sample as sample_fn
-        args = argparse.Namespace(
-            config=str(config),
-            overrides=[f"output_dir={run}"],
-            checkpoint=str(ckpt) if ckpt else "base",
-            prompt=list(prompts),
-            prompts=None,
-            n=int(n),
-            max_prompts=len(prompts),
-            seed=int(seed),
-            out=str(out),
-        )
-        with _GENERATE_LOCK:  # one model in memory at a time
-            sample_fn(args)
-    rows = [json.loads(ln) for ln in done.read_text().splitlines() if ln.strip()]
+    with _GENERATE_LOCK:  # one model in memory at a time; no pruning while another request reads
+        if not done.is_file():
+            if sample_fn is None:
+                from mmalign.app.cli import cmd_sample as sample_fn
+            args = argparse.Namespace(
+                config=str(config),
+                overrides=[f"output_dir={run}"],
+                checkpoint=str(ckpt) if ckpt else "base",
+                prompt=list(prompts),
+                prompts=None,
+                n=int(n),
+                max_prompts=len(prompts),
+                seed=int(seed),
+                out=str(out),
+            )
+            try:
+                sample_fn(args)
+            finally:
+                prune_demo_samples(run, keep=[*_RECENT, out] if done.is_file() else list(_RECENT))
+        else:
+            os.utime(out)  # used again: the newest for pruning
+            prune_demo_samples(run, keep=[*_RECENT, out])
+        _RECENT.append(out)
+        rows = [json.loads(ln) for ln in done.read_text().splitlines() if ln.strip()]
     for row in rows:
         for key in MEDIA_KEYS:
             if isinstance(row.get(key), str):
@@ -569,7 +721,7 @@ def show_sample(run: str, step: Any, group: Any, k: Any) -> tuple[Any, Any]:
     return (
         gr.update(value=ann, visible=ann is not None),
         gr.update(
-            value=str(video) if video is not None and Path(video).is_file() else None,
+            value=str(video) if _is_media(video) else None,
             visible=video is not None,
         ),
     )
@@ -655,14 +807,22 @@ def _generate_both(
     lines = split_prompts(prompts)
     if not lines:
         raise gr.Error("write at least one prompt")
+    if len(lines) > MAX_PROMPTS:
+        raise gr.Error(f"at most {MAX_PROMPTS} prompts per generation (got {len(lines)})")
+    try:
+        n, seed = int(n or 1), int(seed or 0)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise gr.Error(f"samples per prompt and seed must be whole numbers: {e}") from e
+    if not 1 <= n <= MAX_SAMPLES_PER_PROMPT:
+        raise gr.Error(f"samples per prompt must be between 1 and {MAX_SAMPLES_PER_PROMPT} (got {n})")
     out: list[Any] = []
     for i, (run, ck) in enumerate(sides):
         progress(i / 2, desc=f"{'left' if i == 0 else 'right'}: loading the model and generating")
         try:
-            label, rows = generate_samples(run, ck, lines, int(n or 1), int(seed or 0))
-        except Exception as e:  # a wrong config / checkpoint: shown, the app keeps running
-            raise gr.Error(f"{run_label(run)} ({ck}): {type(e).__name__}: {e}") from e
-        out += _generated_side(label, rows, int(n or 1))
+            label, rows = generate_samples(run, ck, lines, n, seed)
+        except Exception as e:  # a wrong config / checkpoint: shown (secrets masked), the app keeps running
+            raise gr.Error(_scrub(f"{run_label(run)} ({ck}): {type(e).__name__}: {e}", run)) from e
+        out += _generated_side(label, rows, n)
     progress(1.0, desc="done")
     return tuple(out)
 
@@ -775,7 +935,13 @@ def _compare_tab(
             elem_id="prompts",
         )
         with gr.Row():
-            ui.n_box = gr.Number(value=4, precision=0, minimum=1, label="samples per prompt")
+            ui.n_box = gr.Number(
+                value=4,
+                precision=0,
+                minimum=1,
+                maximum=MAX_SAMPLES_PER_PROMPT,
+                label=f"samples per prompt (at most {MAX_SAMPLES_PER_PROMPT})",
+            )
             ui.seed_box = gr.Number(value=0, precision=0, label="seed")
             ui.gen = gr.Button("generate both sides", variant="primary", elem_id="generate")
         with gr.Row():
@@ -913,15 +1079,19 @@ def launch_app(
     block: bool = True,
     quiet: bool = False,
 ) -> Any:
-    """Build and serve the demo on `host`:`port`; only files inside `run_dirs` (and Gradio's own cache) are
-    served (``allowed_paths``). With `block` False the server runs in a thread: call ``.close()`` on the
-    returned `gr.Blocks` (its ``.local_url`` is the address)."""
+    """Build and serve the demo on `host`:`port`; only what the app shows is served (`served_paths`: each
+    run's ``samples/``, ``demo_samples/`` and ``metrics.jsonl``, and Gradio's own cache of files the app
+    returned); ``config.yaml``, checkpoints and the rest of the run directories are blocked. With `block`
+    False the server runs in a thread: call ``.close()`` on the returned `gr.Blocks` (its ``.local_url`` is
+    the address)."""
     demo = build_app(run_dirs, refresh_s=refresh_s)
     demo.queue(default_concurrency_limit=4)
+    allowed, blocked = served_paths(demo.run_dirs)
     demo.launch(
         server_name=host,
         server_port=port,
-        allowed_paths=list(demo.run_dirs),
+        allowed_paths=allowed,
+        blocked_paths=blocked,
         prevent_thread_lock=not block,
         quiet=quiet,
         inbrowser=False,

@@ -1,14 +1,17 @@
 """The sample-comparison app (`mmalign.app.demo`): its data layer on synthetic run directories of every sample
 kind (text, image, video, boxes, latents only), a run that grows while the app reads it, generation on
-demand through `mmalign sample`'s path, the command line, and the file route that serves only files inside
-the run directories (an HTTP test against the running app)."""
+demand through `mmalign sample`'s path (its caps on ``n`` and on the size of ``demo_samples/``), the command
+line, and the file route that serves only what the app shows, never ``config.yaml`` or checkpoints (HTTP
+tests against the running app)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -295,5 +298,222 @@ def test_only_files_inside_the_run_directories_are_served(image_run: Path, tmp_p
             status, body = http_get(route + path)
             assert status in (403, 404), (path, status)
             assert b"TOP SECRET" not in body and b"root:" not in body
+    finally:
+        app.close()
+
+
+SECRET = "sk-demo-SECRET-0123456789"
+CONFIG = {
+    "pipeline": "text_to_image",
+    "rollout": {"max_new_tokens": 64},
+    "rewards": [
+        {
+            "name": "remote",
+            "kwargs": {"url": "http://127.0.0.1:9/score", "headers": {"Authorization": f"Bearer {SECRET}"}},
+        },
+        {"name": "format", "kwargs": {"api_key": SECRET, "nested": {"password": "hunter22"}}},
+    ],
+}
+
+
+@pytest.fixture
+def full_run(image_run: Path) -> Path:
+    """`image_run` with everything a finished run holds: a config holding a bearer token, a checkpoint,
+    ``final/``, the distributed record and a stray file."""
+    (image_run / rundir.CONFIG_FILE).write_text(yaml.safe_dump(CONFIG))
+    ck = rundir.checkpoint_dir(image_run, 2)
+    ck.mkdir(parents=True)
+    (ck / rundir.COMPLETE_MARK).write_text("2")
+    (ck / rundir.TRAINABLE_FILE).write_bytes(b"TOP SECRET weights")
+    (image_run / rundir.FINAL_DIR).mkdir()
+    (image_run / rundir.FINAL_DIR / "model.safetensors").write_bytes(b"TOP SECRET weights")
+    (image_run / rundir.DISTRIBUTED_FILE).write_text('{"TOP SECRET": 1}')
+    (image_run / "notes.txt").write_text("TOP SECRET notes")
+    return image_run
+
+
+def fake_cmd_sample(args: argparse.Namespace) -> int:
+    """`cmd_sample` without a model: one 16x16 PNG per sample (about 1 kB each) and the samples file."""
+    out = Path(args.out)
+    rows = []
+    for i in range(args.n * len(args.prompt)):
+        view = rundir.store_media({"image": torch.rand(3, 16, 16)}, out / "media", f"000_{i:02d}", out)
+        rows.append({"prompt": args.prompt[i // args.n], "sample": i % args.n, **view})
+    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return 0
+
+
+def file_route(app: object) -> str:
+    import gradio
+
+    major = int(gradio.__version__.split(".")[0])
+    return app.local_url + ("gradio_api/file=" if major >= 5 else "file=")  # type: ignore[attr-defined]
+
+
+def call_api(app: object, name: str, data: list) -> tuple[str, str]:
+    """Call the app's `name` endpoint over HTTP (Gradio's two-step REST API): ``(event, data)`` of its
+    last event, ``"complete"`` or ``"error"``."""
+    base = app.local_url + "gradio_api/call/" + name  # type: ignore[attr-defined]
+    req = urllib.request.Request(
+        base, json.dumps({"data": data}).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        event_id = json.loads(r.read())["event_id"]
+    with urllib.request.urlopen(f"{base}/{event_id}", timeout=60) as r:
+        text = r.read().decode()
+    event, payload = "", ""
+    for line in text.splitlines():
+        if line.startswith("event:"):
+            event = line.split(":", 1)[1].strip()
+        elif line.startswith("data:"):
+            payload = line.split(":", 1)[1].strip()
+    return event, payload
+
+
+def test_served_paths_allow_what_is_shown_and_block_the_rest(full_run: Path) -> None:
+    allowed, blocked = demo.served_paths([full_run])
+    run = full_run.resolve()
+    assert allowed == [str(run / "samples"), str(run / demo.DEMO_SAMPLES_DIR), str(run / "metrics.jsonl")]
+    for name in ("config.yaml", "checkpoints", "final", "distributed.json", "notes.txt"):
+        assert str(run / name) in blocked
+    assert not set(allowed) & set(blocked)
+
+
+def test_secrets_of_the_config_are_masked() -> None:
+    masked = demo.mask_secrets(CONFIG)
+    assert SECRET not in json.dumps(masked) and "hunter22" not in json.dumps(masked)
+    assert masked["rewards"][0]["kwargs"]["headers"] == "***"
+    assert masked["rewards"][0]["kwargs"]["url"] == "http://127.0.0.1:9/score"  # not secret: shown
+    assert masked["rewards"][1]["kwargs"]["api_key"] == "***"
+    assert masked["rewards"][1]["kwargs"]["nested"] == {"password": "***"}
+    assert masked["rollout"] == {"max_new_tokens": 64}  # a count of tokens is no token
+    assert CONFIG["rewards"][0]["kwargs"]["headers"]["Authorization"].endswith(SECRET)  # a copy
+
+
+def test_a_generation_error_never_shows_a_secret(full_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gr = pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
+    import mmalign.app.cli
+
+    def failing(args: argparse.Namespace) -> int:
+        raise RuntimeError(f"401 from http://127.0.0.1:9/score with Authorization: Bearer {SECRET}")
+
+    monkeypatch.setattr(mmalign.app.cli, "cmd_sample", failing)
+    with pytest.raises(gr.Error) as err:
+        demo._generate_both([(str(full_run), "base")] * 2, "a prompt", 1, 0, lambda *a, **k: None)
+    assert "401" in str(err.value) and SECRET not in str(err.value) and "***" in str(err.value)
+
+
+def test_generate_caps_n_and_the_prompts(full_run: Path) -> None:
+    gr = pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
+    calls: list[argparse.Namespace] = []
+    fake = lambda args: calls.append(args) or fake_cmd_sample(args)  # noqa: E731
+    cap = demo.MAX_SAMPLES_PER_PROMPT
+    assert demo.generate_samples(full_run, "base", ["a"], cap, 0, sample_fn=fake)[1][-1]["sample"] == cap - 1
+    with pytest.raises(ValueError, match=f"at most {cap} samples per prompt, got 3000"):
+        demo.generate_samples(full_run, "base", ["a"], 3000, 0, sample_fn=fake)
+    with pytest.raises(ValueError, match=f"at most {demo.MAX_PROMPTS} prompts"):
+        demo.generate_samples(full_run, "base", ["p"] * (demo.MAX_PROMPTS + 1), 1, 0, sample_fn=fake)
+    assert len(calls) == 1
+    noop = lambda *a, **k: None  # noqa: E731
+    with pytest.raises(gr.Error, match=f"between 1 and {cap}"):
+        demo._generate_both([(str(full_run), "base")] * 2, "a", 3000, 0, noop)
+    with pytest.raises(gr.Error, match="at most"):
+        demo._generate_both([(str(full_run), "base")] * 2, "\n---\n".join("p" * 99), 1, 0, noop)
+
+
+def test_the_demo_folder_is_pruned_to_its_caps(full_run: Path) -> None:
+    root = full_run / demo.DEMO_SAMPLES_DIR
+    made = []
+    for seed in range(6):
+        made.append(demo.generate_samples(full_run, "base", ["a"], 2, seed, sample_fn=fake_cmd_sample)[1])
+        os.utime(Path(made[-1][0]["image"]).parent.parent, (seed, seed))  # distinct ages, oldest first
+    assert len(list(root.iterdir())) == 6  # under the default caps
+    sizes = sorted(demo._tree_bytes(p) for p in root.iterdir())
+    newest = max(root.iterdir(), key=lambda p: p.stat().st_mtime)
+    deleted = demo.prune_demo_samples(full_run, keep=[newest], max_bytes=sizes[-1] * 2, max_generations=10)
+    assert len(deleted) == 4 and newest in set(root.iterdir()) and len(list(root.iterdir())) == 2
+    demo.prune_demo_samples(full_run, keep=[newest], max_bytes=0, max_generations=10)
+    assert list(root.iterdir()) == [newest]  # the one being shown survives any cap
+    assert all(Path(r["image"]).is_file() for r in made[-1])
+
+
+def test_only_what_the_app_shows_is_served(full_run: Path) -> None:
+    """Over HTTP: the samples (media, JSONL) and metrics.jsonl are served; config.yaml (a bearer token),
+    checkpoints, final/, every other file of the run, and links or encoded paths to them are refused."""
+    pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
+    run = full_run
+    ck = rundir.checkpoint_dir(run, 2)
+    link = run / "samples" / "step_000001" / "link.png"
+    link.symlink_to(run / rundir.CONFIG_FILE)
+    app = demo.launch_app([run], "127.0.0.1", free_port(), refresh_s=0, block=False, quiet=True)
+    try:
+        route = file_route(app)
+        image = demo.media_items(demo.load_group(run, 1, 0))[0][0][0]
+        status, body = http_get(route + image)
+        assert status == 200 and body[:8] == b"\x89PNG\r\n\x1a\n"
+        for served in (rundir.samples_file(run, 1), run / rundir.METRICS_FILE):
+            status, body = http_get(route + str(served))
+            assert status == 200 and body.startswith(b'{"'), served
+        (run / "late.txt").write_text("TOP SECRET written after the launch")
+        refused = [
+            run / rundir.CONFIG_FILE,
+            ck / rundir.TRAINABLE_FILE,
+            ck / rundir.COMPLETE_MARK,
+            run / rundir.FINAL_DIR / "model.safetensors",
+            run / rundir.DISTRIBUTED_FILE,
+            run / "notes.txt",
+            run / "late.txt",
+            link,
+            f"{run}/samples/../config.yaml",
+            f"{run}/samples/%2e%2e/config.yaml",
+            f"{run}/samples/%252e%252e/config.yaml",
+            f"{run}/SAMPLES/../CONFIG.YAML",
+        ]
+        for path in refused:
+            status, body = http_get(route + str(path))
+            assert status in (403, 404), (path, status)
+            assert SECRET.encode() not in body and b"TOP SECRET" not in body
+        status, body = http_get(route + urllib.parse.quote(str(run / rundir.CONFIG_FILE)))
+        assert status in (403, 404) and SECRET.encode() not in body
+        # nor through the page or its config
+        for page in ("", "config", "gradio_api/info"):
+            status, body = http_get(app.local_url + page)
+            assert SECRET.encode() not in body and b"hunter22" not in body
+    finally:
+        app.close()
+
+
+def test_generate_over_http_refuses_a_large_n_and_keeps_the_demo_folder_small(
+    full_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The app's generate endpoint over HTTP with a fake `cmd_sample`: ``n`` = 3000 is refused before any
+    generation; many generations keep ``demo_samples/`` within its caps, the newest one served."""
+    pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
+    import mmalign.app.cli
+
+    calls: list[argparse.Namespace] = []
+    monkeypatch.setattr(mmalign.app.cli, "cmd_sample", lambda a: calls.append(a) or fake_cmd_sample(a))
+    monkeypatch.setattr(demo, "DEMO_MAX_GENERATIONS", 4)
+    monkeypatch.setattr(demo, "DEMO_MAX_BYTES", 40_000)
+    run = str(full_run.resolve())
+    root = full_run / demo.DEMO_SAMPLES_DIR
+    app = demo.launch_app([full_run], "127.0.0.1", free_port(), refresh_s=0, block=False, quiet=True)
+    try:
+        event, data = call_api(app, "generate_both", [run, "base", run, "base", "a prompt", 3000, 0])
+        assert event == "error" and "16" in data, data
+        assert not calls and not root.exists()
+        for seed in range(10):
+            event, data = call_api(app, "generate_both", [run, "base", run, "latest", "a\n---\nb", 3, seed])
+            assert event == "complete", data
+            assert len(list(root.iterdir())) <= 4
+            assert sum(demo._tree_bytes(p) for p in root.iterdir()) <= 40_000
+        assert len(calls) == 20  # two sides of 10 generations (latest -> the checkpoint of step 2)
+        left_gallery = json.loads(data)[1]
+        assert len(left_gallery) == 6
+        url = left_gallery[0]["image"]["url"]  # Gradio's copy of the generated image
+        status, body = http_get(url if url.startswith("http") else app.local_url + url.lstrip("/"))
+        assert status == 200 and body[:4] == b"\x89PNG"
+        status, body = http_get(file_route(app) + str(full_run / rundir.CONFIG_FILE))
+        assert status in (403, 404) and SECRET.encode() not in body
     finally:
         app.close()
