@@ -2,9 +2,11 @@
 
 The client (`RemoteReward`, registered as ``remote``) POSTs the batch to ``url`` and reads one number per
 sample back. The server (`serve_reward`, or ``python -m rewards.remote --reward NAME ...``) puts any reward
-in a process of its own, e.g. a large reward model on its own GPU.
+in a process of its own, e.g. a large reward model on its own GPU. The server runs on FastAPI + uvicorn
+(``pip install 'mmalign[serve]'``), imported only when a server starts; the client needs only the standard
+library (``http.client``) and ``safetensors``.
 
-Wire format (standard library plus ``safetensors``; nothing is ever pickled):
+Wire format (nothing is ever pickled):
 
 - request, ``payload: json``: ``Content-Type: application/json``, the body
   ``{"batch_size": B, "prompts": [...], "outputs": {...}, "columns": {...}}`` holding the ``fields`` sent
@@ -16,26 +18,49 @@ Wire format (standard library plus ``safetensors``; nothing is ever pickled):
 - response: ``application/json`` ``{"rewards": [float or null, ...], "metrics": {...}}`` (``null`` = NaN;
   ``metrics`` optional, becomes the reward's ``last_metrics``), or ``application/x-safetensors`` with a
   ``rewards`` tensor Float[B] (and the metrics as JSON under the metadata key ``mmalign``). Any other
-  content type is refused. The server answers in the format of the request.
+  content type is refused. The server answers in the format of the request; errors are JSON
+  ``{"error": "..."}``.
+- authentication: ``Authorization: Bearer <token>`` when the server has a token (``token_env`` /
+  ``token_file`` on both sides; the token itself is never in a config, a log line or an error message).
 
-A missing ``prompts`` field reaches the server's reward as empty strings. A non-200 status, a connection
-refused, a timeout or a response of the wrong length is a `RewardError` naming the url.
+Server limits (each a `serve_reward` keyword and a ``--flag`` of ``python -m rewards.remote``): a body over
+``max_body_mb`` is 413 (from Content-Length, before reading, or while streaming a chunked body); a
+``batch_size`` over ``max_batch_size`` is 422, checked before anything of that size is allocated; at most
+``max_concurrency`` requests are read, decoded and scored at once, a request waits at most
+``queue_timeout_s`` for a slot, else 503; past ``max_connections`` open connections uvicorn answers 503;
+the request line and headers must arrive within ``read_timeout_s`` of the connection opening (or of the
+previous answer on a kept-alive connection) and the body within ``read_timeout_s`` once admitted (else the
+connection is closed, or 408); idle kept-alive connections close after ``keep_alive_s``. A wrong or
+missing token is 401. Binding an address that is not loopback is logged and printed as a warning.
+
+Client (`RemoteReward`): ``timeout_s`` is a total deadline per HTTP attempt (connect, send, wait, read:
+a server dripping bytes cannot hold it longer); the response is capped at ``max_response_mb``; a refused
+or reset connection and HTTP 503 are retried ``retries`` times with exponential backoff from
+``retry_backoff_s`` (doubling, jittered, at most 30 s; a 503's Retry-After is honoured up to 30 s). Then,
+and for any other failure (another non-200 status, a timeout, a response of the wrong length), the call is
+a `RewardError` naming the url.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hmac
 import http.client
-import http.server
+import ipaddress
 import json
+import logging
 import math
+import os
+import random
+import socket
 import struct
 import sys
 import threading
-import urllib.error
-import urllib.request
+import time
+import urllib.parse
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from typing import Any
 
 import torch
@@ -54,18 +79,64 @@ warnings.filterwarnings("ignore", message=r"'rewards\.remote' found in sys\.modu
 __all__ = [
     "JSON_TYPE",
     "SAFETENSORS_TYPE",
+    "BatchTooLarge",
     "RemoteReward",
+    "RewardServer",
     "decode_request",
     "encode_batch",
     "main",
     "serve_reward",
 ]
 
+logger = logging.getLogger(__name__)
+
 JSON_TYPE = "application/json"
 SAFETENSORS_TYPE = "application/x-safetensors"
 _SAFETENSORS_TYPES = {SAFETENSORS_TYPE, "application/safetensors", "application/vnd.safetensors"}
 _META_KEY = "mmalign"
 _DEFAULT_FIELDS = ("prompts", "texts")
+_MB = 1 << 20
+_MAX_BACKOFF_S = 30.0
+
+
+class BatchTooLarge(ValueError):
+    """A request's ``batch_size`` is over the server's ``max_batch_size`` (HTTP 422)."""
+
+
+# ----------------------------------------------------------------------------- tokens
+def _read_token(token_env: str | None, token_file: str | None, who: str) -> str | None:
+    """The secret named by `token_env` (an environment variable's NAME) or `token_file` (a path); None for
+    neither. Errors name the variable or the path, never the value."""
+    if token_env is not None and token_file is not None:
+        raise ValueError(f"{who}: give token_env or token_file, not both")
+    if token_env is not None:
+        if not isinstance(token_env, str) or not token_env:
+            raise ValueError(
+                f"{who}: token_env must be the NAME of an environment variable, got {token_env!r}"
+            )
+        token = os.environ.get(token_env, "").strip()
+        if not token:
+            raise ValueError(f"{who}: token_env names the environment variable {token_env}, which is not set")
+        return token
+    if token_file is not None:
+        if not isinstance(token_file, str | os.PathLike) or not str(token_file):
+            raise ValueError(f"{who}: token_file must be a path, got {token_file!r}")
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"{who}: cannot read token_file {str(token_file)!r}: {e.strerror}") from None
+        if not token:
+            raise ValueError(f"{who}: token_file {str(token_file)!r} is empty")
+        return token
+    return None
+
+
+def _check_number(who: str, name: str, value: Any, *, integer: bool = False, minimum: float = 0.0) -> None:
+    kind = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value < minimum:
+        what = "an integer" if integer else "a finite number"
+        raise ValueError(f"{who}: {name} must be {what} >= {minimum:g}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -92,22 +163,40 @@ def _encode(
     return save(blobs, metadata={_META_KEY: json.dumps(info)}), SAFETENSORS_TYPE
 
 
-def _decode(body: bytes, content_type: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """(JSON part, tensors) of a JSON or safetensors body; ValueError for anything else."""
+def _batch_size(info: dict[str, Any], max_batch_size: int | None) -> int:
+    n = info.get("batch_size")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"'batch_size' must be an integer >= 0, got {n!r}")
+    if max_batch_size is not None and n > max_batch_size:
+        raise BatchTooLarge(
+            f"batch_size {n} is over this server's max_batch_size = {max_batch_size}; send smaller "
+            f"batches (the reward entry's batch_size) or start the server with a larger --max-batch-size"
+        )
+    return n
+
+
+def _decode(
+    body: bytes, content_type: str, max_batch_size: int | None = None, *, request: bool = False
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(JSON part, tensors) of a JSON or safetensors body; ValueError for anything else. With `request`,
+    the ``batch_size`` is checked (against `max_batch_size` too) before the tensors are loaded."""
     if content_type == JSON_TYPE:
         info = json.loads(body.decode("utf-8"))
         if not isinstance(info, dict):
             raise ValueError(f"expected a JSON object, got {type(info).__name__}")
+        if request:
+            _batch_size(info, max_batch_size)
         return info, {}
     if content_type in _SAFETENSORS_TYPES:
         from safetensors.torch import load
 
-        tensors = load(body)
         raw = _safetensors_metadata(body).get(_META_KEY)
         info = json.loads(raw) if raw else {}
         if not isinstance(info, dict):
             raise ValueError(f"metadata {_META_KEY!r} must hold a JSON object, got {type(info).__name__}")
-        return info, tensors
+        if request:
+            _batch_size(info, max_batch_size)
+        return info, load(body)
     raise ValueError(
         f"refusing to decode Content-Type {content_type!r}: only {JSON_TYPE} and {SAFETENSORS_TYPE} are read "
         f"(never pickle)"
@@ -142,13 +231,12 @@ def encode_batch(batch: RewardBatch, fields: Sequence[str], payload: str) -> tup
     return _encode(info, tensors, payload)
 
 
-def decode_request(body: bytes, content_type: str) -> RewardBatch:
-    """The `RewardBatch` a request carries (JSON or safetensors); ValueError for a bad body."""
-    info, tensors = _decode(body, content_type)
-    n = info.get("batch_size")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"'batch_size' must be an integer >= 0, got {n!r}")
-    prompts = info.get("prompts", [""] * n)
+def decode_request(body: bytes, content_type: str, max_batch_size: int | None = None) -> RewardBatch:
+    """The `RewardBatch` a request carries (JSON or safetensors); ValueError for a bad body, `BatchTooLarge`
+    (a ValueError) for a ``batch_size`` over `max_batch_size`, raised before anything that size exists."""
+    info, tensors = _decode(body, content_type, max_batch_size, request=True)
+    n = _batch_size(info, max_batch_size)
+    prompts = info["prompts"] if "prompts" in info else [""] * n
     outputs = info.get("outputs", {})
     columns = info.get("columns", {})
     if not isinstance(prompts, list) or not isinstance(outputs, dict) or not isinstance(columns, dict):
@@ -161,22 +249,48 @@ def decode_request(body: bytes, content_type: str) -> RewardBatch:
     # prompts and columns hold one value per sample; outputs may also hold batch-wide values (a scalar)
     for where, values in (("prompts", {"prompts": prompts}), ("columns", columns)):
         for key, value in values.items():
-            length = value.shape[0] if isinstance(value, Tensor) and value.dim() else len(value)
+            if isinstance(value, Tensor):
+                length = value.shape[0] if value.dim() else 0
+            elif isinstance(value, Sized):
+                length = len(value)
+            else:
+                raise ValueError(f"{where} field {key!r} must be a list, got {type(value).__name__}")
             if length != n:
                 raise ValueError(f"{where} field {key!r} has {length} entries for a batch of {n}")
     return RewardBatch(prompts=[str(p) for p in prompts], outputs=outputs, columns=columns)
 
 
 # ------------------------------------------------------------------------------- client
+class _Timeout(Exception):
+    """The total deadline of one HTTP attempt passed."""
+
+
+class _Retryable(Exception):
+    """One HTTP attempt failed in a way worth another try (refused, reset, 503)."""
+
+    def __init__(self, problem: str, retry_after: float | None = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.retry_after = retry_after
+
+
+_RETRYABLE_ERRORS = (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+
+
 @register_reward("remote")
 class RemoteReward(Reward):
     """Reward computed by a server over HTTP (`python -m rewards.remote`): POSTs the batch, reads the scores.
 
     Options: ``url`` (required, http or https), ``payload`` "json" (default) or "safetensors" (needed for
     tensors such as images or videos), ``fields`` (batch keys to send; default ``[prompts, texts]``),
-    ``timeout_s`` (socket timeout of the HTTP request: the longest wait to connect or for data, default
-    60), ``headers`` (extra HTTP headers, e.g. a token). The scores are an outcome reward (Float[B]);
-    ``per_step`` is not supported. ``needs`` is the fields other than ``prompts``.
+    ``timeout_s`` (total deadline of one HTTP attempt: connect, send, wait and read; default 60),
+    ``token_env`` (NAME of the environment variable holding the server's token) or ``token_file`` (a file
+    holding it), sent as ``Authorization: Bearer``; ``retries`` (default 4) and ``retry_backoff_s``
+    (default 0.5): a refused or reset connection or HTTP 503 is retried that many times, waiting
+    ``retry_backoff_s * 2**k`` (jittered, at most 30 s); ``max_response_mb`` (default 16): a larger
+    response is an error; ``headers`` (extra HTTP headers, e.g. for a proxy; they are written to
+    config.yaml, so a secret belongs in ``token_env`` / ``token_file``). The scores are an outcome reward
+    (Float[B]); ``per_step`` is not supported. ``needs`` is the fields other than ``prompts``.
     """
 
     def __init__(
@@ -188,32 +302,65 @@ class RemoteReward(Reward):
         timeout_s: float = 60.0,
         headers: Mapping[str, str] | None = None,
         per_step: bool = False,
+        token_env: str | None = None,
+        token_file: str | None = None,
+        retries: int = 4,
+        retry_backoff_s: float = 0.5,
+        max_response_mb: float = 16.0,
     ) -> None:
+        who = "reward 'remote'"
         if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
-            raise ValueError(f"reward 'remote': url must be an http:// or https:// URL, got {url!r}")
-        if payload not in ("json", "safetensors"):
-            raise ValueError(f"reward 'remote': payload must be 'json' or 'safetensors', got {payload!r}")
-        if isinstance(fields, str):
+            raise ValueError(f"{who}: url must be an http:// or https:// URL, got {url!r}")
+        parts = urllib.parse.urlsplit(url)
+        if parts.username is not None or parts.password is not None:
             raise ValueError(
-                f"reward 'remote': fields must be a list of batch keys, got the string {fields!r}"
+                f"{who}: url must not carry a user or password (it shows in logs and errors); "
+                f"use token_env or token_file"
             )
+        try:
+            port = parts.port
+        except ValueError as e:
+            raise ValueError(f"{who}: url {url!r} has a bad port: {e}") from None
+        if not parts.hostname:
+            raise ValueError(f"{who}: url {url!r} names no host")
+        if payload not in ("json", "safetensors"):
+            raise ValueError(f"{who}: payload must be 'json' or 'safetensors', got {payload!r}")
+        if isinstance(fields, str):
+            raise ValueError(f"{who}: fields must be a list of batch keys, got the string {fields!r}")
         fields = list(_DEFAULT_FIELDS if fields is None else fields)
         if not fields or not all(isinstance(f, str) and f for f in fields):
-            raise ValueError(
-                f"reward 'remote': fields must be a non-empty list of batch keys, got {fields!r}"
-            )
+            raise ValueError(f"{who}: fields must be a non-empty list of batch keys, got {fields!r}")
         if len(set(fields)) != len(fields):
-            raise ValueError(f"reward 'remote': fields must be distinct, got {fields!r}")
+            raise ValueError(f"{who}: fields must be distinct, got {fields!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
-            raise ValueError(f"reward 'remote': timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+            raise ValueError(f"{who}: timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         if not math.isfinite(timeout_s):
-            raise ValueError(f"reward 'remote': timeout_s must be finite, got {timeout_s!r}")
+            raise ValueError(f"{who}: timeout_s must be finite, got {timeout_s!r}")
+        _check_number(who, "retries", retries, integer=True)
+        _check_number(who, "retry_backoff_s", retry_backoff_s)
+        _check_number(who, "max_response_mb", max_response_mb)
+        if not max_response_mb > 0:
+            raise ValueError(f"{who}: max_response_mb must be > 0, got {max_response_mb!r}")
         headers = dict(headers or {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
-            raise ValueError(f"reward 'remote': headers must map strings to strings, got {headers!r}")
+            # the values may be secrets: name the keys only
+            raise ValueError(
+                f"{who}: headers must map strings to strings (keys: {sorted(map(str, headers))})"
+            )
+        token = _read_token(token_env, token_file, who)
+        has_auth_header = any(k.lower() == "authorization" for k in headers)
+        if token is not None and has_auth_header:
+            raise ValueError(f"{who}: the token is given twice, in headers and as token_env/token_file")
+        if has_auth_header:
+            warnings.warn(
+                f"{who}: headers carry an Authorization value, which is saved with the config (config.yaml); "
+                f"put the secret in an environment variable or a file and name it with token_env or token_file",
+                UserWarning,
+                stacklevel=2,
+            )
         if per_step:
             raise ValueError(
-                "reward 'remote': per_step is not supported; the server returns one number per sample "
+                f"{who}: per_step is not supported; the server returns one number per sample "
                 "(serve a process reward in-process instead)"
             )
         self.url = url
@@ -221,6 +368,17 @@ class RemoteReward(Reward):
         self.fields = fields
         self.timeout_s = float(timeout_s)
         self.headers = headers
+        self.retries = int(retries)
+        self.retry_backoff_s = float(retry_backoff_s)
+        self.max_response_bytes = int(max_response_mb * _MB)
+        self.token_env = token_env
+        self.token_file = token_file
+        self._token = token  # never in repr, errors or logs
+        self._https = parts.scheme.lower() == "https"
+        self._host = parts.hostname
+        self._port = port
+        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._random = random.Random()  # backoff jitter; leaves the global RNG (seeded runs) alone
         self.needs = {f for f in fields if f != "prompts"}
         self.last_metrics: dict[str, float] = {}
 
@@ -236,34 +394,7 @@ class RemoteReward(Reward):
             body, content_type = encode_batch(batch, self.fields, self.payload)
         except (ValueError, KeyError) as e:
             raise self._fail(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)) from e
-        request = urllib.request.Request(
-            self.url,
-            data=body,
-            method="POST",
-            headers={
-                **self.headers,
-                "Content-Type": content_type,
-                "Accept": f"{JSON_TYPE}, {SAFETENSORS_TYPE}",
-            },
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                status = response.status
-                answer_type = response.headers.get_content_type()
-                answer = response.read()
-        except urllib.error.HTTPError as e:
-            text = e.read().decode("utf-8", "replace") if e.fp is not None else ""
-            raise self._fail(f"HTTP {e.code} {e.reason}: {text[:200]}") from e
-        except TimeoutError as e:
-            raise self._fail(f"no answer within timeout_s = {self.timeout_s:g} s") from e
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, TimeoutError):
-                raise self._fail(f"no answer within timeout_s = {self.timeout_s:g} s") from e
-            if isinstance(e.reason, ConnectionRefusedError):
-                raise self._fail("connection refused (is the server running?)") from e
-            raise self._fail(f"request failed: {e.reason}") from e
-        except (OSError, http.client.HTTPException) as e:
-            raise self._fail(f"request failed: {type(e).__name__}: {e}") from e
+        status, answer_type, answer = self._post(body, content_type)
         if status != 200:
             raise self._fail(f"HTTP {status}: {answer.decode('utf-8', 'replace')[:200]}")
         try:
@@ -279,6 +410,120 @@ class RemoteReward(Reward):
         except (TypeError, ValueError) as e:
             raise self._fail(f"'metrics' must map names to numbers: {e}") from e
         return scores
+
+    # -- HTTP
+    def _post(self, body: bytes, content_type: str) -> tuple[int, str, bytes]:
+        """(status, content type, body) of the first attempt that is not refused, reset or 503."""
+        attempts = self.retries + 1
+        problem = ""
+        for attempt in range(attempts):
+            try:
+                return self._attempt(body, content_type)
+            except _Timeout:
+                raise self._fail(f"no answer within timeout_s = {self.timeout_s:g} s") from None
+            except _Retryable as e:
+                problem, retry_after = e.problem, e.retry_after
+            if attempt + 1 < attempts:
+                delay = min(self.retry_backoff_s * 2**attempt, _MAX_BACKOFF_S) * self._random.uniform(
+                    0.5, 1.0
+                )
+                if retry_after is not None:
+                    delay = max(delay, min(retry_after, _MAX_BACKOFF_S))
+                time.sleep(delay)
+        raise self._fail(f"{problem}; gave up after {attempts} attempt(s) (retries = {self.retries})")
+
+    def _attempt(self, body: bytes, content_type: str) -> tuple[int, str, bytes]:
+        """One POST under a total deadline of ``timeout_s``: a timer shuts the socket down when it passes,
+        which ends any blocked connect, send or receive at once."""
+        deadline = time.monotonic() + self.timeout_s
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        conn = cls(self._host, self._port, timeout=self.timeout_s)
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                try:  # the plain socket's shutdown, also under TLS: it wakes a blocked recv/send
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(self.timeout_s, expire)
+        timer.daemon = True
+        headers = {
+            **self.headers,
+            "Content-Type": content_type,
+            "Accept": f"{JSON_TYPE}, {SAFETENSORS_TYPE}",
+        }
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
+        timer.start()
+        try:
+            conn.connect()  # bounded by the socket timeout; the timer cannot reach a socket not made yet
+            remaining = deadline - time.monotonic()
+            if expired.is_set() or remaining <= 0:
+                raise _Timeout
+            conn.sock.settimeout(remaining)
+            send_error: OSError | None = None
+            try:
+                conn.request("POST", self._path, body=body, headers=headers)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                # the server may have answered (401, 413, 503) and closed before reading the whole body
+                if conn.sock is None:
+                    raise
+                send_error = e
+            try:
+                response = conn.getresponse()
+            except (OSError, http.client.HTTPException):
+                if send_error is not None:
+                    raise send_error from None
+                raise
+            if expired.is_set():
+                raise _Timeout
+            status = response.status
+            answer_type = response.headers.get_content_type()
+            declared = response.getheader("Content-Length")
+            if (
+                declared is not None
+                and declared.strip().isdigit()
+                and int(declared) > self.max_response_bytes
+            ):
+                raise self._fail(
+                    f"the response is {int(declared)} bytes, over max_response_mb = "
+                    f"{self.max_response_bytes / _MB:g}"
+                )
+            chunks, size = [], 0
+            while chunk := response.read(65536):
+                size += len(chunk)
+                if size > self.max_response_bytes:
+                    raise self._fail(
+                        f"the response is over max_response_mb = {self.max_response_bytes / _MB:g}"
+                    )
+                chunks.append(chunk)
+            answer = b"".join(chunks)
+            if expired.is_set():  # cut short by the deadline: whatever was parsed is incomplete
+                raise _Timeout
+            if status == 503:
+                retry_after = response.getheader("Retry-After")
+                try:
+                    wait = float(retry_after) if retry_after is not None else None
+                except ValueError:
+                    wait = None
+                text = answer.decode("utf-8", "replace")[:200]
+                raise _Retryable(f"HTTP 503 (server busy): {text}", wait if wait and wait > 0 else None)
+            return status, answer_type, answer
+        except (OSError, http.client.HTTPException) as e:
+            if expired.is_set() or time.monotonic() >= deadline:
+                raise _Timeout from None
+            if isinstance(e, ConnectionRefusedError):
+                raise _Retryable("connection refused (is the server running?)") from None
+            if isinstance(e, _RETRYABLE_ERRORS):  # http.client.RemoteDisconnected is a ConnectionResetError
+                raise _Retryable(f"connection reset ({type(e).__name__}: {e})") from None
+            raise self._fail(f"request failed: {type(e).__name__}: {e}") from e
+        finally:
+            timer.cancel()
+            conn.close()
 
     def _scores(self, info: dict[str, Any], tensors: dict[str, Tensor], n: int) -> Tensor:
         if "rewards" in tensors:
@@ -307,77 +552,381 @@ class RemoteReward(Reward):
 
 
 # ------------------------------------------------------------------------------- server
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _RewardServer
+def _import_server_stack() -> tuple[Any, Any]:
+    try:
+        import fastapi
+        import uvicorn
+    except ImportError as e:
+        raise ImportError(
+            f"serving a reward needs fastapi and uvicorn ({e}); install them with pip install 'mmalign[serve]'"
+        ) from e
+    return fastapi, uvicorn
 
-    def log_message(self, format: str, *args: Any) -> None:
-        if self.server.log_requests:
-            super().log_message(format, *args)
 
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+def _protocol_class(request_timeout_s: float) -> type:
+    """uvicorn's h11 protocol, plus a deadline for the request line and headers.
 
-    def _error(self, status: int, message: str) -> None:
-        self._send(status, json.dumps({"error": message}).encode("utf-8"), JSON_TYPE)
+    uvicorn closes a kept-alive connection that stays idle, but a fresh connection that sends nothing, or
+    drips its headers, would stay open for ever. Here each connection must deliver a request's headers
+    within `request_timeout_s` of opening, and of each answer; else it is closed."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    def do_GET(self) -> None:
-        reward = self.server.reward
-        info = {"reward": reward.name, "needs": sorted(getattr(reward, "needs", ()))}
-        self._send(200, json.dumps(info).encode("utf-8"), JSON_TYPE)
+    class _DeadlineProtocol(H11Protocol):
+        _request_deadline: asyncio.TimerHandle | None = None
 
-    def do_POST(self) -> None:
-        content_type = self.headers.get_content_type()
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            self._error(411, "a Content-Length header is required")
-            return
-        body = self.rfile.read(length)
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_request_deadline()
+
+        def on_response_complete(self) -> None:
+            self._arm_request_deadline()  # before: a pipelined request may start inside
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._request_deadline is not None:
+                self._request_deadline.cancel()
+                self._request_deadline = None
+            super().connection_lost(exc)
+
+        def _arm_request_deadline(self) -> None:
+            if self._request_deadline is not None:
+                self._request_deadline.cancel()
+            self._request_deadline = self.loop.call_later(request_timeout_s, self._on_deadline, self.cycle)
+
+        def _on_deadline(self, cycle_then: Any) -> None:
+            self._request_deadline = None
+            if self.cycle is cycle_then and not self.transport.is_closing():  # no new request began
+                self.transport.close()
+
+    return _DeadlineProtocol
+
+
+class _App:
+    """The request handling of a `RewardServer` (an ASGI app built with FastAPI)."""
+
+    def __init__(
+        self,
+        reward: Reward,
+        *,
+        token: str | None,
+        max_body_bytes: int,
+        max_batch_size: int,
+        max_concurrency: int,
+        queue_timeout_s: float,
+        read_timeout_s: float,
+        log_requests: bool,
+    ) -> None:
+        self.reward = reward
+        self.reward_set = RewardSet.from_rewards([reward])  # validates shapes, inf, non-numbers
+        self.prefix = f"reward/{self.reward_set.names[0]}/"
+        self.lock = threading.Lock()  # one call at a time: reward models are not assumed thread-safe
+        self.token = token.encode("utf-8") if token is not None else None
+        self.max_body_bytes = max_body_bytes
+        self.max_batch_size = max_batch_size
+        self.max_concurrency = max_concurrency
+        self.queue_timeout_s = queue_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.log_requests = log_requests
+        self.slots: asyncio.Semaphore | None = None  # made on the server's event loop
+
+    def build(self) -> Any:
+        fastapi, _ = _import_server_stack()
+        app = fastapi.FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+        async def handle(request: Any) -> Any:  # a plain Starlette endpoint: no dependency injection
+            start = time.monotonic()
+            response = await self.handle(request)
+            if self.log_requests:
+                client = request.client.host if request.client else "-"
+                logger.info(
+                    '%s "%s %s" %d %.3f s',
+                    client,
+                    request.method,
+                    request.url.path,
+                    response.status_code,
+                    time.monotonic() - start,
+                )
+            return response
+
+        app.add_route("/{path:path}", handle, methods=["GET", "POST"])
+        return app
+
+    @staticmethod
+    def _answer(status: int, body: bytes, content_type: str, close: bool = False, **headers: str) -> Any:
+        from fastapi.responses import Response
+
+        all_headers = {k.replace("_", "-"): v for k, v in headers.items()}
+        if close:  # the body may be unread: do not read the rest of it, close the connection
+            all_headers["Connection"] = "close"
+        return Response(content=body, status_code=status, media_type=content_type, headers=all_headers)
+
+    def _error(self, status: int, message: str, close: bool = False, **headers: str) -> Any:
+        return self._answer(
+            status, json.dumps({"error": message}).encode("utf-8"), JSON_TYPE, close, **headers
+        )
+
+    def _authorized(self, header: str | None) -> bool:
+        if self.token is None:
+            return True
+        scheme, _, given = (header or "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(given.strip().encode("utf-8"), self.token)
+
+    async def handle(self, request: Any) -> Any:
+        if not self._authorized(request.headers.get("authorization")):
+            return self._error(
+                401, "missing or wrong token: send the header 'Authorization: Bearer <token>'", True,
+                WWW_Authenticate="Bearer",
+            )  # fmt: skip
+        if request.method == "GET":
+            info = {"reward": self.reward.name, "needs": sorted(getattr(self.reward, "needs", ()))}
+            return self._answer(200, json.dumps(info).encode("utf-8"), JSON_TYPE)
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type != JSON_TYPE and content_type not in _SAFETENSORS_TYPES:
-            self._error(
-                415, f"Content-Type {content_type!r} is not read; send {JSON_TYPE} or {SAFETENSORS_TYPE}"
+            return self._error(
+                415,
+                f"Content-Type {content_type!r} is not read; send {JSON_TYPE} or {SAFETENSORS_TYPE}",
+                True,
             )
-            return
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                return self._error(400, f"bad Content-Length {declared[:40]!r}", True)
+            if int(declared) > self.max_body_bytes:
+                return self._too_large(int(declared))
+        if self.slots is None:
+            self.slots = asyncio.Semaphore(self.max_concurrency)
         try:
-            batch = decode_request(body, content_type)
-        except Exception as e:
-            self._error(400, f"bad request: {type(e).__name__}: {e}")
-            return
-        server = self.server
+            await asyncio.wait_for(self.slots.acquire(), self.queue_timeout_s)
+        except asyncio.TimeoutError:
+            return self._error(
+                503,
+                f"server busy: {self.max_concurrency} requests in progress (max_concurrency) for "
+                f"{self.queue_timeout_s:g} s; retry later",
+                True,
+                Retry_After="1",
+            )
         try:
-            with server.lock:  # one call at a time: reward models are not assumed thread-safe
-                scores = server.reward_set(batch)[:, 0]
-                prefix = f"reward/{server.reward_set.names[0]}/"
-                metrics = {key[len(prefix) :]: value for key, value in server.reward_set.last_metrics.items()}
+            return await self._score_request(request, content_type)
+        finally:
+            self.slots.release()
+
+    def _too_large(self, size: int | None) -> Any:
+        what = f"{size} bytes" if size is not None else "more"
+        return self._error(
+            413,
+            f"request body of {what} is over this server's max_body_mb = {self.max_body_bytes / _MB:g}; send "
+            f"smaller batches (the reward entry's batch_size) or start the server with a larger --max-body-mb",
+            True,
+        )
+
+    async def _read_body(self, request: Any) -> bytes | None:
+        """The body, or None when it grows over ``max_body_bytes`` (read no further)."""
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _score_request(self, request: Any, content_type: str) -> Any:
+        from starlette.concurrency import run_in_threadpool
+        from starlette.requests import ClientDisconnect
+
+        try:
+            body = await asyncio.wait_for(self._read_body(request), self.read_timeout_s)
+        except asyncio.TimeoutError:
+            return self._error(408, f"the request body did not arrive within {self.read_timeout_s:g} s", True)
+        except ClientDisconnect:
+            return self._error(400, "the client disconnected before sending the whole body", True)
+        if body is None:
+            return self._too_large(None)
+        return await run_in_threadpool(self._score, body, content_type)
+
+    def _score(self, body: bytes, content_type: str) -> Any:
+        try:
+            batch = decode_request(body, content_type, self.max_batch_size)
+        except BatchTooLarge as e:
+            return self._error(422, str(e))
         except Exception as e:
-            self._error(500, f"{type(e).__name__}: {e}")
-            return
+            return self._error(400, f"bad request: {type(e).__name__}: {e}")
+        del body
+        try:
+            with self.lock, torch.no_grad():
+                scores = self.reward_set(batch)[:, 0]
+                metrics = {
+                    key[len(self.prefix) :]: value for key, value in self.reward_set.last_metrics.items()
+                }
+        except Exception as e:
+            return self._error(500, f"{type(e).__name__}: {e}")
         if content_type == JSON_TYPE:
             values = [None if math.isnan(v) else v for v in scores.tolist()]
             answer = json.dumps({"rewards": values, "metrics": metrics}).encode("utf-8")
-            self._send(200, answer, JSON_TYPE)
-        else:
-            from safetensors.torch import save
+            return self._answer(200, answer, JSON_TYPE)
+        from safetensors.torch import save
 
-            answer = save(
-                {"rewards": scores.contiguous()}, metadata={_META_KEY: json.dumps({"metrics": metrics})}
-            )
-            self._send(200, answer, SAFETENSORS_TYPE)
+        answer = save(
+            {"rewards": scores.contiguous()}, metadata={_META_KEY: json.dumps({"metrics": metrics})}
+        )
+        return self._answer(200, answer, SAFETENSORS_TYPE)
 
 
-class _RewardServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
+def _is_loopback(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
-    def __init__(self, address: tuple[str, int], reward: Reward, log_requests: bool) -> None:
-        super().__init__(address, _Handler)
+
+class RewardServer:
+    """A reward served over HTTP by uvicorn (see `serve_reward`).
+
+    ``server_address`` is the bound (host, port); `start` serves in a daemon thread, `serve_forever` in the
+    calling thread (Ctrl-C / SIGTERM stop it there); `shutdown` stops serving and waits, `server_close`
+    releases the socket. Also a context manager (start on enter, stop on exit)."""
+
+    def __init__(
+        self,
+        reward: Reward,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        log_requests: bool = False,
+        token_env: str | None = None,
+        token_file: str | None = None,
+        max_body_mb: float = 64.0,
+        max_batch_size: int = 4096,
+        max_concurrency: int = 8,
+        max_connections: int = 256,
+        queue_timeout_s: float = 30.0,
+        read_timeout_s: float = 30.0,
+        keep_alive_s: float = 5.0,
+    ) -> None:
+        who = "serve_reward"
+        if getattr(reward, "per_step", False):
+            raise ValueError(f"{who}: reward {reward.name!r} is per-step; only outcome rewards are served")
+        for name, value, integer in (
+            ("max_body_mb", max_body_mb, False),
+            ("max_batch_size", max_batch_size, True),
+            ("max_concurrency", max_concurrency, True),
+            ("max_connections", max_connections, True),
+            ("queue_timeout_s", queue_timeout_s, False),
+            ("read_timeout_s", read_timeout_s, False),
+            ("keep_alive_s", keep_alive_s, False),
+        ):
+            _check_number(who, name, value, integer=integer)
+            if not value > 0:
+                raise ValueError(f"{who}: {name} must be > 0, got {value!r}")
+        token = _read_token(token_env, token_file, who)
         self.reward = reward
-        self.reward_set = RewardSet.from_rewards([reward])  # validates shapes, inf, non-numbers
-        self.lock = threading.Lock()
-        self.log_requests = log_requests
+        self.token_env = token_env
+        self.token_file = token_file
+        self._app = _App(
+            reward,
+            token=token,
+            max_body_bytes=int(max_body_mb * _MB),
+            max_batch_size=int(max_batch_size),
+            max_concurrency=int(max_concurrency),
+            queue_timeout_s=float(queue_timeout_s),
+            read_timeout_s=float(read_timeout_s),
+            log_requests=log_requests,
+        )
+        _, uvicorn = _import_server_stack()
+        self._config = uvicorn.Config(
+            self._app.build(),
+            http=_protocol_class(float(read_timeout_s)),
+            ws="none",
+            lifespan="off",
+            log_config=None,  # leave the process's logging alone
+            access_log=False,  # requests are logged by the app itself (log_requests)
+            limit_concurrency=int(max_connections),
+            backlog=2048,
+            timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]
+            timeout_graceful_shutdown=5,
+            server_header=False,
+            proxy_headers=False,
+        )
+        self._server = uvicorn.Server(self._config)
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        self.socket = socket.socket(info[0], socket.SOCK_STREAM)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind(info[4])  # listening starts with serving
+        except OSError:
+            self.socket.close()
+            raise
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        bound = self.server_address[0]
+        if not _is_loopback(bound):
+            message = (
+                f"serving reward {reward.name!r} on {bound}:{self.server_address[1]}, which is not a loopback "
+                f"address: every machine that can reach it can send batches to it"
+                + (
+                    "; no token is set, so ANYONE can use it (set --token-env or --token-file)"
+                    if token is None
+                    else ", guarded by the token only (HTTP, not encrypted)"
+                )
+                + ". Prefer --host 127.0.0.1 with an SSH tunnel, or a firewall."
+            )
+            logger.warning(message)
+            print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+    @property
+    def server_address(self) -> tuple[str, int]:
+        host, port = self.socket.getsockname()[:2]
+        return host, port
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+
+    def serve_forever(self) -> None:
+        """Serve in this thread until `shutdown` (from another thread) or Ctrl-C / SIGTERM."""
+        self._server.should_exit = False
+        self._app.slots = None  # an asyncio semaphore belongs to one event loop
+        self._server.run(sockets=[self.socket])
+
+    def start(self, timeout_s: float = 30.0) -> RewardServer:
+        """Serve in a daemon thread; returns once the server accepts connections."""
+
+        def run() -> None:
+            try:
+                self.serve_forever()
+            except BaseException as e:  # reported by start()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="reward-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"the reward server did not start: {self._error!r}")
+            time.sleep(0.01)
+        return self
+
+    def shutdown(self) -> None:
+        """Stop serving (running requests get up to 5 s to finish) and wait for the serving thread."""
+        self._server.should_exit = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=15)
+
+    def server_close(self) -> None:
+        self.socket.close()
+
+    def __enter__(self) -> RewardServer:
+        return self if self._thread is not None else self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+        self.server_close()
 
 
 def serve_reward(
@@ -387,25 +936,31 @@ def serve_reward(
     *,
     start: bool = True,
     log_requests: bool = False,
-) -> http.server.ThreadingHTTPServer:
+    **options: Any,
+) -> RewardServer:
     """An HTTP server scoring POSTed batches with `reward` (the ``remote`` reward's wire format).
 
     Binds `host`:`port` (port 0: a free port; ``server.server_address[1]`` tells which). With `start` the
-    server runs in a daemon thread and this returns at once (stop it with ``server.shutdown()`` and
-    ``server.server_close()``); else call ``server.serve_forever()``. Calls to the reward are serialized;
-    each runs under ``torch.no_grad()``. A failing reward answers HTTP 500 with the error, a body that is
-    not JSON or safetensors HTTP 415. A per-step reward is refused (ValueError).
+    server runs in a daemon thread and this returns once it accepts connections (stop it with
+    ``server.shutdown()`` and ``server.server_close()``); else call ``server.serve_forever()``. Calls to the
+    reward are serialized; each runs under ``torch.no_grad()``. `options` are the `RewardServer` limits
+    and token: ``token_env`` / ``token_file``, ``max_body_mb`` (64), ``max_batch_size`` (4096),
+    ``max_concurrency`` (8), ``max_connections`` (256), ``queue_timeout_s`` (30), ``read_timeout_s`` (30),
+    ``keep_alive_s`` (5); see the module docstring. A failing reward answers HTTP 500 with the error, a
+    body that is not JSON or safetensors HTTP 415. A per-step reward is refused (ValueError).
     """
-    if getattr(reward, "per_step", False):
-        raise ValueError(f"serve_reward: reward {reward.name!r} is per-step; only outcome rewards are served")
-    server = _RewardServer((host, port), reward, log_requests)
+    server = RewardServer(reward, host, port, log_requests=log_requests, **options)
     if start:
-        threading.Thread(target=server.serve_forever, name="reward-server", daemon=True).start()
+        try:
+            server.start()
+        except BaseException:
+            server.server_close()
+            raise
     return server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rewards.remote --reward NAME [--kwargs JSON] [--device D] [--host H] [--port P]``."""
+    """``python -m rewards.remote --reward NAME [--kwargs JSON] [--device D] [--host H] [--port P] ...``."""
     parser = argparse.ArgumentParser(
         prog="python -m rewards.remote", description="Serve a reward over HTTP for the `remote` reward."
     )
@@ -419,6 +974,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--port", type=int, default=8000, help="port to bind (default 8000; 0: any free port)"
     )
     parser.add_argument("--quiet", action="store_true", help="do not log each request")
+    auth = parser.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--token-env",
+        default=None,
+        help="NAME of the environment variable holding the token clients must send",
+    )
+    auth.add_argument("--token-file", default=None, help="file holding the token clients must send")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument(
+        "--max-body-mb", type=float, default=64.0, help="largest request body (413; default 64)"
+    )
+    limits.add_argument(
+        "--max-batch-size", type=int, default=4096, help="largest batch_size of a request (422; default 4096)"
+    )
+    limits.add_argument(
+        "--max-concurrency", type=int, default=8, help="requests read, decoded and scored at once (default 8)"
+    )
+    limits.add_argument(
+        "--max-connections", type=int, default=256, help="open connections before uvicorn answers 503 (256)"
+    )
+    limits.add_argument(
+        "--queue-timeout-s", type=float, default=30.0, help="longest wait for a free slot before 503 (30)"
+    )
+    limits.add_argument(
+        "--read-timeout-s", type=float, default=30.0, help="deadline for a request's headers, and body (30)"
+    )
+    limits.add_argument(
+        "--keep-alive-s", type=float, default=5.0, help="idle keep-alive connections close (5)"
+    )
     args = parser.parse_args(argv)
     try:
         options = json.loads(args.kwargs)
@@ -438,14 +1022,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not takes_device:
             parser.error(f"reward {args.reward!r} takes no `device` option; drop --device")
         options["device"] = args.device
+    limits_kwargs = {
+        "token_env": args.token_env,
+        "token_file": args.token_file,
+        "max_body_mb": args.max_body_mb,
+        "max_batch_size": args.max_batch_size,
+        "max_concurrency": args.max_concurrency,
+        "max_connections": args.max_connections,
+        "queue_timeout_s": args.queue_timeout_s,
+        "read_timeout_s": args.read_timeout_s,
+        "keep_alive_s": args.keep_alive_s,
+    }
     try:
         reward = load_reward(args.reward, **options)
-        server = serve_reward(reward, args.host, args.port, start=False, log_requests=not args.quiet)
-    except (KeyError, TypeError, ValueError, OSError) as e:
+        server = serve_reward(
+            reward, args.host, args.port, start=False, log_requests=not args.quiet, **limits_kwargs
+        )
+    except (KeyError, TypeError, ValueError, OSError, ImportError) as e:
         print(f"python -m rewards.remote: error: {e}", file=sys.stderr)
         return 2
-    host, port = server.server_address[:2]
-    print(f"serving reward {args.reward!r} at http://{host}:{port}/ (Ctrl-C stops)", flush=True)
+    if not logging.getLogger().handlers:  # request lines and uvicorn's warnings to stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    auth_note = (
+        f"token from ${args.token_env}" if args.token_env else
+        f"token from {args.token_file}" if args.token_file else "no token"
+    )  # fmt: skip
+    server.socket.listen(2048)  # connections made from now on wait in the backlog until uvicorn runs
+    print(f"serving reward {args.reward!r} at {server.url} ({auth_note}; Ctrl-C stops)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
