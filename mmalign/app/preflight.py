@@ -16,6 +16,15 @@ loads the data files first and the model last). `validate` checks, cheapest firs
 - `check_data_files(cfg)`: ``data.train`` / ``data.eval`` name files that exist.
 - `rewards.check_reward_specs(specs, source)`: every reward name resolves and its ``kwargs`` fit the reward's
   constructor, without constructing it (some load a model when constructed).
+- `check_output_writable(cfg)` (training): ``output_dir`` can be created and written (a small temp file).
+- `check_prompts(cfg, training)`: the rows of ``data.train`` / ``data.eval`` read as the pipelines read them
+  (`mmalign.data.load_rows`, after ``data.prompt_template``): no empty prompt; for a token policy (the model
+  folder has a tokenizer and a ``config.json`` with a context length) no prompt too long for the context with
+  ``rollout.max_new_tokens`` (``data.too_long``; only the tokenizer and config are loaded); in training, at
+  least ``rollout.prompts_per_step`` distinct prompts (``data.too_few_prompts``).
+
+`fit_setup(cfg, components)` / `fit_prompts(cfg, rows, policy)` then apply ``data.too_long: skip | truncate``
+to the rows the pipeline built (the CLI calls it after ``build``).
 
 The run directory itself (its layout, checkpoints, samples) is `mmalign.rundir`'s.
 """
@@ -23,15 +32,20 @@ The run directory itself (its layout, checkpoints, samples) is `mmalign.rundir`'
 from __future__ import annotations
 
 import difflib
+import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mmalign.config import Config, ConfigError, check_names
+from mmalign.data import DataError, load_rows
 from mmalign.registry import RegistryError
 from mmalign.rundir import check_output_dir
 from rewards import check_reward_specs
+
+log = logging.getLogger(__name__)
 
 MODEL_FILES = ("config.json", "model_index.json")
 """A hub id counts as cached when one of these is in the Hugging Face cache (transformers / diffusers folders)."""
@@ -234,13 +248,438 @@ def check_data_files(cfg: Config) -> None:
             )
 
 
+# ----------------------------------------------------------------------------- the output directory
+
+
+def check_output_writable(cfg: Config) -> None:
+    """``output_dir`` can hold a run: the folder is created if missing (it stays) and a small temp file is
+    written in it and removed. A ConfigError names the path otherwise (a parent that is a file, no
+    permission, a read-only filesystem), before any model is loaded."""
+    out = Path(cfg.output_dir).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"{cfg.source}: key 'output_dir': cannot create {out}: {e.strerror or e}"
+            + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else "")
+        ) from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".mmalign-write-test-", delete=True) as f:
+            f.write(b"ok")
+            f.flush()
+    except OSError as e:
+        raise ConfigError(
+            f"{cfg.source}: key 'output_dir': {out} is not writable: {e.strerror or e}"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- prompts
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+"""Config attributes that give a model's context length (first found, in the text config of a VLM first)."""
+
+
+def model_context(config: Any) -> tuple[int, str] | None:
+    """(context length in tokens, the attribute that gave it) of a transformers model config; None if none."""
+    configs = []
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        try:
+            configs.append(get_text())
+        except Exception:  # noqa: BLE001 - a config without a text part
+            pass
+    configs.append(config)
+    for c in configs:
+        for key in CONTEXT_KEYS:
+            value = getattr(c, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value, key
+    return None
+
+
+def _as_list(x: Any) -> list[Any]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, list | tuple) else [x]
+
+
+def _text_format(tokenizer: Any, use_chat_template: bool, system_prompt: str | None) -> Any:
+    """An object that encodes a prompt exactly as `TextPolicy` does (`TokenSampling._prompt_token_ids`:
+    ``model.use_chat_template`` / ``model.system_prompt``), without a model."""
+    from mmalign.policies.token_sampling import TokenSampling
+
+    class _TextFormat(TokenSampling):
+        def __init__(self) -> None:
+            self.tokenizer = tokenizer
+            self.use_chat_template = use_chat_template
+            self.system_prompt = system_prompt
+            self._prompt_cache = {}
+
+    return _TextFormat()
+
+
+def _vlm_format(processor: Any, system_prompt: str | None) -> Any:
+    """An object with `VLMPolicy.format_vlm_prompt` (always the processor's chat template), without a model."""
+    from mmalign.policies.vlm import VLMPolicy
+
+    class _VLMFormat:
+        format_vlm_prompt = VLMPolicy.format_vlm_prompt
+
+        def __init__(self) -> None:
+            self.processor = processor
+            self.tokenizer = processor.tokenizer
+            self.system_prompt = system_prompt
+
+    return _VLMFormat()
+
+
+class PromptLengths:
+    """The number of tokens a token policy gives a row's prompt, and the model's context.
+
+    Text policies: exactly `TextPolicy`'s encoding (`TokenSampling._prompt_token_ids`: the chat template with
+    ``model.system_prompt`` when ``model.use_chat_template``). VLM policies: `VLMPolicy.format_vlm_prompt`'s
+    text (the processor's chat template with one placeholder per image) plus, per image, the tokens the
+    image processor makes of it where that is cheap: an image processor with ``get_number_of_image_patches``
+    and ``merge_size`` (Qwen2-VL family) and an image whose size can be read from its header. Other images
+    and video frames count as their one placeholder token (text only)."""
+
+    def __init__(
+        self, fmt: Any, context: int, *, vlm: bool, where: str, image_root: Path | None = None
+    ) -> None:
+        self.fmt = fmt
+        self.context = context
+        self.vlm = vlm
+        self.where = where
+        """What gave the context, for messages (``max_position_embeddings of MODEL``)."""
+        self.image_root = image_root
+        """Relative image paths of unresolved rows (preflight) are looked up here; None: the working directory."""
+        self._image_tokens: dict[Any, int] = {}
+        self._text_tokens: dict[tuple[str, int, bool], int] = {}
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.fmt.tokenizer
+
+    def count(self, row: dict[str, Any], prompt: str | None = None) -> int:
+        """Tokens of `row`'s prompt (or of `prompt` in its place) as the policy encodes it."""
+        text = str(row["prompt"]) if prompt is None else prompt
+        if not self.vlm:
+            return len(self.fmt._prompt_token_ids(text))
+        images = _as_list(row.get("images", row.get("image")))
+        key = (text, len(images), bool(row.get("video")))
+        n = self._text_tokens.get(key)
+        if n is None:
+            formatted = self.fmt.format_vlm_prompt(*key)
+            n = len(self.tokenizer(formatted, add_special_tokens=False)["input_ids"])
+            if len(self._text_tokens) < 100_000:
+                self._text_tokens[key] = n
+        return n + sum(max(self._tokens_of_image(im) - 1, 0) for im in images)
+
+    def _tokens_of_image(self, image: Any) -> int:
+        """Tokens of one image (its size from the header); 1 (its placeholder) where that is not cheap."""
+        ip = getattr(getattr(self.fmt, "processor", None), "image_processor", None)
+        patches = getattr(ip, "get_number_of_image_patches", None)
+        merge = getattr(ip, "merge_size", None)
+        if not callable(patches) or not isinstance(merge, int) or merge < 1:
+            return 1
+        key = image if isinstance(image, str) else id(image)
+        if key in self._image_tokens:
+            return self._image_tokens[key]
+        tokens = 1
+        try:
+            if isinstance(image, str):
+                from PIL import Image
+
+                path = Path(image)
+                if not path.is_absolute() and self.image_root is not None:
+                    path = self.image_root / path
+                with Image.open(path) as im:  # reads the header only
+                    width, height = im.size
+            else:
+                width, height = image.size
+            tokens = max(int(patches(height, width)) // (merge * merge), 1)
+        except Exception:  # noqa: BLE001 - a missing or unreadable image is the pipeline's error
+            tokens = 1
+        if len(self._image_tokens) < 100_000:
+            self._image_tokens[key] = tokens
+        return tokens
+
+    def truncate(self, row: dict[str, Any], budget: int) -> str | None:
+        """`row`'s prompt with its start cut so that it encodes to at most `budget` tokens; None when even an
+        empty prompt would not fit (the template, system prompt or images alone are too long)."""
+        prompt = str(row["prompt"])
+        tok = self.tokenizer
+        for _ in range(8):  # a cut at a token boundary can re-tokenize a little differently: cut again
+            excess = self.count(row, prompt) - budget
+            if excess <= 0:
+                return prompt
+            fast = bool(getattr(tok, "is_fast", False))
+            enc = tok(prompt, add_special_tokens=False, return_offsets_mapping=fast)
+            ids = enc["input_ids"]
+            if excess >= len(ids):
+                return None
+            if fast:
+                prompt = prompt[enc["offset_mapping"][excess][0] :]
+            else:
+                prompt = tok.decode(ids[excess:], skip_special_tokens=False)
+        return prompt if self.count(row, prompt) <= budget else None
+
+
+def prompt_lengths_for(cfg: Config) -> PromptLengths | None:
+    """`PromptLengths` of ``model.name_or_path`` from its tokenizer (or processor) and ``config.json`` only,
+    offline; None (with a debug log saying why) when it is no token policy's model or cannot be read
+    without a download: a folder a tiny builder has yet to build, no ``config.json`` (a diffusers folder),
+    no context length in the config, no tokenizer."""
+    m = cfg.model
+    name = m.name_or_path
+    if m.tiny_builder and not Path(name).expanduser().exists():
+        log.debug(
+            "prompt length check skipped before the model is built: %s does not exist yet (model.tiny_builder "
+            "%s builds it); the built rows are checked once the policy is loaded",
+            name,
+            m.tiny_builder,
+        )
+        return None
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            name, local_files_only=True, trust_remote_code=m.trust_remote_code
+        )
+    except Exception as e:  # noqa: BLE001 - not a transformers model folder (diffusers), not cached, ...
+        log.debug("prompt length check skipped: no transformers config for %s (%s)", name, e)
+        return None
+    found = model_context(config)
+    if found is None:
+        log.debug("prompt length check skipped: the config of %s names no context length", name)
+        return None
+    context, key = found
+    vlm = getattr(config, "vision_config", None) is not None
+    try:
+        if vlm:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(
+                name, local_files_only=True, trust_remote_code=m.trust_remote_code
+            )
+            opts = cfg.options
+            min_px, max_px = getattr(opts, "min_pixels", None), getattr(opts, "max_pixels", None)
+            if min_px is not None or max_px is not None:
+                from mmalign.policies.vlm import set_pixel_range
+
+                set_pixel_range(processor, min_px, max_px)
+            fmt = _vlm_format(processor, m.system_prompt)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                name, local_files_only=True, trust_remote_code=m.trust_remote_code
+            )
+            fmt = _text_format(tokenizer, m.use_chat_template, m.system_prompt)
+    except Exception as e:  # noqa: BLE001 - no tokenizer / processor in the folder
+        log.debug("prompt length check skipped: no tokenizer for %s (%s)", name, e)
+        return None
+    root = getattr(cfg.options, "image_root", None)
+    image_root = Path(root) if root else (Path(cfg.data.train).resolve().parent if cfg.data.train else None)
+    return PromptLengths(fmt, context, vlm=vlm, where=f"{key} of {name}", image_root=image_root)
+
+
+def policy_prompt_lengths(cfg: Config, policy: Any) -> PromptLengths | None:
+    """`PromptLengths` of a loaded token policy (a `TextPolicy` / `VLMPolicy`, which encode the prompts
+    themselves); None for any other policy, or a model config without a context length."""
+    from mmalign.policies.token_sampling import TokenSampling
+
+    if not isinstance(policy, TokenSampling):
+        return None
+    config = getattr(getattr(policy, "model", None), "config", None)
+    found = model_context(config) if config is not None else None
+    if found is None:
+        return None
+    vlm = hasattr(policy, "format_vlm_prompt") and getattr(policy, "processor", None) is not None
+    return PromptLengths(policy, found[0], vlm=vlm, where=f"{found[1]} of {cfg.model.name_or_path}")
+
+
+def check_empty_prompts(rows: Sequence[dict[str, Any]], template: str) -> None:
+    """A DataError naming the row (file:line) whose prompt is empty (or only whitespace, or not a string)
+    after ``data.prompt_template``."""
+    for row in rows:
+        prompt = row.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DataError(
+                f"{row.get('_source', '?')}: the prompt is empty after data.prompt_template {template!r} "
+                f"(got {prompt!r}); fill in the row or drop it"
+            )
+
+
+def fit_prompts(
+    cfg: Config,
+    rows: list[dict[str, Any]],
+    lengths: PromptLengths | Any | None,
+    *,
+    key: str = "data.train",
+    apply: bool = True,
+) -> list[dict[str, Any]]:
+    """`rows` whose prompts fit the model's context with ``rollout.max_new_tokens``, per ``data.too_long``:
+    ``error``: a DataError naming file:line and the length of the first prompt that does not fit (and how many
+    more); ``skip``: those rows dropped; ``truncate``: their prompts' start cut so that they fit (a row whose
+    template alone does not fit is an error). Skipped / truncated rows are counted in one warning (with
+    `apply` False, the preflight check: nothing changes and nothing is logged above debug; `rows` is
+    returned as it would be).
+
+    `lengths`: a `PromptLengths`, or a loaded policy (a `TextPolicy` / `VLMPolicy`: its own encoding and
+    its model's context); None or any other policy (diffusion): `rows` unchanged."""
+    if lengths is not None and not isinstance(lengths, PromptLengths):
+        lengths = policy_prompt_lengths(cfg, lengths)
+    if lengths is None or not rows:
+        return rows
+    max_new = cfg.rollout.max_new_tokens
+    budget = lengths.context - max_new
+    mode = cfg.data.too_long
+    counted: dict[str, int] = {}
+    over: list[tuple[dict[str, Any], int]] = []
+    for row in rows:
+        prompt = row.get("prompt")
+        if not isinstance(prompt, str):
+            continue
+        n = counted.get(prompt) if not lengths.vlm else None
+        if n is None:
+            n = lengths.count(row)
+            if not lengths.vlm:
+                counted[prompt] = n
+        if n > budget:
+            over.append((row, n))
+    if not over:
+        return rows
+    first, n_first = over[0]
+    more = f" ({len(over) - 1} more row(s) of {key} are too long too)" if len(over) > 1 else ""
+    limit = (
+        f"with rollout.max_new_tokens ({max_new}) that exceeds the model's context of {lengths.context} "
+        f"tokens ({lengths.where})"
+    )
+    if mode == "error" or budget < 1:
+        fix = "shorten it, lower rollout.max_new_tokens, or set data.too_long: skip | truncate"
+        if budget < 1:
+            fix = "lower rollout.max_new_tokens"
+        raise DataError(f"{first.get('_source', key)}: the prompt is {n_first} tokens; {limit}{more}; {fix}")
+    longest = max(n for _, n in over)
+    ids = {id(r) for r, _ in over}
+    if mode == "skip":
+        out = [r for r in rows if id(r) not in ids]
+        if not out:
+            raise DataError(
+                f"{key}: every row's prompt is too long ({first.get('_source', key)}: {n_first} tokens; "
+                f"{limit}); data.too_long: skip leaves no rows"
+            )
+        what = "dropped"
+    else:
+        out = []
+        for row in rows:
+            if id(row) in ids:
+                cut = lengths.truncate(row, budget)
+                if cut is None:
+                    raise DataError(
+                        f"{row.get('_source', key)}: the prompt cannot be truncated to fit: {limit}, and the "
+                        "template / system prompt / images alone do not fit; lower rollout.max_new_tokens"
+                    )
+                row = {**row, "prompt": cut}
+            out.append(row)
+        what = "truncated at the start"
+    message = (
+        f"data.too_long: {mode}: {what} {len(over)} of {len(rows)} rows of {key} whose prompt + "
+        f"rollout.max_new_tokens ({max_new}) exceeds the context of {lengths.context} tokens (the longest "
+        f"{longest} tokens; first {first.get('_source', key)})"
+    )
+    if apply:
+        log.warning(message)
+    else:
+        log.debug("will be %s", message)
+    return out
+
+
+def check_distinct_prompts(cfg: Config, rows: Sequence[dict[str, Any]]) -> None:
+    """Fewer distinct training prompts than ``rollout.prompts_per_step``: a warning (a step then trains
+    copies of the same prompts), or a DataError with ``data.too_few_prompts: error``."""
+    distinct = len({str(r.get("prompt")) for r in rows})
+    need = cfg.rollout.prompts_per_step
+    if distinct >= need:
+        return
+    text = (
+        f"data.train {cfg.data.train} has {distinct} distinct prompt(s) ({len(rows)} rows), fewer than "
+        f"rollout.prompts_per_step ({need}): every step trains copies of the same prompts"
+    )
+    if cfg.data.too_few_prompts == "error":
+        raise DataError(f"{text}; add rows or lower rollout.prompts_per_step (data.too_few_prompts: error)")
+    log.warning("%s; add rows or lower rollout.prompts_per_step (data.too_few_prompts: error stops)", text)
+
+
+def _read_rows(cfg: Config, source: str, max_rows: int | None) -> list[dict[str, Any]] | None:
+    """The rows of `source` as the pipelines read them (`load_rows`, after ``data.prompt_template``). With
+    ``options.on_bad_row: skip`` unreadable lines of a local file are left out as the pipeline leaves them
+    out (`pipelines.common.load_rows_skipping`)."""
+    try:
+        return load_rows(source, cfg.data.prompt_template, max_rows)
+    except DataError:
+        if getattr(cfg.options, "on_bad_row", "error") != "skip" or source.startswith("hf:"):
+            raise
+    from pipelines.common import load_rows_skipping
+
+    return load_rows_skipping(source, cfg.data.prompt_template, max_rows)
+
+
+def check_prompts(cfg: Config, *, training: bool) -> None:
+    """The prompts of ``data.train`` and ``data.eval``, before any model is loaded: none empty
+    (`check_empty_prompts`); for a token policy, each fits the context with ``rollout.max_new_tokens``
+    per ``data.too_long`` (`fit_prompts` without changing anything; the CLI applies skip / truncate to the
+    built rows with `fit_setup`); when `training`, enough distinct prompts (`check_distinct_prompts`, counted
+    after a ``skip``)."""
+    sources = [("data.train", cfg.data.train, cfg.data.max_rows), ("data.eval", cfg.data.eval, None)]
+    lengths: PromptLengths | None = None
+    loaded = False
+    for key, source, max_rows in sources:
+        if not source:
+            continue
+        rows = _read_rows(cfg, source, max_rows)
+        if rows is None:
+            continue
+        check_empty_prompts(rows, cfg.data.prompt_template)
+        if not loaded:
+            lengths, loaded = prompt_lengths_for(cfg), True
+        kept = fit_prompts(cfg, rows, lengths, key=key, apply=False)
+        if training and key == "data.train":
+            extra = [
+                k for k, v in getattr(cfg.options, "__dict__", {}).items() if k.endswith("_prompts") and v
+            ]
+            if extra:  # (safe_diffusion: options.safe_prompts / unsafe_prompts add training rows)
+                log.debug("distinct prompt count not checked: options.%s add training prompts", extra[0])
+            else:
+                check_distinct_prompts(cfg, kept)
+
+
+def fit_setup(cfg: Config, components: Any) -> Any:
+    """`fit_prompts` on what a pipeline built (its ``data`` and ``eval_data``, with its policy's own
+    encoding): ``data.too_long: skip | truncate`` take effect for the run. Other policies: unchanged.
+    Returns `components` (changed in place)."""
+    policy = getattr(components, "policy", None)
+    lengths = policy_prompt_lengths(cfg, policy) if policy is not None else None
+    if lengths is None:
+        return components
+    for attr, key in (("data", "data.train"), ("eval_data", "data.eval")):
+        rows = getattr(components, attr, None)
+        if rows:
+            setattr(components, attr, fit_prompts(cfg, list(rows), lengths, key=key))
+    return components
+
+
 # ----------------------------------------------------------------------------- all of it
 
 
 def preflight(cfg: Config, *, resume: bool | None = None, eval_rewards: bool = False) -> None:
     """Every check of a command that needs no model, cheapest first: the output directory and the trackers'
     packages (`resume` None: not training, no check), that the data files exist, the reward names and options, the model
-    folders and hub ids. The data files are read by the pipeline's ``build``, before its model."""
+    folders and hub ids; in training that ``output_dir`` is writable (`check_output_writable`); then the prompts
+    (`check_prompts`: empty, too long for the context, too few distinct ones), from the rows and, for a token
+    policy, the tokenizer and config of the model only. The pipeline's ``build`` reads the data files again,
+    before its model."""
     if resume is not None:
         from mmalign.app.trackers import check_available
 
@@ -251,6 +690,9 @@ def preflight(cfg: Config, *, resume: bool | None = None, eval_rewards: bool = F
     if eval_rewards:
         check_reward_specs(cfg.eval.rewards, cfg.source, key="eval.rewards")
     check_model_paths(cfg, eval_rewards=eval_rewards)
+    if resume is not None:
+        check_output_writable(cfg)
+    check_prompts(cfg, training=resume is not None)
 
 
 def validate(
@@ -258,8 +700,14 @@ def validate(
 ) -> Callable[[Config], Any]:
     """The one validation pass of a command, after `mmalign.config.load_config` checked the schema: the
     pipeline name, the registry names of ``algorithm`` (`mmalign.config.check_names`), then `preflight`
-    (output directory and trackers when `resume` is not None, data files, rewards, model folders). Every
-    problem is a `ConfigError` naming the file and the key. Returns the pipeline's ``build``."""
+    (output directory and trackers when `resume` is not None, data files, rewards, model folders, prompts).
+    Every problem is a `ConfigError` (a `DataError` for the rows) naming the file and the key or line.
+
+    Returns the pipeline's ``build``, wrapped so that what it builds goes through `fit_setup`
+    (``data.too_long: skip | truncate`` applied to the built rows with the loaded policy's own encoding, and
+    ``error`` for a prompt the preflight could not measure because a tiny builder had yet to build the model)."""
+    import functools
+
     import pipelines
 
     try:
@@ -268,4 +716,9 @@ def validate(
         raise ConfigError(f"{cfg.source}: key 'pipeline': {e}") from None
     check_names(cfg)
     preflight(cfg, resume=resume, eval_rewards=eval_rewards)
-    return build
+
+    @functools.wraps(build)
+    def build_and_fit(cfg: Config) -> Any:
+        return fit_setup(cfg, build(cfg))
+
+    return build_and_fit
