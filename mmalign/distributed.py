@@ -296,9 +296,17 @@ def launched_processes() -> int:
 
 
 def check_launch(distributed_type: Any, num_processes: int) -> None:
-    """Refuse a launch of ``WORLD_SIZE`` > 1 processes that accelerate did not set up as that many."""
+    """Refuse a DeepSpeed launch (not supported: use FSDP2), and a launch of ``WORLD_SIZE`` > 1 processes that
+    accelerate did not set up as that many."""
     from mmalign.config import ConfigError
 
+    if str(getattr(distributed_type, "value", distributed_type)).upper() == "DEEPSPEED":
+        raise ConfigError(
+            "DeepSpeed is not supported: accelerate's DeepSpeed engine steps the optimizer at every backward "
+            "(mmalign accumulates micro-batches), and mmalign's checkpoints and final/ hold neither the ZeRO "
+            "partitions of the other processes nor ZeRO-3 weights. For a sharded run use FSDP2: accelerate "
+            "launch --config_file configs/accelerate/fsdp2.yaml (docs/distributed.md)"
+        )
     launched = launched_processes()
     if launched > 1 and num_processes != launched:
         raise ConfigError(

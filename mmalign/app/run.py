@@ -1,25 +1,62 @@
 """Building a `GroupTrainer` for a real run: the trainer with the app's standard monitors.
 
 The core trainer imports no tool; `build_trainer` hands it the live learning diagnostics
-(`mmalign.app.doctor.DoctorMonitor`) and the experiment trackers of ``trainer.log_with``
-(`mmalign.app.trackers.TrackerMonitor`), which `mmalign train` and scripts that want the same run use.
+(`mmalign.app.doctor.DoctorMonitor`), the experiment trackers of ``trainer.log_with``
+(`mmalign.app.trackers.TrackerMonitor`) and, in a multi-process run, the bound on waiting for a peer
+(`WatchdogMonitor`: the process group's timeout and the heartbeat watchdog of `mmalign.watchdog`), which
+`mmalign train` and scripts that want the same run use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from mmalign.app.doctor import DoctorMonitor
 from mmalign.app.trackers import TrackerMonitor
 from mmalign.config import Config
+from mmalign.distributed import launched_processes
 from mmalign.trainer import GroupTrainer
 
 
+class WatchdogMonitor:
+    """``trainer.dist_timeout_s`` for a multi-process run: the process group's timeout (every collective gives up
+    after it; accelerate's ``InitProcessGroupKwargs``) and, while `GroupTrainer.train` runs, a heartbeat
+    watchdog (`mmalign.watchdog.start_watchdog`): when a peer has been silent that long (frozen, stopped,
+    unreachable), this process reports the silent rank and the last complete checkpoint and exits."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.timeout_s = float(cfg.trainer.dist_timeout_s)
+        self.output_dir = cfg.output_dir
+        self.watchdog: Any = None
+
+    def accelerator_kwargs(self) -> dict[str, Any]:
+        from accelerate.utils import InitProcessGroupKwargs
+
+        return {"kwargs_handlers": [InitProcessGroupKwargs(timeout=timedelta(seconds=self.timeout_s))]}
+
+    def on_train_start(self, trainer: Any, step: int) -> None:
+        from mmalign.watchdog import start_watchdog
+
+        self.on_train_end(trainer)  # a previous train() that did not end its watch
+        self.watchdog = start_watchdog(
+            trainer.rank, trainer.world, self.timeout_s, output_dir=self.output_dir
+        )
+
+    def on_train_end(self, trainer: Any) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+
+
 def standard_monitors(cfg: Config, *, resume: bool = False) -> list[Any]:
-    """The trackers of ``trainer.log_with`` (a missing tracker package is a `ConfigError` now) and the live
-    doctor."""
-    return [TrackerMonitor(cfg, resume=resume), DoctorMonitor()]
+    """The trackers of ``trainer.log_with`` (a missing tracker package is a `ConfigError` now), the live
+    doctor and, when the launcher started several processes (``WORLD_SIZE`` > 1), the `WatchdogMonitor`."""
+    monitors: list[Any] = [TrackerMonitor(cfg, resume=resume), DoctorMonitor()]
+    if launched_processes() > 1:
+        monitors.append(WatchdogMonitor(cfg))
+    return monitors
 
 
 def build_trainer(

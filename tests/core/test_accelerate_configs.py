@@ -1,6 +1,8 @@
 """The accelerate configs in configs/accelerate/: each parses, accelerate's launcher accepts it and builds the plugin
 it names; a GPU smoke test trains one step through ``accelerate launch --config_file`` with each (skipped without
-CUDA, and for DeepSpeed without the ``deepspeed`` package)."""
+CUDA). DeepSpeed is not supported: no config ships, and a GPU test checks that a DeepSpeed launch stops at once
+pointing at FSDP2 (skipped without CUDA or the ``deepspeed`` package; `mmalign.distributed.check_launch`'s refusal
+itself is tested on CPU in tests/core/test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -19,13 +21,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs" / "accelerate"
-NAMES = ["ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"]
-EXPECTED_TYPE = {
-    "ddp": "MULTI_GPU",
-    "fsdp2": "FSDP",
-    "deepspeed_zero2": "DEEPSPEED",
-    "deepspeed_zero3": "DEEPSPEED",
-}
+NAMES = ["ddp", "fsdp2"]
+EXPECTED_TYPE = {"ddp": "MULTI_GPU", "fsdp2": "FSDP"}
 
 
 def test_the_folder_holds_exactly_the_documented_configs() -> None:
@@ -33,6 +30,8 @@ def test_the_folder_holds_exactly_the_documented_configs() -> None:
     doc = (REPO / "docs" / "distributed.md").read_text()
     for name in NAMES:
         assert f"configs/accelerate/{name}.yaml" in doc, name
+    assert "configs/accelerate/deepspeed" not in doc
+    assert "DeepSpeed is not supported" in doc
 
 
 def _launch_args(name: str) -> tuple[Any, Any]:
@@ -78,25 +77,6 @@ def test_ddp_config_is_a_plain_multi_gpu_launch() -> None:
     assert args.multi_gpu and not args.use_fsdp and not args.use_deepspeed
 
 
-@pytest.mark.parametrize(("name", "stage"), [("deepspeed_zero2", 2), ("deepspeed_zero3", 3)])
-def test_deepspeed_configs_build_their_zero_stage(name: str, stage: int) -> None:
-    from accelerate.utils import DeepSpeedPlugin
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env
-
-    args, defaults = _launch_args(name)
-    assert args.use_deepspeed and not args.use_fsdp
-    args.deepspeed_fields_from_accelerate_config = list(
-        defaults.deepspeed_config
-    )  # as `accelerate launch` sets
-    _, env = prepare_deepspeed_cmd_env(args)
-    with mock.patch.dict(os.environ, env):
-        plugin = DeepSpeedPlugin()
-    zero = plugin.deepspeed_config["zero_optimization"]
-    assert plugin.zero_stage == zero["stage"] == stage
-    assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "none"
-    assert zero["stage3_gather_16bit_weights_on_model_save"] is (stage == 3)
-
-
 # ----------------------------------------------------------------------------- GPU smoke tests
 
 
@@ -105,11 +85,9 @@ def test_deepspeed_configs_build_their_zero_stage(name: str, stage: int) -> None
 @pytest.mark.parametrize("name", NAMES)
 def test_accelerate_launch_trains_one_step(name: str, tmp_path: Path) -> None:
     """TRL-style: ``accelerate launch --config_file X --num_processes 1`` trains the tiny text config for one step
-    (one process: with several, TextPolicy's ``generate`` would need ``synced_gpus`` under FSDP2 / ZeRO-3)."""
+    (one process: with several, TextPolicy's ``generate`` would need ``synced_gpus`` under FSDP2)."""
     if not torch.cuda.is_available():
-        pytest.skip(f"{name}.yaml needs CUDA (accelerate turns FSDP into DDP and disables DeepSpeed on CPU)")
-    if name.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
-        pytest.skip(f"{name}.yaml needs the deepspeed package (pip install deepspeed)")
+        pytest.skip(f"{name}.yaml needs CUDA (accelerate turns FSDP into DDP on CPU)")
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", "trainer.steps=1", "trainer.save_every=1", "trainer.progress_bar=false"]
     cmd = [
@@ -127,3 +105,48 @@ def test_accelerate_launch_trains_one_step(name: str, tmp_path: Path) -> None:
         assert (steps[0] / "sharded" / ".metadata").is_file()
     else:
         assert (steps[0] / "trainable.safetensors").is_file()
+
+
+DEEPSPEED_ZERO2 = {  # what configs/accelerate/deepspeed_zero2.yaml held before DeepSpeed was refused
+    "compute_environment": "LOCAL_MACHINE",
+    "distributed_type": "DEEPSPEED",
+    "num_processes": 1,
+    "num_machines": 1,
+    "machine_rank": 0,
+    "gpu_ids": "all",
+    "mixed_precision": "no",
+    "rdzv_backend": "static",
+    "same_network": True,
+    "main_training_function": "main",
+    "use_cpu": False,
+    "deepspeed_config": {
+        "zero_stage": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "offload_optimizer_device": "none",
+        "offload_param_device": "none",
+        "zero3_init_flag": False,
+    },
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_deepspeed_launch_is_refused(tmp_path: Path) -> None:
+    """``accelerate launch`` with a DeepSpeed config stops before any training, saying to use FSDP2."""
+    if not torch.cuda.is_available():
+        pytest.skip("a DeepSpeed launch needs CUDA (accelerate disables DeepSpeed on CPU)")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("accelerate sets up DeepSpeed only with the deepspeed package (pip install deepspeed)")
+    config = tmp_path / "deepspeed_zero2.yaml"
+    config.write_text(yaml.safe_dump(DEEPSPEED_ZERO2))
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "1",
+        "-m", "mmalign.app.cli", "train", "configs/text_reasoning-tiny.yaml", f"output_dir={out}",
+        "trainer.steps=1", "trainer.progress_bar=false",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode != 0
+    assert "DeepSpeed is not supported" in proc.stderr and "configs/accelerate/fsdp2.yaml" in proc.stderr
+    assert not (out / "metrics.jsonl").exists()

@@ -82,3 +82,23 @@ def test_ddp_replicas_stay_identical(tmp_path: Path, mode: str) -> None:
         assert (r["distributed_type"], r["world_size"]) == ("MULTI_CPU", 2)
     assert r0["moved"] > 1e-3  # the weights did change
     assert r0["after"] == r1["after"]
+
+
+# ----------------------------------------------------------------------------- check_launch
+
+
+def test_check_launch_refuses_deepspeed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed is not supported (optimizer step per backward, partitioned optimizer state, ZeRO-3 weights):
+    the launch stops at once, pointing at FSDP2, on one process or several."""
+    from accelerate.utils import DistributedType
+
+    from mmalign.config import ConfigError
+    from mmalign.distributed import check_launch
+
+    for world, processes in (("1", 1), ("2", 2)):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        with pytest.raises(ConfigError, match="DeepSpeed is not supported") as err:
+            check_launch(DistributedType.DEEPSPEED, processes)
+        assert "configs/accelerate/fsdp2.yaml" in str(err.value)
+    check_launch(DistributedType.MULTI_CPU, 2)  # what the other launches are told: nothing
+    check_launch(DistributedType.FSDP, 2)
