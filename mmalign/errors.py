@@ -12,3 +12,25 @@ from __future__ import annotations
 
 class MmalignError(Exception):
     """A problem the user can fix, described by the message (which names the file, key or plugin)."""
+
+
+class CheckpointError(MmalignError, ValueError):
+    """A checkpoint that cannot be used: a file fails its manifest (missing, truncated, corrupted) or cannot be
+    read. The message names the file and why."""
+
+
+class MetricsError(MmalignError, ValueError):
+    """A ``metrics.jsonl`` that cannot be read back (a broken line other than a torn last one): the message names
+    the file and the line."""
+
+
+class RunWriteError(MmalignError, OSError):
+    """Writing a file of the run directory failed (a full disk, permissions): names the file and the cause
+    (`cause`; its ``errno``, when it has one, is this error's)."""
+
+    def __init__(self, path: object, cause: BaseException) -> None:
+        self.path = path
+        self.cause = cause
+        hint = " (a full disk?)" if "unexpected pos" in str(cause) else ""  # torch.save's words for ENOSPC
+        super().__init__(f"could not write {path}: {cause}{hint}")
+        self.cause_errno = getattr(cause, "errno", None)

@@ -464,7 +464,7 @@ class ReplayFilter(GroupFilter):
 
     # -- checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """Buffer (plain dicts of tensors), use counts and generator state; safe to `torch.save`."""
+        """Buffer (plain dicts of tensors), use counts and generator state; saved in checkpoints (`mmalign.rundir.save_state`)."""
         buffer = []
         for e in self._buffer:
             r: Rollout = e["rollout"]

@@ -7,7 +7,7 @@ A prompt sampler picks row indices each round and may learn from how those promp
     ...                                                    # roll out rows[idx], score them
     sampler.observe(idx_seen, rates, counts)               # per-prompt success rates in [0, 1]
     metrics.update(sampler.last_stats())
-    ckpt["sampler"] = sampler.state_dict()                 # torch.save-able; resume draws the same prompts
+    ckpt["sampler"] = sampler.state_dict()                 # saved in checkpoints; resume draws the same prompts
 
 Registered samplers (``names()``):
 
@@ -28,8 +28,8 @@ Common rules:
   number of samples behind it (G_eff). `success_from_rewards` / `group_successes` compute both from
   rewards.
 - ``state_dict()`` holds plain Python values and CPU tensors (including the torch.Generator state):
-  it round-trips through ``torch.save`` / ``torch.load(weights_only=False)`` and a loaded sampler
-  draws exactly what the saved one would have drawn.
+  it round-trips through a checkpoint (`mmalign.rundir.save_state` / `load_state`, no pickle) and a loaded
+  sampler draws exactly what the saved one would have drawn.
 """
 
 from __future__ import annotations

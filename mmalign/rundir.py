@@ -11,27 +11,48 @@ the sample browser read and write it only through these functions::
       samples/step_XXXXXX/        that step's media: IIII.png, IIII.mp4 (+ IIII_frames.png);
                                   with several processes rR_IIII.* (R the rank: each process writes its own)
       checkpoints/step_XXXXXX/    trainable.safetensors, optimizer.pt, scheduler.pt, trainer_state.pt,
-                                  rng_<rank>.pt, COMPLETE (written last: a folder without it is ignored)
+                                  rng_<rank>.pt, manifest.json (each file's size and sha256, written after
+                                  them), COMPLETE (written last: a folder without it is ignored)
       final/                      the trained model or adapter, `from_pretrained`-loadable
 
 Sample kinds (`mmalign.policies.base.SAMPLE_KINDS`; what `Policy.sample_view` returns per sample):
 ``text`` (a string, stored in the row), ``image`` (Float[3,H,W] in [0, 1] -> PNG, the row holds its path
 relative to ``samples/``), ``video`` (Float[F,3,H,W] -> H.264 mp4 through PyAV, and a strip of frames as
 PNG under ``video_frames``), ``boxes`` (a list of [x1, y1, x2, y2], stored in the row).
+
+Safety of what is written: a file that is rewritten (``metrics.jsonl`` truncated on resume, ``config.yaml``,
+a samples file) is replaced atomically (`write_atomic`: a temp file in the same folder, fsync, ``os.replace``),
+so a kill leaves the old or the new file, never a part of it. A torn last line of ``metrics.jsonl`` (a kill
+during an append) is dropped with a warning when the file is read. Checkpoint state files hold plain values
+and tensors only (`save_state`; NumPy arrays are stored as tagged tensors) and are read with
+``torch.load(weights_only=True)``: nothing is unpickled. A checkpoint's ``manifest.json`` lets a reader check
+every file (`checkpoint_problem`); `verified_checkpoint` picks the newest that passes, saying which it skipped.
+An I/O error while writing becomes a `RunWriteError` naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import math
+import os
 import shutil
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from torch import Tensor
 
 from mmalign.config import Config, ConfigError
+from mmalign.errors import CheckpointError, MetricsError, RunWriteError
 from mmalign.media import save_frame_strip, save_image, save_video
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -44,6 +65,9 @@ TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 TRAINER_STATE_FILE = "trainer_state.pt"
+MANIFEST_FILE = "manifest.json"
+"""Each file of a checkpoint folder (path relative to it) with its size and sha256; written after them."""
+MANIFEST_FORMAT = "mmalign-checkpoint/1"
 DISTRIBUTED_FILE = "distributed.json"
 """How `mmalign train` was launched (``distributed_type`` as accelerate names it, ``num_processes``); written
 by multi-process runs, removed by a one-process run in the same folder."""
@@ -97,23 +121,111 @@ def clear_run(output_dir: str | Path) -> None:
 
 
 def truncate_metrics(output_dir: str | Path, last_step: int) -> None:
-    """Drop the metrics of steps after `last_step` (a resumed run writes them again)."""
+    """Drop the metrics of steps after `last_step` (a resumed run writes them again), and a torn last line
+    (with a warning). The file is replaced atomically: a kill during the rewrite leaves the old one."""
     metrics = Path(output_dir) / METRICS_FILE
     if metrics.exists():
-        kept = [
-            ln
-            for ln in metrics.read_text().splitlines()
-            if ln.strip() and json.loads(ln)["step"] <= last_step
-        ]
-        metrics.write_text("".join(ln + "\n" for ln in kept))
+        kept = [row for row in parse_metrics(metrics) if row["step"] <= last_step]
+        write_atomic(metrics, "".join(json.dumps(row) + "\n" for row in kept))
 
 
 def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of ``metrics.jsonl`` (empty when the run logged nothing yet)."""
+    """The rows of ``metrics.jsonl`` (empty when the run logged nothing yet); a torn last line (a run killed
+    while writing it) is dropped with a warning."""
     metrics = Path(output_dir) / METRICS_FILE
     if not metrics.is_file():
         return []
-    return [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    return parse_metrics(metrics)
+
+
+def parse_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics file. A last line that is not a JSON object with a ``step`` (torn by a kill
+    during the append) is dropped with a warning; such a line anywhere else is a `MetricsError` naming the
+    file and the line."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as e:
+        raise MetricsError(f"cannot read {path}: {e}") from None
+    lines = [(n, ln) for n, ln in enumerate(text.split("\n"), 1) if ln.strip()]
+    rows: list[dict[str, Any]] = []
+    for k, (n, ln) in enumerate(lines):
+        problem = _metrics_line_problem(ln)
+        if problem is None:
+            rows.append(json.loads(ln))
+        elif k == len(lines) - 1:
+            shown = ln if len(ln) <= 80 else f"{ln[:60]}...{ln[-15:]}"
+            log.warning(
+                "%s: dropped its last line %d (%d characters, %s; torn by a kill while it was written?): %s",
+                path,
+                n,
+                len(ln),
+                problem,
+                shown,
+            )
+        else:
+            raise MetricsError(
+                f"{path}: line {n} is not a metrics row ({problem}); only a torn last line is dropped. Fix or "
+                f"remove that line"
+            )
+    return rows
+
+
+def _metrics_line_problem(line: str) -> str | None:
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        return f"not JSON: {e}"
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+        return "not a JSON object with an integer 'step'"
+    return None
+
+
+# ----------------------------------------------------------------------------- safe writes
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, *, runtime: bool = True) -> Iterator[None]:
+    """Turn an error while writing `path` (disk full, permissions; with `runtime` also a ``RuntimeError``, as
+    torch's ``unexpected pos`` of a full disk) into a `RunWriteError` naming it."""
+    try:
+        yield
+    except RunWriteError:
+        raise
+    except (OSError, RuntimeError) as e:
+        if isinstance(e, OSError) or (runtime and type(e) is RuntimeError):
+            raise RunWriteError(path, e) from e
+        raise
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Replace `path` with `data` atomically: a temp file in the same folder, fsync, ``os.replace``, fsync of
+    the folder. A kill at any point leaves the old file or the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    raw = data.encode() if isinstance(data, str) else data
+    with writing(path):
+        try:
+            with open(tmp, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        _fsync_dir(path.parent)
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system lets a folder be opened
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -146,12 +258,16 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def finish_checkpoint(output_dir: str | Path, step: int, keep: int) -> Path:
-    """Mark the pending checkpoint of `step` complete, move it into place, keep the newest `keep`."""
+    """Write the manifest of the pending checkpoint of `step`, mark it complete, move it into place, keep the
+    newest `keep`."""
     tmp, final = pending_checkpoint_dir(output_dir, step), checkpoint_dir(output_dir, step)
-    (tmp / COMPLETE_MARK).write_text(str(step))
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    write_manifest(tmp, step)
+    write_atomic(tmp / COMPLETE_MARK, str(step))
+    with writing(final):
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(final.parent)
     root = Path(output_dir) / CHECKPOINTS_DIR
     every = sorted(
         (p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX)),
@@ -160,6 +276,223 @@ def finish_checkpoint(output_dir: str | Path, step: int, keep: int) -> Path:
     for old in every[: max(0, len(every) - keep)]:
         shutil.rmtree(old)
     return final
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step of a checkpoint folder (from its name, ``step_XXXXXX``)."""
+    return int(Path(path).name[len(CHECKPOINT_PREFIX) :])
+
+
+# -- the manifest: what a reader checks before loading
+
+_HASHED: dict[tuple[str, int, int], str] = {}
+"""sha256 of files already hashed by this process, by (path, size, mtime): a checkpoint verified by
+`resolve_checkpoint` is not hashed again by `load_weights`."""
+
+
+def file_sha256(path: Path, *, sync: bool = False) -> str:
+    """The sha256 of `path` (hex); with `sync`, the file is also fsynced (the writer's last step)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _HASHED and not sync:
+        return _HASHED[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        if sync:
+            os.fsync(f.fileno())
+    _HASHED[key] = h.hexdigest()
+    return _HASHED[key]
+
+
+def write_manifest(folder: str | Path, step: int) -> Path:
+    """``manifest.json`` of a checkpoint folder: every file under it (other than the manifest and the
+    ``COMPLETE`` mark), by path relative to it, with its size and sha256. Each file is fsynced first."""
+    folder = Path(folder)
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.relative_to(folder).as_posix() not in (MANIFEST_FILE, COMPLETE_MARK):
+            with writing(p):
+                files[p.relative_to(folder).as_posix()] = {
+                    "size": p.stat().st_size,
+                    "sha256": file_sha256(p, sync=True),
+                }
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
+    return write_atomic(folder / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+
+
+def read_manifest(folder: str | Path) -> dict[str, dict[str, Any]] | None:
+    """The files a checkpoint's manifest lists (None: no manifest, a checkpoint of an older version).
+    Raises `CheckpointError` when the manifest itself is unreadable."""
+    path = Path(folder) / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+            raise ValueError(f"format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        return {str(k): {"size": int(v["size"]), "sha256": str(v["sha256"])} for k, v in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest ({type(e).__name__}: {e})") from None
+
+
+def file_problem(folder: str | Path, relative: str, entry: dict[str, Any]) -> str | None:
+    """Why the file `relative` of a checkpoint does not match its manifest `entry` (None: it matches)."""
+    path = Path(folder) / relative
+    if not path.is_file():
+        return f"{path}: missing (listed in {MANIFEST_FILE})"
+    size = path.stat().st_size
+    if size != entry["size"]:
+        return f"{path}: {size} bytes, {MANIFEST_FILE} says {entry['size']} (truncated or overwritten)"
+    if file_sha256(path) != entry["sha256"]:
+        return f"{path}: sha256 differs from {MANIFEST_FILE} (the file is corrupted)"
+    return None
+
+
+def checkpoint_problem(folder: str | Path, *, only: tuple[str, ...] | None = None) -> str | None:
+    """Why the checkpoint `folder` cannot be trusted: the first file that fails its manifest (missing, wrong
+    size, wrong sha256), or an unreadable manifest. None when every file (or every file of `only`) checks
+    out, and for a checkpoint without a manifest (written by an older version), which is accepted with a
+    warning."""
+    folder = Path(folder)
+    try:
+        files = read_manifest(folder)
+    except CheckpointError as e:
+        return str(e)
+    if files is None:
+        log.warning(
+            "checkpoint %s has no %s (written by an older version of mmalign): its files are not verified",
+            folder,
+            MANIFEST_FILE,
+        )
+        return None
+    for relative, entry in files.items():
+        if only is None or relative in only:
+            problem = file_problem(folder, relative, entry)
+            if problem is not None:
+                return problem
+    return None
+
+
+def verified_checkpoint(output_dir: str | Path, *, load: Callable[[Path], None] | None = None) -> Path | None:
+    """The newest complete checkpoint of a run that verifies (`checkpoint_problem`) and, with `load`, that
+    `load` accepts (it raises `CheckpointError` for one it cannot read); each one skipped is logged with the
+    reason. None when the run has no checkpoint; `CheckpointError` listing every reason when none is usable."""
+    done = checkpoints(output_dir)
+    skipped: list[str] = []
+    for path in reversed(done):
+        problem = checkpoint_problem(path)
+        if problem is None and load is not None:
+            try:
+                load(path)
+            except CheckpointError as e:
+                problem = str(e)
+        if problem is None:
+            if skipped:
+                log.warning("using checkpoint %s (the newest that verifies)", path)
+            return path
+        log.warning("skipping checkpoint %s: %s", path.name, problem)
+        skipped.append(f"{path.name}: {problem}")
+    if not done:
+        return None
+    raise CheckpointError(
+        f"no usable checkpoint in {Path(output_dir) / CHECKPOINTS_DIR}:\n  " + "\n  ".join(skipped)
+    )
+
+
+# -- state files: plain values and tensors, read without unpickling
+
+_TAG = "__mmalign_state__"
+_LEGACY_GLOBALS: list[Any] = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+with contextlib.suppress(AttributeError):  # NumPy 2 (np._core) or 1 (np.core)
+    _LEGACY_GLOBALS.append(np._core.multiarray._reconstruct)  # type: ignore[attr-defined]
+with contextlib.suppress(AttributeError):
+    _LEGACY_GLOBALS.append(np.core.multiarray._reconstruct)  # type: ignore[attr-defined]
+
+
+def _encode(obj: Any, where: str) -> Any:
+    """`obj` with what ``torch.load(weights_only=True)`` cannot read (NumPy arrays and scalars, frozensets)
+    replaced by tagged dicts; anything else that is not a plain value, container or tensor is an error."""
+    if isinstance(obj, np.generic):  # (before float: np.float64 is a float)
+        return {_TAG: "numpy_scalar", "dtype": obj.dtype.str, "value": obj.item()}
+    if obj is None or isinstance(
+        obj, bool | int | float | str | bytes | torch.dtype | torch.device | torch.Size
+    ):
+        return obj
+    if isinstance(obj, Tensor):
+        return obj.detach()
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise TypeError(f"{where}: a NumPy array of Python objects cannot be saved without pickle")
+        raw = torch.from_numpy(np.frombuffer(np.ascontiguousarray(obj).tobytes(), dtype=np.uint8).copy())
+        return {_TAG: "ndarray", "dtype": obj.dtype.str, "shape": list(obj.shape), "data": raw}
+    if type(obj) in (dict, OrderedDict):
+        out = {_encode(k, f"{where} key"): _encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
+        return OrderedDict(out) if type(obj) is OrderedDict else out
+    if type(obj) in (list, tuple, set):
+        return type(obj)(_encode(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    if type(obj) is frozenset:
+        return {_TAG: "frozenset", "items": [_encode(v, f"{where} item") for v in obj]}
+    raise TypeError(
+        f"{where}: a {type(obj).__module__}.{type(obj).__qualname__} cannot be saved in a checkpoint without "
+        "pickle (state_dict() must return plain Python values, containers, tensors and NumPy arrays)"
+    )
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        tag = obj.get(_TAG) if all(isinstance(k, str) for k in obj) else None
+        if tag == "numpy_scalar":
+            return np.dtype(obj["dtype"]).type(obj["value"])
+        if tag == "ndarray":
+            raw = obj["data"].numpy().tobytes()
+            return np.frombuffer(raw, dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+        if tag == "frozenset":
+            return frozenset(_decode(v) for v in obj["items"])
+        out = {k: _decode(v) for k, v in obj.items()}
+        return OrderedDict(out) if isinstance(obj, OrderedDict) else out
+    if type(obj) in (list, tuple, set):
+        return type(obj)(_decode(v) for v in obj)
+    return obj
+
+
+def save_state(obj: Any, path: str | Path) -> Path:
+    """Write a state (optimizer, scheduler, trainer, RNG) with ``torch.save`` in a form that
+    ``torch.load(weights_only=True)`` reads back exactly (`load_state`): plain values, containers and tensors
+    (NumPy arrays as tagged tensors). A value of another type is a `TypeError` naming where it is; an I/O
+    error is a `RunWriteError` naming `path`."""
+    path = Path(path)
+    encoded = _encode(obj, path.name)
+    with writing(path):
+        torch.save(encoded, path)
+    return path
+
+
+def load_state(path: str | Path, *, legacy: bool = False) -> Any:
+    """Read what `save_state` wrote, with ``torch.load(weights_only=True)`` (no unpickling of arbitrary
+    objects). `legacy`: a file of a checkpoint written before `save_state` existed (no manifest), whose NumPy
+    RNG state was pickled as an array: NumPy's array reconstruction is allowed, nothing else. Any failure is a
+    `CheckpointError` naming the file."""
+    path = Path(path)
+    try:
+        if legacy:
+            with torch.serialization.safe_globals(_LEGACY_GLOBALS):
+                raw = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "Weights only load failed" in str(e):
+            raise CheckpointError(
+                f"{path}: holds objects that only full unpickling could load (written by another program or an "
+                f"older mmalign?); mmalign reads checkpoints with torch.load(weights_only=True) only"
+            ) from None
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {first})") from None
+    return _decode(raw)
 
 
 def store_media(
@@ -205,11 +538,9 @@ def store_sample_media(
 def write_samples(output_dir: str | Path, step: int, rows: list[dict[str, Any]]) -> Path:
     """Write ``samples/step_XXXXXX.jsonl`` (rows whose media are already stored; NaN -> null)."""
     path = samples_file(output_dir, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(jsonable(row)) + "\n")
-    return path
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return write_atomic(path, "".join(json.dumps(jsonable(row)) + "\n" for row in rows))
 
 
 def sample_steps(output_dir: str | Path) -> list[int]:

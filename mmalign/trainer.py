@@ -60,7 +60,7 @@ from mmalign import rundir
 from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError, check_names
 from mmalign.distributed import is_fsdp2
-from mmalign.errors import MmalignError
+from mmalign.errors import CheckpointError, MmalignError, RunWriteError
 from mmalign.policies.base import RunInfo
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,11 @@ log = logging.getLogger(__name__)
 
 class TrainingError(MmalignError, RuntimeError):
     """Training stopped; the message says at which step and what was kept."""
+
+
+class NonFiniteError(TrainingError):
+    """A NaN or infinity in the loss, the gradient norm or the weights: the run stops rather than train on
+    garbage, and no checkpoint with non-finite weights is written."""
 
 
 class TrainerCallback(Protocol):
@@ -170,6 +175,8 @@ class GroupTrainer:
         self._set_prompt_sampler()
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7919)
         self.step = 0
+        self._nan_reward_run: dict[str, int] = {}
+        """Per reward: the consecutive steps (up to now) in which it was NaN for every sample."""
         self.history: list[dict[str, Any]] = []
         self._timers: dict[str, float] = defaultdict(float)
         set_seed(cfg.seed + 1000 * self.rank)
@@ -284,18 +291,18 @@ class GroupTrainer:
     def _prepare_output_dir(self, resume: bool) -> None:
         rundir.check_output_dir(self.cfg, resume)  # (the CLI made the same check before building the model)
         if resume:
-            ckpt = rundir.latest_checkpoint(self.out)
+            # the newest checkpoint whose files match its manifest and load; the ones skipped are logged
+            ckpt = rundir.verified_checkpoint(self.out, load=self.load_checkpoint)
             assert ckpt is not None
-            self.load_checkpoint(ckpt)
-            if self.is_main:  # drop metrics of steps after the checkpoint
+            if self.is_main:  # drop metrics of steps after the checkpoint (and a torn last line)
                 rundir.truncate_metrics(self.out, self.step)
         elif self.is_main and self.cfg.overwrite:
             rundir.clear_run(self.out)
         if self.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
+            with rundir.writing(self.out):
+                self.out.mkdir(parents=True, exist_ok=True)
             resolved = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
-            with (self.out / rundir.CONFIG_FILE).open("w") as f:
-                f.write(resolved)
+            rundir.write_atomic(self.out / rundir.CONFIG_FILE, resolved)
         self.accelerator.wait_for_everyone()
 
     # ----------------------------------------------------------------- rollout
@@ -413,6 +420,7 @@ class GroupTrainer:
                 rollout.mask = rollout.mask & keep_local[:, None].to(rollout.mask.device)
             scores = adv_lib.combine_rewards(rollout.rewards, self.reward_set.weights.tolist())
             if not first_stats:
+                self._check_nan_rewards(g_rewards)
                 first_stats = self._reward_metrics(g_rewards, g_group, rollout)
             all_rewards.append(g_rewards)
             all_groups.append(g_group)
@@ -435,6 +443,24 @@ class GroupTrainer:
         stats["filter/rounds"] = float(self._round)
         stats["filter/groups_used"] = float(n_use * self.world)
         return batch, stats
+
+    def _check_nan_rewards(self, g_rewards: Tensor) -> None:
+        """Count, per reward, the consecutive steps in which it is NaN for every sample of the (global) batch;
+        stop the run when one reaches ``trainer.nan_reward_steps`` (0: never)."""
+        limit = self.cfg.trainer.nan_reward_steps
+        values = g_rewards.detach().float().cpu()
+        if values.dim() == 1:
+            values = values[:, None]
+        nan = torch.isnan(values).all(dim=0).tolist() if values.shape[0] else []
+        for name, all_nan in zip(self.reward_set.names, nan, strict=False):
+            self._nan_reward_run[name] = self._nan_reward_run.get(name, 0) + 1 if all_nan else 0
+            run = self._nan_reward_run[name]
+            if limit and run >= limit:
+                raise TrainingError(
+                    f"reward {name!r} was NaN for every sample in {run} consecutive steps "
+                    f"({self.step + 2 - run}..{self.step + 1}): it scores nothing (check its inputs, the dataset "
+                    f"columns it reads, its log), so the run stops (trainer.nan_reward_steps={limit}; 0 never stops)"
+                )
 
     def _reward_metrics(self, g_rewards: Tensor, g_group: Tensor, rollout: Rollout) -> dict[str, float]:
         weights = self.reward_set.weights.tolist()
@@ -627,6 +653,31 @@ class GroupTrainer:
             m["loss"] *= self.world
         return m
 
+    def _check_finite_update(self, metrics: dict[str, float]) -> None:
+        """Stop (`NonFiniteError`) when the update's loss or gradient norm is NaN or infinite. Under fp16 an
+        infinite gradient is the loss scaler's business (it skips the step), so only the weights are checked
+        there (when a checkpoint is written)."""
+        if self.cfg.trainer.mixed_precision == "fp16":
+            return
+        for key in ("loss", "grad_norm"):
+            value = metrics.get(key)
+            if value is not None and not math.isfinite(value):
+                raise NonFiniteError(f"the update's {key} is {value}")
+
+    def _nonfinite_weights(self) -> list[str]:
+        """Names of the trainable parameters (this process's shards) holding NaN or inf."""
+        named = getattr(self.policy.model, "named_parameters", None)
+        if named is None:
+            return []
+        bad = []
+        with torch.no_grad():
+            for name, p in named():
+                if p.requires_grad and p.is_floating_point():
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    if not bool(torch.isfinite(local).all()):
+                        bad.append(name)
+        return bad
+
     # ----------------------------------------------------------------- one step
     def train_step(self) -> dict[str, Any]:
         self._timers: dict[str, float] = defaultdict(float)
@@ -636,6 +687,7 @@ class GroupTrainer:
         self.policy.model.train()
         if len(batch):
             metrics.update(self.update(batch))
+            self._check_finite_update(metrics)
             adv = _per_sample(batch.advantages, batch.mask)
             metrics["adv/abs_mean"] = float(self._gather(adv.abs().mean().reshape(1)).mean())
         else:
@@ -666,37 +718,37 @@ class GroupTrainer:
             disable=not (self.is_main and t.progress_bar),
             dynamic_ncols=True,
         )
-        metrics_f = (self.out / rundir.METRICS_FILE).open("a") if self.is_main else None
+        metrics_f = None
+        if self.is_main:
+            with rundir.writing(self.out / rundir.METRICS_FILE):
+                metrics_f = (self.out / rundir.METRICS_FILE).open("a")
         try:
             self._emit("on_train_start", self.step)
             while self.step < t.steps:
                 try:
                     m = self.train_step()
                 except Exception as e:
-                    ckpt = rundir.latest_checkpoint(self.out)
-                    where = f"checkpoint {ckpt.name}" if ckpt else "no checkpoint yet"
-                    kept = (
-                        f"metrics of steps 1..{self.step} in {self.out / 'metrics.jsonl'}"
-                        if self.step
-                        else "no step finished"
-                    )
-                    raise TrainingError(
-                        f"training stopped at step {self.step + 1}: {e}\n"
-                        f"  kept: {kept}; {where}" + (" (continue with --resume)" if ckpt else "")
-                    ) from e
+                    raise self._stopped(e, self.step + 1) from e
                 # callbacks may add their numbers to `m` (a curriculum's threshold); monitors see them
                 self._emit("on_step_end", self.step, m)
                 self.history.append(m)
-                if self.step % t.log_every == 0 or self.step == t.steps:
-                    if metrics_f is not None:
-                        metrics_f.write(json.dumps(rundir.jsonable(m)) + "\n")
-                        metrics_f.flush()
-                        os.fsync(metrics_f.fileno())
-                    self._emit("on_log", self.step, m)
-                if self.step % t.sample_every == 0 or self.step == 1:
-                    self.dump_samples(self._last_batch)
-                if self.step % t.save_every == 0 or self.step == t.steps:
-                    self.save_checkpoint()
+                try:  # what the step writes: an I/O error names the file and the last complete checkpoint
+                    if self.step % t.log_every == 0 or self.step == t.steps:
+                        if metrics_f is not None:
+                            with rundir.writing(metrics_f.name):
+                                metrics_f.write(json.dumps(rundir.jsonable(m)) + "\n")
+                                metrics_f.flush()
+                                os.fsync(metrics_f.fileno())
+                        self._emit("on_log", self.step, m)
+                    if self.step % t.sample_every == 0 or self.step == 1:
+                        with rundir.writing(
+                            rundir.samples_file(self.out, self.step).with_suffix(""), runtime=False
+                        ):
+                            self.dump_samples(self._last_batch)
+                    if self.step % t.save_every == 0 or self.step == t.steps:
+                        self.save_checkpoint()
+                except (RunWriteError, NonFiniteError) as e:
+                    raise self._stopped(e, self.step, after=True) from e
                 bar.set_postfix(
                     reward=f"{m.get('reward/mean', float('nan')):.3f}", step_s=f"{m['time/step_s']:.2f}"
                 )
@@ -706,12 +758,62 @@ class GroupTrainer:
             if metrics_f is not None:
                 metrics_f.close()
             self._emit("on_train_end")
-        if self.sharded:
-            self._save_final_sharded(self.out / rundir.FINAL_DIR)
-        elif self.is_main:
-            self.policy.save(self.out / "final")
+        try:
+            with rundir.writing(self.out / rundir.FINAL_DIR, runtime=False):
+                if self.sharded:
+                    self._save_final_sharded(self.out / rundir.FINAL_DIR)
+                elif self.is_main:
+                    self.policy.save(self.out / "final")
+        except RunWriteError as e:
+            raise self._stopped(e, self.step, after=True) from e
         self.accelerator.wait_for_everyone()
         return self.history
+
+    def _stopped(self, e: BaseException, step: int, *, after: bool = False) -> TrainingError:
+        """The `TrainingError` that ends the run when `e` stops it at `step` (`after`: while writing what the
+        step produced): what happened, what is kept, where to continue from. A NaN / inf (in the update, or
+        found in the weights when another error stops the run) points at the last checkpoint written before
+        it, not at ``--resume`` blindly: a resumed run is exact and meets the same NaN unless the config
+        changes."""
+        nonfinite = isinstance(e, NonFiniteError)
+        if not nonfinite and not isinstance(e, RunWriteError):
+            with contextlib.suppress(Exception):  # (local check: no collective in an error path)
+                bad = self._nonfinite_weights()
+                if bad:
+                    nonfinite = True
+                    e = NonFiniteError(
+                        f"{e} (the weights hold NaN/inf: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})"
+                    )
+        done = rundir.checkpoints(self.out)
+        newest = done[-1] if done else None
+        finished = step if after else step - 1
+        kept = (
+            f"metrics of steps 1..{finished} in {self.out / rundir.METRICS_FILE}"
+            if finished
+            else "no step finished"
+        )
+        head = f"training stopped {'after' if after else 'at'} step {step}: {e}"
+        if nonfinite:
+            before = [c for c in done if rundir.checkpoint_step(c) < step]
+            if not before:
+                return NonFiniteError(f"{head}\n  kept: {kept}; no checkpoint written before the NaN")
+            good = before[-1]
+            newer = [c.name for c in done if rundir.checkpoint_step(c) > rundir.checkpoint_step(good)]
+            how = (
+                f"remove the newer {', '.join(newer)} first (--resume loads the newest), then "
+                if newer
+                else ""
+            )
+            return NonFiniteError(
+                f"{head}\n  kept: {kept}; the last checkpoint written before the NaN: {good}\n"
+                f"  to continue from it, {how}change what made the NaN (e.g. a lower trainer.lr, "
+                f"trainer.max_grad_norm) and run with --resume: a resumed run is exact, so unchanged it meets the "
+                f"same NaN at step {step}"
+            )
+        where = f"the last complete checkpoint: {newest}" if newest else "no checkpoint yet"
+        return TrainingError(
+            f"{head}\n  kept: {kept}; {where}" + (" (continue with --resume)" if newest else "")
+        )
 
     def _save_final_sharded(self, path: Path) -> None:
         """``final/`` of an FSDP2 run: the full weights are gathered on every rank (a collective), then the main
@@ -784,30 +886,51 @@ class GroupTrainer:
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
-        """Write `checkpoints/step_N/` atomically (a temp folder renamed when complete)."""
+        """Write `checkpoints/step_N/` atomically (a temp folder renamed when complete) with its manifest. The
+        state files hold plain values and tensors only (`rundir.save_state`); weights holding NaN / inf are not
+        written (`NonFiniteError`). An I/O error removes the temp folder and raises `RunWriteError`."""
+        tmp = rundir.pending_checkpoint_dir(self.out, self.step)
+        try:
+            return self._write_checkpoint(tmp)
+        except BaseException:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs
+            raise
+
+    def _write_checkpoint(self, tmp: Path) -> Path:
         from safetensors.torch import save_file
 
-        tmp = rundir.pending_checkpoint_dir(self.out, self.step)
         if self.is_main:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
+            with rundir.writing(tmp):
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
         rng = {
             "rng": rng_state(),
             "shuffle_gen": self.shuffle_gen.get_state(),
             "policy": self.policy.rng_state(),
         }
-        torch.save(rng, tmp / rundir.rng_file(self.rank))
+        rundir.save_state(rng, tmp / rundir.rng_file(self.rank))
         if self.sharded:  # every rank writes its shards of the weights and optimizer state (DCP)
-            dist_lib.save_sharded(tmp / dist_lib.SHARDED_DIR, self.policy.model, self.optimizer)
+            with rundir.writing(tmp / dist_lib.SHARDED_DIR):
+                dist_lib.save_sharded(tmp / dist_lib.SHARDED_DIR, self.policy.model, self.optimizer)
         if self.is_main:
             if not self.sharded:
                 state = self.policy.trainable_state_dict()
-                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / rundir.TRAINABLE_FILE))
-                torch.save(self.optimizer.state_dict(), tmp / rundir.OPTIMIZER_FILE)
-            torch.save(self.scheduler.state_dict(), tmp / rundir.SCHEDULER_FILE)
-            torch.save(
+                bad = [
+                    k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())
+                ]
+                if bad:
+                    raise NonFiniteError(
+                        f"the weights after step {self.step} hold NaN/inf ({', '.join(bad[:3])}"
+                        f"{' ...' if len(bad) > 3 else ''}); checkpoint {rundir.step_name(self.step)} not written"
+                    )
+                with rundir.writing(tmp / rundir.TRAINABLE_FILE):
+                    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / rundir.TRAINABLE_FILE))
+                rundir.save_state(self.optimizer.state_dict(), tmp / rundir.OPTIMIZER_FILE)
+            rundir.save_state(self.scheduler.state_dict(), tmp / rundir.SCHEDULER_FILE)
+            rundir.save_state(
                 {
                     "step": self.step,
                     "sampler": self.sampler.state_dict(),
@@ -816,20 +939,27 @@ class GroupTrainer:
                         cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
                     ],
                     "world_size": self.world,
+                    "nan_reward_run": dict(self._nan_reward_run),
                 },
                 tmp / rundir.TRAINER_STATE_FILE,
             )
         self.accelerator.wait_for_everyone()
         final = rundir.checkpoint_dir(self.out, self.step)
-        if self.is_main:
+        if self.is_main:  # the manifest (every rank's files), the COMPLETE mark, the rename
             rundir.finish_checkpoint(self.out, self.step, keep=self.cfg.trainer.keep_checkpoints)
         self.accelerator.wait_for_everyone()
         return final
 
     def load_checkpoint(self, path: Path) -> None:
+        """Restore the run from the checkpoint folder `path`. Every file is read (``weights_only`` loads, no
+        unpickling) and checked before anything is restored: an unreadable file, or weights holding NaN / inf,
+        raise `CheckpointError` naming the file and leave the trainer as it was. A checkpoint of another
+        number of processes, or of another sharding, is a `ConfigError`. (Callers check the manifest first:
+        `rundir.verified_checkpoint`.)"""
         from safetensors.torch import load_file
 
-        state = torch.load(path / rundir.TRAINER_STATE_FILE, weights_only=False)
+        legacy = not (path / rundir.MANIFEST_FILE).is_file()  # written before manifests and tagged state
+        state = rundir.load_state(path / rundir.TRAINER_STATE_FILE, legacy=legacy)
         if state["world_size"] != self.world:
             raise ConfigError(
                 f"checkpoint {path} was written by {state['world_size']} process(es); resume with the same number "
@@ -842,19 +972,34 @@ class GroupTrainer:
                 f"it with the model {'sharded' if sharded else 'not sharded'} (this run's is "
                 f"{'sharded' if self.sharded else 'not'})"
             )
+        rng = rundir.load_state(path / rundir.rng_file(self.rank), legacy=legacy)
+        scheduler = rundir.load_state(path / rundir.SCHEDULER_FILE, legacy=legacy)
+        if not sharded:
+            file = path / rundir.TRAINABLE_FILE
+            try:
+                weights = load_file(str(file))
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from None
+            bad = [
+                k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())
+            ]
+            if bad:
+                raise CheckpointError(f"{file}: the weights hold NaN/inf ({', '.join(bad[:3])})")
+            optimizer = rundir.load_state(path / rundir.OPTIMIZER_FILE, legacy=legacy)
+        # everything is read: restore
         if sharded:  # every rank reads its shards
             dist_lib.load_sharded(path / dist_lib.SHARDED_DIR, self.policy.model, self.optimizer)
         else:
-            self.policy.load_trainable_state_dict(load_file(str(path / rundir.TRAINABLE_FILE)))
-            self.optimizer.load_state_dict(torch.load(path / rundir.OPTIMIZER_FILE, weights_only=False))
-        self.scheduler.load_state_dict(torch.load(path / rundir.SCHEDULER_FILE, weights_only=False))
+            self.policy.load_trainable_state_dict(weights)
+            self.optimizer.load_state_dict(optimizer)
+        self.scheduler.load_state_dict(scheduler)
         self.step = state["step"]
+        self._nan_reward_run = dict(state.get("nan_reward_run", {}))
         self.sampler.load_state_dict(state["sampler"])
         self.group_filter.load_state_dict(state["filter"])
         for cb, s in zip(self.callbacks, state["callbacks"], strict=False):
             if s is not None and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(s)
-        rng = torch.load(path / rundir.rng_file(self.rank), weights_only=False)
         set_rng_state(rng["rng"])
         self.shuffle_gen.set_state(rng["shuffle_gen"])
         self.policy.load_rng_state(rng.get("policy", {}))

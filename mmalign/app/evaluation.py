@@ -31,6 +31,7 @@ from torch import Tensor
 
 from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError
+from mmalign.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +55,23 @@ MEDIA_OUTPUTS = ("images", "videos")
 
 def resolve_checkpoint(output_dir: str | Path, spec: str | None) -> Path | None:
     """The checkpoint folder `spec` names: ``base`` (None: no checkpoint), ``latest`` (the newest complete
-    checkpoint in `output_dir`, None if there is none) or a path to a checkpoint folder (or to a run
-    directory, whose newest checkpoint is used)."""
-    from mmalign.rundir import TRAINABLE_FILE, latest_checkpoint
+    checkpoint in `output_dir` that verifies against its manifest, None if there is none) or a path to a
+    checkpoint folder (checked against its manifest: a `CheckpointError` names the file that fails) or to a run
+    directory (its newest checkpoint that verifies). A newer checkpoint that fails is skipped with a warning."""
+    from mmalign.rundir import TRAINABLE_FILE, checkpoint_problem, verified_checkpoint
 
     if spec in (None, "", "base"):
         return None
     if spec == "latest":
-        return latest_checkpoint(output_dir)
+        return verified_checkpoint(output_dir)
     path = Path(spec)
     if (path / TRAINABLE_FILE).is_file():
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} fails verification: {problem}")
         return path
     if path.is_dir():
-        found = latest_checkpoint(path)
+        found = verified_checkpoint(path)
         if found is not None:
             return found
     raise ConfigError(
@@ -76,16 +81,28 @@ def resolve_checkpoint(output_dir: str | Path, spec: str | None) -> Path | None:
 
 
 def load_weights(policy: Any, checkpoint: Path) -> None:
-    """Load the trainable weights saved in `checkpoint` (``trainable.safetensors``) into `policy`."""
+    """Load the trainable weights saved in `checkpoint` (``trainable.safetensors``, checked against the
+    checkpoint's manifest; safetensors, no unpickling) into `policy`. A file that fails, cannot be read or
+    holds NaN / inf is a `CheckpointError` naming it."""
     from safetensors.torch import load_file
 
-    from mmalign.rundir import TRAINABLE_FILE
+    from mmalign.rundir import TRAINABLE_FILE, checkpoint_problem
 
     file = Path(checkpoint) / TRAINABLE_FILE
     if not file.is_file():
         raise ConfigError(f"checkpoint {checkpoint}: no trainable.safetensors in it")
+    problem = checkpoint_problem(checkpoint, only=(TRAINABLE_FILE,))
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {checkpoint} fails verification: {problem}")
     try:
-        policy.load_trainable_state_dict(load_file(str(file)))
+        weights = load_file(str(file))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from None
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise CheckpointError(f"{file}: the weights hold NaN/inf ({', '.join(bad[:3])})")
+    try:
+        policy.load_trainable_state_dict(weights)
     except ValueError as e:  # the weights of another model (or another LoRA setup)
         raise ConfigError(f"checkpoint {checkpoint}: {e}") from None
 

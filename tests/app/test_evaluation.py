@@ -210,6 +210,9 @@ def test_cli_eval_before_after_and_sample(capsys, text_config, tmp_path):
     state = load_file(str(f))
     g = torch.Generator().manual_seed(0)
     save_file({k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in state.items()}, str(f))
+    from mmalign import rundir
+
+    rundir.write_manifest(f.parent, 1)  # an intended edit: re-seal the checkpoint, or it fails verification
     assert (
         main(["sample", str(text_config), "--checkpoint", "base", "-n", "2", "--out", str(tmp_path / "s0")])
         == 0

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import io
 import math
 import statistics
 
 import pytest
 import torch
 
-from mmalign import filters
+from mmalign import filters, rundir
 from mmalign.batch import Rollout
 from mmalign.filters import build_filter, group_std
 
@@ -356,12 +355,12 @@ def test_replay_reuse_limit():
     assert len(flt) == 0
 
 
-def test_replay_state_dict_round_trip_gives_same_draws():
+def test_replay_state_dict_round_trip_gives_same_draws(tmp_path):
     flt = two_entry_replay(scores=(1.0, 2.0, 3.0, 4.0), reuse_limit=3, seed=11)
     z = zero_variance(2)
     flt(z, scores_of(z))  # advance the generator and the use counts
-    buf = io.BytesIO()
-    torch.save(flt.state_dict(), buf)
+    buf = tmp_path / "filter.pt"
+    rundir.save_state(flt.state_dict(), buf)
 
     def draws(f):
         seq = []
@@ -372,20 +371,16 @@ def test_replay_state_dict_round_trip_gives_same_draws():
 
     expected = draws(flt)
     assert any(expected) and not all(expected)  # drew something, then the buffer ran dry
-    buf.seek(0)
-    state = torch.load(buf, weights_only=False)
+    state = rundir.load_state(buf)
     flt.load_state_dict(state)  # restore in place
     assert draws(flt) == expected
     fresh = build_filter("replay", reuse_limit=3, seed=999)  # another seed: the state decides
-    buf.seek(0)
-    fresh.load_state_dict(torch.load(buf, weights_only=False))
+    fresh.load_state_dict(rundir.load_state(buf))
     assert draws(fresh) == expected
 
 
-def test_stateless_filters_state_dict():
+def test_stateless_filters_state_dict(tmp_path):
     for name in ("none", "dynamic_sampling", "range"):
         f = build_filter(name)
-        buf = io.BytesIO()
-        torch.save(f.state_dict(), buf)
-        buf.seek(0)
-        f.load_state_dict(torch.load(buf, weights_only=False))
+        path = rundir.save_state(f.state_dict(), tmp_path / f"{name}.pt")
+        f.load_state_dict(rundir.load_state(path))

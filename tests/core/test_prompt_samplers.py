@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import io
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +21,15 @@ from mmalign.prompt_samplers import (
 from mmalign.registry import RegistryError
 
 
-def roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
+def roundtrip(obj, tmp_dir=None):
+    """Through the checkpoint format (`rundir.save_state` / `load_state`: torch.load with weights_only=True)."""
+    import tempfile
+
+    from mmalign import rundir
+
+    with tempfile.TemporaryDirectory() as d:
+        path = rundir.save_state(obj, Path(d) / "state.pt")
+        return rundir.load_state(path)
 
 
 def simulate(sampler, truth, rounds, n, *, group=8, seed=0, truth_after=None, switch=None):

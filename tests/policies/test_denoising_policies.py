@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from mmalign import sde
+from mmalign import rundir, sde
 from mmalign.config import LoraConfig
 from mmalign.policies.ddim import DDIMPolicy
 from mmalign.policies.denoising import DenoisingPolicy, SamplerSettings
@@ -377,9 +377,7 @@ def test_policy_generator_round_trips_through_checkpoints(case: Case, tmp_path: 
 
     first = trainer(False)
     first.train()
-    assert "policy" in torch.load(
-        tmp_path / "run" / "checkpoints" / "step_000001" / "rng_0.pt", weights_only=False
-    )
+    assert "policy" in rundir.load_state(tmp_path / "run" / "checkpoints" / "step_000001" / "rng_0.pt")
     state = first.policy.generator.get_state()
     expected = first.policy.rollout(rows, 2).outputs["latents"]
     resumed = trainer(True)
