@@ -225,3 +225,19 @@ def test_checkpoint_without_manifest_is_accepted_with_a_warning(
     assert "no manifest.json (written by an older version" in caplog.text
     (ckpt / rundir.MANIFEST_FILE).write_text("{not json")
     assert "unreadable manifest" in rundir.checkpoint_problem(ckpt)
+
+
+def test_a_half_written_checkpoint_is_never_taken(tmp_path: Path) -> None:
+    """A kill inside a checkpoint write leaves ``.tmp_step_N/`` or a folder without ``COMPLETE``: neither counts."""
+    done = rundir.pending_checkpoint_dir(tmp_path, 2)
+    done.mkdir(parents=True)
+    (done / "trainable.safetensors").write_bytes(b"x")
+    rundir.finish_checkpoint(tmp_path, 2, keep=5)
+    half = rundir.pending_checkpoint_dir(tmp_path, 4)  # killed before the rename
+    half.mkdir()
+    (half / "trainable.safetensors").write_bytes(b"y")
+    unmarked = rundir.checkpoint_dir(tmp_path, 6)  # renamed by hand, never marked complete
+    unmarked.mkdir()
+    (unmarked / "trainable.safetensors").write_bytes(b"z")
+    assert rundir.checkpoints(tmp_path) == [rundir.checkpoint_dir(tmp_path, 2)]
+    assert rundir.verified_checkpoint(tmp_path) == rundir.checkpoint_dir(tmp_path, 2)
