@@ -14,11 +14,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import transformers
 import yaml
 
-import pipelines.text_reasoning
-from mmalign import tiny
 from mmalign.app import preflight
 from mmalign.app.cli import main
 from mmalign.config import load_config
@@ -30,18 +27,6 @@ CONTEXT = 256
 """max_position_embeddings of the random tiny text model (`mmalign.tiny.tiny_causal_lm`)."""
 LONG = " ".join(["word"] * 9000)
 """The tester's 9,000-word prompt."""
-
-
-def _refuse(*args: Any, **kwargs: Any) -> None:
-    raise AssertionError("a model was built or loaded, but the error should have been reported before")
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Loading or building a model raises: a test passes only if its error comes first."""
-    monkeypatch.setattr(tiny, "build", _refuse)
-    monkeypatch.setattr(pipelines.text_reasoning, "build_text_policy", _refuse)
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(_refuse))
 
 
 class _Stop(MmalignError):
