@@ -453,7 +453,11 @@ def test_probe_a_200_mb_body_is_413_without_reading_it(proc_server, framing: str
         frame = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
         chunks = (frame for _ in range(total // len(piece)))
     answer, sent, seconds = _send_big_body(url, head.encode(), chunks)
-    assert answer.startswith(b"HTTP/1.1 413 ") and b"max_body_mb = 8" in answer
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    # the server closes with the rest of the body unread, so the kernel may reset the connection before the
+    # answer's body arrives (headers only); when it arrived, it names the cap
+    _, _, body = answer.partition(b"\r\n\r\n")
+    assert not body or b"max_body_mb = 8" in body
     assert sent < 64 * 1024 * 1024 and seconds < 10  # the server stopped reading early
     assert rss_mb(pid) - before < 100  # was +650 MB
     warm_up(url)  # and it still serves
