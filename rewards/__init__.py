@@ -1,4 +1,4 @@
-"""Reward plugins for mmalign: the API (`rewards.base`) and the built-in rewards (`rewards.text`).
+"""Reward plugins for mmalign: the API (`rewards.base`) and the built-in rewards (`rewards.text`, ...).
 
 ``rewards.get(name)`` returns the registered reward class, ``rewards.names()`` lists the registered
 names; ``load_reward(spec, **options)`` builds one from a name, an entry point of group
@@ -29,6 +29,7 @@ from .base import (
     resolve,
 )
 from .boxes import BoxCenter, BoxF1, BoxGIoU, IoUAt, IoUSweep
+from .embedding import EmbeddingSimilarity  # embedding_similarity; its model loads on the first call
 from .geometry import CameraSmoothness, MotionGuard, ReprojectionConsistency
 from .image import (
     AestheticScore,
@@ -39,6 +40,7 @@ from .image import (
     ShapesCompositional,
 )
 from .multimodal import BMAS, BoxIoU, MixedAccuracy, MultipleChoice
+from .ocr import OCRReward  # ocr; EasyOCR is imported on the first call
 from .process import SamplerProcessReward
 from .safety import ClassifierFlag, ClipConceptFlag, ClipSteering, ColourPresent
 from .search import CropKeepsTarget, SearchFormat, ToolUseBonus, TurnsUsed
@@ -70,10 +72,12 @@ __all__ = [
     "BoxIoU",
     "IoUAt",
     "IoUSweep",
+    "EmbeddingSimilarity",
     "FormatReward",
     "FunctionReward",
     "MixedAccuracy",
     "MultipleChoice",
+    "OCRReward",
     "OverlongPenalty",
     "SearchFormat",
     "ToolUseBonus",
