@@ -790,6 +790,17 @@ def _finite(x: float) -> bool:
     return math.isfinite(x)
 
 
+# The built-in estimators (`mmalign.advantages`) whose advantages are all 0 in a group of fewer than 2 valid
+# samples (the module's shared convention: each one centres a sample's reward on the other samples of its
+# group before anything else, reinforce_pp's batch whitening and grpo_process's per-step part included), so
+# with `rollout.group_size` 1 nothing is learned. Not `mc_grpo`: its rollout draws one extra sample per
+# group (`extra_samples=1`), so a group of G=1 has 2 samples and the non-median one gets a non-zero
+# advantage. Estimators registered by plugins are not known here and are not checked.
+_GROUP_RELATIVE_ESTIMATORS = frozenset(
+    {"grpo", "dr_grpo", "rloo", "reinforce_pp", "gdpo", "ngrpo", "pass_at_k", "a_grae", "grpo_process"}
+)
+
+
 def validate(cfg: Config, src: _Source | str | None = None) -> None:
     """Cross-field checks that the type system cannot express."""
     where = cfg.source if src is None else src
@@ -867,3 +878,23 @@ def validate(cfg: Config, src: _Source | str | None = None) -> None:
             f"is named {column!r} like rewards[{columns.get(column)}]; give one of them an `alias`",
         )
         columns[column] = i
+    _validate_can_learn(cfg, need)
+
+
+def _validate_can_learn(cfg: Config, need: typing.Callable[[bool, str, str], None]) -> None:
+    """A configuration whose every advantage is 0 trains nothing: an error before any model loads."""
+    r, a = cfg.rollout, cfg.algorithm
+    need(
+        r.group_size >= 2 or a.estimator not in _GROUP_RELATIVE_ESTIMATORS,
+        "rollout.group_size",
+        f"is {r.group_size}, but algorithm.estimator {a.estimator!r} compares each sample with the other "
+        "samples of its group and gives a group of one sample advantage 0: nothing would be learned; "
+        "use rollout.group_size >= 2",
+    )
+    weights = ", ".join(f"rewards[{i}].weight" for i in range(len(cfg.rewards)))
+    need(
+        any(rw.weight != 0 for rw in cfg.rewards),
+        "rewards",
+        f"has weight 0 everywhere ({weights}): no reward contributes to the advantages (0 means logged "
+        "only), so nothing would be learned; give at least one reward a non-zero weight",
+    )

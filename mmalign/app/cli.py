@@ -469,6 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from mmalign.app.console import quiet_third_party_warnings
+
+    quiet_third_party_warnings()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         if args.command in ("train", "sample", "eval"):

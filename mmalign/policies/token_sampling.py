@@ -3,6 +3,7 @@ strings and the action mask, and the `Rollout` of sampled completions."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,18 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int], stop_lengths: Te
     if stop_lengths is not None:
         lengths = torch.minimum(lengths, stop_lengths.clamp(max=t))
     return torch.arange(t, device=completion_ids.device)[None, :] < lengths[:, None]
+
+
+@functools.cache
+def cache_kwarg() -> str:
+    """The name under which the installed transformers takes a KV cache, in a model's ``forward`` and in
+    ``generate``, and returns it in a model output: ``cache`` (newer releases, which deprecate the old name
+    with a FutureWarning on every call) or ``past_key_values`` (older ones, which do not know ``cache``)."""
+    try:
+        from transformers.generation.utils import ALL_CACHE_NAMES
+    except ImportError:  # pragma: no cover - a release without the list knows only the old name
+        return "past_key_values"
+    return "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"
 
 
 def pad_left(x: Tensor, width: int, value: int) -> Tensor:
@@ -279,7 +292,7 @@ class TokenSampling:
         ids, att = ids.to(self.device), att.to(self.device)
         kwargs = self._sampling_kwargs()
         if self.shared_prefix and ids.shape[1] > 1:
-            kwargs["past_key_values"] = self._prefill(prompts, ids, att)
+            kwargs[cache_kwarg()] = self._prefill(prompts, ids, att)
         out = self.model.generate(input_ids=ids, attention_mask=att, **kwargs)
         return ids.cpu(), att.cpu(), out[:, ids.shape[1] :].cpu()
 
@@ -297,9 +310,9 @@ class TokenSampling:
             input_ids=u_ids,
             attention_mask=u_att,
             position_ids=(u_att.cumsum(dim=1) - 1).clamp(min=0),
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{cache_kwarg(): cache},
         )
         cache.batch_select_indices(inverse)
         return cache

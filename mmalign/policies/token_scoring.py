@@ -26,6 +26,7 @@ from mmalign.logprobs import (
     selective_log_softmax,
     token_entropy,
 )
+from mmalign.policies.token_sampling import cache_kwarg
 
 log = logging.getLogger(__name__)
 
@@ -311,19 +312,20 @@ class TokenScorer:
         so log-probs and gradients equal the plain forward's) is gathered for the completions."""
         from transformers import DynamicCache
 
+        key = cache_kwarg()
         # Under DDP the prefix pass goes through the inner module: DDP expects one forward per
         # backward; every parameter still gets one gradient hook call, so the all-reduce is complete.
         prefix_model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        prefix_inputs = dict(prefix, past_key_values=DynamicCache(), use_cache=True)
+        prefix_inputs = dict(prefix, use_cache=True, **{key: DynamicCache()})
         if hidden:
             h_p, out_p = final_hidden_states(prefix_model, grad=grad, **prefix_inputs)
             last_p = h_p[:, -1:, :]
         else:
             out_p = prefix_model(**prefix_inputs, logits_to_keep=1)
             last_p = out_p.logits[:, -1:, :]
-        cache = out_p.past_key_values
+        cache = out_p[key]
         cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...], differentiable gather
-        inputs = dict(completion, past_key_values=cache, use_cache=True)
+        inputs = dict(completion, use_cache=True, **{key: cache})
         rest = final_hidden_states(model, grad=grad, **inputs)[0] if hidden else model(**inputs).logits
         return torch.cat([last_p[inverse], rest[:, :-1, :]], dim=1)
 

@@ -696,3 +696,87 @@ def test_check_names_names_the_key_and_the_registered_names(key, value):
     setattr(cfg.algorithm, key, value)
     with pytest.raises(ConfigError, match=rf"key 'algorithm.{key}': unknown .*{value!r}.*Registered: "):
         check_names(cfg)
+
+
+# ----------------------------------------------------------------------------- configurations that cannot learn
+
+
+@pytest.mark.parametrize("estimator", sorted(config_mod._GROUP_RELATIVE_ESTIMATORS))
+def test_group_of_one_with_a_group_relative_estimator_is_an_error(estimator):
+    msg = error_of(load_config, TINY, ["rollout.group_size=1", f"algorithm.estimator={estimator}"])
+    assert "key 'rollout.group_size' is 1" in msg
+    assert f"algorithm.estimator {estimator!r}" in msg
+    assert "command line: override 'rollout.group_size=1'" in msg
+
+
+def test_group_of_one_in_a_file_names_the_file(tmp_path):
+    path = write_yaml(tmp_path, {**tiny_data(), "rollout": {**tiny_data()["rollout"], "group_size": 1}})
+    msg = error_of(load_config, path)
+    assert msg.startswith(f"{path}: key 'rollout.group_size' is 1, but algorithm.estimator 'grpo' ")
+
+
+def test_group_of_one_is_fine_for_mc_grpo_and_a_group_of_two_for_all():
+    """mc_grpo draws G+1 samples per group: with G=1 the non-median sample still gets an advantage."""
+    assert load_config(TINY, ["rollout.group_size=1", "algorithm.estimator=mc_grpo"]).rollout.group_size == 1
+    for estimator in sorted(config_mod._GROUP_RELATIVE_ESTIMATORS):
+        cfg = load_config(TINY, ["rollout.group_size=2", f"algorithm.estimator={estimator}"])
+        assert (cfg.rollout.group_size, cfg.algorithm.estimator) == (2, estimator)
+
+
+def test_group_relative_estimators_are_the_builtins_with_zero_advantage_for_a_group_of_one():
+    """The config's list follows `mmalign.advantages`: every built-in estimator is in it exactly when a group
+    of `1 + extra_samples` samples (three such groups here, different rewards) gets advantage 0."""
+    import inspect
+
+    import torch
+
+    from mmalign import advantages
+
+    builtins = [
+        n for n in advantages.names() if inspect.unwrap(advantages.get(n)).__module__ == advantages.__name__
+    ]
+    for name in builtins:
+        n = 1 + advantages.extra_samples(name)
+        rewards = torch.arange(3 * n, dtype=torch.float32) * 0.37
+        group = torch.arange(3).repeat_interleave(n)
+        kwargs: dict[str, Any] = {}
+        if advantages.accepts_step_rewards(name):
+            kwargs = {
+                "step_rewards": rewards[:, None].repeat(1, 4),
+                "step_mask": torch.ones(3 * n, 4, dtype=torch.bool),
+            }
+        adv = advantages.get(name)(rewards, group, **kwargs)
+        assert bool((adv == 0).all()) == (name in config_mod._GROUP_RELATIVE_ESTIMATORS), name
+    assert config_mod._GROUP_RELATIVE_ESTIMATORS <= set(builtins)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["rewards.0.weight=0", "rewards.1.weight=0"], ["rewards=[{name: format, weight: 0}]"]],
+)
+def test_every_reward_weight_zero_is_an_error(overrides):
+    msg = error_of(load_config, TINY, overrides)
+    assert "key 'rewards' has weight 0 everywhere (rewards[0].weight" in msg
+    assert "command line: override" in msg
+
+
+def test_every_reward_weight_zero_in_a_file_names_the_file(tmp_path):
+    path = write_yaml(
+        tmp_path,
+        {
+            **tiny_data(),
+            "rewards": [{"name": "answer_accuracy", "weight": 0}, {"name": "format", "weight": 0.0}],
+        },
+    )
+    msg = error_of(load_config, path)
+    assert msg.startswith(
+        f"{path}: key 'rewards' has weight 0 everywhere (rewards[0].weight, rewards[1].weight)"
+    )
+
+
+def test_a_zero_weight_reward_is_fine_when_another_one_counts():
+    cfg = load_config(TINY, ["rewards.1.weight=0"])
+    assert [r.weight for r in cfg.rewards] == [1.0, 0.0]
+    # a negative weight contributes too
+    cfg = load_config(TINY, ["rewards.0.weight=0", "rewards.1.weight=-0.5"])
+    assert [r.weight for r in cfg.rewards] == [0.0, -0.5]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,20 @@ def test_prefilled_generation_samples_the_same_tokens(random_text_model_dir: Pat
     plain, shared = outs
     assert torch.equal(plain.payload["completion_ids"], shared.payload["completion_ids"])
     assert torch.allclose(plain.logp_old, shared.logp_old, atol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_generation_raises_no_future_warning(random_text_model_dir: Path, shared: bool) -> None:
+    """Sampling (with the prefilled KV cache or without) uses the arguments the installed transformers wants:
+    no FutureWarning (the old `past_key_values` name warned at every step)."""
+    pol = _policy(random_text_model_dir)
+    pol.shared_prefix = shared
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ro = pol.rollout(_rows(PROMPTS), 2, compute_logp=False)
+    assert len(ro) == 8
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
 
 
 def test_token_entropy_against_a_plain_loop() -> None:
