@@ -1,7 +1,7 @@
 """`mmalign demo RUN_DIR [RUN_DIR ...]`: a Gradio app that browses the samples of runs (the ``demo`` extra).
 
-The data layer (`list_steps`, `load_group`, `reward_table`, `curve_rows`, `generate_samples`, ...) is pure
-functions of the run directories, read through `mmalign.rundir` on every call (a run still training shows
+The data layer (`list_steps`, `load_group`, `reward_table`, `sample_layout`, `box_annotations`,
+`diagnostic_panels`, `generate_samples`, `score_generated`, ...) is pure functions of the run directories, read through `mmalign.rundir` on every call (a run still training shows
 its new steps). The layout: `build_app` returns the `gr.Blocks` (tabs "Samples", "Curves", "Compare"),
 `launch_app` serves it, `demo_main` is the command line.
 
@@ -37,6 +37,7 @@ __all__ = [
     "DEMO_MAX_BYTES",
     "DEMO_MAX_GENERATIONS",
     "DEMO_SAMPLES_DIR",
+    "MAX_PANELS",
     "MAX_PROMPTS",
     "MAX_SAMPLES_PER_PROMPT",
     "box_annotations",
@@ -45,9 +46,11 @@ __all__ = [
     "curve_rows",
     "default_curve_keys",
     "demo_main",
+    "diagnostic_panels",
     "find_group",
     "generate_samples",
     "group_overview",
+    "input_image",
     "launch_app",
     "list_groups",
     "list_steps",
@@ -55,11 +58,16 @@ __all__ = [
     "mask_secrets",
     "media_items",
     "metric_keys",
+    "outline_masks",
     "predicted_boxes",
+    "prompt_columns",
     "prune_demo_samples",
     "reward_names",
     "reward_table",
     "run_status",
+    "sample_layout",
+    "score_generated",
+    "score_summary",
     "served_paths",
     "split_prompts",
 ]
@@ -78,6 +86,18 @@ DEMO_MAX_BYTES = 200 * 2**20
 
 DEMO_MAX_GENERATIONS = 50
 """... and at most this many generations; the two generations of the last request are always kept."""
+
+MAX_PANELS = 12
+"""The most diagnostic panels the Curves tab draws (one small plot per metric); more keys are not drawn."""
+
+PANEL_COLUMNS = 3
+"""Diagnostic panels per row of the Curves tab's grid."""
+
+INPUT_IMAGE_KEYS = ("images", "image_path", "input_image")
+"""Columns of a sample row that may name its INPUT image (grounding: ``images`` = [one path]); the boxes are
+drawn on it. Only image files are read (`IMAGE_SUFFIXES`), server-side, and shown as pixels."""
+
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".gif"})
 
 MEDIA_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".gif", ".mp4", ".webm"})
 """The kinds of file the app shows (and so hands to Gradio to serve): images, videos, frame strips."""
@@ -363,13 +383,47 @@ def _reference_boxes(sample: dict[str, Any]) -> list[list[float]]:
     return [list(map(float, b)) for b in ref if isinstance(b, list | tuple) and len(b) == 4]
 
 
+def input_image(sample: dict[str, Any]) -> Path | None:
+    """The input image a sample row names (`INPUT_IMAGE_KEYS`: grounding rows carry ``images`` = [its path]),
+    when it is an existing image file; else None."""
+    for key in INPUT_IMAGE_KEYS:
+        value = sample.get(key)
+        if isinstance(value, list | tuple):
+            value = value[0] if len(value) == 1 else None
+        if isinstance(value, str | Path) and Path(value).suffix.lower() in IMAGE_SUFFIXES:
+            if Path(value).is_file():
+                return Path(value)
+    return None
+
+
+def _load_input_image(path: Path) -> Any:
+    """The uint8 ``[H, W, 3]`` pixels of `path`, or None when it cannot be read."""
+    import numpy as np
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB"))
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return None
+
+
 def box_annotations(
     sample: dict[str, Any], coords: str = "absolute"
 ) -> tuple[Any, list[tuple[tuple[int, int, int, int], str]]] | None:
     """``(base image, [(box, "reference" | "predicted"), ...])`` for `gr.AnnotatedImage`, or None without a
-    box. The base is the sample's image when it has one, else a grey canvas large enough for the boxes."""
+    box. The base is the sample's image when it has one, else its input image (`input_image`: a grounding
+    row's ``images``, read here and handed over as pixels, scaled to 256..1024 px), else a grey canvas large
+    enough for the boxes. The input image's size stands in for ``image_width`` / ``image_height`` when the
+    row lacks them (to convert the predicted boxes)."""
     import numpy as np
 
+    pixels = None
+    image = sample.get("image")
+    if not _is_media(image) and (path := input_image(sample)) is not None:
+        pixels = _load_input_image(path)
+        if pixels is not None and _size(sample, "image_width", "image_height") is None:
+            sample = {**sample, "image_width": pixels.shape[1], "image_height": pixels.shape[0]}
     refs = _reference_boxes(sample)
     preds, converted = predicted_boxes(sample, coords)
     if not refs and not preds:
@@ -379,9 +433,16 @@ def box_annotations(
     ]
     base: Any = None
     scale = 1.0
-    image = sample.get("image")
     if _is_media(image):
         base = str(image)
+    elif pixels is not None:
+        from PIL import Image
+
+        h, w = pixels.shape[:2]
+        scale = max(1.0, 256.0 / max(w, h)) if max(w, h) <= 1024 else 1024.0 / max(w, h)
+        size = (max(int(round(w * scale)), 1), max(int(round(h * scale)), 1))
+        resample = Image.Resampling.NEAREST if scale >= 1 else Image.Resampling.BILINEAR
+        base = np.asarray(Image.fromarray(pixels).resize(size, resample))
     else:
         size = _size(sample, "image_width", "image_height")
         w = size[0] if size else max(max(b[2] for b, _ in labels), 1.0) * 1.15
@@ -394,6 +455,52 @@ def box_annotations(
         x1, y1, x2, y2 = (int(round(v * scale)) for v in b)
         out.append(((max(x1, 0), max(y1, 0), max(x2, x1 + 1), max(y2, y1 + 1)), label))
     return base, out
+
+
+def outline_masks(ann: tuple[Any, list[tuple[tuple[int, int, int, int], str]]]) -> tuple[Any, list[Any]]:
+    """`box_annotations` as `gr.AnnotatedImage` shows them: each box an outline mask (its frame opaque, its
+    inside tinted lightly), so the input image stays visible inside the boxes (Gradio's own box annotation
+    fills the box half opaque)."""
+    import numpy as np
+
+    base, boxes = ann
+    if isinstance(base, np.ndarray):
+        h, w = base.shape[:2]
+    else:
+        from PIL import Image
+
+        with Image.open(base) as im:
+            w, h = im.size
+    t = max(2, round(min(h, w) / 128))
+    out = []
+    for (x1, y1, x2, y2), label in boxes:
+        x1, x2, y1, y2 = min(x1, w - 1), min(x2, w), min(y1, h - 1), min(y2, h)
+        mask = np.zeros((h, w), dtype=np.float32)
+        mask[y1:y2, x1:x2] = 0.08
+        for sl in (
+            np.s_[y1:y2, x1 : x1 + t],
+            np.s_[y1:y2, max(x2 - t, x1) : x2],
+            np.s_[y1 : y1 + t, x1:x2],
+            np.s_[max(y2 - t, y1) : y2, x1:x2],
+        ):
+            mask[sl] = 1.0
+        out.append((mask, label))
+    return base, out
+
+
+def sample_layout(samples: Sequence[dict[str, Any]], coords: str = "absolute") -> dict[str, bool]:
+    """Which panels of the Samples tab the group needs: ``gallery`` (images or frame strips), ``videos``
+    (mp4s), ``boxes`` (some sample has a box), ``text`` (some sample has a completion) and ``picker`` (the
+    one-sample picker, for boxes or a video). A text run shows its table only: no empty image panel."""
+    images, videos = media_items(samples)
+    boxes = any(_reference_boxes(s) or predicted_boxes(s, coords)[0] for s in samples)
+    return {
+        "gallery": bool(images),
+        "videos": bool(videos),
+        "boxes": boxes,
+        "text": any(isinstance(s.get("text"), str) for s in samples),
+        "picker": boxes or bool(videos),
+    }
 
 
 def row_columns(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -439,6 +546,31 @@ def curve_rows(run_dirs: Sequence[str | Path], keys: Sequence[str]) -> list[dict
                         }
                     )
     return out
+
+
+def diagnostic_panels(
+    run_dirs: Sequence[str | Path], keys: Sequence[str], max_panels: int = MAX_PANELS
+) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Small multiples: one panel per metric of `keys` (at most `max_panels`, in the order given), each
+    ``(key, rows)`` with long-format rows ``{"step", "value", "run"}`` of every run (the run's folder name),
+    so each metric has its own axis and two runs are two labelled lines of one panel. A key no run logs
+    (finite values) gets no panel."""
+    labels = [run_label(r) for r in run_dirs]
+    if len(set(labels)) < len(labels):  # two runs of the same folder name: their paths tell them apart
+        labels = [str(r) for r in run_dirs]
+    panels = []
+    for key in keys:
+        rows = []
+        for run, label in zip(run_dirs, labels, strict=True):
+            for row in rundir.read_metrics(run):
+                v = row.get(key)
+                if isinstance(v, int | float) and math.isfinite(v) and "step" in row:
+                    rows.append({"step": int(row["step"]), "value": float(v), "run": label})
+        if rows:
+            panels.append((key, rows))
+        if len(panels) >= max_panels:
+            break
+    return panels
 
 
 def run_status(run_dir: str | Path) -> str:
@@ -599,6 +731,105 @@ def generate_samples(
     return label, rows
 
 
+DATA_COLUMN_STEPS = 50
+"""How many of a run's newest sample steps `prompt_columns` searches for a prompt's data columns."""
+
+
+def prompt_columns(run_dir: str | Path, prompt: str) -> dict[str, Any] | None:
+    """The data-row columns (`row_columns`: reference answer, boxes, ...) the run logged with `prompt`, from
+    its newest `DATA_COLUMN_STEPS` sample steps; None when the run never logged that prompt (a free-typed
+    one)."""
+    for step in reversed(list_steps(run_dir)[-DATA_COLUMN_STEPS:]):
+        group = find_group(run_dir, step, prompt)
+        if group is not None:
+            return row_columns(load_group(run_dir, step, group))
+    return None
+
+
+_REWARD_SETS: dict[tuple[str, float], Any] = {}
+"""The run's `rewards.RewardSet`, built once per config file (and its modification time)."""
+
+
+def _reward_set(run_dir: str | Path) -> Any:
+    """The `rewards.RewardSet` of the run's ``config.yaml`` ``rewards:`` (None when it lists none)."""
+    from rewards import RewardSet
+
+    config = Path(run_dir).resolve() / rundir.CONFIG_FILE
+    key = (str(config), config.stat().st_mtime if config.is_file() else 0.0)
+    if key not in _REWARD_SETS:
+        specs = _run_config(run_dir).get("rewards") or []
+        _REWARD_SETS.clear()  # one set in memory (a reward may hold a model)
+        _REWARD_SETS[key] = RewardSet(specs, source=str(config)) if specs else None
+    return _REWARD_SETS[key]
+
+
+def _generated_outputs(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the rewards read of generated rows: ``texts``, and ``images`` Float[B, 3, H, W] in [0, 1] read
+    back from the PNGs when every row has one of the same size."""
+    import numpy as np
+    import torch
+
+    outputs: dict[str, Any] = {}
+    if rows and all(isinstance(r.get("text"), str) for r in rows):
+        outputs["texts"] = [r["text"] for r in rows]
+    paths = [r.get("image") for r in rows]
+    if rows and all(_is_media(p) and Path(p).suffix.lower() in IMAGE_SUFFIXES for p in paths):
+        pixels = [_load_input_image(Path(p)) for p in paths]
+        if all(x is not None for x in pixels) and len({x.shape for x in pixels}) == 1:
+            stack = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2)
+            outputs["images"] = stack.float() / 255.0
+    return outputs
+
+
+def score_generated(run_dir: str | Path, rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
+    """Score generated `rows` with the run's rewards (`rewards.RewardSet` of its ``config.yaml``, each reward
+    on its own): every row gets ``rewards`` ``{name: value}`` and ``reward``, the weighted total
+    (`mmalign.advantages.combine_rewards`; NaN, "not applicable", left out). The samples of one prompt are
+    scored together with the data columns the run logged with that prompt (`prompt_columns`: a reference
+    answer, boxes); a free-typed prompt has none, so a reward that needs one is NaN for it. Returns ``(reward
+    names, notes)``: notes say, per reward, why it is NaN somewhere (or, under ``""``, why nothing was
+    scored)."""
+    import torch
+
+    from mmalign.advantages import combine_rewards
+    from rewards import RewardBatch, RewardSet
+
+    try:
+        rs = _reward_set(run_dir)
+    except Exception as e:  # a reward that cannot be built here: the samples are shown unscored
+        return [], {"": _scrub(f"the run's rewards could not be built: {type(e).__name__}: {e}", run_dir)}
+    if rs is None or not len(rs):
+        return [], {"": "the run's config lists no rewards"}
+    names, notes = list(rs.names), {}
+    singles = [RewardSet.from_rewards([r]) for r in rs.rewards]
+    by_prompt: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_prompt.setdefault(str(r.get("prompt", "")), []).append(i)
+    for prompt, idx in by_prompt.items():
+        members = [rows[i] for i in idx]
+        columns = prompt_columns(run_dir, prompt)
+        batch = RewardBatch(
+            prompts=[prompt] * len(idx),
+            outputs=_generated_outputs(members),
+            columns={k: [v] * len(idx) for k, v in (columns or {}).items()},
+            group=torch.zeros(len(idx), dtype=torch.long),
+        )
+        table = torch.full((len(idx), len(names)), math.nan)
+        for k, single in enumerate(singles):
+            try:
+                table[:, k] = single(batch)[:, 0].float().cpu()
+            except Exception as e:  # a column the prompt lacks, an output not kept: not applicable
+                why = f"{type(e).__name__}: {e.args[0] if e.args else e}"
+                if columns is None:
+                    why += " (a typed prompt, not one of the run's logged prompts: no data columns)"
+                notes.setdefault(names[k], _scrub(why[:400], run_dir))
+        totals = combine_rewards(table, rs.weights)
+        for j, row in enumerate(members):
+            row["rewards"] = {n: float(table[j, k]) for k, n in enumerate(names)}
+            row["reward"] = float(totals[j])
+    return names, notes
+
+
 # ============================================================================= layout
 
 
@@ -679,16 +910,17 @@ def show_group(run: str, step: Any, group: Any) -> tuple[Any, ...]:
         return (
             "*no samples logged yet*",
             empty,
-            [],
+            gr.update(value=[], visible=False),
             gr.update(value=[], visible=False),
             empty,
-            gr.update(choices=[], value=None),
+            gr.update(choices=[], value=None, visible=False),
             None,
             gr.update(value=None, visible=False),
         )
     samples = load_group(run, int(step), int(group))
     headers, rows = reward_table(samples)
     images, videos = media_items(samples)
+    layout = sample_layout(samples, box_coords(run))
     md = _group_header(step, group, samples, bool(images or videos))
     oh, orows = group_overview(run, int(step))
     sample_choices = list(range(len(samples)))
@@ -697,10 +929,10 @@ def show_group(run: str, step: Any, group: Any) -> tuple[Any, ...]:
     return (
         md,
         _frame(headers, rows),
-        images,
-        gr.update(value=videos, visible=bool(videos)),
+        gr.update(value=images, visible=layout["gallery"]),
+        gr.update(value=videos, visible=layout["videos"]),
         _frame(oh, orows),
-        gr.update(choices=sample_choices, value=first),
+        gr.update(choices=sample_choices, value=first, visible=layout["picker"]),
         ann,
         vid,
     )
@@ -719,7 +951,7 @@ def show_sample(run: str, step: Any, group: Any, k: Any) -> tuple[Any, Any]:
     ann = box_annotations(s, box_coords(run))
     video = s.get("video")
     return (
-        gr.update(value=ann, visible=ann is not None),
+        gr.update(value=outline_masks(ann) if ann else None, visible=ann is not None),
         gr.update(
             value=str(video) if _is_media(video) else None,
             visible=video is not None,
@@ -744,14 +976,31 @@ def move(choices_of: Callable[..., list[Any]], delta: int) -> Callable[..., Any]
     return fn
 
 
-def _curve_frames(runs: Sequence[str], keys_r: list[str], keys_d: list[str]) -> tuple[Any, Any]:
-    """The data of the two plots of the Curves tab: `curve_rows` of the reward and diagnostic keys."""
+def _curve_frames(runs: Sequence[str], keys_r: list[str], keys_d: list[str]) -> tuple[Any, list[Any]]:
+    """The data of the Curves tab: `curve_rows` of the reward keys (one plot), and `diagnostic_panels` of
+    the diagnostic keys as ``[(key, DataFrame), ...]`` (one small plot each)."""
     import pandas as pd
 
-    cols = ["step", "value", "series"]
-    r = pd.DataFrame(curve_rows(runs, keys_r or []), columns=cols)
-    d = pd.DataFrame(curve_rows(runs, keys_d or []), columns=cols)
+    r = pd.DataFrame(curve_rows(runs, keys_r or []), columns=["step", "value", "series"])
+    d = [
+        (key, pd.DataFrame(rows, columns=["step", "value", "run"]))
+        for key, rows in diagnostic_panels(runs, keys_d or [])
+    ]
     return r, d
+
+
+def _panel_kwargs(panels: list[Any], k: int) -> dict[str, Any]:
+    """Value, title and visibility of the `k`-th diagnostic panel slot (hidden past the last panel)."""
+    if k < len(panels):
+        key, frame = panels[k]
+        return {"value": frame, "title": key, "visible": True}
+    return {"value": None, "title": "", "visible": False}
+
+
+def _panel_updates(panels: list[Any]) -> list[Any]:
+    """`gr.update` of every diagnostic panel slot (`MAX_PANELS`)."""
+    gr = _check_gradio()
+    return [gr.update(**_panel_kwargs(panels, k)) for k in range(MAX_PANELS)]
 
 
 def sync_prompt(run: str, step: Any, group: Any) -> tuple[Any, Any]:
@@ -763,15 +1012,21 @@ def sync_prompt(run: str, step: Any, group: Any) -> tuple[Any, Any]:
 
 def _logged_side(run: str, step: Any, prompt: str) -> list[Any]:
     """``[header, images, table]`` of the group of `run` at `step` whose prompt is `prompt` (a note and
-    an empty table when there is none)."""
+    an empty table when there is none); the gallery is hidden when the samples have no image."""
+    gr = _check_gradio()
     g = find_group(run, int(step or 0), prompt) if prompt else None
     if g is None:
-        return [f"**{run_label(run)}**, step {step}: no group with this prompt", [], _frame(["sample"], [])]
+        return [
+            f"**{run_label(run)}**, step {step}: no group with this prompt",
+            gr.update(value=[], visible=False),
+            _frame(["sample"], []),
+        ]
     samples = load_group(run, int(step), g)
     h, rows = reward_table(samples)
+    images = media_items(samples)[0]
     return [
         f"**{run_label(run)}**, step {step}, group {g} (logged)",
-        media_items(samples)[0],
+        gr.update(value=images, visible=bool(images)),
         _frame(h, rows),
     ]
 
@@ -783,19 +1038,51 @@ def logged(ra: str, rb: str, step: Any, prompts: str) -> tuple[Any, ...]:
     return tuple(_logged_side(ra, step, prompt) + _logged_side(rb, step, prompt))
 
 
-def _generated_side(label: str, rows: list[dict[str, Any]], n: int) -> list[Any]:
-    """``[header, images, table]`` of one side's generated rows (`n` samples per prompt)."""
+def score_summary(rows: Sequence[dict[str, Any]], names: Sequence[str], notes: dict[str, str]) -> str:
+    """Markdown of one side's scores: the mean total reward and the mean of each reward over its samples
+    (NaN left out; "n/a" when no sample has a value), then why a reward is n/a (`score_generated`'s notes)."""
+    if not names:
+        return f"*not scored: {notes.get('', 'no rewards')}*"
+    mean = _mean([r.get("reward") for r in rows])
+    parts = [f"{n} {_fmt(_mean([(r.get('rewards') or {}).get(n) for r in rows]), 3)}" for n in names]
+    md = f"mean reward **{_fmt(mean, 3)}** over {len(rows)} samples ({', '.join(parts)})"
+    for n, why in notes.items():
+        md += f"\n- **{n}** n/a: {why}" if n else f"\n- {why}"
+    return md
+
+
+def _generated_side(
+    label: str,
+    rows: list[dict[str, Any]],
+    n: int,
+    names: Sequence[str] = (),
+    notes: dict[str, str] | None = None,
+) -> list[Any]:
+    """``[header, images, table]`` of one side's generated rows (`n` samples per prompt): with the run's
+    rewards (`score_generated`), each sample's total and per-reward values and the side's means."""
+    gr = _check_gradio()
+    scored = bool(names)
+
+    def caption(k: int, r: dict[str, Any]) -> str:
+        cap = f"prompt {k // n} sample {r.get('sample')}"
+        return cap + (f" | reward={_fmt(r.get('reward'), 3)}" if scored else "")
+
     images = [
-        (str(r.get("image") or r.get("video_frames")), f"prompt {k // n} sample {r.get('sample')}")
+        (str(r.get("image") or r.get("video_frames")), caption(k, r))
         for k, r in enumerate(rows)
         if r.get("image") or r.get("video_frames")
     ]
     has_text = any("text" in r for r in rows)
+    score_cols = ["reward", *names] if scored else []
     table_rows = [
-        [r.get("prompt", ""), r.get("sample")] + ([r.get("text", "")] if has_text else []) for r in rows
+        [r.get("prompt", ""), r.get("sample")]
+        + ([_fmt(r.get("reward"))] + [_fmt((r.get("rewards") or {}).get(x)) for x in names] if scored else [])
+        + ([r.get("text", "")] if has_text else [])
+        for r in rows
     ]
-    cols = ["prompt", "sample"] + (["text"] if has_text else [])
-    return [f"**{label}**", images, _frame(cols, table_rows)]
+    cols = ["prompt", "sample", *score_cols] + (["text"] if has_text else [])
+    header = f"**{label}**\n\n{score_summary(rows, names, notes or {})}"
+    return [header, gr.update(value=images, visible=bool(images)), _frame(cols, table_rows)]
 
 
 def _generate_both(
@@ -822,7 +1109,9 @@ def _generate_both(
             label, rows = generate_samples(run, ck, lines, n, seed)
         except Exception as e:  # a wrong config / checkpoint: shown (secrets masked), the app keeps running
             raise gr.Error(_scrub(f"{run_label(run)} ({ck}): {type(e).__name__}: {e}", run)) from e
-        out += _generated_side(label, rows, n)
+        progress((i + 0.5) / 2, desc=f"{'left' if i == 0 else 'right'}: scoring with the run's rewards")
+        names, notes = score_generated(run, rows)
+        out += _generated_side(label, rows, n, names, notes)
     progress(1.0, desc="done")
     return tuple(out)
 
@@ -860,12 +1149,17 @@ def _samples_tab(
             ui.next_group = gr.Button("next group ▶", elem_id="next-group", size="sm")
         ui.header = gr.Markdown(elem_id="group-header")
         ui.table = gr.Dataframe(label="rewards and advantage per sample", elem_id="reward-table", wrap=True)
-        ui.gallery = gr.Gallery(label="images (or video frame strips)", columns=4, elem_id="gallery")
+        # shown only when the group needs them (`sample_layout`): a text run has no image panel
+        ui.gallery = gr.Gallery(
+            label="images (or video frame strips)", columns=4, visible=False, elem_id="gallery"
+        )
         ui.videos = gr.Gallery(label="videos", columns=4, visible=False, elem_id="videos")
         with gr.Row():
-            ui.sample_dd = gr.Dropdown(choices=[], label="sample (boxes, video)", elem_id="sample")
+            ui.sample_dd = gr.Dropdown(
+                choices=[], label="sample (boxes, video)", visible=False, elem_id="sample"
+            )
             ui.boxes = gr.AnnotatedImage(
-                label="boxes: reference and predicted",
+                label="boxes on the input image: reference (green) and predicted (red)",
                 color_map={"reference": "#22c55e", "predicted": "#ef4444"},
                 visible=False,
                 elem_id="boxes",
@@ -881,14 +1175,33 @@ def _curves_tab(gr: Any, ui: SimpleNamespace, runs: list[str]) -> None:
     rk, dk = default_curve_keys(all_keys)
     with gr.Tab("Curves"):
         ui.keys_r = gr.Dropdown(choices=all_keys, value=rk, multiselect=True, label="reward curves")
-        ui.keys_d = gr.Dropdown(choices=all_keys, value=dk, multiselect=True, label="diagnostic curves")
+        ui.keys_d = gr.Dropdown(
+            choices=all_keys,
+            value=dk,
+            multiselect=True,
+            label=f"diagnostic curves (one panel each, at most {MAX_PANELS})",
+        )
         r0, d0 = _curve_frames(runs, rk, dk)
         ui.plot_r = gr.LinePlot(
             r0, x="step", y="value", color="series", title="rewards", elem_id="plot-rewards"
         )
-        ui.plot_d = gr.LinePlot(
-            d0, x="step", y="value", color="series", title="diagnostics", elem_id="plot-diagnostics"
-        )
+        ui.panels = []
+        with gr.Column(elem_id="diagnostic-panels"):
+            for start in range(0, MAX_PANELS, PANEL_COLUMNS):
+                with gr.Row():
+                    for k in range(start, start + PANEL_COLUMNS):
+                        ui.panels.append(
+                            gr.LinePlot(
+                                **_panel_kwargs(d0, k),
+                                x="step",
+                                y="value",
+                                color="run",
+                                height=220,
+                                min_width=280,
+                                elem_id=f"panel-{k}",
+                                elem_classes=["diagnostic-panel"],
+                            )
+                        )
 
 
 def _compare_pickers(gr: Any, ui: SimpleNamespace, runs: list[str], labels: list[tuple[str, str]]) -> None:
@@ -946,13 +1259,13 @@ def _compare_tab(
             ui.gen = gr.Button("generate both sides", variant="primary", elem_id="generate")
         with gr.Row():
             with gr.Column():
-                ui.head_a = gr.Markdown()
-                ui.gal_a = gr.Gallery(columns=4, label="left")
-                ui.tab_a = gr.Dataframe(wrap=True)
+                ui.head_a = gr.Markdown(elem_id="head-left")
+                ui.gal_a = gr.Gallery(columns=4, label="left", visible=False, elem_id="gallery-left")
+                ui.tab_a = gr.Dataframe(wrap=True, elem_id="table-left")
             with gr.Column():
-                ui.head_b = gr.Markdown()
-                ui.gal_b = gr.Gallery(columns=4, label="right")
-                ui.tab_b = gr.Dataframe(wrap=True)
+                ui.head_b = gr.Markdown(elem_id="head-right")
+                ui.gal_b = gr.Gallery(columns=4, label="right", visible=False, elem_id="gallery-right")
+                ui.tab_b = gr.Dataframe(wrap=True, elem_id="table-right")
 
 
 # ----------------------------------------------------------------------------- events
@@ -985,13 +1298,15 @@ def _wire_samples(demo: Any, ui: SimpleNamespace) -> None:
 
 
 def _wire_curves(runs: list[str], ui: SimpleNamespace) -> Callable[[list[str], list[str]], tuple[Any, Any]]:
-    """Events of the Curves tab: a key picker change redraws both plots. Returns the redraw function."""
+    """Events of the Curves tab: a key picker change redraws the reward plot and the diagnostic panels.
+    Returns the redraw function."""
 
-    def curves(keys_r: list[str], keys_d: list[str]) -> tuple[Any, Any]:
-        return _curve_frames(runs, keys_r, keys_d)
+    def curves(keys_r: list[str], keys_d: list[str]) -> tuple[Any, ...]:
+        r, d = _curve_frames(runs, keys_r, keys_d)
+        return (r, *_panel_updates(d))
 
     for k in (ui.keys_r, ui.keys_d):
-        k.change(curves, [ui.keys_r, ui.keys_d], [ui.plot_r, ui.plot_d])
+        k.change(curves, [ui.keys_r, ui.keys_d], [ui.plot_r, *ui.panels])
     return curves
 
 
@@ -1040,7 +1355,7 @@ def _wire_timer(
     timer.tick(
         tick,
         [ui.run_dd, ui.step_dd, ui.follow, ui.keys_r, ui.keys_d],
-        [ui.status, ui.step_dd, ui.plot_r, ui.plot_d, ui.keys_r, ui.keys_d],
+        [ui.status, ui.step_dd, ui.plot_r, *ui.panels, ui.keys_r, ui.keys_d],
     )
 
 

@@ -125,5 +125,9 @@ def build(cfg: Config) -> Any:
             max_new_tokens=cfg.rollout.max_new_tokens,
         )
     return TrainingSetup(
-        policy=policy, rewards=rewards, data=rows, eval_data=eval_rows, sample_columns=["boxes"]
+        policy=policy,
+        rewards=rewards,
+        data=rows,
+        eval_data=eval_rows,
+        sample_columns=["boxes", "images", "image_width", "image_height"],
     )

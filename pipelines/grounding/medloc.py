@@ -124,5 +124,5 @@ def build(cfg: Config) -> Any:
         data=rows,
         eval_data=eval_rows,
         callbacks=callbacks,
-        sample_columns=["boxes"],
+        sample_columns=["boxes", "images", "image_width", "image_height"],
     )

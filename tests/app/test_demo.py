@@ -21,6 +21,7 @@ import yaml
 
 from mmalign import rundir
 from mmalign.app import demo
+from rewards import Reward, RewardBatch, register_reward
 
 
 def write_step(run: Path, step: int, rows: list[dict], views: list[dict] | None = None) -> None:
@@ -509,6 +510,9 @@ def test_generate_over_http_refuses_a_large_n_and_keeps_the_demo_folder_small(
             assert sum(demo._tree_bytes(p) for p in root.iterdir()) <= 40_000
         assert len(calls) == 20  # two sides of 10 generations (latest -> the checkpoint of step 2)
         left_gallery = json.loads(data)[1]
+        left_gallery = (
+            left_gallery.get("value", left_gallery) if isinstance(left_gallery, dict) else left_gallery
+        )
         assert len(left_gallery) == 6
         url = left_gallery[0]["image"]["url"]  # Gradio's copy of the generated image
         status, body = http_get(url if url.startswith("http") else app.local_url + url.lstrip("/"))
@@ -517,3 +521,190 @@ def test_generate_over_http_refuses_a_large_n_and_keeps_the_demo_folder_small(
         assert status in (403, 404) and SECRET.encode() not in body
     finally:
         app.close()
+
+
+# ----------------------------------------------------------------------------- issue 24: what a newcomer saw
+
+
+def write_metrics(run: Path, off: float = 0.0) -> None:
+    """Diagnostics on very different scales (completion length ~8, clip fraction ~0.02)."""
+    run.mkdir(parents=True, exist_ok=True)
+    with (run / rundir.METRICS_FILE).open("w") as f:
+        for step in range(1, 5):
+            row = {"step": step, "loss": 0.5 / step + off, "clip_frac": 0.02 + off / 10}
+            row |= {"approx_kl": 0.001 * step, "completion_len/mean": 8.0 + step, "kl": None}
+            f.write(json.dumps(row) + "\n")
+
+
+def test_diagnostics_are_one_panel_per_metric(tmp_path: Path) -> None:
+    a, b = tmp_path / "run_a", tmp_path / "run_b"
+    write_metrics(a)
+    write_metrics(b, off=0.1)
+    keys = ["loss", "clip_frac", "approx_kl", "completion_len/mean", "kl", "never_logged"]
+    panels = demo.diagnostic_panels([a], keys)
+    assert [k for k, _ in panels] == [
+        "loss",
+        "clip_frac",
+        "approx_kl",
+        "completion_len/mean",
+    ]  # own axis each
+    for key, rows in panels:
+        assert {r["run"] for r in rows} == {"run_a"} and [r["step"] for r in rows] == [1, 2, 3, 4], key
+    clip = dict(panels)["clip_frac"]
+    assert all(abs(r["value"] - 0.02) < 1e-9 for r in clip)  # not flattened by completion_len's scale
+    # two runs: both runs' lines in each panel, labelled by run
+    two = demo.diagnostic_panels([a, b], keys)
+    assert len(two) == 4 and all({r["run"] for r in rows} == {"run_a", "run_b"} for _, rows in two)
+    assert len(demo.diagnostic_panels([a], keys, max_panels=2)) == 2
+    _, frames = demo._curve_frames([str(a), str(b)], ["loss"], keys)
+    assert [k for k, _ in frames] == [k for k, _ in two] and list(frames[0][1].columns) == [
+        "step",
+        "value",
+        "run",
+    ]
+    gr = pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
+    updates = demo._panel_updates(frames)
+    assert len(updates) == demo.MAX_PANELS
+    assert [u.get("visible") for u in updates] == [True] * 4 + [False] * (demo.MAX_PANELS - 4)
+    assert [u.get("title") for u in updates[:4]] == ["loss", "clip_frac", "approx_kl", "completion_len/mean"]
+    assert isinstance(demo.build_app([a, b], refresh_s=0), gr.Blocks)
+
+
+def test_a_text_run_shows_no_image_panel(tmp_path: Path, image_run: Path) -> None:
+    run = tmp_path / "text_run"
+    write_step(
+        run, 1, [{**r, "text": f" <answer>{i}</answer>", "answer": "3"} for i, r in enumerate(rows_for(1))]
+    )
+    layout = demo.sample_layout(demo.load_group(run, 1, 0))
+    assert layout == {"gallery": False, "videos": False, "boxes": False, "text": True, "picker": False}
+    assert demo.sample_layout(demo.load_group(image_run, 1, 0))["gallery"]
+    pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
+    _, _, gallery, videos, _, picker, boxes, video = demo.show_group(str(run), 1, 0)
+    assert gallery["visible"] is False and videos["visible"] is False and picker["visible"] is False
+    assert boxes["visible"] is False and video["visible"] is False
+    assert demo.show_group(str(image_run), 1, 0)[2]["visible"] is True
+    header, gal, _ = demo._logged_side(str(run), 1, "prompt 0")
+    assert "group 0" in header and gal["visible"] is False  # nor in Compare
+
+
+def test_grounding_rows_are_drawn_on_their_input_image(tmp_path: Path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    scan = np.full((64, 64), 30, dtype=np.uint8)
+    scan[20:40, 24:44] = 200  # the lesion
+    data = tmp_path / "data" / "scan.png"
+    data.parent.mkdir()
+    Image.fromarray(scan, mode="L").save(data)
+    run = tmp_path / "medloc_run"
+    rows = [
+        {
+            **r,
+            "text": f"<answer>[{22 + i},18,42,38]</answer>",
+            "boxes": [[24.0, 20.0, 44.0, 40.0]],
+            "images": [str(data)],  # the input image of the grounding row
+        }
+        for i, r in enumerate(rows_for(1, groups=1))
+    ]
+    write_step(run, 1, rows)
+    samples = demo.load_group(run, 1, 0)
+    base, labels = demo.box_annotations(samples[0])
+    assert isinstance(base, np.ndarray) and base.shape == (256, 256, 3)  # 64 px drawn 4x larger
+    assert base[30 * 4, 30 * 4].tolist() == [200, 200, 200] and base[4, 4].tolist() == [30, 30, 30]
+    assert labels == [((96, 80, 176, 160), "reference"), ((88, 72, 168, 152), "predicted")]
+    layout = demo.sample_layout(samples)
+    assert layout["boxes"] and layout["picker"] and not layout["gallery"]
+    assert demo.input_image({"images": [str(tmp_path / "missing.png")]}) is None
+    assert demo.input_image({"images": [str(run / rundir.METRICS_FILE)]}) is None  # images only
+    # coords "norm1000": converted with the input image's size when the row carries none
+    _, labels = demo.box_annotations({**samples[0], "text": "<answer>[375,312,687,625]</answer>"}, "norm1000")
+    assert labels[1] == ((96, 80, 176, 160), "predicted")
+    gr = pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
+    boxes, _ = demo.show_sample(str(run), 1, 0, 1)
+    assert boxes["visible"] is True and isinstance(boxes["value"][0], np.ndarray)
+    (mask, label), _ = boxes["value"][1]
+    assert label == "reference" and mask[80, 120] == 1.0 and mask[120, 120] < 0.5  # a frame, see-through
+    assert isinstance(gr.AnnotatedImage().postprocess(boxes["value"]).image.path, str)
+
+
+@register_reward("demo_test_length")
+class DemoLength(Reward):
+    """Test reward: the completion's length / 10."""
+
+    needs = {"texts"}
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        return torch.tensor([len(t) / 10 for t in batch.texts])
+
+
+@register_reward("demo_test_match")
+class DemoMatch(Reward):
+    """Test reward: 1 when the completion holds the reference ``answer`` column."""
+
+    needs = {"texts"}
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        return torch.tensor([float(str(a) in t) for a, t in zip(batch["answer"], batch.texts, strict=True)])
+
+
+def fake_text_sample(args: argparse.Namespace) -> int:
+    """`cmd_sample` without a model: sample j of every prompt answers "3" * (j + 1)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {"prompt": p, "sample": j, "text": f" {'3' * (j + 1)}"} for p in args.prompt for j in range(args.n)
+    ]
+    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return 0
+
+
+def test_generated_samples_are_scored_with_the_run_rewards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "text_run"
+    logged = [{**r, "prompt": "Q: 1 + 2 = ?", "text": " 3", "answer": "3"} for r in rows_for(1, groups=1)]
+    write_step(run, 1, logged)
+    rewards = [{"name": "demo_test_length"}, {"name": "demo_test_match", "weight": 2.0}]
+    (run / rundir.CONFIG_FILE).write_text(yaml.safe_dump({"pipeline": "text_reasoning", "rewards": rewards}))
+    prompts = ["Q: 1 + 2 = ?", "a typed prompt"]
+    _, rows = demo.generate_samples(run, "base", prompts, 2, 0, sample_fn=fake_text_sample)
+    names, notes = demo.score_generated(run, rows)
+    assert names == ["demo_test_length", "demo_test_match"]
+    # the logged prompt: its reference answer "3" comes from the run's data row
+    assert rows[0]["rewards"] == pytest.approx({"demo_test_length": 0.2, "demo_test_match": 1.0})
+    assert rows[0]["reward"] == pytest.approx(0.2 + 2.0)
+    # the typed prompt: no reference, so the match reward is n/a (NaN) and the total leaves it out
+    assert rows[3]["rewards"]["demo_test_length"] == pytest.approx(0.3)
+    assert rows[3]["rewards"]["demo_test_match"] != rows[3]["rewards"]["demo_test_match"]  # NaN
+    assert rows[3]["reward"] == pytest.approx(0.3)
+    assert "answer" in notes["demo_test_match"] and "typed prompt" in notes["demo_test_match"]
+    assert "demo_test_length" not in notes
+    gr = pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
+    import mmalign.app.cli
+
+    monkeypatch.setattr(mmalign.app.cli, "cmd_sample", fake_text_sample)
+    out = demo._generate_both([(str(run), "base")] * 2, "\n---\n".join(prompts), 2, 0, lambda *a, **k: None)
+    head_a, gal_a, table_a, head_b, _, table_b = out
+    assert gal_a["visible"] is False  # text: no gallery
+    for head, table in ((head_a, table_a), (head_b, table_b)):
+        assert list(table.columns) == [
+            "prompt",
+            "sample",
+            "reward",
+            "demo_test_length",
+            "demo_test_match",
+            "text",
+        ]
+        assert table["demo_test_match"].tolist() == ["1.0000", "1.0000", "n/a", "n/a"]
+        assert table["reward"].tolist() == ["2.2000", "2.3000", "0.2000", "0.3000"]
+        mean = (2.2 + 2.3 + 0.2 + 0.3) / 4
+        assert f"mean reward **{mean:.3f}**" in head and "demo_test_match 1.000" in head and "n/a" in head
+    assert isinstance(gr.Markdown().postprocess(head_a), str)
+
+
+def test_generated_samples_of_a_run_without_rewards_are_not_scored(full_run: Path) -> None:
+    """A config whose rewards cannot be built here: the samples are shown unscored, secrets masked."""
+    _, rows = demo.generate_samples(full_run, "base", ["a"], 1, 0, sample_fn=fake_cmd_sample)
+    names, notes = demo.score_generated(full_run, rows)
+    assert names == [] and "could not be built" in notes[""] and SECRET not in notes[""]
+    assert "rewards" not in rows[0]

@@ -1,7 +1,7 @@
 """The demo in a real browser: Debian's Chromium driven by Playwright (no browser download; `.ci/run`
 installs both). The app runs on a small synthetic run; the test clicks through steps and groups, checks
-that images, boxes and reward values appear, that a step written while the app runs shows up, and that a
-file outside the run directories is refused. It saves a screenshot (its path is printed; also copied into
+that images, boxes and reward values appear, that a step written while the app runs shows up, that the
+Curves tab draws one panel per diagnostic metric, and that a file outside the run directories is refused. It saves a screenshot (its path is printed; also copied into
 ``$MMALIGN_SCREENSHOT_DIR`` when that is set). Without Playwright or Chromium the test is skipped, saying
 which is missing."""
 
@@ -124,6 +124,12 @@ def test_browse_a_run_in_chromium(tmp_path: Path) -> None:
                 expect(header).to_contain_text("step 3, group 0")
                 expect(table).to_contain_text("0.5500")
                 page.screenshot(path=str(shot), full_page=True)
+                # the Curves tab: one small panel per diagnostic metric (here only loss), titled by it
+                page.get_by_role("tab", name="Curves").click()
+                expect(page.locator("#panel-0")).to_be_visible()
+                expect(page.locator("#panel-0")).to_contain_text("loss")
+                expect(page.locator("#panel-1")).to_be_hidden()
+                page.get_by_role("tab", name="Samples").click()
                 # the file route: a file of the run is served, anything else is refused
                 route = src.split("file=")[0] + "file="
                 inside = page.request.get(src)
