@@ -441,6 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
         extra.add_argument("args", nargs=argparse.REMAINDER, help=f"see `mmalign {name} --help`")
         # (main() hands `mmalign doctor|demo ...` to their own parsers before this parser runs)
 
+    tb = sub.add_parser("tiny", help="the tiny offline models: list their builders, or (re)build one")
+    tsub = tb.add_subparsers(dest="tiny_command", required=True)
+    tsub.add_parser("list", help="the tiny-model builders and where the tiny configs keep their models")
+    tbuild = tsub.add_parser("build", help="(re)build a tiny model (the shipped folders are their outputs)")
+    tbuild.add_argument("name", help="a builder name (`mmalign tiny list`)")
+    tbuild.add_argument("--out", help="folder to write (default: where the tiny configs load it from)")
+    tb.set_defaults(func=cmd_tiny)
+
     ls = sub.add_parser("list", help="show what is registered")
     ls.add_argument(
         "what",
@@ -450,6 +458,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ls.set_defaults(func=cmd_list)
     return p
+
+
+def tiny_model_paths() -> dict[str, str]:
+    """Builder name -> the folder the tiny configs (``configs/*-tiny.yaml``) load its model from."""
+    import yaml
+
+    paths: dict[str, str] = {}
+    for config in sorted(Path("configs").glob("*-tiny.yaml")):
+        data = yaml.safe_load(config.read_text()) or {}
+        model = data.get("model") or {}
+        if model.get("tiny_builder") and model.get("name_or_path"):
+            paths.setdefault(model["tiny_builder"], model["name_or_path"])
+        for options in (data.get("options") or {}, data.get("eval") or {}):
+            for path, builder in (options.get("reward_models") or {}).items():
+                paths.setdefault(builder, path)
+    return paths
+
+
+def cmd_tiny(args: argparse.Namespace) -> int:
+    """``mmalign tiny list`` / ``mmalign tiny build NAME [--out PATH]``: a rebuild replaces the folder only
+    once the new one is complete."""
+    import shutil
+
+    from mmalign import tiny
+
+    paths = tiny_model_paths()
+    if args.tiny_command == "list":
+        for name in tiny.DISCOVERY.names():
+            where = paths.get(name)
+            print(f"  {name:24s} {tiny.estimate(name):>10s}  {where or '(tests only)'}")
+        return 0
+    tiny.DISCOVERY.get(args.name)  # an unknown name: RegistryError listing the builders
+    out = Path(args.out or paths.get(args.name) or f"assets/models/{args.name}")
+    fresh = tiny.build(args.name, out.with_name(out.name + ".new"))
+    if out.exists():
+        shutil.rmtree(out)
+    fresh.rename(out)
+    print(f"wrote {out}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -404,3 +404,20 @@ def test_components_are_built_from_the_seed(tmp_path, random_text_model_dir):
         built.append({k: v.clone() for k, v in components.policy.trainable_state_dict().items()})
     assert built[0].keys() == built[1].keys() and any("lora_A" in k for k in built[0])
     assert all(torch.equal(built[0][k], built[1][k]) for k in built[0])
+
+
+def test_tiny_list_and_build(tmp_path, capsys, monkeypatch):
+    """``mmalign tiny list`` names the builders and the shipped folders; ``tiny build`` replaces a folder
+    only once the new one is complete."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    assert main(["tiny", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "text_reasoning" in out and "assets/models/text_reasoning-tiny" in out and "(tests only)" in out
+    target = tmp_path / "tiny-lm"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    assert main(["tiny", "build", "vlm_random", "--out", str(target)]) == 0
+    assert not (target / "old.txt").exists() and (target / "config.json").is_file()
+    assert not target.with_name("tiny-lm.new").exists()
+    assert main(["tiny", "build", "no_such_builder"]) == 1
+    assert "no_such_builder" in capsys.readouterr().err
