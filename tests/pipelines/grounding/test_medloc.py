@@ -186,7 +186,11 @@ def test_pipeline_builds_with_and_without_the_curriculum(random_vlm_model_dir: P
     cfg = medloc_cfg(random_vlm_model_dir, tmp_path / "a")
     assert isinstance(cfg.options, MedLocOptions) and cfg.options.convention == "resized"
     comps = pipelines.get("medloc")(cfg)
-    assert comps.sample_columns == ["boxes"] and len(comps.data) == 8 and len(comps.eval_data) == 64
+    assert (
+        comps.sample_columns == ["boxes", "images", "image_width", "image_height"]
+        and len(comps.data) == 8
+        and len(comps.eval_data) == 64
+    )
     (cb,) = comps.callbacks
     assert isinstance(cb, CurriculumCallback)
     hit = comps.rewards.rewards[comps.rewards.names.index("iou_at")]
