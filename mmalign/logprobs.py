@@ -199,3 +199,14 @@ def check_agreement(
             f"model's output head does more than get_output_embeddings()(hidden_states[-1]) (logit "
             f"soft-capping or scaling?). Set model.logprob_chunk_size: null to use the full-logits path."
         )
+
+
+def cache_kwarg() -> str:
+    """The name under which the installed transformers takes a KV cache, in a model's ``forward`` and in
+    ``generate``, and returns it in a model output: ``cache`` (newer releases, which deprecate the old name
+    with a FutureWarning on every call) or ``past_key_values`` (older ones, which do not know ``cache``)."""
+    try:
+        from transformers.generation.utils import ALL_CACHE_NAMES
+    except ImportError:  # pragma: no cover - a release without the list knows only the old name
+        return "past_key_values"
+    return "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"

@@ -39,6 +39,7 @@ from mmalign.engines.base import (
     _is_peft,
     iter_state,
 )
+from mmalign.logprobs import cache_kwarg
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -157,9 +158,9 @@ class FakeEngine(RolloutEngine):
             input_ids=ids,
             attention_mask=att,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{cache_kwarg(): cache},
             **extra,
         )
         mrope = positions.dim() == 3  # [3, B, T] multimodal rotary positions
@@ -168,7 +169,7 @@ class FakeEngine(RolloutEngine):
             if sp.suppress_token_ids
             else None
         )
-        cache = out.past_key_values
+        cache = out[cache_kwarg()]
         logits = out.logits[:, -1].float()
         next_pos = positions.amax(dim=(0, 2) if mrope else 1) + 1
         stop_ids = set(sp.stop_token_ids)
@@ -208,10 +209,10 @@ class FakeEngine(RolloutEngine):
                 input_ids=tok.to(dev)[:, None],
                 attention_mask=att,
                 position_ids=step_pos,
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_kwarg(): cache},
             )
-            cache = out.past_key_values
+            cache = out[cache_kwarg()]
             next_pos = next_pos + 1
             logits = out.logits[:, -1].float()
         texts: list[str | None] = [None] * b

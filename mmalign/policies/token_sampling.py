@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from mmalign.batch import Rollout, group_fields, left_pad
 from mmalign.engines.client import EngineClient
+from mmalign.logprobs import cache_kwarg
 
 
 def completion_mask(completion_ids: Tensor, eos_ids: list[int], stop_lengths: Tensor | None = None) -> Tensor:
@@ -30,17 +31,6 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int], stop_lengths: Te
 
 
 @functools.cache
-def cache_kwarg() -> str:
-    """The name under which the installed transformers takes a KV cache, in a model's ``forward`` and in
-    ``generate``, and returns it in a model output: ``cache`` (newer releases, which deprecate the old name
-    with a FutureWarning on every call) or ``past_key_values`` (older ones, which do not know ``cache``)."""
-    try:
-        from transformers.generation.utils import ALL_CACHE_NAMES
-    except ImportError:  # pragma: no cover - a release without the list knows only the old name
-        return "past_key_values"
-    return "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"
-
-
 def pad_left(x: Tensor, width: int, value: int) -> Tensor:
     if x.shape[1] == width:
         return x

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from mmalign.batch import Rollout
 from mmalign.logprobs import (
+    cache_kwarg,
     check_agreement,
     chunked_token_logprobs,
     final_hidden_states,
@@ -26,7 +27,6 @@ from mmalign.logprobs import (
     selective_log_softmax,
     token_entropy,
 )
-from mmalign.policies.token_sampling import cache_kwarg
 
 log = logging.getLogger(__name__)
 
