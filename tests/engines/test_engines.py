@@ -31,22 +31,9 @@ PROMPTS_TEXT = ["Q: 3 + 4 = ?\nA:", "hello world, the"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Random tiny Qwen2 LM + BPE tokenizer, saved with save_pretrained (offline, instant)."""
-    from mmalign import tiny
-
-    torch.manual_seed(0)
-    texts = [
-        f"Q: {a} + {b} = ?\nA: <answer>{a + b}</answer> hello world, the end."
-        for a in range(10)
-        for b in range(10)
-    ]
-    tok = tiny.train_bpe_tokenizer(texts, vocab_size=300)
-    model = tiny.tiny_causal_lm(tok, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    path = tmp_path_factory.mktemp("engines") / "tiny"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+def model_dir(random_text_model_dir: Path) -> Path:
+    """The random tiny Qwen2 LM + BPE tokenizer of tests/conftest.py (offline, instant)."""
+    return random_text_model_dir
 
 
 def load(path: Path) -> torch.nn.Module:
