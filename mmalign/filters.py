@@ -16,6 +16,9 @@ Registered filters (``names()``):
 - ``range``             keep a group iff low < mean_g r < high.
 - ``replay``            (Skywork SSB style) zero-variance groups are replaced by informative groups
                         of earlier steps, drawn from a bounded buffer with probability ∝ score.
+- ``d3s``               (D³S sample level) keeps, in every group, the k samples whose advantages have
+                        the largest variance; k follows a schedule that relaxes from aggressive
+                        down-sampling to keeping everything. Unlike the others it keeps parts of groups.
 
 Scores may hold NaN ("not applicable"): NaNs are ignored in every statistic, and a group with
 fewer than two non-NaN scores counts as zero-variance.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -43,6 +47,7 @@ __all__ = [
     "build_filter",
     "get",
     "group_std",
+    "max_variance_subset",
     "names",
 ]
 
@@ -503,3 +508,136 @@ class ReplayFilter(GroupFilter):
         self.generator.set_state(state["generator"].clone())
         while len(self._buffer) > self.capacity:
             self._evict_one()
+
+
+# ---------------------------------------------------------------------------- D³S
+def max_variance_subset(values: Tensor, k: int) -> Tensor:
+    """Long[k]: indices of the k entries of ``values`` (Float[n]) whose (unbiased) variance is largest.
+
+    A maximum-variance k-subset always consists of the j largest and the k − j smallest values for
+    some j (moving an inner value outward never lowers the spread), so the k + 1 such subsets are
+    compared; ties go to the smaller j, and values are ordered by a stable sort (ties by position).
+    Returned in increasing index order. k >= n returns every index.
+    """
+    x = torch.as_tensor(values).to(torch.float64).flatten()
+    n = x.numel()
+    if k >= n:
+        return torch.arange(n, device=x.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=x.device)
+    order = torch.sort(x, stable=True).indices
+    best_j, best_var = 0, -1.0
+    for j in range(k + 1):
+        pick = torch.cat([order[: k - j], order[n - j :]]) if j else order[:k]
+        var = float(x[pick].var(unbiased=True)) if k > 1 else 0.0
+        if var > best_var + 1e-12:
+            best_j, best_var = j, var
+    pick = torch.cat([order[: k - best_j], order[n - best_j :]]) if best_j else order[:k]
+    return torch.sort(pick).values
+
+
+@FILTERS.register("d3s")
+class D3SFilter(GroupFilter):
+    """D³S sample-level down-sampling: in every group keep the k samples that maximise the variance of A.
+
+    "Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient Policy
+    Optimization" (D³S): selecting rollouts by Var(A) raises the bound on the policy-gradient norm;
+    the schedule starts aggressive and relaxes so the model does not overfit high-signal samples.
+
+    Per group of n samples (advantages: Float[B], or the masked mean over actions of Float[B,T]):
+    k = min(n, max(min_keep, ceil(f · n))) with the kept fraction
+    f(t) = start_frac + (end_frac − start_frac) · min(1, t / schedule_steps), t = the number of calls
+    so far (one per training step; in the state); the kept samples are `max_variance_subset`. Groups
+    keep their order and ids; the rollout's other fields are sliced alike. Scores are not used.
+
+    (our design): per-group selection with the same k for every group of the same size (so processes
+    keep equal sample counts), start_frac 0.5, end_frac 1.0, schedule_steps 200, min_keep 2. The
+    token-level half of D³S (top |A_t|·H_t tokens) belongs to the loss: see
+    `mmalign.losses_extra.d3s_token_mask`.
+    """
+
+    def __init__(
+        self,
+        *,
+        start_frac: float = 0.5,
+        end_frac: float = 1.0,
+        schedule_steps: int = 200,
+        min_keep: int = 2,
+    ) -> None:
+        super().__init__()
+        for key, value in (("start_frac", start_frac), ("end_frac", end_frac)):
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"d3s {key} must be in (0, 1], got {value!r}")
+        if isinstance(schedule_steps, bool) or not isinstance(schedule_steps, int) or schedule_steps < 0:
+            raise ValueError(f"d3s schedule_steps must be an integer >= 0, got {schedule_steps!r}")
+        if isinstance(min_keep, bool) or not isinstance(min_keep, int) or min_keep < 1:
+            raise ValueError(f"d3s min_keep must be an integer >= 1, got {min_keep!r}")
+        self.start_frac, self.end_frac = float(start_frac), float(end_frac)
+        self.schedule_steps, self.min_keep = schedule_steps, min_keep
+        self.calls = 0
+
+    def _options(self) -> dict[str, Any]:
+        return {
+            "start_frac": self.start_frac,
+            "end_frac": self.end_frac,
+            "schedule_steps": self.schedule_steps,
+            "min_keep": self.min_keep,
+        }
+
+    def keep_fraction(self, t: int | None = None) -> float:
+        """The kept fraction f(t) (t defaults to the number of calls so far)."""
+        t = self.calls if t is None else t
+        ramp = 1.0 if self.schedule_steps == 0 else min(1.0, t / self.schedule_steps)
+        return self.start_frac + (self.end_frac - self.start_frac) * ramp
+
+    def keep_count(self, n: int, t: int | None = None) -> int:
+        """k for a group of n samples."""
+        return min(n, max(self.min_keep, math.ceil(self.keep_fraction(t) * n - 1e-9)))
+
+    def __call__(self, rollout: Rollout, scores: Tensor) -> Rollout:
+        scores = self._check(rollout, scores)
+        st = _group_stats(scores, rollout.group)
+        adv = _signed_sample_advantage(rollout).to(st.index.device)
+        rows: list[int] = []
+        index = st.index.tolist()
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(index):
+            members.setdefault(g, []).append(i)
+        kept_samples = 0
+        for g in range(st.ids.numel()):
+            idx = members.get(g, [])
+            k = self.keep_count(len(idx))
+            local = max_variance_subset(adv[idx], k).tolist()
+            rows.extend(idx[j] for j in local)
+            kept_samples += len(local)
+        rows.sort()
+        out = rollout if len(rows) == len(rollout) else rollout[rows]
+        self._stats = self._base_stats(rollout, st, int(st.ids.numel()), out)
+        self._stats["filter/keep_frac"] = self.keep_fraction()
+        self._stats["filter/samples_dropped"] = float(len(rollout) - kept_samples)
+        self.calls += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The number of calls so far (the schedule's clock)."""
+        return {"version": 1, "calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.calls = int(state["calls"])
+
+
+def _signed_sample_advantage(rollout: Rollout) -> Tensor:
+    """A_i per sample: Float[B]; Float[B,T] advantages are averaged over the valid actions (NaN read as 0)."""
+    adv = rollout.advantages
+    if adv is None:
+        raise ValueError("the d3s filter needs rollout.advantages: run it after the advantage estimator")
+    adv = adv.detach()
+    if adv.dim() == 2:
+        mask = rollout.mask.to(device=adv.device, dtype=adv.dtype)
+        if mask.shape != adv.shape:
+            raise ValueError(f"advantages {tuple(adv.shape)} and mask {tuple(mask.shape)} differ in shape")
+        adv = (adv * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+    elif adv.dim() != 1:
+        raise ValueError(f"advantages must be Float[B] or Float[B,T], got shape {tuple(adv.shape)}")
+    return torch.nan_to_num(adv.to(torch.float64), nan=0.0)

@@ -16,6 +16,9 @@ Registered samplers (``names()``):
 - ``vade``     our design from the paper's description (VADE): a Beta posterior on each prompt's
                success rate, Thompson sampling, pick the prompts of largest p̂(1 − p̂), decay toward
                the prior on two time scales. Exact rules in `VadeSampler`.
+- ``spo``      SPO's prioritized sampling: prompts drawn without replacement with probability ∝
+               sqrt(p̂(1 − p̂)) + 0.05, p̂ the posterior mean of SPO's per-prompt Beta tracker (shared with
+               the ``spo`` estimator through `SpoSampler.attach`, or the sampler's own). Rules in `SpoSampler`.
 
 Common rules:
 
@@ -41,11 +44,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mmalign.advantages import SPOTracker
 from mmalign.registry import Registry, option_checked
 
 __all__ = [
     "SAMPLERS",
     "PromptSamplerBase",
+    "SpoSampler",
     "UniformSampler",
     "VadeSampler",
     "beta_sample",
@@ -470,4 +475,126 @@ class VadeSampler(PromptSamplerBase):
         self.b = state["b"].detach().to(torch.float64).clone()
         self.visits = state["visits"].detach().to(torch.long).clone()
         self.steps = int(state["steps"])
+        self.generator.set_state(state["generator"])
+
+
+@SAMPLERS.register("spo")
+class SpoSampler(PromptSamplerBase):
+    """SPO's prioritized prompt sampling: weight w_i = sqrt(p̂_i (1 − p̂_i)) + epsilon, drawn without replacement.
+
+    Xu & Ding, "Single-stream Policy Optimization" (arXiv:2509.13232), as in the authors' code
+    (verl-recipe ``spo``): p̂_i = α_i / (α_i + β_i) from the per-prompt Beta tracker, ε = ``epsilon`` =
+    0.05 keeps every prompt reachable; ``next_indices(n)`` draws min(n, num_rows) distinct rows with
+    ``torch.multinomial`` on the sampler's own generator (repeating the draw order when n > num_rows).
+
+    The tracker: `attach(tracker)` shares the :class:`mmalign.advantages.SPOTracker` of the ``spo``
+    estimator (prompt id = row index), which then updates it with its KL-adaptive decay, and
+    ``observe`` does nothing. Unattached, the sampler keeps its own tracker and ``observe(indices,
+    successes, counts)`` updates it as the estimator's ``rho_mode: constant`` does: α ← ρ α + s·c,
+    β ← ρ β + (1 − s)·c with ρ = ``rho`` (0.96) and c the count (``samples_per_prompt`` if not given);
+    unseen prompts have the prior Beta(``prior_alpha``, ``prior_beta``) = Beta(0.5, 0.5).
+
+    ``last_stats()``: ``sampler/picked_p`` (mean p̂ of the picked rows), ``sampler/picked_weight`` (mean
+    weight of the picked rows), ``sampler/seen_frac`` (share of rows the tracker has seen).
+    """
+
+    name = "spo"
+
+    def __init__(
+        self,
+        num_rows: int,
+        seed: int = 0,
+        *,
+        epsilon: float = 0.05,
+        rho: float = 0.96,
+        prior_alpha: float = 0.5,
+        prior_beta: float = 0.5,
+        samples_per_prompt: float = 1.0,
+    ) -> None:
+        super().__init__(num_rows, seed)
+        if not (math.isfinite(epsilon) and epsilon > 0):
+            raise ValueError(f"prompt sampler 'spo': epsilon must be > 0, got {epsilon}")
+        if not 0.0 < rho <= 1.0:
+            raise ValueError(f"prompt sampler 'spo': rho must be in (0, 1], got {rho}")
+        for key, value in (("prior_alpha", prior_alpha), ("prior_beta", prior_beta)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"prompt sampler 'spo': {key} must be > 0, got {value}")
+        if not (math.isfinite(samples_per_prompt) and samples_per_prompt >= 0):
+            raise ValueError(
+                f"prompt sampler 'spo': samples_per_prompt must be >= 0, got {samples_per_prompt}"
+            )
+        self.epsilon, self.rho = float(epsilon), float(rho)
+        self.prior_alpha, self.prior_beta = float(prior_alpha), float(prior_beta)
+        self.samples_per_prompt = float(samples_per_prompt)
+        self.tracker = SPOTracker()
+        self.attached = False
+        self.generator = torch.Generator().manual_seed((self.seed * 1_000_003 + 0x5B0) % 2**64)
+
+    def attach(self, tracker: SPOTracker) -> None:
+        """Read p̂ from the ``spo`` estimator's tracker (which the estimator updates); ``observe`` becomes a no-op."""
+        if not isinstance(tracker, SPOTracker):
+            raise TypeError(f"prompt sampler 'spo' attaches an SPOTracker, got {type(tracker).__name__}")
+        self.tracker = tracker
+        self.attached = True
+
+    def p_hat(self) -> Tensor:
+        """Float64[num_rows]: the posterior mean of every row."""
+        alpha, beta = self.tracker.posterior_table(self.num_rows, self.prior_alpha, self.prior_beta)
+        return alpha / (alpha + beta)
+
+    def weights(self) -> Tensor:
+        """Float64[num_rows]: the sampling weights sqrt(p̂ (1 − p̂)) + epsilon."""
+        p = self.p_hat()
+        return (p * (1.0 - p)).clamp(min=0.0).sqrt() + self.epsilon
+
+    def observe(
+        self, indices: Sequence[int], successes: Sequence[float], counts: Sequence[float] | None = None
+    ) -> None:
+        idx, s, c = self._check_observation(indices, successes, counts)
+        if self.attached:
+            return
+        if c is None:
+            c = torch.full_like(s, self.samples_per_prompt)
+        valid = ~torch.isnan(s)
+        rows, inverse = torch.unique(idx[valid], return_inverse=True)
+        succ = torch.zeros(rows.numel(), dtype=torch.float64).index_add_(0, inverse, (s * c)[valid])
+        fail = torch.zeros(rows.numel(), dtype=torch.float64).index_add_(0, inverse, ((1.0 - s) * c)[valid])
+        for row, sx, fx in zip(rows.tolist(), succ.tolist(), fail.tolist(), strict=True):
+            a, b = self.tracker.posterior(row, self.prior_alpha, self.prior_beta)
+            self.tracker.set(row, self.rho * a + sx, self.rho * b + fx, self.tracker.visits(row) + 1)
+
+    def next_indices(self, n: int) -> list[int]:
+        n = self._check_n(n)
+        k = min(n, self.num_rows)
+        p = self.p_hat()
+        w = (p * (1.0 - p)).clamp(min=0.0).sqrt() + self.epsilon
+        picked = torch.multinomial(w, k, replacement=False, generator=self.generator).tolist() if k else []
+        out = picked
+        if n > self.num_rows:
+            out = picked * (n // self.num_rows) + picked[: n % self.num_rows]
+        if picked:
+            sel = torch.tensor(picked, dtype=torch.long)
+            self._stats = {
+                "sampler/picked_p": float(p[sel].mean()),
+                "sampler/picked_weight": float(w[sel].mean()),
+                "sampler/seen_frac": self.tracker.count_below(self.num_rows) / self.num_rows,
+            }
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Generator state and, unattached, the sampler's own tracker (an attached one is the estimator's to save)."""
+        return {
+            "name": self.name,
+            "num_rows": self.num_rows,
+            "seed": self.seed,
+            "attached": self.attached,
+            "tracker": None if self.attached else self.tracker.state_dict(),
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_state(state)
+        self.seed = int(state["seed"])
+        if state.get("tracker") is not None and not self.attached:
+            self.tracker.load_state_dict(state["tracker"])
         self.generator.set_state(state["generator"])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mmalign import advantages as adv
+from mmalign.advantages import EstimatorContext, SPOTracker
 from mmalign.registry import RegistryError
 
 NAN = math.nan
@@ -26,6 +27,8 @@ ALL_ESTIMATORS = {
 }
 # estimators that take step rewards (registry metadata step_rewards=True) and return Float[B, T]
 STEP_ESTIMATORS = {"grpo_process"}
+# estimators that need an EstimatorContext, state or num_actions: tested in their own section below
+CONTEXT_ESTIMATORS = {"spo", "gigpo", "hgpo", "factorized", "ace", "canon", "drpo"}
 
 
 # =========================================================================== plain-Python references
@@ -680,7 +683,7 @@ def test_accepts_num_actions_and_trainer_call_paths():
 
 
 def test_registry_names_and_descriptions():
-    assert set(adv.names()) == ALL_ESTIMATORS | STEP_ESTIMATORS
+    assert set(adv.names()) == ALL_ESTIMATORS | STEP_ESTIMATORS | CONTEXT_ESTIMATORS
     assert adv.names() == sorted(adv.names())
     for name in adv.names():
         line = adv.describe(name)
@@ -1053,3 +1056,548 @@ def test_combine_rewards_zero_weight_columns_do_not_make_a_sample_applicable():
     # unbiased sd sqrt(2), A = [1/sqrt2, -1/sqrt2, 0] (eps = 0)
     a = adv.grpo(r[:3], torch.tensor([0, 0, 0]), weights=[2.0, 1.0, 0.0], eps=0.0)
     torch.testing.assert_close(a, torch.tensor([1 / math.sqrt(2), -1 / math.sqrt(2), 0.0]))
+
+
+# =========================================================================== estimators with a context
+# Plain-Python references written from each method's formula (lists, dicts, statistics), and
+# hand-worked numbers. The registry, validation and state protocol are in test_estimator_context.py.
+
+
+def test_context_estimators_declared():
+    assert adv.accepts_num_actions("drpo") and adv.accepts_num_actions("canon")
+    assert not adv.accepts_num_actions("spo") and not adv.accepts_num_actions("gigpo")
+    assert adv.make_state("spo") is not None
+
+
+# ----------------------------------------------------------------------- SPO
+def ref_spo_run(batches, rho_mode="kl", rho=0.96, rho_min=0.875, rho_max=0.96, d_half=0.06, eps=1e-8):
+    """SPO from the formula over a sequence of batches: tracker dict pid -> [alpha, beta, visits]."""
+    table = {}
+    outs = []
+    for r, pids, shifts in batches:
+        p_hat = []
+        for x in pids:
+            a, b, _ = table.get(x, [0.5, 0.5, 0])
+            p_hat.append(a / (a + b))
+        raw = [0.0 if math.isnan(ri) else ri - p for ri, p in zip(r, p_hat, strict=True)]
+        valid = [i for i, ri in enumerate(r) if not math.isnan(ri)]
+        outs.append(ref_whiten(raw, valid, eps))
+        for x in sorted({pids[i] for i in valid}):
+            members = [i for i in valid if pids[i] == x]
+            a, b, v = table.get(x, [0.5, 0.5, 0])
+            if rho_mode == "constant":
+                rx = rho
+            elif v == 0:
+                rx = min(max(1.0, rho_min), rho_max)
+            else:
+                d = statistics.fmean(shifts[i] for i in members)
+                rx = min(max(2 ** (-d / d_half), rho_min), rho_max)
+            clamped = [min(max(r[i], 0.0), 1.0) for i in members]
+            table[x] = [rx * a + sum(clamped), rx * b + sum(1 - c for c in clamped), v + 1]
+        outs[-1] = outs[-1]
+    return outs, table
+
+
+def random_spo_batches(rng, steps, continuous=False):
+    batches = []
+    for _ in range(steps):
+        pids, r, shifts, gids = [], [], [], []
+        for k, x in enumerate(rng.sample(range(10), rng.randint(1, 5))):
+            d = rng.random() * 0.3
+            for _ in range(rng.randint(1, 4)):
+                pids.append(x)
+                gids.append(k)
+                if rng.random() < 0.1:
+                    r.append(NAN)
+                else:
+                    r.append(rng.uniform(-0.5, 1.5) if continuous else float(rng.random() < 0.4))
+                shifts.append(d)
+        batches.append((r, pids, shifts, gids))
+    return batches
+
+
+@pytest.mark.parametrize("rho_mode", ["kl", "constant"])
+@pytest.mark.parametrize("continuous", [False, True])
+def test_spo_matches_plain_python_reference(rho_mode, continuous):
+    rng = random.Random(5 + continuous)
+    batches = random_spo_batches(rng, 12, continuous)
+    want, table = ref_spo_run([(r, p, s) for r, p, s, _ in batches], rho_mode=rho_mode)
+    state = SPOTracker()
+    for (r, pids, shifts, gids), w in zip(batches, want, strict=True):
+        ctx = EstimatorContext(
+            prompt_ids=torch.tensor(pids), policy_shift=torch.tensor(shifts, dtype=torch.float64)
+        )
+        got = adv.spo(
+            torch.tensor(r, dtype=torch.float64),
+            torch.tensor(gids),
+            context=ctx,
+            state=state,
+            rho_mode=rho_mode,
+        )
+        torch.testing.assert_close(got, torch.tensor(w, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+    for x, (a, b, v) in table.items():
+        assert state.posterior(x) == pytest.approx((a, b), abs=1e-12) and state.visits(x) == v
+
+
+def test_spo_hand_worked():
+    # prompt 4 seen before: Beta(3, 1) -> p_hat 0.75; prompt 9 new: Beta(0.5, 0.5) -> 0.5
+    state = SPOTracker()
+    state.set(4, 3.0, 1.0, 2)
+    r = torch.tensor([1.0, 0.0, 1.0])
+    ctx = EstimatorContext(prompt_ids=torch.tensor([4, 4, 9]), policy_shift=torch.tensor([0.06, 0.06, 0.0]))
+    a = adv.spo(r, torch.tensor([0, 0, 1]), context=ctx, state=state, normalize=False)
+    torch.testing.assert_close(a, torch.tensor([0.25, -0.75, 0.5]))
+    # D = 0.06 = d_half -> rho = 2^-1 = 0.5, clipped to rho_min 0.875: alpha = 0.875 * 3 + 1, beta = 0.875 + 1
+    assert state.posterior(4) == pytest.approx((3.625, 1.875))
+    # first visit: rho = rho_max = 0.96: alpha = 0.48 + 1, beta = 0.48
+    assert state.posterior(9) == pytest.approx((1.48, 0.48))
+    # normalised: z-score of [0.25, -0.75, 0.5]: mean 0, unbiased sd sqrt((1/16 + 9/16 + 1/4) / 2)
+    state2 = SPOTracker()
+    state2.set(4, 3.0, 1.0, 2)
+    z = adv.spo(r, torch.tensor([0, 0, 1]), context=ctx, state=state2)
+    sd = math.sqrt((0.0625 + 0.5625 + 0.25) / 2)
+    torch.testing.assert_close(z, torch.tensor([0.25, -0.75, 0.5]) / (sd + 1e-8))
+
+
+def test_spo_groups_of_one_and_validation():
+    # group-free: a single sample per prompt still gets a signal (unlike every group-relative estimator)
+    state = SPOTracker()
+    ctx = EstimatorContext(prompt_ids=torch.tensor([0, 1, 2]))
+    a = adv.spo(
+        torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 1, 2]), context=ctx, state=state, rho_mode="constant"
+    )
+    assert (a != 0).all()
+    with pytest.raises(ValueError, match="rho_mode"):
+        adv.spo(torch.ones(3), torch.tensor([0, 1, 2]), context=ctx, state=state, rho_mode="ema")
+    with pytest.raises(ValueError, match="rho_min"):
+        adv.spo(torch.ones(3), torch.tensor([0, 1, 2]), context=ctx, state=state, rho_min=0.99)
+    bad = EstimatorContext(prompt_ids=torch.tensor([0, 1, 2]), policy_shift=torch.tensor([0.0, -1.0, 0.0]))
+    with pytest.raises(adv.ContextError, match="policy_shift"):
+        adv.spo(torch.ones(3), torch.tensor([0, 1, 2]), context=bad, state=state)
+
+
+# ----------------------------------------------------------------------- GiGPO
+def ref_gigpo(
+    r, gids, turn_index, turn_state, turn_rewards, gamma=0.95, omega=1.0, mode="mean_std_norm", eps=1e-6
+):
+    b = len(r)
+    n_turns = [max([t for t in row if t >= 0], default=-1) + 1 for row in turn_index]
+    per_turn_r, returns, episode = [], [], []
+    for i in range(b):
+        rr = []
+        for k in range(n_turns[i]):
+            x = 0.0 if turn_rewards is None else turn_rewards[i][k]
+            rr.append(0.0 if math.isnan(x) else x)
+        if n_turns[i]:
+            rr[-1] += 0.0 if math.isnan(r[i]) else r[i]
+        per_turn_r.append(rr)
+        g = []
+        for k in range(n_turns[i]):
+            g.append(sum(gamma ** (kk - k) * rr[kk] for kk in range(k, n_turns[i])))
+        returns.append(g)
+        episode.append(sum(rr) if n_turns[i] else (0.0 if math.isnan(r[i]) else r[i]))
+    valid = [not math.isnan(x) for x in r]
+
+    def norm(xs):
+        if len(xs) < 2:
+            return [0.0] * len(xs)
+        mu, sd = statistics.fmean(xs), statistics.stdev(xs)
+        return [(x - mu) if mode == "mean_norm" else (x - mu) / (sd + eps) for x in xs]
+
+    a_ep = [0.0] * b
+    for idxs in ref_groups(gids).values():
+        members = [i for i in idxs if valid[i]]
+        for i, v in zip(members, norm([episode[i] for i in members]), strict=True):
+            a_ep[i] = v
+    cells = {}
+    for i in range(b):
+        if valid[i]:
+            for k in range(n_turns[i]):
+                cells.setdefault((gids[i], turn_state[i][k]), []).append((i, k))
+    a_step = {}
+    for members in cells.values():
+        for (i, k), v in zip(members, norm([returns[i][k] for i, k in members]), strict=True):
+            a_step[(i, k)] = v
+    out = []
+    for i in range(b):
+        row = []
+        for t in turn_index[i]:
+            row.append(a_ep[i] + omega * a_step[(i, t)] if (t >= 0 and valid[i]) else 0.0)
+        out.append(row)
+    return out
+
+
+def test_gigpo_hand_worked():
+    # three trajectories of one group, gamma 0.5, eps 0 (worked in the comments of each line):
+    # A: states s0, s1; outcome 1 -> R = [0, 1], G = [0.5, 1], E = 1
+    # B: states s0, s2; outcome 0 -> R = [0, 0], G = [0, 0], E = 0
+    # C: states s0, s1, s1; outcome 1, turn rewards [0, -0.5, 0] -> R = [0, -0.5, 1], G = [0, 0, 1], E = 0.5
+    # episode: mean 0.5, sd 0.5 -> A_E = [1, -1, 0]
+    # cell s0: G = [0.5, 0, 0] -> mean 1/6, sd sqrt(1/12) -> [1.1547, -0.57735, -0.57735]
+    # cell s1: G = [1 (A), 0 (C1), 1 (C2)] -> mean 2/3, sd sqrt(1/3) -> [0.57735, -1.1547, 0.57735]; s2: alone -> 0
+    turn_index = torch.tensor([[0, 0, 1, -1, -1], [0, 1, 1, -1, -1], [0, -1, 1, 2, 2]])
+    turn_state = torch.tensor([[0, 1, 7], [0, 2, 7], [0, 1, 1]])
+    ctx = EstimatorContext(
+        turn_index=turn_index,
+        turn_state=turn_state,
+        turn_rewards=torch.tensor([[0.0, 0, 0], [0, 0, 0], [0, -0.5, 0]]),
+    )
+    a = adv.gigpo(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 0]), context=ctx, gamma=0.5, eps=0.0)
+    s3 = 1 / math.sqrt(3)
+    want = torch.tensor(
+        [
+            [1 + 2 * s3, 1 + 2 * s3, 1 + s3, 0, 0],
+            [-1 - s3, -1, -1, 0, 0],
+            [-s3, 0, -2 * s3, s3, s3],
+        ]
+    )
+    torch.testing.assert_close(a, want, atol=1e-5, rtol=0)
+    # step_weight 0: the episode advantage broadcast over the actions
+    a0 = adv.gigpo(
+        torch.tensor([1.0, 0.0, 1.0]),
+        torch.tensor([0, 0, 0]),
+        context=ctx,
+        gamma=0.5,
+        eps=0.0,
+        step_weight=0.0,
+    )
+    torch.testing.assert_close(a0, torch.where(turn_index >= 0, torch.tensor([1.0, -1.0, 0.0])[:, None], 0.0))
+
+
+@pytest.mark.parametrize("mode", ["mean_std_norm", "mean_norm"])
+def test_gigpo_matches_plain_python_reference(mode):
+    rng = random.Random(11)
+    for case in range(25):
+        b, width, t = rng.randint(2, 9), rng.randint(1, 4), rng.randint(1, 10)
+        gids = [rng.choice([3, -1, 8]) for _ in range(b)]
+        r = [NAN if rng.random() < 0.1 else float(rng.choice([0, 1, 0.5])) for _ in range(b)]
+        turn_index = []
+        for _ in range(b):
+            n = rng.randint(0, min(width, t))
+            cuts = sorted(rng.sample(range(t), n)) if n else []
+            row = [-1] * t
+            for k, c in enumerate(cuts):
+                end = cuts[k + 1] if k + 1 < n else t
+                for j in range(c, end):
+                    if rng.random() < 0.7 or j == c:
+                        row[j] = k
+            turn_index.append(row)
+        turn_state = [[rng.randint(0, 2) for _ in range(width)] for _ in range(b)]
+        tr = [
+            [NAN if rng.random() < 0.1 else rng.choice([0.0, -0.1, 0.3]) for _ in range(width)]
+            for _ in range(b)
+        ]
+        use_tr = case % 2 == 0
+        ctx = EstimatorContext(
+            turn_index=torch.tensor(turn_index),
+            turn_state=torch.tensor(turn_state),
+            turn_rewards=torch.tensor(tr, dtype=torch.float64) if use_tr else None,
+        )
+        got = adv.gigpo(torch.tensor(r, dtype=torch.float64), torch.tensor(gids), context=ctx, mode=mode)
+        want = ref_gigpo(r, gids, turn_index, turn_state, tr if use_tr else None, mode=mode)
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+
+
+def test_gigpo_validation_and_permutation():
+    ctx = EstimatorContext(turn_index=torch.tensor([[0, 1, 2]]), turn_state=torch.tensor([[0, 1]]))
+    with pytest.raises(adv.ContextError, match="3 turns but context.turn_state has 2 columns"):
+        adv.gigpo(torch.tensor([1.0]), torch.tensor([0]), context=ctx)
+    with pytest.raises(ValueError, match="mode"):
+        adv.gigpo(torch.tensor([1.0]), torch.tensor([0]), context=ctx, mode="std")
+    turn_index = torch.tensor([[0, 0, 1], [0, 1, 1], [0, -1, 1], [0, 0, 0]])
+    keys = torch.tensor([[5, 6], [5, 6], [5, 7], [5, 0]])
+    r, g = torch.tensor([1.0, 0.0, 0.3, 0.7]), torch.tensor([1, 1, 1, 1])
+    base = adv.gigpo(r, g, context=EstimatorContext(turn_index=turn_index, turn_state=keys))
+    perm = torch.tensor([2, 0, 3, 1])
+    got = adv.gigpo(
+        r[perm], g[perm] * 5, context=EstimatorContext(turn_index=turn_index[perm], turn_state=keys[perm])
+    )
+    torch.testing.assert_close(got, base[perm])
+
+
+# ----------------------------------------------------------------------- ACE
+def test_ace_matches_reference_and_hand_worked():
+    rng = random.Random(2)
+    for _ in range(20):
+        rows, gids, weights = random_batch(rng, 1, discrete=True)
+        b = len(gids)
+        old = [rng.gauss(-20, 5) for _ in range(b)]
+        ref = [rng.gauss(-21, 5) for _ in range(b)]
+        ctx = EstimatorContext(
+            logp_old_sum=torch.tensor(old, dtype=torch.float64),
+            logp_ref_sum=torch.tensor(ref, dtype=torch.float64),
+        )
+        r, g = to_tensors(rows, gids, k_dim=False)
+        for a_coef in (1.0, 0.3):
+            base = ref_grpo(rows, gids, [1.0])
+            want = [
+                x * (1 + a_coef * math.log1p(math.exp(o - f))) if x < 0 else x
+                for x, o, f in zip(base, old, ref, strict=True)
+            ]
+            got = adv.ace(r, g, context=ctx, alpha=a_coef)
+            torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+    # hand-worked: group [1, 0]: grpo = +-0.5 / (0.70711 + 1e-4); c = [3, 0]: the wrong one has c = 0,
+    # softplus(0) = ln 2 -> A = -0.70701 * (1 + ln 2)
+    ctx = EstimatorContext(
+        logp_old_sum=torch.tensor([-10.0, -12.0]), logp_ref_sum=torch.tensor([-13.0, -12.0])
+    )
+    a = adv.ace(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), context=ctx)
+    s = 0.5 / (math.sqrt(0.5) + 1e-4)
+    torch.testing.assert_close(a, torch.tensor([s, -s * (1 + math.log(2))]))
+    # another base, with its options
+    b = adv.ace(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), context=ctx, base="dr_grpo")
+    torch.testing.assert_close(b, torch.tensor([0.5, -0.5 * (1 + math.log(2))]))
+    with pytest.raises(ValueError, match="base"):
+        adv.ace(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), context=ctx, base="grpo_process")
+
+
+# ----------------------------------------------------------------------- CANON
+def ref_canon(r, gids, metric, inter_weight=1.0, std="group", eps=1e-4):
+    out = [0.0] * len(r)
+    for idxs in ref_groups(gids).values():
+        members = [i for i in idxs if not math.isnan(r[i]) and not math.isnan(metric[i])]
+        if len(members) < 2:
+            continue
+        vals = [r[i] for i in members]
+        mean, sd = statistics.fmean(vals), statistics.stdev(vals)
+        med = sorted(metric[i] for i in members)[(len(members) - 1) // 2]
+        high = [i for i in members if metric[i] > med]
+        low = [i for i in members if metric[i] <= med]
+        for i in members:
+            if high and low:
+                own, other = (high, low) if i in high else (low, high)
+                mu_s, mu_o = statistics.fmean(r[j] for j in own), statistics.fmean(r[j] for j in other)
+                x = (r[i] - mu_s) + inter_weight * (mu_s - mu_o)
+            else:
+                x = r[i] - mean
+            out[i] = x / (sd + eps) if std == "group" else x
+    return out
+
+
+def test_canon_matches_reference_and_hand_worked():
+    rng = random.Random(4)
+    for case in range(30):
+        rows, gids, _ = random_batch(rng, 1, discrete=case % 2 == 0)
+        r = [row[0] for row in rows]
+        ent = [rng.choice([0.1, 0.5, 0.9, 1.3]) for _ in r]
+        lengths = [rng.randint(1, 30) for _ in r]
+        ctx = EstimatorContext(entropy_mean=torch.tensor(ent, dtype=torch.float64))
+        rt_, g = torch.tensor(r, dtype=torch.float64), torch.tensor(gids)
+        for opts in ({}, {"inter_weight": 0.5}, {"std": "none"}):
+            got = adv.canon(rt_, g, context=ctx, **opts)
+            torch.testing.assert_close(
+                got, torch.tensor(ref_canon(r, gids, ent, **opts), dtype=torch.float64)
+            )
+        got = adv.canon(rt_, g, num_actions=torch.tensor(lengths), metric="length")
+        torch.testing.assert_close(
+            got, torch.tensor(ref_canon(r, gids, [float(x) for x in lengths]), dtype=torch.float64)
+        )
+    # hand-worked, one group, std none: entropy [0.1, 0.2, 0.8, 0.9] -> lower median 0.2: L = {0, 1}, H = {2, 3};
+    # r = [1, 1, 0, 1]: mean_L 1, mean_H 0.5 -> A = r - mean of the other subgroup = [0.5, 0.5, -1, 0]
+    ctx = EstimatorContext(entropy_mean=torch.tensor([0.1, 0.2, 0.8, 0.9]))
+    a = adv.canon(
+        torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.zeros(4, dtype=torch.long), context=ctx, std="none"
+    )
+    torch.testing.assert_close(a, torch.tensor([0.5, 0.5, -1.0, 0.0]))
+    with pytest.raises(ValueError, match="num_actions"):
+        adv.canon(torch.ones(2), torch.zeros(2, dtype=torch.long), metric="length")
+
+
+# ----------------------------------------------------------------------- DRPO
+def ref_drpo(r, gids, lengths, threshold=0.5, length_weight=0.5, eps=1e-4):
+    base = ref_grpo([[x] for x in r], gids, [1.0], eps=eps)
+    out = [0.0] * len(r)
+    for idxs in ref_groups(gids).values():
+        members = [i for i in idxs if not math.isnan(r[i])]
+        if len(members) < 2:
+            continue
+        pos = [i for i in members if r[i] > threshold]
+        for i in members:
+            z = 0.0
+            if i in pos and len(pos) >= 2:
+                ls = [lengths[j] for j in pos]
+                z = -(lengths[i] - statistics.fmean(ls)) / (statistics.stdev(ls) + eps)
+            out[i] = base[i] + length_weight * z
+    return out
+
+
+def test_drpo_matches_reference_and_shields_correct_answers():
+    rng = random.Random(6)
+    for _ in range(30):
+        rows, gids, _ = random_batch(rng, 1, discrete=True)
+        r = [row[0] for row in rows]
+        lengths = [rng.randint(1, 50) for _ in r]
+        got = adv.drpo(
+            torch.tensor(r, dtype=torch.float64), torch.tensor(gids), num_actions=torch.tensor(lengths)
+        )
+        torch.testing.assert_close(got, torch.tensor(ref_drpo(r, gids, lengths), dtype=torch.float64))
+    # a group of 2 correct (lengths 10, 30) and 2 wrong: the wrong ones keep GRPO's advantage, the correct
+    # ones differ by the length term only (normalised among the correct: z = +-0.7071)
+    a = adv.drpo(
+        torch.tensor([1.0, 1.0, 0.0, 0.0]),
+        torch.zeros(4, dtype=torch.long),
+        num_actions=torch.tensor([10, 30, 5, 80]),
+    )
+    g = adv.grpo(torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long))
+    z = 10 / (math.sqrt(200) + 1e-4)
+    torch.testing.assert_close(a, g + 0.5 * torch.tensor([z, -z, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="num_actions"):
+        adv.drpo(torch.ones(2), torch.zeros(2, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------- HGPO
+def ref_hgpo(
+    r,
+    gids,
+    turn_index,
+    turn_state,
+    turn_rewards,
+    gamma=0.95,
+    history=2,
+    alpha=1.0,
+    base=False,
+    mode="mean_std_norm",
+    eps=1e-6,
+):
+    b = len(r)
+    valid = [not math.isnan(x) for x in r]
+    n_turns = [max([t for t in row if t >= 0], default=-1) + 1 for row in turn_index]
+    returns, episode = [], []
+    for i in range(b):
+        rr = [
+            0.0 if turn_rewards is None or math.isnan(turn_rewards[i][k]) else turn_rewards[i][k]
+            for k in range(n_turns[i])
+        ]
+        if n_turns[i]:
+            rr[-1] += r[i] if valid[i] else 0.0
+        returns.append(
+            [sum(gamma ** (j - k) * rr[j] for j in range(k, n_turns[i])) for k in range(n_turns[i])]
+        )
+        episode.append(sum(rr) if n_turns[i] else (r[i] if valid[i] else 0.0))
+    a_ep = [0.0] * b
+    if base:
+        for idxs in ref_groups(gids).values():
+            members = [i for i in idxs if valid[i]]
+            if len(members) >= 2:
+                xs = [episode[i] for i in members]
+                mu, sd = statistics.fmean(xs), statistics.stdev(xs)
+                for i in members:
+                    a_ep[i] = episode[i] - mu if mode == "mean_norm" else (episode[i] - mu) / (sd + eps)
+    clusters = {}
+    for i in range(b):
+        if not valid[i]:
+            continue
+        for k in range(n_turns[i]):
+            for d in range(1, min(history + 1, k + 1) + 1):
+                clusters.setdefault((gids[i], d, tuple(turn_state[i][k - d + 1 : k + 1])), []).append((i, k))
+    items = {}
+    for (_, d, _), members in clusters.items():
+        if len(members) < 2:
+            continue
+        xs = [returns[i][k] for i, k in members]
+        mu, sd = statistics.fmean(xs), statistics.pstdev(xs)
+        for (i, k), x in zip(members, xs, strict=True):
+            items.setdefault((i, k), []).append((d, x - mu if mode == "mean_norm" else (x - mu) / (sd + eps)))
+    out = []
+    for i in range(b):
+        row = []
+        for t in turn_index[i]:
+            if t < 0 or not valid[i]:
+                row.append(0.0)
+                continue
+            its = ([(0, a_ep[i])] if base else []) + items.get((i, t), [])
+            its = [(d, a) for d, a in its if a != 0]
+            ws = [(d + 1) ** alpha for d, _ in its]
+            row.append(
+                sum(w * a for w, (_, a) in zip(ws, its, strict=True)) / (sum(ws) + eps) if its else 0.0
+            )
+        out.append(row)
+    return out
+
+
+def test_hgpo_hand_worked():
+    # two trajectories of one group, one action per turn, gamma 1, history_length 1, eps 0, alpha 1:
+    # A: states [a, b], outcome 1 -> G = [1, 1];  B: states [c, b], outcome 0 -> G = [0, 0]
+    # depth 1 at turn 1: {A1, B1} share state b: pop. std 0.5 -> A1: +1, B1: -1; depth 2 differs (a,b vs c,b)
+    # turn 0: states a / c alone -> no item -> 0. Weights: only depth 1 -> w = 2 / 2 = 1.
+    ctx = EstimatorContext(
+        turn_index=torch.tensor([[0, 1], [0, 1]]), turn_state=torch.tensor([[1, 2], [3, 2]])
+    )
+    a = adv.hgpo(
+        torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), context=ctx, gamma=1.0, history_length=1, eps=0.0
+    )
+    torch.testing.assert_close(a, torch.tensor([[0.0, 1.0], [0.0, -1.0]]))
+    # same states a, b in both: depth 1 and depth 2 both give +-1 -> (2 * 1 + 3 * 1) / 5 = 1
+    ctx = EstimatorContext(
+        turn_index=torch.tensor([[0, 1], [0, 1]]), turn_state=torch.tensor([[1, 2], [1, 2]])
+    )
+    a = adv.hgpo(
+        torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), context=ctx, gamma=1.0, history_length=1, eps=0.0
+    )
+    torch.testing.assert_close(a, torch.tensor([[1.0, 1.0], [-1.0, -1.0]]))
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},
+        {"history_length": 0},
+        {"length_weight_alpha": 0.0, "base_group": True},
+        {"mode": "mean_norm", "history_length": 4},
+    ],
+)
+def test_hgpo_matches_plain_python_reference(opts):
+    rng = random.Random(13)
+    for _ in range(25):
+        b, width, t = rng.randint(2, 8), rng.randint(1, 4), rng.randint(1, 8)
+        gids = [rng.choice([0, 1]) for _ in range(b)]
+        r = [NAN if rng.random() < 0.1 else float(rng.choice([0, 1])) for _ in range(b)]
+        turn_index = []
+        for _ in range(b):
+            n = rng.randint(0, min(width, t))
+            row = [-1] * t
+            starts = sorted(rng.sample(range(t), n)) if n else []
+            for k, c in enumerate(starts):
+                end = starts[k + 1] if k + 1 < n else t
+                for j in range(c, end):
+                    row[j] = k
+            turn_index.append(row)
+        turn_state = [[rng.randint(0, 1) for _ in range(width)] for _ in range(b)]
+        tr = [[rng.choice([0.0, 0.0, -0.2, 0.5]) for _ in range(width)] for _ in range(b)]
+        ctx = EstimatorContext(
+            turn_index=torch.tensor(turn_index),
+            turn_state=torch.tensor(turn_state),
+            turn_rewards=torch.tensor(tr, dtype=torch.float64),
+        )
+        got = adv.hgpo(torch.tensor(r, dtype=torch.float64), torch.tensor(gids), context=ctx, **opts)
+        ref_opts = {
+            "history": opts.get("history_length", 2),
+            "alpha": opts.get("length_weight_alpha", 1.0),
+            "base": opts.get("base_group", False),
+            "mode": opts.get("mode", "mean_std_norm"),
+        }
+        want = ref_hgpo(r, gids, turn_index, turn_state, tr, **ref_opts)
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+
+
+# ----------------------------------------------------------------------- F-GRPO (factorized)
+def test_factorized_matches_per_phase_grpo():
+    rng = random.Random(9)
+    for _ in range(20):
+        rows, gids, weights = random_batch(rng, 3, discrete=True)
+        b, t = len(gids), 6
+        phase = [[rng.choice([-1, 0, 1]) for _ in range(t)] for _ in range(b)]
+        comps = [[0], [1, 2]]
+        ctx = EstimatorContext(phase_index=torch.tensor(phase))
+        r, g = to_tensors(rows, gids, k_dim=True)
+        got = adv.factorized(r, g, context=ctx, weights=weights, phase_components=comps)
+        per_phase = [
+            ref_grpo(rows, gids, [w if k in c else 0.0 for k, w in enumerate(weights)]) for c in comps
+        ]
+        want = [[0.0 if p < 0 else per_phase[p][i] for p in phase[i]] for i in range(b)]
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+    ctx = EstimatorContext(phase_index=torch.tensor([[0, 2]]))
+    with pytest.raises(adv.ContextError, match="phase 2"):
+        adv.factorized(torch.ones(1, 2), torch.tensor([0]), context=ctx, phase_components=[[0], [1]])
+    with pytest.raises(ValueError, match="phase_components"):
+        adv.factorized(torch.ones(1, 2), torch.tensor([0]), context=ctx)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import statistics
 
 import pytest
@@ -74,7 +76,7 @@ def assert_rows_match(out, src, src_rows):
 
 # ------------------------------------------------------------------ registry and helpers
 def test_registry_names_docs_and_options():
-    assert filters.names() == ["dynamic_sampling", "none", "range", "replay"]
+    assert filters.names() == ["d3s", "dynamic_sampling", "none", "range", "replay"]
     for name in filters.names():
         assert filters.FILTERS.describe(name), name
         assert issubclass(filters.get(name), filters.GroupFilter)
@@ -384,3 +386,76 @@ def test_stateless_filters_state_dict(tmp_path):
         f = build_filter(name)
         path = rundir.save_state(f.state_dict(), tmp_path / f"{name}.pt")
         f.load_state_dict(rundir.load_state(path))
+
+
+# ------------------------------------------------------------------ D³S
+def brute_force_max_variance(values, k):
+    """The best k-subset by exhaustive search (unbiased variance); the largest variance found."""
+    best = -1.0
+    for combo in itertools.combinations(range(len(values)), k):
+        xs = [values[i] for i in combo]
+        var = statistics.variance(xs) if k > 1 else 0.0
+        best = max(best, var)
+    return best
+
+
+def test_max_variance_subset_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 8)
+        values = [rng.choice([rng.gauss(0, 1), 0.0, 1.0, -1.0]) for _ in range(n)]
+        k = rng.randint(1, n)
+        pick = filters.max_variance_subset(torch.tensor(values, dtype=torch.float64), k).tolist()
+        assert len(pick) == k and pick == sorted(set(pick))
+        got = statistics.variance([values[i] for i in pick]) if k > 1 else 0.0
+        assert got == pytest.approx(brute_force_max_variance(values, k), abs=1e-12)
+    assert filters.max_variance_subset(torch.tensor([3.0, 1.0]), 5).tolist() == [0, 1]
+    assert filters.max_variance_subset(torch.tensor([3.0, 1.0]), 0).tolist() == []
+
+
+def test_d3s_keeps_the_extremes_of_each_group_on_a_schedule(tmp_path):
+    # two groups of 6; advantages are the rewards centred per group (make_rollout)
+    rewards = [[0.0, 0.1, 0.5, 0.6, 0.9, 1.0], [1.0, 1.0, 0.0, 0.2, 0.3, 0.8]]
+    ro = make_rollout(rewards)
+    f = build_filter("d3s", start_frac=0.5, end_frac=1.0, schedule_steps=4, min_keep=2)
+    assert [f.keep_fraction(t) for t in range(6)] == [0.5, 0.625, 0.75, 0.875, 1.0, 1.0]
+    out = f(ro, scores_of(ro))
+    # step 0: k = 3 per group; group 0: {0.0, 0.1, 1.0} vs {0.0, 0.9, 1.0}: equal spread -> fewer from the top
+    # group 1 (advantages 0.45, 0.45, -0.55, -0.35, -0.25, 0.25): {-0.55, 0.45, 0.45} is the widest
+    keep = [0, 1, 5, 6, 7, 8]
+    assert_rows_match(out, ro, keep)
+    stats = f.last_stats()
+    assert (
+        stats["filter/samples_out"] == 6
+        and stats["filter/samples_dropped"] == 6
+        and stats["filter/keep_frac"] == 0.5
+    )
+    assert out.group.tolist() == [0, 0, 0, 1, 1, 1]
+    # variance of the kept advantages is the best possible (brute force)
+    for g in (0, 1):
+        kept = [float(out.advantages[i]) for i in range(len(out)) if out.group[i] == g]
+        full = [float(ro.advantages[i]) for i in range(len(ro)) if ro.group[i] == g]
+        assert statistics.variance(kept) == pytest.approx(brute_force_max_variance(full, 3))
+    # the clock is in the state: a restored filter continues the schedule
+    saved = rundir.load_state(rundir.save_state(f.state_dict(), tmp_path / "f.pt"))
+    g2 = build_filter("d3s", start_frac=0.5, end_frac=1.0, schedule_steps=4)
+    g2.load_state_dict(saved)
+    assert (
+        g2.calls == 1 and len(g2(ro, scores_of(ro))) == len(f(ro, scores_of(ro))) == 8
+    )  # ceil(0.625 * 6) = 4
+    for _ in range(3):
+        out = f(ro, scores_of(ro))
+    assert len(out) == 12 and out is ro  # fully relaxed: everything kept
+
+
+def test_d3s_token_level_advantages_and_errors():
+    ro = make_rollout([[0.0, 1.0, 0.5, 0.2]], token_adv=True)
+    out = build_filter("d3s", start_frac=0.5)(ro, scores_of(ro))
+    assert sorted(out.columns["answer"]) == ["pa0", "pa1"]  # A = -0.425, 0.575: the two extremes
+    with pytest.raises(ValueError, match="start_frac"):
+        build_filter("d3s", start_frac=0.0)
+    with pytest.raises(TypeError, match=r"'d3s'.*'frac'"):
+        build_filter("d3s", frac=0.5)
+    ro.advantages = None
+    with pytest.raises(ValueError, match="needs rollout.advantages"):
+        build_filter("d3s")(ro, scores_of(ro))

@@ -47,7 +47,7 @@ def simulate(sampler, truth, rounds, n, *, group=8, seed=0, truth_after=None, sw
 
 # ---------------------------------------------------------------------------- registry
 def test_registry_and_unknown_options():
-    assert samplers.names() == ["uniform", "vade"]
+    assert samplers.names() == ["spo", "uniform", "vade"]
     assert isinstance(build_sampler("uniform", 5, seed=1), UniformSampler)
     assert isinstance(build_sampler("vade", 5, seed=1, explore=0.5), VadeSampler)
     with pytest.raises(TypeError, match=r"prompt sampler 'vade'.*'gama_fast'"):
@@ -260,3 +260,70 @@ def test_vade_state_roundtrip_gives_identical_draws():
     assert simulate(other, TRUTH, 8, 5, seed=3) != simulate(s, TRUTH, 8, 5, seed=3)
     with pytest.raises(ValueError, match="'uniform'"):
         t.load_state_dict(UniformSampler(30).state_dict())
+
+
+# ---------------------------------------------------------------------------- SPO
+def test_spo_weights_follow_the_formula_and_the_tracker_update_by_hand():
+    s = build_sampler("spo", 4, seed=0)
+    # unseen rows: Beta(0.5, 0.5), p = 0.5 -> weight sqrt(0.25) + 0.05 = 0.55
+    assert s.weights().tolist() == pytest.approx([0.55] * 4)
+    # row 1: 3 of 4 samples correct: alpha = 0.96 * 0.5 + 3 = 3.48, beta = 0.48 + 1 = 1.48
+    s.observe([1, 2], [0.75, float("nan")], [4, 4])
+    assert s.tracker.posterior(1) == pytest.approx((3.48, 1.48))
+    assert 2 not in s.tracker  # NaN: no evidence
+    p = 3.48 / 4.96
+    assert s.weights()[1].item() == pytest.approx(math.sqrt(p * (1 - p)) + 0.05)
+    # a prompt always solved drifts toward weight epsilon
+    for _ in range(200):
+        s.observe([3], [1.0], [8])
+    assert s.weights()[3].item() == pytest.approx(0.05, abs=0.02)
+
+
+def test_spo_draw_frequencies_match_the_weights():
+    s = build_sampler("spo", 5, seed=3)
+    for row, rate in enumerate([0.5, 0.9, 1.0, 0.1, 0.5]):
+        s.tracker.set(row, 1 + 20 * rate, 1 + 20 * (1 - rate), 1)
+    w = s.weights()
+    counts = Counter()
+    n = 6000
+    for _ in range(n):
+        counts[s.next_indices(1)[0]] += 1
+    for row in range(5):
+        assert counts[row] / n == pytest.approx(float(w[row] / w.sum()), abs=0.02), row
+    picks = s.next_indices(5)
+    assert sorted(picks) == list(range(5))  # without replacement
+    assert len(s.next_indices(12)) == 12 and set(s.next_indices(12)) == set(range(5))  # cycles
+    assert set(s.last_stats()) == {"sampler/picked_p", "sampler/picked_weight", "sampler/seen_frac"}
+
+
+def test_spo_attached_to_the_estimator_tracker():
+    from mmalign import advantages as adv
+
+    state = adv.make_state("spo")
+    s = build_sampler("spo", 3, seed=0)
+    s.attach(state)
+    ctx = adv.EstimatorContext(prompt_ids=torch.tensor([2, 2]))
+    adv.spo(torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), context=ctx, state=state, rho_mode="constant")
+    assert s.tracker is state and 2 in state
+    before = state.state_dict()
+    s.observe([2], [0.0], [2])  # the estimator owns the updates
+    assert torch.equal(state.state_dict()["alpha"], before["alpha"])
+    p = state.p_hat(2)
+    assert s.weights()[2].item() == pytest.approx(math.sqrt(p * (1 - p)) + 0.05)
+    assert s.state_dict()["tracker"] is None and s.state_dict()["attached"] is True
+    with pytest.raises(TypeError, match="SPOTracker"):
+        s.attach({})
+
+
+def test_spo_state_roundtrip_gives_identical_draws():
+    a = build_sampler("spo", 7, seed=5)
+    simulate(a, [0.1, 0.5, 0.9, 0.3, 0.7, 0.5, 0.2], rounds=5, n=3)
+    state = roundtrip(a.state_dict())
+    b = build_sampler("spo", 7, seed=5)
+    b.load_state_dict(state)
+    for _ in range(4):
+        assert a.next_indices(3) == b.next_indices(3)
+        a.observe([0, 1], [0.5, 1.0], [4, 4])
+        b.observe([0, 1], [0.5, 1.0], [4, 4])
+    with pytest.raises(ValueError, match="'vade' but this run uses 'spo'"):
+        b.load_state_dict(roundtrip(build_sampler("vade", 7).state_dict()))

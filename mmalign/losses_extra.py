@@ -1,0 +1,174 @@
+"""More policy losses of the group-relative family, registered in `mmalign.losses.REGISTRY` (docs/algorithms.md).
+
+Importing this module registers them (``mmalign.losses`` imports it, so ``algorithm.loss`` can name
+them). Same contract as every policy loss::
+
+    fn(logp, logp_old, advantages, mask, **options) -> PolicyLossOutput
+
+- ``etr``       Elastic Trust Regions: PPO clipping with a clip range per sample, scaled by the
+                advantage magnitude (micro) and the group's reward std (macro).
+- ``reg_grpo``  Reg-GRPO (DeepVideo-R1): regress a predicted advantage beta * mean_t log(pi/pi_old)
+                onto the advantage; no clipping, no min.
+
+Also `d3s_token_mask`, the token-level selection of D³S (what a loss needs to train only on the
+tokens with the largest |A_t| * H_t).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from mmalign.losses import (
+    PolicyLossOutput,
+    _check_clip,
+    _exp_clamped,
+    _prepare,
+    register,
+)
+
+__all__ = ["d3s_token_mask", "etr", "reg_grpo"]
+
+
+def _per_sample(name: str, x: Tensor | None, batch: int, like: Tensor, what: str) -> Tensor | None:
+    if x is None:
+        return None
+    t = torch.as_tensor(x).to(dtype=like.dtype, device=like.device)
+    if t.dim() != 1 or t.shape[0] != batch:
+        raise ValueError(f"{name}: {what} must be Float[B] with B={batch}, got shape {tuple(t.shape)}")
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+        raise ValueError(f"{name}: {what} must be finite and >= 0")
+    return t
+
+
+@register("etr")
+def etr(
+    logp: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    micro_scale: float = 0.5,
+    macro_scale: float = 0.5,
+    std_ref: float = 0.5,
+    group_std: Tensor | None = None,
+) -> PolicyLossOutput:
+    """ETR: PPO clip with per-sample ranges eps_i = eps * (1 + micro tanh|A_i|) * (1 + macro (2 s_g / s_ref - 1)).
+
+    "ETR: Outcome-Guided Elastic Trust Regions for Policy Optimization": the trust region follows the
+    signal's quality. Micro level: a larger |A_i| (a high-confidence path) widens sample i's clip
+    range, m_i = 1 + ``micro_scale`` * tanh(|A_i|) in [1, 1 + micro_scale] (|A_i| is the mean |A| over
+    the sample's valid actions for Float[B,T] advantages). Macro level: groups whose rewards vary most
+    (the optimal learning zone, p near 1/2 for 0/1 rewards) get a larger budget, M_g = 1 +
+    ``macro_scale`` * (2 min(s_g / s_ref, 1) - 1) in [1 - macro, 1 + macro], s_g the group's reward std
+    (``group_std``, Float[B]: the std of sample i's group; a per-batch input the trainer supplies),
+    s_ref = ``std_ref`` = 0.5 (the largest std of a reward in [0, 1]). Then for every action of i:
+
+        loss = -min(rho A, clip(rho, 1 - eps_low m_i M_g, 1 + eps_high m_i M_g) A)
+
+    (our design): these two bounded factors and their defaults; the abstract gives no formula and no
+    code is public. ``macro_scale=0`` needs no ``group_std`` (micro elasticity only); with
+    ``macro_scale > 0`` a missing ``group_std`` is a ValueError.
+    """
+    _check_clip("etr", eps_low, eps_high)
+    for key, value in (("micro_scale", micro_scale), ("macro_scale", macro_scale)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"etr: {key} must be a finite number >= 0, got {value!r}")
+    if macro_scale >= 1.0:
+        raise ValueError(
+            f"etr: macro_scale must be < 1 (the macro factor must stay > 0), got {macro_scale!r}"
+        )
+    if not (math.isfinite(std_ref) and std_ref > 0):
+        raise ValueError(f"etr: std_ref must be > 0, got {std_ref!r}")
+    m, adv, log_ratio = _prepare(logp, logp_old, advantages, mask)
+    batch = logp.shape[0]
+    counts = m.sum(dim=1).to(logp.dtype)
+    abs_a = adv.abs().expand_as(logp)
+    mean_abs = torch.where(m, abs_a, torch.zeros_like(abs_a)).sum(dim=1) / counts.clamp(min=1)
+    micro = 1.0 + micro_scale * torch.tanh(mean_abs)
+    macro = torch.ones_like(micro)
+    if macro_scale > 0:
+        s = _per_sample("etr", group_std, batch, logp, "group_std")
+        if s is None:
+            raise ValueError(
+                "etr: macro_scale > 0 needs group_std (Float[B], the reward std of each sample's group), "
+                "which the trainer supplies; set loss_kwargs.macro_scale: 0 for micro elasticity only"
+            )
+        macro = 1.0 + macro_scale * (2.0 * (s / std_ref).clamp(max=1.0) - 1.0)
+    scale = (micro * macro).detach()[:, None]
+    ratio = _exp_clamped(log_ratio)
+    low = 1.0 - (eps_low * scale).clamp(max=1.0 - 1e-6)
+    high = 1.0 + eps_high * scale
+    unclipped = ratio * adv
+    clipped_term = torch.minimum(torch.maximum(ratio, low), high) * adv
+    clipped = m & (clipped_term < unclipped)
+    loss = -torch.where(clipped, clipped_term, unclipped)
+    per_token = torch.where(m, loss, torch.zeros_like(loss))
+    return PolicyLossOutput(per_token=per_token, clipped=clipped, ratio=ratio)
+
+
+@register("reg_grpo")
+def reg_grpo(
+    logp: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    beta: float = 5.0,
+) -> PolicyLossOutput:
+    """Reg-GRPO (DeepVideo-R1): (A_hat_i - A_i)^2 with A_hat_i = beta * mean_t log(pi / pi_old); no clip, no min.
+
+    "DeepVideo-R1: Video Reinforcement Fine-Tuning via Difficulty-aware Regressive GRPO": the GRPO
+    objective recast as regression of the advantage predicted by the policy's own log-ratio, which
+    removes the safeguards (clip, min). A_hat_i uses the masked mean log-ratio over sample i's valid
+    actions (a row without one has loss 0). At rho = 1 the gradient is -2 beta A_i grad(mean logp), the
+    policy gradient's direction; it vanishes when the policy has moved by A_i / beta. With Float[B,T]
+    advantages the target of sample i is their masked mean. ``per_token`` carries the sample's loss on
+    each of its valid actions (so aggregation weighs samples as for the other losses).
+
+    (our design): the per-sample (not group-normalised) prediction and beta = 5, which puts the target
+    mean log-ratio of |A| = 1 at 0.2, the size of PPO's usual trust region; the paper's exact
+    parameterisation is not public. ``clipped`` is all False.
+    """
+    if not (math.isfinite(beta) and beta > 0):
+        raise ValueError(f"reg_grpo: beta must be > 0, got {beta!r}")
+    m, adv, log_ratio = _prepare(logp, logp_old, advantages, mask)
+    counts = m.sum(dim=1).to(logp.dtype)
+    target = torch.where(m, adv.expand_as(logp), torch.zeros_like(logp)).sum(dim=1) / counts.clamp(min=1)
+    predicted = beta * log_ratio.sum(dim=1) / counts.clamp(min=1)
+    sample_loss = (predicted - target) ** 2
+    per_token = torch.where(m, sample_loss[:, None].expand_as(logp), torch.zeros_like(logp))
+    return PolicyLossOutput(per_token=per_token, clipped=torch.zeros_like(m), ratio=_exp_clamped(log_ratio))
+
+
+def d3s_token_mask(advantages: Tensor, entropy: Tensor, mask: Tensor, keep_frac: float) -> Tensor:
+    """Bool[B,T]: the valid actions whose |A_{i,t}| * H_{i,t} is among the top ``keep_frac`` of the batch (D³S).
+
+    The token level of D³S ("Learning More with Less"): train on the tokens where the policy is both
+    uncertain (entropy H) and impactful (|A|). ``advantages`` is Float[B] or Float[B,T]; ``entropy`` and
+    ``mask`` are [B,T]. k = ceil(keep_frac * number of valid actions) tokens are kept (ties by position).
+    A loss uses it as ``mask & d3s_token_mask(...)`` (with the entropy of the rollout's actions).
+    """
+    if not 0.0 < keep_frac <= 1.0:
+        raise ValueError(f"d3s_token_mask: keep_frac must be in (0, 1], got {keep_frac!r}")
+    m = torch.as_tensor(mask).bool()
+    h = torch.as_tensor(entropy).to(torch.float64)
+    a = torch.as_tensor(advantages).to(torch.float64)
+    if a.dim() == 1:
+        a = a[:, None].expand_as(h)
+    if h.shape != m.shape or a.shape != m.shape:
+        raise ValueError(
+            f"d3s_token_mask: advantages, entropy and mask must be [B,T] alike, got {a.shape}, {h.shape}"
+        )
+    score = torch.where(m, (a.abs() * h).nan_to_num(nan=0.0), torch.full_like(h, -math.inf)).flatten()
+    n_valid = int(m.sum())
+    k = math.ceil(keep_frac * n_valid - 1e-9)
+    keep = torch.zeros(score.numel(), dtype=torch.bool)
+    if k > 0:
+        order = torch.sort(score, descending=True, stable=True).indices[:k]
+        keep[order] = True
+    return keep.view_as(m) & m
