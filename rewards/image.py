@@ -1,10 +1,12 @@
 """Image rewards: `jpeg_compressibility`, `jpeg_incompressibility`, `shapes_compositional`,
-`clip_score`, `aesthetic`, `preference`.
+`shapes_layout`, `clip_score`, `aesthetic`, `preference`.
 
 - ``jpeg_compressibility`` / ``jpeg_incompressibility`` (DDPO): minus / plus the JPEG size in kB.
 - ``shapes_compositional``: a verifiable reward for a synthetic "shapes world" measured from the
   pixels (colour present, number of objects, where they are). The world itself (its `PALETTE`, its
   `POSITIONS` and `render_scene`, which draws such scenes) is `mmalign.tiny.world`.
+- ``shapes_layout``: the same count / position checks on objects of any colour (for steering
+  rewards that may change the colour but should keep the scene).
 - ``clip_score``: CLIP image-text cosine similarity (x100 by default).
 - ``aesthetic``: an MLP on normalised CLIP image embeddings (LAION-aesthetic style).
 - ``preference``: PickScore / HPS style, ``logit_scale * cos(image, prompt)`` with a CLIP model.
@@ -41,6 +43,7 @@ __all__ = [
     "JpegIncompressibility",
     "PreferenceScore",
     "ShapesCompositional",
+    "ShapesLayout",
     "aesthetic_mlp",
     "colour_mask",
     "connected_components",
@@ -217,9 +220,9 @@ class ShapesCompositional(Reward):
         positions = self._col(batch, "position", False)
         out = torch.full((len(batch),), math.nan)
         with torch.no_grad():
-            for name in {c for c in colours if not _missing(c)}:
-                rows = [i for i, c in enumerate(colours) if c == name]
-                mask = colour_mask(images[rows], name, self.threshold)
+            for name in {self._key(c) for c in colours if not _missing(c)}:
+                rows = [i for i, c in enumerate(colours) if not _missing(c) and self._key(c) == name]
+                mask = self._mask(images[rows], name)
                 labels, found = connected_components(mask, self.min_pixels)
                 h, w = mask.shape[1:]
                 for j, i in enumerate(rows):
@@ -248,6 +251,29 @@ class ShapesCompositional(Reward):
                     if total > 0:
                         out[i] = sum(self.weights[k] for k, ok in checks if ok) / total
         return out
+
+    def _key(self, colour: str) -> str:
+        """Rows scored together share this key (their colour)."""
+        return colour
+
+    def _mask(self, images: Tensor, key: str) -> Tensor:
+        """Bool[B,H,W]: the pixels that belong to objects of `key`."""
+        return colour_mask(images, key, self.threshold)
+
+
+@register_reward("shapes_layout")
+class ShapesLayout(ShapesCompositional):
+    """Shapes world, colour ignored: the count / position checks of `shapes_compositional` on the objects of
+    any colour (pixels farther than `threshold` from the white background), and "an object is present".
+
+    For concept steering (safe diffusion): a red square turned blue keeps its layout reward, an erased one
+    loses it, so steering cannot win by blanking the image."""
+
+    def _key(self, colour: str) -> str:
+        return "any"
+
+    def _mask(self, images: Tensor, key: str) -> Tensor:
+        return (images.float() - 1.0).norm(dim=1) >= self.threshold
 
 
 # =========================================================================== CLIP

@@ -36,6 +36,7 @@ def test_registered_with_summaries() -> None:
         "jpeg_compressibility",
         "jpeg_incompressibility",
         "shapes_compositional",
+        "shapes_layout",
         "clip_score",
         "aesthetic",
         "preference",
@@ -169,6 +170,20 @@ class TestShapes:
         # a stricter threshold no longer sees the off-palette square
         strict = load_reward("shapes_compositional", threshold=0.05)(batch)
         assert strict[1] == 0.0
+
+    def test_layout_ignores_colour_but_not_the_scene(self) -> None:
+        # rows ask for red; the images show blue (recoloured), red, nothing, and a wrong layout
+        blue_left = render_scene("blue", 2, "left", size=32)
+        red_left = render_scene("red", 2, "left", size=32)
+        blank = torch.ones(3, 32, 32)
+        one_right = render_scene("green", 1, "right", size=32)
+        images = torch.stack([blue_left, red_left, blank, one_right])
+        batch = image_batch(images, colour=["red"] * 4, count=[2] * 4, position=["left"] * 4)
+        layout = load_reward("shapes_layout")(batch).tolist()
+        # hand-worked: checks (present, count, position) -> 3/3, 3/3, 0/3, 1/3 (present only)
+        assert layout == pytest.approx([1.0, 1.0, 0.0, 1 / 3])
+        # the colour-aware reward fails the recoloured scene on all three checks
+        assert load_reward("shapes_compositional")(batch).tolist()[0] == 0.0
 
     def test_components_long_snake(self) -> None:
         m = torch.zeros(1, 9, 9, dtype=torch.bool)
