@@ -12,6 +12,10 @@ Three registries:
   exactly 0 where ``mask`` is False, ``clipped`` marks where a clip is active (for clip_frac
   logging) and ``ratio`` is the importance ratio.
 - ``AGGREGATIONS`` (``aggregate(per_token, mask, mode, ...)`` reduces per-action losses to a scalar).
+
+A loss registered with ``couples_actions=True`` (``gspo``: one ratio per sample from all its actions) cannot be
+evaluated on a part of a sample's actions; the trainer then scores a microbatch's actions in one piece even
+when the policy offers chunks (`mmalign.policies.base.Policy.action_chunks`).
 - ``KL_ESTIMATORS`` (``kl(logp, logp_ref, estimator)`` gives a per-action KL estimate).
 
 Numerical safety: wherever a log-ratio is exponentiated it is first clamped to [-20, 20]
@@ -88,6 +92,12 @@ def options(name: str) -> dict[str, Any]:
     """The options a policy loss accepts, with their defaults (for config validation)."""
     params = list(inspect.signature(inspect.unwrap(REGISTRY.get(name))).parameters.values())[4:]
     return {p.name: p.default for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
+def couples_actions(name: str) -> bool:
+    """Whether the loss `name` ties the actions of a sample together (registered with ``couples_actions=True``),
+    so it needs all of them at once."""
+    return bool(REGISTRY.meta(name).get("couples_actions", False))
 
 
 def aggregation_names() -> list[str]:
@@ -204,7 +214,7 @@ def dual_clip(
     return PolicyLossOutput(per_token=per_token, clipped=clipped | dual, ratio=ratio)
 
 
-@register("gspo")
+@register("gspo", couples_actions=True)
 def gspo(
     logp: Tensor,
     logp_old: Tensor,
@@ -329,6 +339,7 @@ def token_mean(
     num_tokens: Count = None,
     num_seqs: Count = None,
     max_len: Count = None,
+    lengths: Tensor | None = None,
 ) -> Tensor:
     """DAPO token mean: sum of the loss over valid actions / num_tokens (default mask.sum())."""
     x, mask = _masked(per_token, mask)
@@ -343,11 +354,13 @@ def seq_mean_token_mean(
     num_tokens: Count = None,
     num_seqs: Count = None,
     max_len: Count = None,
+    lengths: Tensor | None = None,
 ) -> Tensor:
-    """Original GRPO: sum_i (sum_t loss / |o_i|) / num_seqs (default B); rows with no valid action give 0."""
+    """Original GRPO: sum_i (sum_t loss / |o_i|) / num_seqs (default B); rows with no valid action give 0.
+    |o_i| is ``lengths`` (Float[B]) when given, else the row's valid actions (``mask.sum(1)``)."""
     x, mask = _masked(per_token, mask)
-    lengths = mask.sum(dim=1).to(x.dtype)
-    row_mean = _divide(x.sum(dim=1), lengths)
+    counts = mask.sum(dim=1) if lengths is None else lengths.to(device=x.device)
+    row_mean = _divide(x.sum(dim=1), counts.to(x.dtype))
     return _divide(row_mean.sum(), _denominator(num_seqs, torch.tensor(x.shape[0]), x))
 
 
@@ -359,6 +372,7 @@ def seq_sum_norm(
     num_tokens: Count = None,
     num_seqs: Count = None,
     max_len: Count = None,
+    lengths: Tensor | None = None,
 ) -> Tensor:
     """Dr. GRPO: sum of the loss over valid actions / (num_seqs * max_len) (defaults B and T)."""
     x, mask = _masked(per_token, mask)
@@ -375,6 +389,7 @@ def aggregate(
     num_tokens: Count = None,
     num_seqs: Count = None,
     max_len: Count = None,
+    lengths: Tensor | None = None,
 ) -> Tensor:
     """Reduce per-action losses Float[B, T] to a scalar with the aggregation ``mode``.
 
@@ -387,9 +402,15 @@ def aggregate(
     step (all minibatches, all processes; for DDP, which averages gradients over N processes,
     pass the global count divided by N), so that summing the per-minibatch losses gives exactly
     the full-batch loss. A zero or negative denominator gives 0, not NaN.
+
+    ``lengths`` (Float[B], ``seq_mean_token_mean``'s |o_i|) lets a part of each row's actions be aggregated
+    as its share of the whole row: the trainer passes the whole rows' counts when a microbatch is scored in
+    chunks of its actions, so the chunks' losses add up to the loss of the whole rows. It is passed on only
+    when given (an aggregation registered elsewhere need not accept it unless chunks are used).
     """
     fn = AGGREGATIONS.get(mode)
-    return fn(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
+    extra = {} if lengths is None else {"lengths": lengths}
+    return fn(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len, **extra)
 
 
 # --------------------------------------------------------------------------- KL to a reference

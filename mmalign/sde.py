@@ -65,6 +65,7 @@ __all__ = [
     "get",
     "gaussian_log_prob",
     "names",
+    "ratio_norm_score",
     "squared_error_log_prob",
     "step",
 ]
@@ -135,6 +136,23 @@ def squared_error_log_prob(sample: torch.Tensor, mean: torch.Tensor) -> torch.Te
     ``sample`` detached): the Gaussian log-density without its 1/(2 std^2) factor and constants."""
     lp = -((sample.detach().to(torch.float32) - mean) ** 2)
     return lp.mean(dim=tuple(range(1, lp.ndim))) if lp.ndim > 1 else lp
+
+
+def ratio_norm_score(
+    sample: torch.Tensor, mean: torch.Tensor, rollout_mean: torch.Tensor, std: torch.Tensor
+) -> torch.Tensor:
+    """GRPO-Guard's normalised score of a stored transition x' (``sample``), Float[B] (fp32):
+    ``mean_dims(mean * (x' - mu_old) / std)``, with ``rollout_mean`` mu_old the step mean the rollout drew x'
+    around (``sample`` and ``rollout_mean`` detached; the gradient flows through ``mean`` only).
+
+    The difference of two such scores at the same x' and mu_old is GRPO-Guard's RatioNorm log-ratio: for the
+    Gaussian log-density, ``(log p_theta - log p_old + mean_dims((mu_theta - mu_old)^2) / (2 std^2)) * std``
+    equals ``mean_dims((mu_theta - mu_old) * (x' - mu_old)) / std`` -- the bias term removes the always-negative
+    quadratic part of the log-ratio and the factor std puts every denoising step on one scale
+    (docs/algorithms.md, "GRPO-Guard")."""
+    eps = (sample.detach().to(torch.float32) - rollout_mean.detach().to(torch.float32)) / std.detach()
+    score = mean.to(torch.float32) * eps
+    return score.mean(dim=tuple(range(1, score.ndim))) if score.ndim > 1 else score
 
 
 def _finish(

@@ -207,6 +207,8 @@ class GroupTrainer:
             )
         self.extra_samples = adv_lib.extra_samples(a.estimator)
         self.loss_fn = loss_lib.get(a.loss)
+        self.chunkable_loss = not loss_lib.couples_actions(a.loss)
+        """The loss can be evaluated on a part of a sample's actions (`Policy.action_chunks` is honoured)."""
         try:
             self.group_filter = filter_lib.build_filter(a.filter, **a.filter_kwargs)
         except (TypeError, ValueError) as e:
@@ -524,12 +526,30 @@ class GroupTrainer:
                 starts = range(0, len(mb), self.microbatch)
                 for start in starts:
                     mu = mb[list(range(start, min(start + self.microbatch, len(mb))))]
-                    with self._grad_sync(last=start == starts[-1]):
-                        micro = self._microbatch_loss(mu, n_tok, n_seq)
-                        self.accelerator.backward(micro.total)
-                    tally.add_microbatch(micro, self.world)
+                    self._microbatch_backward(mu, n_tok, n_seq, tally, last=start == starts[-1])
                 tally.add_optimizer_step(self._optimizer_step())
         return self._update_metrics(tally)
+
+    def _microbatch_backward(
+        self, mu: Rollout, n_tok: float, n_seq: float, tally: _Tally, *, last: bool
+    ) -> None:
+        """Forward and backward of microbatch `mu`: in one piece, or in the chunks of its actions the policy
+        names (`Policy.action_chunks`), one `action_stats` and one backward per chunk, each chunk's loss
+        aggregated with the whole microbatch's normalisers so the accumulated gradient is the one-piece
+        gradient while only one chunk's graph is alive. Gradients are synced across processes on the last
+        backward of the minibatch (`last`: `mu` is its last microbatch)."""
+        chunks = self.policy.action_chunks(mu) if self.chunkable_loss else None
+        if not chunks or len(chunks) == 1:
+            with self._grad_sync(last=last):
+                micro = self._microbatch_loss(mu, n_tok, n_seq)
+                self.accelerator.backward(micro.total)
+            tally.add_microbatch(micro, self.world)
+            return
+        for k, idx in enumerate(chunks):
+            with self._grad_sync(last=last and k == len(chunks) - 1):
+                micro = self._microbatch_loss(mu, n_tok, n_seq, actions=idx, measure_is=k == 0)
+                self.accelerator.backward(micro.total)
+            tally.add_microbatch(micro, self.world)
 
     def _minibatches(self, batch: Rollout) -> Iterator[Rollout]:
         """One pass over `batch` in minibatches of this process's share of `trainer.minibatch_size` (the whole
@@ -550,37 +570,73 @@ class GroupTrainer:
             return dist_lib.no_grad_sync(self.policy.forward_model)
         return self.accelerator.no_sync(self.policy.forward_model)
 
-    def _microbatch_loss(self, mu: Rollout, n_tok: float, n_seq: float) -> _MicroLoss:
+    def _microbatch_loss(
+        self,
+        mu: Rollout,
+        n_tok: float,
+        n_seq: float,
+        *,
+        actions: Tensor | None = None,
+        measure_is: bool = True,
+    ) -> _MicroLoss:
         """The loss of microbatch `mu` whose gradient is its part of the minibatch's gradient: the per-action
-        loss (importance-weighted, plus the KL penalty) aggregated with the minibatch's global normalisers
-        `n_tok` / `n_seq`, plus the auxiliary terms; and what its metrics need (docs/algorithms.md)."""
+        loss (times the policy's `ActionStats.loss_weights`, importance-weighted, plus the KL penalty)
+        aggregated with the minibatch's global normalisers `n_tok` / `n_seq`, plus the auxiliary terms; and what
+        its metrics need (docs/algorithms.md). With `actions` (one chunk of `Policy.action_chunks`: column
+        indices) only those actions are scored, with the whole rows' action counts and width as normalisers and
+        the importance weights of the whole rows, so the chunks' losses add up to the whole microbatch's;
+        `measure_is`: report the IS metrics (once per microbatch)."""
         a, r = self.cfg.algorithm, self.cfg.rollout
-        stats = self.policy.action_stats(mu)
+        if actions is None:
+            stats = self.policy.action_stats(mu)
+        else:
+            stats = self.policy.action_stats(mu, actions=actions)
         logp = stats.logp
-        logp_old = mu.logp_old if mu.logp_old is not None else logp.detach()
-        mask = mu.mask.to(logp.device)
-        out = self.loss_fn(
-            logp, logp_old.to(logp.device), mu.advantages.to(logp.device), mask, **dict(a.loss_kwargs)
-        )
+        dev = logp.device
+        idx = None if actions is None else actions.to(dev)
+
+        def cols(x: Tensor) -> Tensor:  # this chunk's columns of a per-action [B, T] tensor
+            x = x.to(dev)
+            return x if idx is None else x.index_select(1, idx)
+
+        full_mask = mu.mask.to(dev)
+        mask = cols(full_mask)
+        logp_old = cols(mu.logp_old) if mu.logp_old is not None else logp.detach()
+        adv = mu.advantages.to(dev)
+        out = self.loss_fn(logp, logp_old, adv if adv.dim() == 1 else cols(adv), mask, **dict(a.loss_kwargs))
         per_token, is_stats = out.per_token, {}
+        if stats.loss_weights is not None:
+            per_token = per_token * stats.loss_weights.to(dev).detach()
         if mu.logp_sampler is not None and r.is_correction != "none":
-            per_token, is_stats = is_weighted(
-                per_token,
-                logp_old.to(logp.device),
-                mu.logp_sampler.to(logp.device),
-                mask,
-                level=r.is_correction,
-                cap=r.is_cap,
-            )
+            level, cap = r.is_correction, r.is_cap
+            if idx is None or mu.logp_old is None:
+                per_token, is_stats = is_weighted(
+                    per_token, logp_old, cols(mu.logp_sampler), mask, level=level, cap=cap
+                )
+            else:  # the weights of the whole rows: a sequence-level weight needs all of a sample's actions
+                old_full, sampler_full = mu.logp_old.to(dev), mu.logp_sampler.to(dev)
+                w = isc.tis_weights(old_full, sampler_full, full_mask, level=level, cap=cap)
+                per_token = isc.apply_is_weights(per_token, w.index_select(1, idx))
+                is_stats = isc.is_metrics(old_full, sampler_full, full_mask, level=level, cap=cap, weights=w)
+            if not measure_is:
+                is_stats = {}
         kl_tok = None
         if a.kl_coef > 0:
             kl_tok = (
-                stats.kl
-                if stats.kl is not None
-                else loss_lib.kl(logp, mu.logp_ref.to(logp.device), a.kl_estimator)
+                stats.kl if stats.kl is not None else loss_lib.kl(logp, cols(mu.logp_ref), a.kl_estimator)
             )
             per_token = per_token + a.kl_coef * kl_tok
-        loss = self._aggregate(per_token, mask, n_tok, n_seq)
+        if idx is None:
+            loss = self._aggregate(per_token, mask, n_tok, n_seq)
+        else:
+            loss = self._aggregate(
+                per_token,
+                mask,
+                n_tok,
+                n_seq,
+                lengths=full_mask.sum(dim=1),
+                width=int(full_mask.shape[1]),
+            )
         aux_total, aux_values = self._aux_loss(stats.aux_losses, len(mu) / n_seq)
         return _MicroLoss(
             total=loss if aux_total is None else loss + aux_total * self.world,
@@ -595,13 +651,33 @@ class GroupTrainer:
             aux=aux_values,
         )
 
-    def _aggregate(self, per_token: Tensor, mask: Tensor, n_tok: float, n_seq: float) -> Tensor:
+    def _aggregate(
+        self,
+        per_token: Tensor,
+        mask: Tensor,
+        n_tok: float,
+        n_seq: float,
+        *,
+        lengths: Tensor | None = None,
+        width: int | None = None,
+    ) -> Tensor:
         """`algorithm.loss_agg` of the per-action loss with the minibatch's global normalisers, times the number
-        of processes: DDP (and FSDP2's reduce-scatter) average gradients over processes."""
+        of processes: DDP (and FSDP2's reduce-scatter) average gradients over processes. A chunk of a
+        microbatch's actions passes its whole rows' action counts (`lengths`) and width (`width`: the
+        ``seq_sum_norm`` length when the policy has no `max_actions`)."""
         a = self.cfg.algorithm
+        max_len = self.policy.max_actions
+        if max_len is None and width is not None:
+            max_len = width
         return (
             loss_lib.aggregate(
-                per_token, mask, a.loss_agg, num_tokens=n_tok, num_seqs=n_seq, max_len=self.policy.max_actions
+                per_token,
+                mask,
+                a.loss_agg,
+                num_tokens=n_tok,
+                num_seqs=n_seq,
+                max_len=max_len,
+                lengths=lengths,
             )
             * self.world
         )

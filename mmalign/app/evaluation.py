@@ -4,7 +4,10 @@
   checkpoint folder, or ``base`` for the model as loaded).
 - `load_weights(policy, checkpoint)`: put a checkpoint's trainable weights into a built policy.
 - `generate(policy, rows, n, ...)`: `n` samples per row without grad, with the sampling noise seeded so
-  that two checkpoints evaluated with the same seed see the same noise (paired before/after samples).
+  that two checkpoints evaluated with the same seed see the same noise (paired before/after samples). A
+  policy with an evaluation sampler (`eval_sampling`: the diffusion policies' ``evaluation_sampler``, the
+  deterministic ODE unless ``options.eval_noise_level`` says otherwise, as Flow-GRPO evaluates) samples
+  with it; the eval report names it (``"sampler"``).
   The rows are generated in chunks of ``prompts_per_batch``; chunk ``c`` is seeded with
   `chunk_seed(seed, c)`, so its samples do not depend on the chunks generated before it.
 - `generate_chunks(..., rank, world)`: the chunks one process of a multi-process launch generates (chunk
@@ -19,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "chunk_seed",
+    "eval_sampling",
     "evaluate_run",
     "format_report",
     "generate",
@@ -129,6 +134,14 @@ def _reseed(policy: Any, seed: int) -> None:
         policy.engine_seed = seed
 
 
+def eval_sampling(policy: Any) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """The sampler `mmalign sample` / `mmalign eval` use, as a context: the policy's ``evaluation_sampler()``
+    (a diffusion policy: ``eval_noise_level``, the deterministic ODE by default), yielding its description
+    for the report; a policy without one samples as it trains (yields ``{}``)."""
+    hook = getattr(policy, "evaluation_sampler", None)
+    return hook() if callable(hook) else contextlib.nullcontext({})
+
+
 def _check_shard(rank: int, world: int) -> None:
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} of {world} processes: need 0 <= rank < world and world >= 1")
@@ -166,15 +179,16 @@ def generate_chunks(
         model.eval()
     parts: list[tuple[int, Rollout]] = []
     try:
-        mine = [c for c in range(math.ceil(len(rows) / prompts_per_batch)) if c % world == rank]
-        for c in tqdm(mine, desc="generate", disable=not progress, leave=False):
-            start = c * prompts_per_batch
-            _reseed(policy, chunk_seed(seed, c))
-            part = policy.rollout(rows[start : start + prompts_per_batch], n, compute_logp=False)
-            part.group = part.group + start
-            if decode:
-                policy.materialize(part, MEDIA_OUTPUTS)
-            parts.append((c, part))
+        with eval_sampling(policy):
+            mine = [c for c in range(math.ceil(len(rows) / prompts_per_batch)) if c % world == rank]
+            for c in tqdm(mine, desc="generate", disable=not progress, leave=False):
+                start = c * prompts_per_batch
+                _reseed(policy, chunk_seed(seed, c))
+                part = policy.rollout(rows[start : start + prompts_per_batch], n, compute_logp=False)
+                part.group = part.group + start
+                if decode:
+                    policy.materialize(part, MEDIA_OUTPUTS)
+                parts.append((c, part))
     finally:
         if model is not None and was_training:
             model.train()
@@ -281,7 +295,8 @@ def evaluate_run(
     """Score the base model (if `compare_base` or no checkpoint) and the `checkpoint` on the evaluation
     prompts with the same seeds. `components` must be freshly built (its policy holding the base weights,
     as `mmalign eval` builds them); the checkpoint's weights are loaded into it afterwards. Returns ``{"base":
-    scores, "trained": scores, "checkpoint": str, ...}``.
+    scores, "trained": scores, "checkpoint": str, ...}``, with ``"sampler"`` (how the samples were drawn, e.g.
+    ``{"sampler": "ode", "num_steps": 10}``) for a policy with an evaluation sampler (`eval_sampling`).
 
     In a multi-process launch (`world` processes, this one `rank`; every process calls this) each process
     generates and scores its chunks (`generate_chunks`) and the score tables are gathered in chunk order, so
@@ -301,6 +316,9 @@ def evaluate_run(
         "checkpoint": str(checkpoint) if checkpoint else None,
     }
     policy = components.policy
+    with eval_sampling(policy) as sampler:
+        if sampler:
+            report["sampler"] = dict(sampler)
 
     def run() -> dict[str, dict[str, float]]:
         parts = generate_chunks(
@@ -339,6 +357,10 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['prompts']} prompts x {report['samples_per_prompt']} samples, seed {report['seed']}; "
         f"checkpoint: {report.get('checkpoint') or 'none (base model)'}"
     ]
+    sampler = report.get("sampler")
+    if sampler:  # e.g. "sampler: ode, num_steps 10"
+        rest = "".join(f", {k} {v}" for k, v in sampler.items() if k != "sampler")
+        lines.append(f"sampler: {sampler.get('sampler')}{rest}")
     header = f"{'subset':<10} {'score':<28}" + "".join(f" {c:>10}" for c in cols)
     if len(cols) == 2:
         header += f" {'change':>10}"

@@ -11,8 +11,9 @@ What the trainer does with a policy, in order:
    then `setup` once, with the run's `RunInfo`.
 2. Every step, per sampling round: `on_train_step`, `rollout`, `materialize` (outputs the rewards
    need and the rollout does not hold yet), rewards, advantages, filtering.
-3. Per microbatch: `action_stats` (with grad); `reference_logprobs` once per step when ``kl_coef > 0`` and
-   not `kl_in_action_stats`; after each optimizer step `after_optimizer_step`.
+3. Per microbatch: `action_stats` (with grad), once, or once per chunk of its actions that `action_chunks`
+   names (a backward pass after each); `reference_logprobs` once per step when ``kl_coef > 0`` and not
+   `kl_in_action_stats`; after each optimizer step `after_optimizer_step`.
 4. Samples: `sample_view` says what each sample looks like in ``samples/`` of the run directory
    (`mmalign.rundir` writes it by kind); checkpoints hold `trainable_state_dict` and `rng_state`; the
    end of training calls `save`.
@@ -63,7 +64,11 @@ class ActionStats:
     """Named scalar loss terms (with grad), each the MEAN over this microbatch's samples. The trainer adds
     ``algorithm.aux_coefs[name] * term`` to the loss (weighted by the microbatch's share of the minibatch,
     so the update sees the minibatch mean) and logs each as ``aux/<name>``. A name without a coefficient
-    in the config is an error."""
+    in the config is an error. Scored in chunks (`Policy.action_chunks`), each chunk's term is its part of
+    the microbatch mean: the chunks' terms add up to it."""
+    loss_weights: Tensor | None = None
+    """Float[B,T] weights of the per-action policy loss (before the KL term is added; e.g. GRPO-Guard's
+    per-step reweighting); None: 1."""
 
 
 @dataclass
@@ -146,6 +151,16 @@ class Policy(abc.ABC):
                 f"{run.cfg.source}: key 'rollout.engine': {type(self).__name__} samples with its own model and "
                 f"does not use a rollout engine ({engine!r}); leave it at 'hf'"
             )
+
+    def action_chunks(self, rollout: Rollout) -> list[Tensor] | None:
+        """How the trainer may split microbatch `rollout`'s actions into chunks that are scored and
+        back-propagated one at a time: Long[k] column indices into dim 1 of ``rollout.mask`` that partition
+        the columns, each scored by ``action_stats(rollout, actions=idx)`` (which then returns Float[B, k]
+        tensors) with a backward pass after each, so only one chunk's graph is alive at a time (a diffusion
+        policy: one denoising step's forward per chunk). The trainer aggregates every chunk with the whole
+        microbatch's normalisers, so the accumulated gradient equals one backward over the microbatch.
+        None (default): one `action_stats(rollout)` call for all actions (a text policy's one forward)."""
+        return None
 
     @property
     def max_actions(self) -> int | None:

@@ -63,6 +63,7 @@ def _bshape(t: Tensor, ref: Tensor) -> Tensor:
 class DDIMPolicy(DenoisingPolicy):
     """A Stable Diffusion 1.x/2.x UNet with DDIM sampling as a GRPO policy. See the module docstring."""
 
+    noise_level_key = "options.eta"
     conditioning_keys = ("prompt_embeds",)
     schedule_keys = ("timesteps", "alpha_bar", "alpha_bar_prev")
 
@@ -118,7 +119,8 @@ class DDIMPolicy(DenoisingPolicy):
 
         sched = self.schedule()
         ab, ab_prev = sched["alpha_bar"], sched["alpha_bar_prev"]
-        std = self.eta * torch.sqrt((1 - ab_prev) / (1 - ab)) * torch.sqrt(1 - ab / ab_prev)
+        # which steps have noise at eta > 0 (eta = 0, the ODE for sampling / eval, keeps the same structure)
+        std = torch.sqrt((1 - ab_prev) / (1 - ab)) * torch.sqrt(1 - ab / ab_prev)
         stochastic = (std > 0).tolist()
         self.num_sde_steps = sum(stochastic)
         """How many steps have std > 0 (trainable, first in order; a last step to ab = 1 has none)."""
@@ -193,25 +195,34 @@ class DDIMPolicy(DenoisingPolicy):
         cond: dict[str, Tensor],
         *,
         guided: bool = True,
+        detach_uncond: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """(eps, conditional eps), fp32, at latents [B,...] and the per-sample UNet timesteps and alpha-bars of
-        `sched`: CFG on the raw model output when `guided` and ``guidance_scale`` > 1, then the prediction
-        type converted to eps."""
+        `sched`: CFG on the raw model output when `guided` and ``guidance_scale`` > 1 (one batched call of both
+        branches; with `detach_uncond` and grad enabled the unconditional branch runs on its own without a
+        graph), then the prediction type converted to eps."""
         dtype = next(model.parameters()).dtype
         t, pe = sched["timesteps"], cond["prompt_embeds"]
         use_cfg = guided and self.guidance_scale > 1.0
-        x_in = latents
-        if use_cfg:
-            pe = self._cfg_inputs(cond, latents.shape[0])["prompt_embeds"]
-            x_in, t = torch.cat([latents, latents]), torch.cat([t, t])
-        out = model(x_in.to(dtype), t, encoder_hidden_states=pe.to(dtype), return_dict=False)[0].float()
+
+        def unet(x: Tensor, steps: Tensor, embeds: Tensor) -> Tensor:
+            return model(x.to(dtype), steps, encoder_hidden_states=embeds.to(dtype), return_dict=False)[
+                0
+            ].float()
+
         if not use_cfg:
-            eps = self._to_eps(out, latents, sched["alpha_bar"])
+            eps = self._to_eps(unet(latents, t, pe), latents, sched["alpha_bar"])
             return eps, eps
-        out, out_c = self._cfg_combine(out)
-        return self._to_eps(out, latents, sched["alpha_bar"]), self._to_eps(
-            out_c, latents, sched["alpha_bar"]
-        )
+        if detach_uncond and torch.is_grad_enabled():
+            with torch.no_grad():
+                u = unet(latents, t, self._negative_inputs(cond, latents.shape[0])["prompt_embeds"])
+            out_c = unet(latents, t, pe)
+            out = self._guide(u, out_c)
+        else:
+            both = self._cfg_inputs(cond, latents.shape[0])["prompt_embeds"]
+            out, out_c = self._cfg_combine(unet(torch.cat([latents, latents]), torch.cat([t, t]), both))
+        ab = sched["alpha_bar"]
+        return self._to_eps(out, latents, ab), self._to_eps(out_c, latents, ab)
 
     def _to_eps(self, out: Tensor, x: Tensor, ab: Tensor) -> Tensor:
         """The model output `out` (of ``prediction_type``) as eps at latents x and alpha-bars ab [B]."""

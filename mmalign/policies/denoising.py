@@ -8,14 +8,23 @@ stored transitions, so with unchanged weights the ratio is 1 (plus the KL on ste
 Subclasses override hooks only (each documented on its method; the table is in docs/architecture.md):
 ``conditioning_keys`` / ``schedule_keys`` / ``row_conditioning_keys``, `encode_conditioning`, `schedule`,
 `latent_shape`, `predict`, `step`, `ode_step`, `shift_step_mean`, `row_conditioning`, `initial_latents`,
-`num_denoising_steps`, `_num_trainable_steps`, `_trainable_offset`, `rollout_outputs`. ``columns`` (what the
-row hooks and rewards see) holds every column any row of the batch has, None where a row lacks it.
+`num_denoising_steps`, `_num_trainable_steps`, `_trainable_offset`, `rollout_outputs`, `step_loss_weight`.
+``columns`` (what the row hooks and rewards see) holds every column any row of the batch has, None where a row
+lacks it.
+
+Training follows Flow-GRPO's script: `action_chunks` hands the trainer ``steps_per_backward`` trained steps at a
+time (a backward after each chunk, the same gradient as one backward), and the training forward of two-branch
+CFG runs the unconditional branch without a graph (``detach_uncond``). ``noise_level`` 0 samples the
+deterministic ODE (no actions; `setup` refuses it for training); `evaluation_sampler` is what `mmalign sample` /
+`mmalign eval` sample with (``eval_noise_level``, the ODE by default). GRPO-Guard (``guard_ratio_norm``,
+``guard_grad_reweight``) scores steps with `mmalign.sde.ratio_norm_score` and weights their loss.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
@@ -28,7 +37,8 @@ from torch import Tensor
 
 from mmalign import sde
 from mmalign.batch import Rollout, group_fields
-from mmalign.policies.base import ActionStats, Policy
+from mmalign.config import ConfigError
+from mmalign.policies.base import ActionStats, Policy, RunInfo
 from mmalign.schedules import SlidingWindow
 
 __all__ = [
@@ -67,7 +77,9 @@ class SamplerSettings:
     noise_level: float = 0.7
     """The noise knob of ``sde_kind``: the noise level a of ``flow_sde`` (sigma_t = a sqrt(sigma / (1 - sigma)),
     > 0) and ``cps`` (in (0, 1]), the eta of ``dance`` (> 0) and of ``ddim`` (in (0, 1]). How far samples of
-    one prompt spread: higher explores more; too high degrades the images."""
+    one prompt spread: higher explores more; too high degrades the images. 0 runs the deterministic ODE (flow:
+    Euler steps; DDIM: eta = 0), which has no log-probs: accepted for `mmalign sample` / `mmalign eval`, refused
+    for training."""
     guidance_scale: float = 1.0
     """Classifier-free guidance scale (empty negative prompt; FLUX.1-dev: its distilled guidance input), the
     same in sampling and in the log-probs (1: no guidance, half the compute)."""
@@ -104,25 +116,43 @@ class SamplerSettings:
     """null: the initial and step noise come from torch's global RNG (which the trainer seeds and saves in
     checkpoints). An int: a private generator for the sampler (reproducible independently of any other random
     draw; its state is saved in checkpoints too)."""
+    eval_noise_level: float | None = 0.0
+    """The noise level `mmalign sample` and `mmalign eval` sample with: 0 (default) the deterministic ODE, as
+    Flow-GRPO evaluates; null: the training `noise_level`; another value: that SDE noise level. The eval report
+    says which sampler it used."""
+    negative_prompt: str = ""
+    """The negative prompt of classifier-free guidance: the unconditional branch of two-branch CFG and FLUX's
+    true CFG ("" : the empty prompt)."""
+    true_cfg_scale: float = 1.0
+    """FLUX.1 only: true classifier-free guidance with `negative_prompt`, as diffusers' ``FluxPipeline``:
+    v = v_neg + s (v_pos - v_neg), two forwards each with the distilled `guidance_scale` (1: off). The other
+    families guide with `guidance_scale`."""
+    detach_uncond: bool = True
+    """Training forward of two-branch CFG: no gradient through the unconditional branch (it runs without a
+    graph, so backward keeps and traverses one branch), as Flow-GRPO detaches it; false: the gradient also flows
+    through the unconditional branch."""
+    steps_per_backward: int | None = 1
+    """Trained steps whose forwards share one backward pass: 1 (default) back-propagates after each trained
+    step, as Flow-GRPO, so a step's graph is freed before the next step's forward and peak memory does not grow
+    with the number of trained steps; k: chunks of k steps; null: all of a microbatch's steps in one backward.
+    The accumulated gradient is the same in every case (`mmalign.policies.base.Policy.action_chunks`)."""
+    guard_ratio_norm: bool = False
+    """GRPO-Guard's RatioNorm (flow sde kinds): score each trained step as mean(mu_theta * eps) with eps the
+    stored standardised step noise, so the policy loss sees the log-ratio mean((mu_theta - mu_old) * eps) =
+    (log-ratio + ||mu_theta - mu_old||^2 / (2 std^2)) * std: centred and on one scale across steps
+    (docs/algorithms.md, "GRPO-Guard"). The clip range then bounds that normalised ratio."""
+    guard_grad_reweight: bool = False
+    """GRPO-Guard's gradient reweighting (flow sde kinds): the policy loss of each trained step times
+    1 / (sigma - sigma'), the step's 1 / |dt|, so every step pulls with a similar gradient magnitude."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
         if self.sde_kind not in SDE_KINDS:
             raise ValueError(f"sde_kind must be one of {', '.join(SDE_KINDS)}; got {self.sde_kind!r}")
-        kind, level = self.sde_kind, self.noise_level
-        bounded = kind in ("cps", "ddim")
-        if not (level > 0 and (level <= 1 or not bounded)):
-            if kind == "ddim":
-                raise ValueError(
-                    f"eta (the noise_level of sde_kind ddim) must be in (0, 1] (eta = 0 is deterministic DDIM, "
-                    f"nothing to train), got {level}"
-                )
-            allowed = "in (0, 1]" if bounded else "> 0"
-            raise ValueError(
-                f"noise_level must be {allowed}, got {level} (the {_NOISE_NAMES[kind]} of {kind}, {allowed}; "
-                "the SDE needs noise for log-probs)"
-            )
+        self._check_noise("noise_level", self.noise_level)
+        if self.eval_noise_level is not None:
+            self._check_noise("eval_noise_level", self.eval_noise_level)
         if self.cps_log_prob not in CPS_LOG_PROBS:
             raise ValueError(
                 f"cps_log_prob must be one of {', '.join(CPS_LOG_PROBS)}; got {self.cps_log_prob!r}"
@@ -156,6 +186,39 @@ class SamplerSettings:
                 "window_shift_every and window_stride must be >= 1, got "
                 f"{self.window_shift_every}, {self.window_stride}"
             )
+        if not self.true_cfg_scale >= 1:
+            raise ValueError(f"true_cfg_scale must be >= 1 (1: no true CFG), got {self.true_cfg_scale}")
+        if self.steps_per_backward is not None and self.steps_per_backward < 1:
+            raise ValueError(
+                f"steps_per_backward must be >= 1 (null: one backward for all steps), got {self.steps_per_backward}"
+            )
+        if self.sde_kind == "ddim" and (self.guard_ratio_norm or self.guard_grad_reweight):
+            raise ValueError(
+                "guard_ratio_norm and guard_grad_reweight (GRPO-Guard) are for the flow sde kinds "
+                f"({', '.join(FLOW_SDE_KINDS)}), not ddim"
+            )
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether the sampler runs the deterministic ODE (`noise_level` 0): no step has a log-prob."""
+        return self.noise_level == 0
+
+    def _check_noise(self, key: str, level: float) -> None:
+        """`level` (the value of `key`) is 0 (the ODE) or a valid noise level of ``sde_kind``."""
+        kind = self.sde_kind
+        bounded = kind in ("cps", "ddim")
+        if level == 0 or (level > 0 and (level <= 1 or not bounded)):
+            return
+        if kind == "ddim":
+            raise ValueError(
+                f"eta (the {key} of sde_kind ddim) must be in (0, 1], or 0 for deterministic DDIM (sampling and "
+                f"evaluation only), got {level}"
+            )
+        allowed = "in (0, 1]" if bounded else "> 0"
+        raise ValueError(
+            f"{key} must be {allowed}, or 0 for the deterministic ODE (sampling and evaluation only), got {level} "
+            f"(the {_NOISE_NAMES[kind]} of {kind}, {allowed})"
+        )
 
     def sampler_settings(self, **changes: Any) -> SamplerSettings:
         """A plain `SamplerSettings` with this object's sampler fields (an options class that extends it hands
@@ -257,6 +320,16 @@ class DenoisingPolicy(Policy):
     sde_kind = _Setting()
     cps_log_prob = _Setting()
     train_guidance = _Setting()
+    eval_noise_level = _Setting()
+    negative_prompt = _Setting()
+    true_cfg_scale = _Setting()
+    detach_uncond = _Setting()
+    steps_per_backward = _Setting()
+    guard_ratio_norm = _Setting()
+    guard_grad_reweight = _Setting()
+
+    noise_level_key = "options.noise_level"
+    """The config key of ``noise_level`` in the pipelines that build this policy (named by `setup`'s refusal)."""
 
     @staticmethod
     def _settings(
@@ -307,6 +380,44 @@ class DenoisingPolicy(Policy):
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def setup(self, run: RunInfo) -> None:
+        """Refuse a rollout engine (`Policy.setup`) and training with ``noise_level`` 0: the deterministic ODE
+        has no log-probs (it is for `mmalign sample` / `mmalign eval`)."""
+        super().setup(run)
+        if self.sampler.deterministic:
+            raise ConfigError(
+                f"{run.cfg.source}: key '{self.noise_level_key}': 0 samples the deterministic ODE, which has no "
+                f"log-probs to train; set it > 0 for training ('options.eval_noise_level' chooses how "
+                "`mmalign sample` and `mmalign eval` sample, the ODE by default)"
+            )
+
+    # ------------------------------------------------------------------ evaluation sampler
+    def sampler_description(self) -> dict[str, Any]:
+        """How the policy samples now, for reports: ``{"sampler": "ode", ...}`` or ``{"sampler": "sde",
+        "sde_kind": ..., "noise_level": ...}``, with ``num_steps``."""
+        s = self.sampler
+        if s.deterministic:
+            return {"sampler": "ode", "num_steps": s.num_steps}
+        return {
+            "sampler": "sde",
+            "sde_kind": s.sde_kind,
+            "noise_level": s.noise_level,
+            "num_steps": s.num_steps,
+        }
+
+    @contextmanager
+    def evaluation_sampler(self) -> Iterator[dict[str, Any]]:
+        """Sample as `mmalign sample` / `mmalign eval` do inside the block: with ``eval_noise_level`` (0: the
+        deterministic ODE; None: the training ``noise_level``); yields `sampler_description` of that sampler.
+        The settings are restored on exit (nesting is fine)."""
+        before = self.sampler
+        if before.eval_noise_level is not None:
+            self.sampler = dataclasses.replace(before, noise_level=before.eval_noise_level)
+        try:
+            yield self.sampler_description()
+        finally:
+            self.sampler = before
 
     # ------------------------------------------------------------------ checkpointed randomness
     def rng_state(self) -> dict[str, Tensor]:
@@ -409,10 +520,13 @@ class DenoisingPolicy(Policy):
         cond: dict[str, Tensor],
         *,
         guided: bool = True,
+        detach_uncond: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """(prediction, conditional prediction), fp32, at `latents` [B, ...]: the network call, with
         classifier-free guidance when `guided` and the policy uses it. The conditional prediction is the
-        conditional branch of the same call (the prediction itself without two-branch CFG)."""
+        conditional branch of the same call (the prediction itself without two-branch CFG). `detach_uncond`
+        (passed only by the training forward, ``detach_uncond`` setting): when grad is enabled the unconditional
+        branch carries none (it may run as a separate forward without a graph)."""
         raise NotImplementedError
 
     def step(
@@ -465,20 +579,32 @@ class DenoisingPolicy(Policy):
             return {k: v.float() for k, v in self.encode_conditioning(prompts).items()}
         return {k: torch.stack([cache[p][k] for p in prompts]) for k in self.conditioning_keys}
 
+    def _negative_inputs(self, cond: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
+        """The conditioning of the unconditional CFG branch for `batch` samples: the ``negative_prompt``'s
+        (the empty prompt by default) in place of the prompt conditioning; row conditioning
+        (``row_conditioning_keys``) is kept as is."""
+        neg = self.conditioning([self.negative_prompt])
+        return {k: neg[k].expand(batch, *([-1] * (v.ndim - 1))) if k in neg else v for k, v in cond.items()}
+
     def _cfg_inputs(self, cond: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
-        """The conditioning of a two-branch CFG call: the empty prompt's (negative) for `batch` samples, then
-        `cond`; the network's input is doubled the same way and its output split by `_cfg_combine`. Row
-        conditioning (``row_conditioning_keys``) is repeated as is in the negative branch."""
-        neg = self.conditioning([""])
-        return {  # row conditioning (not from the prompt) is the same in both branches
-            k: torch.cat([neg[k].expand(batch, *([-1] * (v.ndim - 1))) if k in neg else v, v])
-            for k, v in cond.items()
-        }
+        """The conditioning of a two-branch CFG call: the negative branch's (`_negative_inputs`) for `batch`
+        samples, then `cond`; the network's input is doubled the same way and its output split by
+        `_cfg_combine`."""
+        neg = self._negative_inputs(cond, batch)
+        return {k: torch.cat([neg[k], v]) for k, v in cond.items()}
+
+    def _cfg_scale(self) -> float:
+        """The scale w of two-branch CFG, u + w (c - u) (default ``guidance_scale``)."""
+        return float(self.guidance_scale)
 
     def _cfg_combine(self, out: Tensor) -> tuple[Tensor, Tensor]:
         """(u + w (c - u), c) of a two-branch output [u; c]."""
         u, c = out.chunk(2)
-        return u + self.guidance_scale * (c - u), c
+        return self._guide(u, c), c
+
+    def _guide(self, u: Tensor, c: Tensor) -> Tensor:
+        """u + w (c - u) with w = `_cfg_scale`."""
+        return u + self._cfg_scale() * (c - u)
 
     # ------------------------------------------------------------------ sampling
     def _initial_noise(self, group: Tensor) -> Tensor:
@@ -509,11 +635,14 @@ class DenoisingPolicy(Policy):
             raise RuntimeError(
                 f"schedule() returned {tuple(table)}, expected schedule_keys {self.schedule_keys}"
             )
-        steps = self._trained_steps(b)
+        ode = self.sampler.deterministic  # noise_level 0: every step is an ODE step, nothing is recorded
+        steps = torch.zeros((b, 0), dtype=torch.long) if ode else self._trained_steps(b)
         t = steps.shape[1]
         n_sde, off = self._num_trainable_steps(), self._trainable_offset()
-        window = set(steps[0].tolist()) if self.window_size is not None else None
-        score_cond = compute_logp and not self.train_guidance and self.guidance_scale > 1.0
+        window = set(steps[0].tolist()) if self.window_size is not None and not ode else None
+        guard = self.guard_ratio_norm and not ode
+        cfg_free = not self.train_guidance and self.guidance_scale > 1.0
+        score_cond = cfg_free and (compute_logp or guard)
         shifting = self._shifts_mean()
         generator = self.generator if dev.type == "cpu" else None
 
@@ -521,6 +650,7 @@ class DenoisingPolicy(Policy):
         lat = torch.zeros((b, t, *x.shape[1:]), device=dev)
         nxt = torch.zeros_like(lat)
         shifts = torch.zeros_like(lat) if shifting else None
+        means = torch.zeros_like(lat) if guard else None
         logp = torch.zeros((b, t), device=dev)
         steps_d = steps.to(dev)
         table_d = {k: v.to(dev) for k, v in table.items()}
@@ -530,7 +660,7 @@ class DenoisingPolicy(Policy):
             sched = {k: (v[i] if v.ndim else v).expand(b) for k, v in table_d.items()}
             sched["step_index"] = torch.full((b,), i, dtype=torch.long, device=dev)
             pred, pred_c = self.predict(self.model, x, sched, cond, guided=True)
-            if not off <= i < off + n_sde or (window is not None and i not in window):
+            if ode or not off <= i < off + n_sde or (window is not None and i not in window):
                 x = self.ode_step(pred, x, sched)
                 continue
             delta: list[Tensor] = []
@@ -544,10 +674,14 @@ class DenoisingPolicy(Policy):
             if bool(rows_hit.any()):
                 lat[hit] = x[rows_hit]
                 nxt[hit] = x_new[rows_hit]
-                lp = out.log_prob
+                scored = out
                 if score_cond:  # CFG-free training: the conditional branch's density of the CFG sample
                     again = _add_shift(delta[0]) if shifting else None
-                    lp = self.step(pred_c, x, sched, prev_sample=x_new, shift_mean=again).log_prob
+                    scored = self.step(pred_c, x, sched, prev_sample=x_new, shift_mean=again)
+                lp = scored.log_prob
+                if means is not None:  # GRPO-Guard: the mean the transition is scored against
+                    lp = sde.ratio_norm_score(x_new, scored.mean, scored.mean, scored.std)
+                    means[hit] = scored.mean[rows_hit]
                 logp[hit] = lp[rows_hit]
                 if shifts is not None:
                     shifts[hit] = delta[0][rows_hit]
@@ -560,6 +694,8 @@ class DenoisingPolicy(Policy):
         payload.update({k: v.cpu() for k, v in cond.items()})
         if shifts is not None:
             payload["mean_shift"] = shifts.cpu()
+        if means is not None:
+            payload["step_mean"] = means.cpu()
         rollout = Rollout(
             group=group,
             mask=torch.ones((b, t), dtype=torch.bool),
@@ -624,21 +760,44 @@ class DenoisingPolicy(Policy):
 
     # ------------------------------------------------------------------ log-probs
     def _score(
-        self, model: torch.nn.Module, rollout: Rollout, *, grad: bool, with_kl: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """(log-probs Float[B, T] of the stored trained transitions under `model`, KL Float[B, T] or None)."""
-        p = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in rollout.payload.items()}
-        cond = {k: p[k] for k in (*self.conditioning_keys, *self.row_conditioning_keys)}
-        logps, kls = [], []
-        for j in range(rollout.num_actions):
-            x, x_next = p["latents"][:, j], p["next_latents"][:, j]
-            sched = {k: p[k][:, j] if p[k].ndim == 2 else p[k] for k in self.schedule_keys}
-            sched["step_index"] = p["step_index"][:, j]
-            shift = _add_shift(p["mean_shift"][:, j]) if "mean_shift" in p else None
+        self,
+        model: torch.nn.Module,
+        rollout: Rollout,
+        *,
+        grad: bool,
+        with_kl: bool = False,
+        actions: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """(log-probs Float[B, A] of the stored trained transitions under `model`, KL Float[B, A] or None, the
+        GRPO-Guard loss weights Float[B, A] or None) for the action columns `actions` (None: all, A = T). Only
+        those columns of the payload are moved to the device. Under ``guard_ratio_norm`` the "log-prob" is
+        `mmalign.sde.ratio_norm_score` against the stored rollout mean."""
+        p = rollout.payload
+        dev = self.device
+        cond = {k: p[k].to(dev) for k in (*self.conditioning_keys, *self.row_conditioning_keys)}
+        cols = range(rollout.num_actions) if actions is None else [int(j) for j in actions]
+        if self.guard_ratio_norm and "step_mean" not in p:
+            raise ValueError(
+                "guard_ratio_norm scores against the rollout's step means, but this rollout holds none (it was "
+                "sampled without guard_ratio_norm)"
+            )
+        detach = grad and self.detach_uncond and "detach_uncond" in inspect.signature(self.predict).parameters
+        predict_kw = {"detach_uncond": True} if detach else {}  # (a `predict` without it keeps both branches)
+        logps, kls, weights = [], [], []
+        for j in cols:
+            x, x_next = p["latents"][:, j].to(dev), p["next_latents"][:, j].to(dev)
+            sched = {k: (p[k][:, j] if p[k].ndim == 2 else p[k]).to(dev) for k in self.schedule_keys}
+            sched["step_index"] = p["step_index"][:, j].to(dev)
+            shift = _add_shift(p["mean_shift"][:, j].to(dev)) if "mean_shift" in p else None
             with torch.set_grad_enabled(grad):
-                pred = self.predict(model, x, sched, cond, guided=self.train_guidance)[0]
+                pred = self.predict(model, x, sched, cond, guided=self.train_guidance, **predict_kw)[0]
                 out = self.step(pred, x, sched, prev_sample=x_next, shift_mean=shift)
-            logps.append(out.log_prob)
+                lp = out.log_prob
+                if self.guard_ratio_norm:
+                    lp = sde.ratio_norm_score(x_next, out.mean, p["step_mean"][:, j].to(dev), out.std)
+            logps.append(lp)
+            if self.guard_grad_reweight:
+                weights.append(self.step_loss_weight(sched).to(lp.dtype))
             if with_kl:
                 with torch.no_grad(), self._reference() as ref:
                     pred_ref = self.predict(ref, x, sched, cond, guided=self.train_guidance)[0]
@@ -646,7 +805,13 @@ class DenoisingPolicy(Policy):
                 kls.append(mean_kl(out.mean, ref_mean, out.kl_std))
         logp = torch.stack(logps, dim=1)
         kl = torch.stack(kls, dim=1) if with_kl else None
-        return logp, kl
+        weight = torch.stack(weights, dim=1) if weights else None
+        return logp, kl, weight
+
+    def step_loss_weight(self, sched: dict[str, Tensor]) -> Tensor:
+        """Float[B]: GRPO-Guard's weight of the policy loss of the step `sched` describes (``guard_grad_reweight``;
+        the flow policies: 1 / (sigma - sigma'))."""
+        raise NotImplementedError(f"{type(self).__name__} has no GRPO-Guard step weights")
 
     @contextmanager
     def _reference(self) -> Iterator[torch.nn.Module]:
@@ -662,10 +827,27 @@ class DenoisingPolicy(Policy):
                 raise RuntimeError("no reference model: build the policy with need_reference=True")
             yield self.ref_model
 
-    def action_stats(self, rollout: Rollout) -> ActionStats:
-        """Recompute per-step log-probs with grad (and the mean-difference KL when a reference is used)."""
-        logp, kl = self._score(self.forward_model, rollout, grad=True, with_kl=self.need_reference)
-        return ActionStats(logp=logp, kl=kl)
+    def action_stats(self, rollout: Rollout, *, actions: Tensor | None = None) -> ActionStats:
+        """Recompute per-step log-probs with grad (and the mean-difference KL when a reference is used; the
+        GRPO-Guard loss weights under ``guard_grad_reweight``) of the trained steps `actions` (column indices,
+        one chunk of `action_chunks`; None: all)."""
+        logp, kl, weight = self._score(
+            self.forward_model, rollout, grad=True, with_kl=self.need_reference, actions=actions
+        )
+        return ActionStats(logp=logp, kl=kl, loss_weights=weight)
+
+    def action_chunks(self, rollout: Rollout) -> list[Tensor] | None:
+        """Chunks of ``steps_per_backward`` consecutive trained-step columns (one backward each; None: one
+        backward for all, also when a subclass overrides `action_stats` without ``actions=``)."""
+        k, t = self.steps_per_backward, rollout.num_actions
+        if k is None or k >= t or not self._scores_chunks():
+            return None
+        return [torch.arange(start, min(start + k, t)) for start in range(0, t, k)]
+
+    def _scores_chunks(self) -> bool:
+        """Whether this class's `action_stats` takes ``actions=`` (scores one chunk of the trained steps)."""
+        fn = type(self).action_stats
+        return fn is DenoisingPolicy.action_stats or "actions" in inspect.signature(fn).parameters
 
     def reference_logprobs(self, rollout: Rollout) -> Tensor:
         """Per-step log-probs of the stored transitions under the reference network (no grad)."""

@@ -81,7 +81,8 @@ class FlowMatchingPolicy(DenoisingPolicy):
     """`from_pretrained` keywords that go to `load_components` instead of the constructor."""
     two_branch_cfg = True
     """`predict` runs negative and conditional branches when ``guidance_scale`` > 1 (False: the family
-    handles guidance inside `velocity`, e.g. FLUX.1-dev's distilled guidance)."""
+    handles ``guidance_scale`` inside `velocity`, e.g. FLUX.1-dev's distilled guidance, and two branches run
+    only for ``true_cfg_scale`` > 1)."""
     default_max_shift = 1.16
     """`calculate_mu`'s max shift where the scheduler config has none."""
     constructor_takes_parts = False
@@ -103,6 +104,11 @@ class FlowMatchingPolicy(DenoisingPolicy):
         if sampler.sde_kind not in FLOW_SDE_KINDS:
             raise ValueError(
                 f"{type(self).__name__} samples with sde_kind {', '.join(FLOW_SDE_KINDS)}; got {sampler.sde_kind!r}"
+            )
+        if self.two_branch_cfg and sampler.true_cfg_scale != 1:
+            raise ValueError(
+                f"true_cfg_scale is FLUX's true CFG (a model with distilled guidance); {type(self).__name__} "
+                f"guides with guidance_scale, got true_cfg_scale={sampler.true_cfg_scale}"
             )
         self.components = components
         self.scheduler = components.scheduler
@@ -243,6 +249,11 @@ class FlowMatchingPolicy(DenoisingPolicy):
         """The network's velocity at `latents` [B, ...] (any float dtype): the family's forward call."""
         raise NotImplementedError
 
+    def _cfg_scale(self) -> float:
+        """The two-branch CFG scale: ``guidance_scale``, or ``true_cfg_scale`` for a family whose
+        ``guidance_scale`` is a distilled guidance input (``two_branch_cfg`` False)."""
+        return float(self.guidance_scale if self.two_branch_cfg else self.true_cfg_scale)
+
     def predict(
         self,
         model: torch.nn.Module,
@@ -251,16 +262,27 @@ class FlowMatchingPolicy(DenoisingPolicy):
         cond: dict[str, Tensor],
         *,
         guided: bool = True,
+        detach_uncond: bool = False,
     ) -> tuple[Tensor, Tensor]:
-        """(velocity, conditional velocity), fp32: with `guided`, ``two_branch_cfg`` and ``guidance_scale`` > 1
-        one batched `velocity` of both branches, combined v_u + w (v_c - v_u); else v_c twice."""
-        use_cfg = guided and self.two_branch_cfg and self.guidance_scale > 1.0
-        if use_cfg:
-            cond = self._cfg_inputs(cond, latents.shape[0])
-            latents = torch.cat([latents, latents])
-            sched = {k: torch.cat([v, v]) for k, v in sched.items()}
-        v = self.velocity(model, latents, sched, cond).float()
-        return self._cfg_combine(v) if use_cfg else (v, v)
+        """(velocity, conditional velocity), fp32: with `guided` and a CFG scale w > 1 (`_cfg_scale`) one
+        batched `velocity` of both branches, combined v_u + w (v_c - v_u); else v_c twice. With
+        `detach_uncond` (and grad enabled) the unconditional branch runs as its own forward without a graph and
+        only the conditional branch carries grad (training: ``detach_uncond``)."""
+        use_cfg = guided and self._cfg_scale() > 1.0
+        if not use_cfg:
+            v = self.velocity(model, latents, sched, cond).float()
+            return v, v
+        if detach_uncond and torch.is_grad_enabled():
+            with torch.no_grad():
+                v_u = self.velocity(
+                    model, latents, sched, self._negative_inputs(cond, latents.shape[0])
+                ).float()
+            v_c = self.velocity(model, latents, sched, cond).float()
+            return self._guide(v_u, v_c), v_c
+        cond = self._cfg_inputs(cond, latents.shape[0])
+        latents = torch.cat([latents, latents])
+        sched = {k: torch.cat([v, v]) for k, v in sched.items()}
+        return self._cfg_combine(self.velocity(model, latents, sched, cond).float())
 
     def step(
         self, prediction: Tensor, latents: Tensor, sched: dict[str, Tensor], **kw: Any
@@ -279,8 +301,14 @@ class FlowMatchingPolicy(DenoisingPolicy):
             self.sde_kind, prediction, latents, sched["sigmas"], sched["sigmas_next"], **opts, **kw
         )
 
+    def step_loss_weight(self, sched: dict[str, Tensor]) -> Tensor:
+        """GRPO-Guard's gradient reweighting of a step: 1 / (sigma - sigma') = 1 / |dt| (verl-omni's
+        ``1 / sqrt_dt**2``), Float[B]."""
+        return 1.0 / (sched["sigmas"] - sched["sigmas_next"]).float()
+
     def ode_step(self, prediction: Tensor, latents: Tensor, sched: dict[str, Tensor]) -> Tensor:
-        """The Euler step x + v dt (outside a window; CPS's zero-std final step)."""
+        """The Euler step x + v dt (outside a window; CPS's zero-std final step; every step at ``noise_level``
+        0), as ``FlowMatchEulerDiscreteScheduler.step``."""
         dt = sched["sigmas_next"] - sched["sigmas"]
         return latents + prediction * dt.view(-1, *([1] * (latents.ndim - 1)))
 

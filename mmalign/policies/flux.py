@@ -4,8 +4,10 @@ Only the Flux parts live here: the components (`mmalign.policies.flux_components
 states + pooled CLIP, as diffusers' ``FluxPipeline``) and the transformer call on 2x2-packed latents (the
 policy's state keeps the unpacked [B, C, h, w] layout; ``latent_size`` must be even), with the timestep as
 sigma and FLUX.1-dev's distilled ``guidance`` input instead of two-branch CFG (``train_guidance`` is stored
-as True). Sigmas: linspace(1, 1/n, n) shifted by mu of the packed token count. The rest is
-`mmalign.policies.flow_matching.FlowMatchingPolicy`'s; the math is in docs/algorithms.md.
+as True). True CFG as diffusers' ``FluxPipeline`` (``true_cfg_scale`` > 1 with ``negative_prompt``): two
+branches, each with the distilled guidance, v = v_neg + s (v_pos - v_neg). Sigmas: linspace(1, 1/n, n) shifted
+by mu of the packed token count. The rest is `mmalign.policies.flow_matching.FlowMatchingPolicy`'s; the math is
+in docs/algorithms.md.
 """
 
 from __future__ import annotations

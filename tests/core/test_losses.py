@@ -396,6 +396,38 @@ def test_global_counts_make_minibatches_add_up():
         torch.testing.assert_close(parts, full)
 
 
+def test_lengths_let_column_chunks_add_up_to_the_whole_rows():
+    """A row's actions aggregated in column chunks (the trainer's `Policy.action_chunks`) with the whole rows'
+    counts (`lengths`, num_tokens, num_seqs, max_len) add up to the whole; hand-worked for seq_mean_token_mean:
+    row 0 = (1 + 2) / 2, row 1 = 3 / 1, mean 2.25 = chunk [0] ((1 / 2 + 3 / 1) / 2) + chunk [1, 2] ((2 / 2) / 2)."""
+    x = torch.tensor([[1.0, 2.0, 99.0], [3.0, 99.0, 99.0]])
+    m = torch.tensor([[True, True, False], [True, False, False]])
+    lengths = m.sum(1)
+    first = L.aggregate(x[:, :1], m[:, :1], "seq_mean_token_mean", lengths=lengths)
+    rest = L.aggregate(x[:, 1:], m[:, 1:], "seq_mean_token_mean", lengths=lengths)
+    assert first.item() == pytest.approx(1.75) and rest.item() == pytest.approx(0.5)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    m = torch.rand(6, 5, generator=gen) < 0.6
+    m[2] = False
+    for mode in ALL_AGGREGATIONS:
+        full = L.aggregate(x, m, mode)
+        chunks = [[0], [1, 2], [3, 4]]
+        parts = sum(
+            L.aggregate(x[:, c], m[:, c], mode, num_tokens=m.sum(), num_seqs=6, max_len=5, lengths=m.sum(1))
+            for c in chunks
+        )
+        torch.testing.assert_close(parts, full)
+        if mode == "seq_mean_token_mean":  # without the whole rows' counts the chunks do not add up
+            wrong = sum(L.aggregate(x[:, c], m[:, c], mode, num_seqs=6) for c in chunks)
+            assert not torch.allclose(wrong, full)
+
+
+def test_gspo_couples_a_samples_actions():
+    assert L.couples_actions("gspo")
+    assert not any(L.couples_actions(n) for n in ("ppo_clip", "dual_clip", "cispo", "sapo"))
+
+
 def test_aggregation_of_empty_mask_is_zero_not_nan():
     x = torch.full((2, 3), float("nan"))
     m = torch.zeros(2, 3, dtype=torch.bool)

@@ -325,3 +325,30 @@ def test_invalid_noise_levels_and_zero_std_raise():
         sde.cps(x, x, 0.5, 0.4, noise_level=0.5, noise=x, prev_sample=x)
     with pytest.raises(ValueError, match="shape"):
         sde.cps(x, x, 0.5, 0.4, noise_level=0.5, noise=torch.zeros(1, 3))
+
+
+def test_ratio_norm_score_is_grpo_guards_normalised_log_ratio():
+    """GRPO-Guard's RatioNorm (verl-omni's GRPOGuardLoss): (log p_new - log p_old + mean((mu_new - mu_old)^2) /
+    (2 s^2)) * s with Gaussian log-densities of std s, written out here from that formula, equals the
+    difference of two `ratio_norm_score`s; and a hand-worked 1-D case: s = 0.5, mu_old = 0, x' = 0.25 (eps =
+    0.5), mu_new = 0.1 gives 0.1 * 0.5 = 0.05."""
+    g = torch.Generator().manual_seed(0)
+    x_next, mu_old = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g)
+    mu_new = mu_old + 0.1 * torch.randn(3, 4, 5, generator=g)
+    s = torch.tensor([0.3, 0.05, 1.2]).view(3, 1, 1)
+
+    def gauss(mean):
+        lp = -((x_next - mean) ** 2) / (2 * s**2) - torch.log(s) - 0.5 * math.log(2 * math.pi)
+        return lp.flatten(1).mean(1)
+
+    bias = (mu_new - mu_old).pow(2).flatten(1).mean(1) / (2 * s.flatten() ** 2)
+    expected = (gauss(mu_new) - gauss(mu_old) + bias) * s.flatten()
+    got = sde.ratio_norm_score(x_next, mu_new, mu_old, s) - sde.ratio_norm_score(x_next, mu_old, mu_old, s)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    one = sde.ratio_norm_score(
+        torch.tensor([[0.25]]), torch.tensor([[0.1]]), torch.tensor([[0.0]]), torch.tensor(0.5)
+    )
+    assert float(one) == pytest.approx(0.1 * 0.5)
+    mean = mu_new.clone().requires_grad_(True)  # the gradient flows through the new mean only
+    sde.ratio_norm_score(x_next, mean, mu_old, s).sum().backward()
+    torch.testing.assert_close(mean.grad, (x_next - mu_old) / s / 20)

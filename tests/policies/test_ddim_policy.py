@@ -117,7 +117,7 @@ def test_final_step_to_clean_sample_is_deterministic(pipe_dir):
 
 def test_invalid_options_are_refused(pipe_dir):
     with pytest.raises(ValueError, match="eta"):
-        DDIMPolicy(*with_scheduler(pipe_dir), eta=0.0)
+        DDIMPolicy(*with_scheduler(pipe_dir), eta=-0.5)
     with pytest.raises(ValueError, match="clip_sample"):
         DDIMPolicy(*with_scheduler(pipe_dir, clip_sample=True))
     with pytest.raises(ValueError, match="prediction_type"):

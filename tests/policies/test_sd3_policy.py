@@ -123,7 +123,7 @@ def test_step_kind_options_are_validated(pipe_dir):
     with pytest.raises(ValueError, match=r"noise level a of cps.*\(0, 1\]"):
         make(pipe_dir, sde_kind="cps", noise_level=1.5)
     with pytest.raises(ValueError, match="eta of dance"):
-        make(pipe_dir, sde_kind="dance", noise_level=0.0)
+        make(pipe_dir, sde_kind="dance", noise_level=-0.1)
     with pytest.raises(ValueError, match=r"window_size must be in \[1, 3\].*std 0"):
         make(pipe_dir, sde_kind="cps", window_size=4)
     with pytest.raises(ValueError, match="window_mode sliding needs window_size"):
