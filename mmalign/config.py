@@ -181,6 +181,9 @@ class AlgorithmConfig:
     """Advantage estimator (`mmalign.advantages`)."""
     estimator_kwargs: dict[str, Any] = field(default_factory=dict)
     """Options of the estimator."""
+    reward_transforms: list[dict[str, Any]] = field(default_factory=list)
+    """Reward transforms run before the estimator, in order (`mmalign.reward_transforms`): each
+    ``{name: ..., column: <reward name or index, optional>, <options>}``."""
     loss: str = "ppo_clip"
     """Policy loss (`mmalign.losses`)."""
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -200,6 +203,41 @@ class AlgorithmConfig:
     aux_coefs: dict[str, float] = field(default_factory=dict)
     """Coefficient of each auxiliary loss term the policy returns (`ActionStats.aux_losses`), by name; the
     trainer adds ``coef * term`` to the loss. A term without a coefficient here is an error."""
+    objective: str | None = None
+    """A forward-process training objective of flow-matching policies (`mmalign.flow_objectives`:
+    ``diffusion_nft``, ``awm``) in place of the policy-gradient loss; null: the policy-gradient path
+    (``loss``). One action is one (sample, training sigma) pair; ``loss`` / ``loss_kwargs`` are unused."""
+    objective_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options of ``objective`` (e.g. DiffusionNFT's ``beta``, AWM's ``weighting`` and ``clip_range``)."""
+    timesteps: dict[str, Any] = field(default_factory=dict)
+    """How ``objective`` draws its training sigmas (`mmalign.flow_objectives.sample_timesteps` keywords:
+    ``strategy``, ``timestep_range``, ``num_timesteps``, ...), over the objective's own defaults."""
+    old_policy: dict[str, Any] | None = None
+    """The old policy of ``objective``: `mmalign.policies.forward_process.OldPolicy` keywords
+    (``decay_type`` 0/1/2, or ``flat`` / ``ramp`` / ``cap``), an EMA of the weights updated after every
+    step and checkpointed; null: the current weights, detached."""
+    sample_with_old: bool = False
+    """``objective`` rollouts are sampled with the old policy's weights (DiffusionNFT's recipe; needs
+    ``old_policy``)."""
+    solver: Literal["euler", "dpm2", "sde"] = "euler"
+    """How ``objective`` rollouts sample their clean latents: ``euler`` (the flow ODE), ``dpm2``
+    (DiffusionNFT's second-order solver) or ``sde`` (the policy's own SDE, ``options.noise_level`` > 0)."""
+
+    def needs_reference(self) -> bool:
+        """Whether the run reads the reference policy: a KL penalty (``kl_coef`` > 0), or an estimator or
+        reward transform that reads reference log-probs (``logp_ref_*`` context fields, e.g. ``ace``).
+        Pipelines pass it as the policy's ``need_reference``."""
+        if self.kl_coef > 0:
+            return True
+        from mmalign import advantages, reward_transforms
+
+        try:
+            fields = set(advantages.context_fields(self.estimator))
+            for spec in self.reward_transforms:
+                fields |= set(reward_transforms.context_fields(str(spec.get("name"))))
+        except KeyError:  # an unknown name: check_names reports it
+            return False
+        return bool(fields & {"logp_ref_mean", "logp_ref_sum"})
 
 
 TRACKERS = ("tensorboard", "wandb")
@@ -741,9 +779,33 @@ def check_names(cfg: Config) -> None:
 
     The one check of these names: the command line's validation pass (`mmalign.app.preflight.validate`)
     makes it before any model is built, `mmalign.trainer.GroupTrainer` for a config built in code."""
-    from mmalign import advantages, filters, losses, prompt_samplers
+    from mmalign import advantages, filters, losses, prompt_samplers, reward_transforms
 
     a = cfg.algorithm
+    for i, spec in enumerate(a.reward_transforms):
+        try:
+            reward_transforms.get(str(spec.get("name")))
+        except _registry.RegistryError as e:
+            raise ConfigError(f"{cfg.source}: key 'algorithm.reward_transforms[{i}].name': {e}") from None
+    if a.objective is not None:
+        from mmalign import flow_objectives
+
+        try:
+            flow_objectives.get(a.objective)
+        except _registry.RegistryError as e:
+            raise ConfigError(f"{cfg.source}: key 'algorithm.objective': {e}") from None
+        known = flow_objectives.options(a.objective)
+        unknown = sorted(set(a.objective_kwargs) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"{cfg.source}: key 'algorithm.objective_kwargs': {a.objective!r} takes no option "
+                f"{', '.join(map(repr, unknown))} (it takes {', '.join(sorted(known))})"
+            )
+        if a.sample_with_old and a.old_policy is None:
+            raise ConfigError(
+                f"{cfg.source}: key 'algorithm.sample_with_old': sampling with the old policy needs "
+                "'algorithm.old_policy' (e.g. {decay_type: 1})"
+            )
     for key, get, name in (
         ("algorithm.estimator", advantages.get, a.estimator),
         ("algorithm.loss", losses.get, a.loss),
@@ -797,7 +859,23 @@ def _finite(x: float) -> bool:
 # group (`extra_samples=1`), so a group of G=1 has 2 samples and the non-median one gets a non-zero
 # advantage. Estimators registered by plugins are not known here and are not checked.
 _GROUP_RELATIVE_ESTIMATORS = frozenset(
-    {"grpo", "dr_grpo", "rloo", "reinforce_pp", "gdpo", "ngrpo", "pass_at_k", "a_grae", "grpo_process"}
+    {
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce_pp",
+        "gdpo",
+        "ngrpo",
+        "pass_at_k",
+        "a_grae",
+        "grpo_process",
+        "gigpo",
+        "hgpo",
+        "factorized",
+        "ace",
+        "canon",
+        "drpo",
+    }
 )
 
 

@@ -468,3 +468,7 @@ def approx_kl(logp: Tensor, logp_old: Tensor, mask: Tensor) -> Tensor:
         zero = torch.zeros_like(logp)
         delta = torch.where(mask, logp - logp_old, zero)
         return 0.5 * masked_mean(delta * delta, mask)
+
+
+# the losses of mmalign/losses_extra.py register themselves into REGISTRY (etr, reg_grpo)
+from mmalign import losses_extra as _losses_extra  # noqa: E402, F401

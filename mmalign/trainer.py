@@ -40,7 +40,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,12 +56,13 @@ from mmalign import filters as filter_lib
 from mmalign import is_correction as isc
 from mmalign import losses as loss_lib
 from mmalign import prompt_samplers as sampler_lib
+from mmalign import reward_transforms as rt_lib
 from mmalign import rundir
 from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError, check_names
 from mmalign.distributed import is_fsdp2
 from mmalign.errors import CheckpointError, MmalignError, RunWriteError
-from mmalign.policies.base import RunInfo
+from mmalign.policies.base import ActionStats, RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +207,23 @@ class GroupTrainer:
                 f"advantages, but no reward in 'rewards' declares per_step"
             )
         self.extra_samples = adv_lib.extra_samples(a.estimator)
+        self.estimator_state = adv_lib.make_state(a.estimator)
+        """What the estimator keeps across steps (spo's per-prompt tracker; None if stateless): updated from the
+        global batch, saved in checkpoints."""
+        self.reward_transforms = [dict(spec) for spec in a.reward_transforms]
+        try:
+            rt_lib.check_specs(self.reward_transforms, list(self.reward_set.names))
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"{cfg.source}: key 'algorithm.reward_transforms': {e}") from None
+        self.context_fields = set(adv_lib.context_fields(a.estimator)) | {
+            f for spec in self.reward_transforms for f in rt_lib.context_fields(str(spec["name"]))
+        }
+        """The `EstimatorContext` fields this run fills (the estimator's and the reward transforms')."""
         self.loss_fn = loss_lib.get(a.loss)
-        self.chunkable_loss = not loss_lib.couples_actions(a.loss)
+        self.loss_takes_group_std = "group_std" in loss_lib.options(a.loss)
+        self.policy_loss = a.objective is not None
+        """The policy computes each action's loss itself (`ActionStats.loss`; a forward-process objective)."""
+        self.chunkable_loss = self.policy_loss or not loss_lib.couples_actions(a.loss)
         """The loss can be evaluated on a part of a sample's actions (`Policy.action_chunks` is honoured)."""
         try:
             self.group_filter = filter_lib.build_filter(a.filter, **a.filter_kwargs)
@@ -250,10 +266,15 @@ class GroupTrainer:
         self.sharded = is_fsdp2(self.policy.forward_model)
         """The model is FSDP2-sharded (DTensor parameters): gradient sync by FSDP, sharded (DCP) checkpoints."""
         self.policy.setup(RunInfo(cfg=cfg, accelerator=acc, rank=self.rank, world=self.world))
+        self.callbacks.extend(self.policy.callbacks())  # checkpointed after the pipeline's, in this order
         # logp_old is needed when the weights change between updates on one rollout, and when the policy
         # samples elsewhere (that sampler's own log-probs then only enter the importance-sampling correction)
         self.need_logp_old = (
-            t.num_iterations > 1 or updates_per_pass > 1 or a.filter == "replay" or self.policy.needs_logp_old
+            t.num_iterations > 1
+            or updates_per_pass > 1
+            or a.filter == "replay"
+            or self.policy.needs_logp_old
+            or bool(self.context_fields & {"logp_old_mean", "logp_old_sum"})
         )
 
     def _set_prompt_sampler(self) -> None:
@@ -266,6 +287,10 @@ class GroupTrainer:
             self.sampler = sampler_lib.build_sampler(cfg.data.sampler, len(self.rows), cfg.seed, **opts)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{cfg.source}: key 'data.sampler_kwargs': {e}") from None
+        if isinstance(self.sampler, sampler_lib.SpoSampler) and isinstance(
+            self.estimator_state, adv_lib.SPOTracker
+        ):
+            self.sampler.attach(self.estimator_state)  # SPO: the sampler reads the estimator's tracker
 
     def _check_names(self) -> None:
         """Registry names of the config, checked up front with the config key in the message."""
@@ -317,9 +342,9 @@ class GroupTrainer:
             return x
         return self._gather(self.accelerator.pad_across_processes(x.contiguous(), dim=1, pad_index=0))
 
-    def _generate_round(self) -> tuple[Rollout, Tensor, Tensor, Tensor]:
+    def _generate_round(self) -> tuple[Rollout, Tensor, Tensor, Tensor, Tensor]:
         """One round of sampling on this process; returns (local rollout, global rewards, global groups, global
-        numbers of valid actions per sample)."""
+        numbers of valid actions per sample, global prompt ids: each sample's dataset row index)."""
         pps = self.cfg.rollout.prompts_per_step
         idx = self.sampler.next_indices(pps)
         round_base = self._round * pps
@@ -350,7 +375,67 @@ class GroupTrainer:
         total = adv_lib.combine_rewards(g_rewards, self.reward_set.weights.tolist())
         ids, rates, counts = sampler_lib.group_successes(total, g_group, self.cfg.data.success_threshold)
         self.sampler.observe([idx[int(g) - round_base] for g in ids], rates, counts)
-        return rollout, g_rewards, g_group, g_actions
+        g_prompt = torch.tensor([idx[int(g) - round_base] for g in g_group.tolist()], dtype=torch.long)
+        return rollout, g_rewards, g_group, g_actions, g_prompt
+
+    def _estimator_context(
+        self, rollout: Rollout, g_group: Tensor, g_actions: Tensor, g_prompt: Tensor
+    ) -> adv_lib.EstimatorContext | None:
+        """The `EstimatorContext` of the GLOBAL batch with the fields this run needs (None if none)."""
+        need = self.context_fields
+        if not need:
+            return None
+        fields: dict[str, Any] = {}
+        mask = rollout.mask
+
+        def reduce(x: Tensor) -> tuple[Tensor, Tensor]:
+            x = torch.where(mask, x.to(mask.device).double(), torch.zeros((), dtype=torch.float64))
+            total = x.sum(dim=1)
+            return self._gather(total / mask.sum(dim=1).clamp(min=1)), self._gather(total)
+
+        if "prompt_ids" in need:
+            fields["prompt_ids"] = g_prompt
+        if need & {"step", "total_steps"}:
+            fields["step"], fields["total_steps"] = self.step, self.cfg.trainer.steps
+        if "lengths" in need:
+            fields["lengths"] = g_actions.double()
+        if need & {"logp_old_mean", "logp_old_sum"}:
+            fields["logp_old_mean"], fields["logp_old_sum"] = reduce(rollout.logp_old)
+        if need & {"logp_ref_mean", "logp_ref_sum"}:
+            if rollout.logp_ref is None:  # computed once here; update() reuses it for the KL term
+                try:
+                    rollout.logp_ref = self.policy.reference_logprobs(rollout).detach()
+                except RuntimeError as e:  # the pipeline built the policy without a reference
+                    raise ConfigError(
+                        f"{self.cfg.source}: key 'algorithm.estimator': reading reference log-probs failed "
+                        f"({e}); the pipeline must build the policy with "
+                        "need_reference=cfg.algorithm.needs_reference()"
+                    ) from e
+            fields["logp_ref_mean"], fields["logp_ref_sum"] = reduce(rollout.logp_ref)
+        if "action_mask" in need:
+            fields["action_mask"] = self._gather_padded(mask.to(torch.uint8)).bool()
+        if "turn_index" in need:  # padded with 0 after the +1: -1 (no action) again after the -1
+            fields["turn_index"] = self._gather_padded(adv_lib.turns_from_mask(mask) + 1) - 1
+        for name in ("turn_state", "turn_rewards"):  # written by the environment into its per-sample state
+            if name in need:
+                rows = [
+                    list(s.get(name + "s", [])) for s in rollout.outputs.get("env_state", [{}] * len(rollout))
+                ]
+                width = max([len(r) for r in rows] + [1])
+                dtype = torch.long if name == "turn_state" else torch.float64
+                local = torch.zeros(len(rows), width, dtype=dtype)
+                for i, r in enumerate(rows):
+                    local[i, : len(r)] = torch.tensor(r, dtype=dtype)
+                fields[name] = self._gather_padded(local)
+        missing = [
+            f for f in adv_lib.required_context_fields(self.cfg.algorithm.estimator) if f not in fields
+        ]
+        if missing:
+            raise ConfigError(
+                f"{self.cfg.source}: key 'algorithm.estimator': {self.cfg.algorithm.estimator!r} needs "
+                f"{', '.join(missing)}, which this trainer does not supply yet"
+            )
+        return adv_lib.EstimatorContext(**fields)
 
     def compute_advantages(
         self,
@@ -359,6 +444,7 @@ class GroupTrainer:
         num_actions: Tensor | None = None,
         step_rewards: Tensor | None = None,
         step_mask: Tensor | None = None,
+        context: adv_lib.EstimatorContext | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Advantages (Float[B], or Float[B,T] from an estimator that takes step rewards) and loss-sample mask
         of the GLOBAL batch (identical on every process). `num_actions` (Long[B], valid actions per sample)
@@ -379,6 +465,18 @@ class GroupTrainer:
             )
         if self.estimator_takes_steps:
             opts["step_rewards"], opts["step_mask"] = step_rewards, step_mask
+        if adv_lib.accepts_context(a.estimator):
+            opts["context"] = context
+        if self.estimator_state is not None:
+            opts["state"] = self.estimator_state
+        if self.reward_transforms:
+            rewards = rt_lib.apply(
+                self.reward_transforms,
+                rewards,
+                group,
+                context=context,
+                reward_names=list(self.reward_set.names),
+            )
         try:
             adv = self.estimator(rewards, group, **opts)
             keep = adv_lib.loss_sample_mask(a.estimator, rewards, group, **opts)
@@ -399,14 +497,21 @@ class GroupTrainer:
         all_rewards, all_groups, all_prompts = [], [], []
         for _ in range(rounds):
             t0 = time.perf_counter()
-            rollout, g_rewards, g_group, g_actions = self._generate_round()
+            rollout, g_rewards, g_group, g_actions, g_prompt = self._generate_round()
             self._timers["rollout"] += time.perf_counter() - t0
             g_steps = g_step_mask = None
             if rollout.step_rewards is not None:
                 g_steps = self._gather_padded(rollout.step_rewards.float())
                 g_step_mask = self._gather_padded(rollout.mask.to(torch.uint8)).bool()
-            adv, keep = self.compute_advantages(g_rewards, g_group, g_actions, g_steps, g_step_mask)
+            context = self._estimator_context(rollout, g_group, g_actions, g_prompt)
+            adv, keep = self.compute_advantages(g_rewards, g_group, g_actions, g_steps, g_step_mask, context)
             n_local = len(rollout)
+            if self.loss_takes_group_std:  # etr: each sample's group reward std, for its macro trust region
+                total = adv_lib.combine_rewards(g_rewards, self.reward_set.weights.tolist())
+                ids, stds = filter_lib.group_std(total, g_group)
+                pos = {int(g): k for k, g in enumerate(ids.tolist())}
+                per_sample = torch.stack([stds[pos[int(g)]] for g in g_group.tolist()]).double()
+                rollout.outputs["group_std"] = self._local_slice(per_sample, n_local)
             adv = self._local_slice(adv, n_local)
             if adv.dim() == 2:  # per-step advantages: back to this process's number of actions
                 adv = adv[:, : rollout.mask.shape[1]]
@@ -591,6 +696,10 @@ class GroupTrainer:
             stats = self.policy.action_stats(mu)
         else:
             stats = self.policy.action_stats(mu, actions=actions)
+        if stats.loss is not None:
+            return self._policy_loss(mu, stats, n_tok, n_seq, actions)
+        if stats.logp is None:
+            raise TypeError(f"{type(self.policy).__name__}.action_stats returned neither logp nor loss")
         logp = stats.logp
         dev = logp.device
         idx = None if actions is None else actions.to(dev)
@@ -603,7 +712,10 @@ class GroupTrainer:
         mask = cols(full_mask)
         logp_old = cols(mu.logp_old) if mu.logp_old is not None else logp.detach()
         adv = mu.advantages.to(dev)
-        out = self.loss_fn(logp, logp_old, adv if adv.dim() == 1 else cols(adv), mask, **dict(a.loss_kwargs))
+        loss_kwargs = dict(a.loss_kwargs)
+        if self.loss_takes_group_std:
+            loss_kwargs["group_std"] = mu.outputs["group_std"].to(logp.device)
+        out = self.loss_fn(logp, logp_old, adv if adv.dim() == 1 else cols(adv), mask, **loss_kwargs)
         per_token, is_stats = out.per_token, {}
         if stats.loss_weights is not None:
             per_token = per_token * stats.loss_weights.to(dev).detach()
@@ -649,6 +761,52 @@ class GroupTrainer:
             entropy=stats.entropy,
             is_stats=is_stats,
             aux=aux_values,
+        )
+
+    def _policy_loss(
+        self, mu: Rollout, stats: ActionStats, n_tok: float, n_seq: float, actions: Tensor | None
+    ) -> _MicroLoss:
+        """`_microbatch_loss` when the policy computed the per-action loss (`ActionStats.loss`): its loss
+        (times ``loss_weights``) plus the KL penalty, aggregated like the policy-gradient loss (chunk-aware),
+        plus the auxiliary terms. There is no log-prob: no importance-sampling correction, no ``approx_kl``;
+        `ActionStats.metrics` are logged instead."""
+        a = self.cfg.algorithm
+        per_token = stats.loss
+        assert per_token is not None
+        dev = per_token.device
+        full_mask = mu.mask.to(dev)
+        mask = full_mask if actions is None else full_mask.index_select(1, actions.to(dev))
+        if stats.loss_weights is not None:
+            per_token = per_token * stats.loss_weights.to(dev).detach()
+        kl_tok = None
+        if a.kl_coef > 0:
+            if stats.kl is None:
+                raise TypeError(
+                    f"{type(self.policy).__name__}.action_stats returned a loss but no kl while "
+                    "algorithm.kl_coef > 0"
+                )
+            kl_tok = stats.kl
+            per_token = per_token + a.kl_coef * kl_tok
+        if actions is None:
+            loss = self._aggregate(per_token, mask, n_tok, n_seq)
+        else:
+            loss = self._aggregate(
+                per_token, mask, n_tok, n_seq, lengths=full_mask.sum(dim=1), width=int(full_mask.shape[1])
+            )
+        aux_total, aux_values = self._aux_loss(stats.aux_losses, len(mu) / n_seq)
+        clipped = stats.clipped.to(dev) if stats.clipped is not None else torch.zeros_like(mask)
+        return _MicroLoss(
+            total=loss if aux_total is None else loss + aux_total * self.world,
+            loss=loss,
+            logp=None,
+            logp_old=None,
+            mask=mask,
+            clipped=clipped,
+            kl=kl_tok,
+            entropy=stats.entropy,
+            is_stats={},
+            aux=aux_values,
+            metrics={k: v.detach() for k, v in stats.metrics.items()},
         )
 
     def _aggregate(
@@ -1011,6 +1169,7 @@ class GroupTrainer:
                     "step": self.step,
                     "sampler": self.sampler.state_dict(),
                     "filter": self.group_filter.state_dict(),
+                    "estimator": None if self.estimator_state is None else self.estimator_state.state_dict(),
                     "callbacks": [
                         cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
                     ],
@@ -1073,6 +1232,8 @@ class GroupTrainer:
         self._nan_reward_run = dict(state.get("nan_reward_run", {}))
         self.sampler.load_state_dict(state["sampler"])
         self.group_filter.load_state_dict(state["filter"])
+        if self.estimator_state is not None and state.get("estimator") is not None:
+            self.estimator_state.load_state_dict(state["estimator"])
         for cb, s in zip(self.callbacks, state["callbacks"], strict=False):
             if s is not None and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(s)
@@ -1101,14 +1262,16 @@ class _MicroLoss:
     """What the backward runs on: the policy loss plus the weighted auxiliary terms (times the processes)."""
     loss: Tensor
     """The policy loss (aggregated, times the processes)."""
-    logp: Tensor
-    logp_old: Tensor
+    logp: Tensor | None
+    logp_old: Tensor | None
     mask: Tensor
     clipped: Tensor
     kl: Tensor | None
     entropy: Tensor | None
     is_stats: dict[str, Any]
     aux: dict[str, float]
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    """Per-action diagnostics of a policy-computed loss (`ActionStats.metrics`), logged as masked means."""
 
 
 def microbatch_sums(micro: _MicroLoss, world: int) -> dict[str, float]:
@@ -1120,8 +1283,11 @@ def microbatch_sums(micro: _MicroLoss, world: int) -> dict[str, float]:
         sums = {
             "loss": float(micro.loss) / world,
             "clip_frac": float((micro.clipped & mask).sum()),
-            "approx_kl": float(loss_lib.approx_kl(micro.logp, micro.logp_old, mask)) * k,
         }
+        if micro.logp is not None and micro.logp_old is not None:
+            sums["approx_kl"] = float(loss_lib.approx_kl(micro.logp, micro.logp_old, mask)) * k
+        for key, value in micro.metrics.items():
+            sums["policy_metric:" + key] = float(torch.where(mask, value.to(mask.device).double(), 0.0).sum())
         if micro.kl is not None:
             sums["kl"] = float((micro.kl * mask).sum())
         if micro.entropy is not None:
@@ -1162,8 +1328,11 @@ class _Tally:
         m = {
             "loss": sums["loss"] / max(counts["updates"], 1),
             "clip_frac": sums["clip_frac"] / tok,
-            "approx_kl": sums["approx_kl"] / tok,
         }
+        if "approx_kl" in sums:
+            m["approx_kl"] = sums["approx_kl"] / tok
+        for key in [k for k in sums if k.startswith("policy_metric:")]:
+            m[key.removeprefix("policy_metric:")] = sums[key] / tok
         if kl:
             m["kl"] = sums["kl"] / tok
         if "entropy" in sums:

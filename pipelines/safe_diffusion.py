@@ -135,7 +135,7 @@ def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
         lora=m.lora,
         sampler=o.policy_sampler(seed=seed),
         latent_size=o.latent_size,
-        need_reference=cfg.algorithm.kl_coef > 0,
+        need_reference=cfg.algorithm.needs_reference(),
     )
     if o.policy == "ddim":
         from mmalign.policies.ddim import DDIMPolicy

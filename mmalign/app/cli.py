@@ -352,6 +352,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         from mmalign import advantages
 
         _list_section("estimators", [(n, advantages.REGISTRY.describe(n)) for n in advantages.names()])
+        from mmalign import reward_transforms
+
+        _list_section(
+            "reward transforms (algorithm.reward_transforms)",
+            [(n, reward_transforms.TRANSFORMS.describe(n)) for n in reward_transforms.names()],
+        )
     if what in ("losses", "all"):
         from mmalign import losses
 
@@ -363,6 +369,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         _list_section(
             "KL estimators (algorithm.kl_estimator)",
             [(n, losses.KL_ESTIMATORS.describe(n)) for n in losses.KL_ESTIMATORS.names()],
+        )
+        from mmalign import flow_objectives
+
+        _list_section(
+            "flow objectives (algorithm.objective)",
+            [(n, flow_objectives.REGISTRY.describe(n)) for n in flow_objectives.names()],
         )
     if what in ("samplers", "all"):
         from mmalign import prompt_samplers as samplers

@@ -54,8 +54,9 @@ SAMPLE_KINDS = ("text", "image", "video", "boxes")
 class ActionStats:
     """What `Policy.action_stats` returns for a minibatch: per-action quantities, with grad on `logp`."""
 
-    logp: Tensor
-    """Float[B,T] log-probs of the stored actions under the current policy (carries grad)."""
+    logp: Tensor | None
+    """Float[B,T] log-probs of the stored actions under the current policy (carries grad); None when the
+    policy computes its per-action loss itself (`loss`)."""
     entropy: Tensor | None = None
     """Float[B,T] per-action entropy where cheap to compute (no grad needed)."""
     kl: Tensor | None = None
@@ -69,6 +70,16 @@ class ActionStats:
     loss_weights: Tensor | None = None
     """Float[B,T] weights of the per-action policy loss (before the KL term is added; e.g. GRPO-Guard's
     per-step reweighting); None: 1."""
+    loss: Tensor | None = None
+    """Float[B,T] the per-action loss computed by the policy itself (with grad; e.g. a forward-process
+    objective of `mmalign.flow_objectives`): the trainer then uses it in place of ``algorithm.loss`` on
+    ``logp`` and skips the importance-sampling correction; the KL term, aggregation and aux terms apply
+    as usual. None: the trainer's policy-gradient loss on ``logp``."""
+    clipped: Tensor | None = None
+    """Bool[B,T] where `loss` was clipped (logged as ``clip_frac``); None: nowhere."""
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    """Per-action diagnostics Float[B,T] (no grad), each logged as its mean over valid actions under its
+    name (e.g. ``objective/ratio``)."""
 
 
 @dataclass
@@ -161,6 +172,12 @@ class Policy(abc.ABC):
         microbatch's normalisers, so the accumulated gradient equals one backward over the microbatch.
         None (default): one `action_stats(rollout)` call for all actions (a text policy's one forward)."""
         return None
+
+    def callbacks(self) -> list[Any]:
+        """Trainer callbacks (`mmalign.trainer.TrainerCallback`) the policy contributes, asked once after
+        `setup`: the trainer appends them to the pipeline's callbacks, calls their hooks and checkpoints their
+        ``state_dict`` (e.g. a forward-process objective's old-policy EMA). Default: none."""
+        return []
 
     @property
     def max_actions(self) -> int | None:

@@ -17,9 +17,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mmalign import flow_objectives as fo
 from mmalign import sde
-from mmalign.config import LoraConfig
-from mmalign.policies.base import torch_dtype
+from mmalign.batch import Rollout
+from mmalign.config import ConfigError, LoraConfig
+from mmalign.policies import forward_process as fp
+from mmalign.policies.base import ActionStats, Policy, RunInfo, torch_dtype
 from mmalign.policies.denoising import (
     CPS_LOG_PROBS,
     FLOW_SDE_KINDS,
@@ -37,6 +40,9 @@ __all__ = [
     "FlowMatchingPolicy",
     "calculate_mu",
 ]
+
+_DRAW_KEY = "_forward_draw"
+"""The payload key of a microbatch's forward-process draw (sigmas and noise), shared by its chunks."""
 
 SDE_KINDS = FLOW_SDE_KINDS
 """Step kinds a flow-matching policy samples with (`mmalign.sde` functions of the flow convention)."""
@@ -311,6 +317,109 @@ class FlowMatchingPolicy(DenoisingPolicy):
         0), as ``FlowMatchEulerDiscreteScheduler.step``."""
         dt = sched["sigmas_next"] - sched["sigmas"]
         return latents + prediction * dt.view(-1, *([1] * (latents.ndim - 1)))
+
+    # ------------------------------------------------------------------ forward-process objectives
+    objective: str | None = None
+    """The `mmalign.flow_objectives` name this policy trains with (``algorithm.objective``, set by `setup`);
+    None: the policy-gradient path (log-probs of SDE steps)."""
+
+    def setup(self, run: RunInfo) -> None:
+        """The policy-gradient path: `DenoisingPolicy.setup`. With ``algorithm.objective`` (DiffusionNFT, AWM):
+        rollouts keep only clean latents (`forward_process.sample_clean` with ``algorithm.solver``; ``euler``
+        and ``dpm2`` need no noise, so ``noise_level`` 0 is allowed), one action per training sigma
+        (``algorithm.timesteps`` over the objective's defaults), and ``algorithm.old_policy`` builds the
+        old-policy EMA, which `callbacks` hands to the trainer (updated after every step, checkpointed)."""
+        a = run.cfg.algorithm
+        objective = getattr(a, "objective", None)
+        if objective is None:
+            super().setup(run)
+            return
+        Policy.setup(self, run)
+        src = run.cfg.source
+        if a.solver == "sde" and self.sampler.deterministic:
+            raise ConfigError(
+                f"{src}: key 'algorithm.solver': 'sde' samples with the policy's SDE, but "
+                f"'{self.noise_level_key}' is 0; choose 'euler' or 'dpm2', or a noise level > 0"
+            )
+        timesteps = {**fo.timestep_defaults(objective), **dict(a.timesteps)}
+        try:
+            k = fo.num_train_timesteps(
+                self.num_denoising_steps(),
+                timestep_range=timesteps.get("timestep_range", 0.99),
+                num_timesteps=timesteps.get("num_timesteps"),
+            )
+            probe = {**timesteps, "num_timesteps": k, "candidates": fp.training_steps(self)}
+            fo.sample_timesteps(
+                self.schedule()["sigmas"], 1, generator=torch.Generator().manual_seed(0), **probe
+            )
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{src}: key 'algorithm.timesteps': {e}") from None
+        old = None
+        if a.old_policy is not None:
+            try:
+                old = fp.OldPolicy(self, **dict(a.old_policy))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{src}: key 'algorithm.old_policy': {e}") from None
+        self.objective = objective
+        self.objective_kwargs = dict(a.objective_kwargs)
+        self.objective_timesteps = timesteps
+        self.num_objective_actions = k
+        """K: the training sigmas (actions) per sample."""
+        self.old_policy = old
+        self.sample_with_old = bool(a.sample_with_old)
+        self.solver = a.solver
+        self.kl_in_action_stats = True  # the v-space KL comes from `action_stats` (when a reference is kept)
+
+    def callbacks(self) -> list[Any]:
+        """The old-policy EMA of a forward-process objective (``algorithm.old_policy``), else none."""
+        old = getattr(self, "old_policy", None) if self.objective is not None else None
+        return [old] if old is not None else []
+
+    def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
+        """The policy-gradient rollout (`DenoisingPolicy.rollout`), or, with an objective, clean latents only
+        (`forward_process.sample_clean`; nothing to score, `compute_logp` is ignored)."""
+        if self.objective is None:
+            return super().rollout(rows, group_size, compute_logp=compute_logp)
+        return fp.sample_clean(
+            self,
+            rows,
+            group_size,
+            num_actions=self.num_objective_actions,
+            solver=self.solver,
+            weights=self.old_policy if self.sample_with_old else None,
+        )
+
+    def action_stats(self, rollout: Rollout, *, actions: Tensor | None = None) -> ActionStats:
+        """Log-probs of the stored SDE steps (`DenoisingPolicy.action_stats`), or, with an objective, its
+        per-action loss on the forward process of the clean latents: one draw of sigmas and noise per
+        microbatch (kept in its payload, so its chunks share it; a new pass slices a new microbatch and
+        draws again), the old policy's velocity under the EMA (or the current weights, detached), the
+        v-space KL to the reference when one is kept."""
+        if self.objective is None:
+            return super().action_stats(rollout, actions=actions)
+        draw = rollout.payload.get(_DRAW_KEY)
+        if draw is None:
+            draw = fp.draw_forward(
+                self, rollout, timesteps=self.objective_timesteps, generator=self.generator
+            )
+            rollout.payload[_DRAW_KEY] = draw
+        p = fp.flow_predictions(
+            self, rollout, draw=draw, actions=actions, old=self.old_policy, reference=self.need_reference
+        )
+        out = p.objective(self.objective, rollout.advantages.to(p.v.device), **self.objective_kwargs)
+        kl = fo.velocity_kl(p.v, p.v_ref, 2) if p.v_ref is not None else None
+        metrics = {f"objective/{k}": v for k, v in out.stats.items()}
+        if out.ratio is not None:
+            metrics["objective/ratio"] = out.ratio.detach()
+        return ActionStats(logp=None, loss=out.per_action, clipped=out.clipped, kl=kl, metrics=metrics)
+
+    def action_chunks(self, rollout: Rollout) -> list[Tensor] | None:
+        """The SDE path's chunks (`DenoisingPolicy.action_chunks`); with an objective, one training sigma per
+        backward (the objectives couple no actions, so the accumulated gradient is the one-piece gradient)."""
+        if self.objective is None:
+            return super().action_chunks(rollout)
+        k = rollout.num_actions
+        return [torch.tensor([j]) for j in range(k)] if k > 1 else None
 
     def save(self, path: str | Path) -> None:
         """Write every component to `path` (loadable by `from_pretrained`); under LoRA the adapter is merged

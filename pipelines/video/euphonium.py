@@ -226,23 +226,28 @@ class GuidedWanPolicy(WanPolicy):
             self._captured.append(prediction)  # the trained network's velocity at a re-scored step
         return super().step(prediction, latents, sched, **kw)
 
-    def action_stats(self, rollout: Rollout) -> ActionStats:
-        """The log-probs (and KL) of `WanPolicy.action_stats`, plus ``drift_distill`` when distilling."""
+    def action_stats(self, rollout: Rollout, *, actions: Tensor | None = None) -> ActionStats:
+        """The log-probs (and KL) of `WanPolicy.action_stats` for the trained-step columns `actions` (one chunk
+        of `action_chunks`; None: all), plus ``drift_distill`` when distilling: the chunk's term is its
+        steps' mean squared error times its share of the steps, so the chunks' terms add up to the whole
+        microbatch's."""
         if not self.distill:
-            return super().action_stats(rollout)
+            return super().action_stats(rollout, actions=actions)
         from pipelines.video.guidance import drift_distillation_loss
 
+        cols = torch.arange(rollout.num_actions) if actions is None else actions.to("cpu", torch.long)
         self._captured = []
         try:
-            stats = super().action_stats(rollout)
+            stats = super().action_stats(rollout, actions=actions)
             captured = self._captured
         finally:
             self._captured = None
-        if len(captured) != rollout.num_actions:
-            raise RuntimeError(f"expected {rollout.num_actions} re-scored steps, captured {len(captured)}")
+        if len(captured) != len(cols):
+            raise RuntimeError(f"expected {len(cols)} re-scored steps, captured {len(captured)}")
         pred = torch.stack(captured, dim=1)
-        target = rollout.payload["guided_velocity"].to(pred.device)
-        stats.aux_losses[DISTILL_TERM] = drift_distillation_loss(pred, target)
+        target = rollout.payload["guided_velocity"][:, cols].to(pred.device)
+        share = len(cols) / rollout.num_actions
+        stats.aux_losses[DISTILL_TERM] = drift_distillation_loss(pred, target) * share
         return stats
 
 

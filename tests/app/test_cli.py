@@ -10,7 +10,7 @@ import yaml
 import pipelines
 import pipelines.text_reasoning
 import rewards
-from mmalign import advantages, filters, losses, sde
+from mmalign import advantages, filters, flow_objectives, losses, reward_transforms, sde
 from mmalign import prompt_samplers as samplers
 from mmalign.app.cli import main
 from mmalign.config import ConfigError
@@ -24,8 +24,13 @@ TINY = ROOT / "configs" / "text_reasoning-tiny.yaml"
 SECTIONS = {
     "pipelines": ["pipelines"],
     "rewards": ["rewards"],
-    "estimators": ["estimators"],
-    "losses": ["losses", "loss aggregations (algorithm.loss_agg)", "KL estimators (algorithm.kl_estimator)"],
+    "estimators": ["estimators", "reward transforms (algorithm.reward_transforms)"],
+    "losses": [
+        "losses",
+        "loss aggregations (algorithm.loss_agg)",
+        "KL estimators (algorithm.kl_estimator)",
+        "flow objectives (algorithm.objective)",
+    ],
     "filters": ["filters (algorithm.filter)"],
     "samplers": ["prompt samplers (data.sampler)"],
     "steps": ["denoising steps (mmalign.sde.step)"],
@@ -38,6 +43,8 @@ def registered() -> dict[str, list[str]]:
         "pipelines": pipelines.names(),
         "rewards": rewards.names(),
         "estimators": advantages.names(),
+        "reward transforms (algorithm.reward_transforms)": reward_transforms.names(),
+        "flow objectives (algorithm.objective)": flow_objectives.names(),
         "losses": losses.names(),
         "loss aggregations (algorithm.loss_agg)": losses.aggregation_names(),
         "KL estimators (algorithm.kl_estimator)": losses.kl_names(),
@@ -115,6 +122,8 @@ _UndocumentedReward.__doc__ = None
         (losses.REGISTRY, "losses", _undocumented),
         (losses.AGGREGATIONS, "loss aggregations (algorithm.loss_agg)", _undocumented),
         (losses.KL_ESTIMATORS, "KL estimators (algorithm.kl_estimator)", _undocumented),
+        (flow_objectives.REGISTRY, "flow objectives (algorithm.objective)", _undocumented),
+        (reward_transforms.TRANSFORMS, "reward transforms (algorithm.reward_transforms)", _undocumented),
         (filters.FILTERS, "filters (algorithm.filter)", _undocumented),
         (samplers.SAMPLERS, "prompt samplers (data.sampler)", _undocumented),
         (sde.STEPS, "denoising steps (mmalign.sde.step)", _undocumented),

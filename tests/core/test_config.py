@@ -745,6 +745,24 @@ def test_group_relative_estimators_are_the_builtins_with_zero_advantage_for_a_gr
                 "step_rewards": rewards[:, None].repeat(1, 4),
                 "step_mask": torch.ones(3 * n, 4, dtype=torch.bool),
             }
+        if advantages.accepts_context(name):  # every field an estimator may need, for 3 groups of n
+            b = 3 * n
+            kwargs["context"] = advantages.EstimatorContext(
+                prompt_ids=group,
+                policy_shift=torch.zeros(b),
+                logp_old_sum=-rewards,
+                logp_ref_sum=-2 * rewards,
+                entropy_mean=rewards,
+                turn_index=torch.zeros(b, 4, dtype=torch.long),
+                turn_state=torch.zeros(b, 1, dtype=torch.long),
+                phase_index=torch.zeros(b, 4, dtype=torch.long),
+            )
+        if advantages.make_state(name) is not None:
+            kwargs["state"] = advantages.make_state(name)
+        if advantages.accepts_num_actions(name):
+            kwargs["num_actions"] = torch.full((3 * n,), 4)
+        if name == "factorized":
+            kwargs["phase_components"] = [[0]]
         adv = advantages.get(name)(rewards, group, **kwargs)
         assert bool((adv == 0).all()) == (name in config_mod._GROUP_RELATIVE_ESTIMATORS), name
     assert config_mod._GROUP_RELATIVE_ESTIMATORS <= set(builtins)

@@ -507,7 +507,10 @@ def test_approx_kl_and_masked_mean():
 
 
 def test_registry_names():
-    assert set(L.names()) == ALL_LOSSES
+    assert set(L.names()) == ALL_LOSSES | {
+        "etr",
+        "reg_grpo",
+    }  # mmalign/losses_extra.py (tests/core/test_losses_extra.py)
     assert set(L.aggregation_names()) == ALL_AGGREGATIONS
     assert set(L.kl_names()) == ALL_KL
     for name in L.names():

@@ -13,6 +13,7 @@ from mmalign.app.cli import main
 from mmalign.config import ConfigError, load_config
 from mmalign.policies.ddim import DDIMPolicy
 from mmalign.policies.sd3 import SD3Policy
+from mmalign.trainer import GroupTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,7 +98,11 @@ def test_sampler_options_are_validated_and_reach_the_policy(tmp_path, models):
     """The sampler keys are `SamplerSettings` (validated at load, naming the key); policy ddim samples DDIM
     steps with noise eta, policy flow takes the flow keys; options.seed (default: the top-level seed) seeds."""
     with pytest.raises(ConfigError, match=r"eta \(the noise_level of sde_kind ddim\) must be in \(0, 1\]"):
-        load_config(write_config(tmp_path, models, **{"options.eta": 0.0}))
+        load_config(write_config(tmp_path, models, **{"options.eta": 1.5}))
+    # eta 0 (deterministic DDIM) samples for `mmalign sample` / `eval`, but training with it is refused
+    cfg = load_config(write_config(tmp_path, models, **{"options.eta": 0.0}))
+    with pytest.raises(ConfigError, match=r"key 'options\.(eta|noise_level)': 0 samples the deterministic"):
+        GroupTrainer(cfg, pipelines.get("safe_diffusion")(cfg))
     with pytest.raises(ConfigError, match="sde_kind 'cps' is a flow-policy step"):
         load_config(write_config(tmp_path, models, **{"options.sde_kind": "cps"}))
     with pytest.raises(ConfigError, match="num_steps must be >= 1"):
