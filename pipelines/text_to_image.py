@@ -1,7 +1,7 @@
-"""Text to image: a flow-matching model (SD3 / SD3.5 style) trained with Flow-GRPO on image rewards.
+"""Text to image: a flow-matching model (SD3 / SD3.5, FLUX.1, Qwen-Image) trained with Flow-GRPO on image rewards.
 
 Each prompt is sampled ``rollout.group_size`` times with the stochastic Flow-GRPO sampler of
-a `mmalign.policies.flow_matching.FlowMatchingPolicy` (SD3 or FLUX.1) (one action = one SDE denoising step), the decoded images are
+a `mmalign.policies.flow_matching.FlowMatchingPolicy` (SD3, FLUX.1 or Qwen-Image) (one action = one SDE denoising step), the decoded images are
 scored by the rewards of the config (``clip_score``, ``preference``, ``aesthetic``,
 ``shapes_compositional``, ...), and the shared `GroupTrainer` turns group-relative advantages into a
 clipped-surrogate update of the transformer (usually its LoRA adapter), with an optional KL to the
@@ -28,12 +28,23 @@ schnell, which has no guidance embedding), so ``train_guidance`` has no effect; 
 (Flux's prompt states are T5's, it is always loaded); ``max_sequence_length`` is the T5 length (default
 512, as diffusers; FLUX.1-schnell was trained with 256);
 ``resolution`` must give an even latent side (resolution / the VAE's factor; 2x2 packing).
+
+Qwen-Image is served by `mmalign.policies.qwen_image.QwenImagePolicy`: `build_flow_policy` picks it before the
+SD3 / FLUX choice when the folder's ``transformer/config.json`` names ``QwenImageTransformer2DModel``, or, for a
+hub id, when the name contains "qwen-image" / "qwen_image" (`is_qwen_image_folder`). Its differences:
+``guidance_scale`` is true CFG with ``negative_prompt`` and the pipeline's per-token norm rescaling;
+``max_sequence_length`` is the Qwen2.5-VL prompt length every prompt is padded to (default 512, at most 1024;
+shorter is cheaper: the padding is masked but still computed); ``load_t5`` is ignored; ``resolution`` (default
+1024) must give an even latent side.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from mmalign.config import Config
 from mmalign.distributed import process_seed
@@ -89,13 +100,14 @@ def flow_options(cfg: Config) -> FlowOptions:
 
 def build_flow_policy(cfg: Config) -> FlowMatchingPolicy:
     """The `SD3Policy` described by `cfg.model` and the `options:` section (`FlowOptions`): a `FluxPolicy`
-    for a FLUX.1 model (see the module docstring for how it is detected and which options it ignores)."""
-    from mmalign.policies.flux import FluxPolicy, flow_policy_class
+    for a FLUX.1 model, a `QwenImagePolicy` for Qwen-Image (see the module docstring for how they are detected
+    and which options they ignore)."""
+    from mmalign.policies.flux import FluxPolicy
 
     opts = flow_options(cfg)
     path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
     seed = process_seed(opts.seed)
-    policy = flow_policy_class(path).from_pretrained(
+    policy = flow_policy_for(path).from_pretrained(
         path,
         dtype=cfg.model.dtype,
         lora=cfg.model.lora,
@@ -114,10 +126,33 @@ def build_flow_policy(cfg: Config) -> FlowMatchingPolicy:
     return policy
 
 
+def flow_policy_for(path: str | Path) -> type[FlowMatchingPolicy]:
+    """The policy class of the model at `path`: `QwenImagePolicy` for a Qwen-Image folder or hub id
+    (`is_qwen_image_folder`), else `mmalign.policies.flux.flow_policy_class` (FLUX.1 or SD3)."""
+    from mmalign.policies.qwen_image_components import is_qwen_image_folder
+
+    if is_qwen_image_folder(path):
+        from mmalign.policies.qwen_image import QwenImagePolicy
+
+        return QwenImagePolicy
+    from mmalign.policies.flux import flow_policy_class
+
+    return flow_policy_class(path)
+
+
+def vae_factor(vae: torch.nn.Module) -> int:
+    """Pixels per latent along a side: ``2 ** len(temperal_downsample)`` for the Wan-style VAEs (Qwen-Image),
+    else ``2 ** (len(block_out_channels) - 1)`` (``AutoencoderKL``)."""
+    cfg = vae.config
+    if getattr(cfg, "temperal_downsample", None) is not None:
+        return 2 ** len(cfg.temperal_downsample)
+    return 2 ** (len(cfg.block_out_channels) - 1)
+
+
 def latent_size_for(policy: FlowMatchingPolicy, resolution: int, source: str = "<config>") -> int:
-    """Latent side for an image of `resolution` pixels: resolution / the VAE's downsampling factor, which
-    must also be a multiple of the transformer's patch size."""
-    factor = 2 ** (len(policy.vae.config.block_out_channels) - 1)
+    """Latent side for an image of `resolution` pixels: resolution / the VAE's downsampling factor
+    (`vae_factor`), which must also be a multiple of the transformer's patch size."""
+    factor = vae_factor(policy.vae)
     patch = int(getattr(policy.model.config, "patch_size", 1) or 1)
     if resolution % (factor * patch):
         raise ValueError(
@@ -129,7 +164,7 @@ def latent_size_for(policy: FlowMatchingPolicy, resolution: int, source: str = "
 
 @register_pipeline("text_to_image", options=FlowOptions)
 def build(cfg: Config) -> Any:
-    """Flow-matching text-to-image model (SD3 style) + image rewards on prompt files (.txt or JSONL)."""
+    """Flow-matching text-to-image model (SD3, FLUX.1 or Qwen-Image) + image rewards on prompt files (.txt or JSONL)."""
     rows = load_prompts(cfg.data.train, cfg.data.prompt_template, cfg.data.max_rows)
     eval_rows = load_prompts(cfg.data.eval, cfg.data.prompt_template) if cfg.data.eval else None
     rewards = RewardSet(cfg.rewards, source=cfg.source)

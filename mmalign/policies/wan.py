@@ -1,13 +1,20 @@
-"""`WanPolicy`: Wan 2.1 / 2.2 video flow-matching models as GRPO policies (text to video and video editing).
+"""`WanPolicy`: Wan 2.1 / 2.2 video flow-matching models as GRPO policies (text to video, image to video and
+video editing).
 
 Only the Wan parts live here: the components (`mmalign.policies.wan_components`), UMT5 prompt states (as
 ``WanPipeline``), video latents [B, C, F, h, w], the transformer call (timestep sigma * num_train_timesteps in
-fp32), the editing conditions (``none``, ``concat``, ``sdedit``, ``vace``: row conditioning stored in the
+fp32), the conditions (``none``, ``concat``, ``sdedit``, ``vace``, ``i2v``: row conditioning stored in the
 payload, so re-scoring sees what sampling saw), Wan2.2's two experts (``transformer`` for high noise,
-``transformer_2`` for low, switched at ``boundary_ratio``; ``train_expert``) and per-path LRU caches of the
-source pixels and latents. Sampling, CFG, steps and the trainable-step rules are
-`mmalign.policies.flow_matching.FlowMatchingPolicy`'s. docs/video.md describes the conditions and experts;
-docs/algorithms.md the math.
+``transformer_2`` for low, switched at ``boundary_ratio``; ``train_expert``), the folder's own UniPC scheduler
+for deterministic sampling (`uses_ode_scheduler`) and per-path LRU caches of the source pixels and latents.
+Sampling, CFG, steps and the trainable-step rules are `mmalign.policies.flow_matching.FlowMatchingPolicy`'s.
+docs/video.md describes the conditions and experts; docs/algorithms.md the math.
+
+``i2v`` (``WanImageToVideoPipeline``): each row's ``image`` column (an image file, or a clip whose first frame
+is taken) is the first frame; ``image_latents`` (the first-frame mask and the VAE latents of the frame followed
+by black frames, `wan_components.i2v_condition`) are concatenated to the noisy latents on the channels, and a
+folder with a CLIP image encoder (Wan2.1 I2V) adds ``image_embeds`` (`wan_components.encode_image`), the
+transformer's ``encoder_hidden_states_image``. Both are the same in the CFG negative branch, as in the pipeline.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from mmalign.policies.wan_components import (
     WAN_MAX_SEQUENCE_LENGTH,
     WanComponents,
     decode_video,
+    encode_image,
     encode_video,
+    i2v_condition,
     latent_frames,
     vace_control_tensor,
     vae_factors,
@@ -45,7 +54,7 @@ __all__ = [
     "WanPolicy",
 ]
 
-CONDITIONS = ("none", "concat", "sdedit", "vace")
+CONDITIONS = ("none", "concat", "sdedit", "vace", "i2v")
 """What conditions the video besides the prompt (see the module docstring)."""
 TRAIN_EXPERTS = ("high", "low", "both")
 """Which expert of a two-expert model trains."""
@@ -112,6 +121,7 @@ class WanExperts(torch.nn.Module):
         encoder_hidden_states: Tensor,
         control_hidden_states: Tensor | None = None,
         control_hidden_states_scale: Tensor | None = None,
+        encoder_hidden_states_image: Tensor | None = None,
         return_dict: bool = False,
     ) -> tuple[Tensor]:
         """(output Float[B, ...],): each sample's prediction from the expert `expert` names."""
@@ -128,6 +138,8 @@ class WanExperts(torch.nn.Module):
         }
         if control_hidden_states is not None:
             batched["control_hidden_states"] = control_hidden_states
+        if encoder_hidden_states_image is not None:
+            batched["encoder_hidden_states_image"] = encoder_hidden_states_image
         out: Tensor | None = None
         for e, module in enumerate(self.experts()):
             idx = (expert == e).nonzero().flatten()
@@ -161,9 +173,10 @@ class WanPolicy(FlowMatchingPolicy):
 
     components: WanComponents
     conditioning_keys = ("prompt_embeds",)
-    schedule_keys = ("sigmas", "sigmas_next", "sigma_max_fallback", "expert")
     constructor_takes_parts = True
     lora_targets = WAN_LORA_TARGETS
+    SCHEDULE_KEYS = ("sigmas", "sigmas_next", "sigma_max_fallback", "expert")
+    """`schedule`'s keys; deterministic sampling with the folder's UniPC scheduler adds ``timesteps``."""
 
     def __init__(
         self,
@@ -185,12 +198,16 @@ class WanPolicy(FlowMatchingPolicy):
         sdedit_strength: float = 0.8,
         conditioning_scale: float = 1.0,
         num_reference_frames: int = 0,
+        ode_scheduler: Any = None,
+        image_encoder: torch.nn.Module | None = None,
+        image_processor: Any = None,
         need_reference: bool = False,
         lora: bool = False,
         **sampler_kwargs: Any,
     ) -> None:
         """The parts of a Wan folder (`WanComponents`; `transformer_2` and `boundary_ratio` for Wan2.2's two
-        experts). ``num_frames`` x ``height`` x ``width``: the video size in pixels (``WanPipeline``'s
+        experts, `ode_scheduler` for deterministic sampling, `image_encoder` / `image_processor` for Wan2.1
+        image to video). ``num_frames`` x ``height`` x ``width``: the video size in pixels (``WanPipeline``'s
         defaults); ``condition`` and its options as in the module docstring; `lora`: the trained expert(s)
         already carry an adapter. Sampler settings as `FlowMatchingPolicy`."""
         self._check_options(
@@ -207,12 +224,16 @@ class WanPolicy(FlowMatchingPolicy):
         self.max_sequence_length = max_sequence_length
         self.num_frames, self.height, self.width = int(num_frames), int(height), int(width)
         self.transformer, self.transformer_2 = transformer, transformer_2
+        self.image_encoder, self.image_processor = image_encoder, image_processor
         self._check_model(vae)
-        self.row_conditioning_keys = {"concat": ("source_latents",), "vace": ("control_latents",)}.get(
-            condition, ()
-        )
+        self.row_conditioning_keys = {
+            "concat": ("source_latents",),
+            "vace": ("control_latents",),
+            "i2v": ("image_latents", "image_embeds") if self._takes_image_embeds() else ("image_latents",),
+        }.get(condition, ())
         self._pixels: _LRU = _LRU(PIXEL_CACHE_BYTES)
         self._latents: _LRU = _LRU(LATENT_CACHE_BYTES)
+        self._ode_run: Any = None
         components = WanComponents(
             transformer,
             vae,
@@ -221,6 +242,9 @@ class WanPolicy(FlowMatchingPolicy):
             tokenizer,
             transformer_2=transformer_2,
             boundary_ratio=boundary_ratio,
+            ode_scheduler=ode_scheduler,
+            image_encoder=image_encoder,
+            image_processor=image_processor,
         )
         # a frozen expert is its own reference: copy only the trained one (a 14B expert is 28 GB in bf16)
         share = transformer_2 is not None and train_expert != "both" and need_reference and not lora
@@ -302,12 +326,31 @@ class WanPolicy(FlowMatchingPolicy):
             )
 
     def _check_model(self, vae: torch.nn.Module) -> None:
-        """Check the experts against the condition and the VAE, set the VAE factors, check the video size."""
+        """Set the VAE factors, check the experts against the condition and the VAE, check the video size."""
+        self.temporal_factor, self.spatial_factor = vae_factors(vae)
         self._check_architecture(self.transformer, vae)
         if self.transformer_2 is not None:
             self._check_architecture(self.transformer_2, vae)
-        self.temporal_factor, self.spatial_factor = vae_factors(vae)
         self._check_size(self.transformer)
+        self._check_image_encoder()
+
+    def _takes_image_embeds(self) -> bool:
+        """Whether the transformer takes CLIP image states (``image_dim`` set: Wan2.1 image to video)."""
+        return self.condition == "i2v" and getattr(self.transformer.config, "image_dim", None) is not None
+
+    def _check_image_encoder(self) -> None:
+        if self._takes_image_embeds():
+            if self.image_encoder is None:
+                raise ValueError(
+                    "transformer/config.json sets image_dim (a Wan2.1 image-to-video transformer): the folder needs "
+                    "image_encoder/ and image_processor/ (CLIPVisionModel, CLIPImageProcessor)"
+                )
+            if self.max_sequence_length != WAN_MAX_SEQUENCE_LENGTH:
+                raise ValueError(
+                    f"max_sequence_length must be {WAN_MAX_SEQUENCE_LENGTH} for a transformer with image_dim: "
+                    "diffusers' Wan attention splits image and text tokens assuming 512 text tokens; got "
+                    f"{self.max_sequence_length}"
+                )
 
     def _check_architecture(self, transformer: torch.nn.Module, vae: torch.nn.Module) -> None:
         cfg, z = transformer.config, int(vae.config.z_dim)
@@ -318,12 +361,17 @@ class WanPolicy(FlowMatchingPolicy):
                 "WanVACETransformer3DModel (transformer/config.json _class_name) and a VACE transformer needs "
                 "condition: vace"
             )
-        want = 2 * z if self.condition == "concat" else z
+        extra = {"concat": z, "i2v": z + self.temporal_factor}.get(self.condition, 0)
+        want = z + extra
         if int(cfg.in_channels) != want:
+            why = {
+                "concat": " (noisy latents and source latents concatenated)",
+                "i2v": f" (noisy latents, the {self.temporal_factor}-channel first-frame mask and the image "
+                "latents; Wan2.2 TI2V-5B's first-frame replacement is not supported)",
+            }.get(self.condition, "")
             raise ValueError(
                 f"transformer/config.json in_channels={cfg.in_channels}, but condition {self.condition!r} with "
-                f"the VAE's z_dim={z} needs {want}"
-                + (" (noisy latents and source latents concatenated)" if self.condition == "concat" else "")
+                f"the VAE's z_dim={z} needs {want}{why}"
             )
         if int(cfg.out_channels or cfg.in_channels) != z:
             raise ValueError(f"transformer/config.json out_channels={cfg.out_channels}, expected z_dim={z}")
@@ -390,9 +438,38 @@ class WanPolicy(FlowMatchingPolicy):
         s = self.spatial_factor
         return (int(self.vae.config.z_dim), self.latent_frames(), self.height // s, self.width // s)
 
+    def uses_ode_scheduler(self) -> bool:
+        """Whether rollouts step with the folder's own scheduler (UniPC, ``components.ode_scheduler``): the
+        sampler is deterministic (``noise_level`` 0: `mmalign sample` / `mmalign eval`), the folder ships one
+        and the condition is not ``sdedit`` (whose truncated schedule is Euler's). Its sigmas, integer timesteps
+        and multistep updates are then ``WanPipeline``'s; training steps always use the Euler / SDE schedule."""
+        return (
+            self.components.ode_scheduler is not None
+            and self.sampler.deterministic
+            and self.condition != "sdedit"
+        )
+
+    @property
+    def schedule_keys(self) -> tuple[str, ...]:  # type: ignore[override]
+        """`SCHEDULE_KEYS`, plus ``timesteps`` while `uses_ode_scheduler`."""
+        return (*self.SCHEDULE_KEYS, "timesteps") if self.uses_ode_scheduler() else self.SCHEDULE_KEYS
+
+    def _fresh_ode_scheduler(self) -> Any:
+        """A copy of ``components.ode_scheduler`` with ``set_timesteps(num_steps)`` done (its multistep state
+        fresh), on the policy's device."""
+        sched = copy.deepcopy(self.components.ode_scheduler)
+        sched.set_timesteps(self.num_steps, device=self.device)
+        return sched
+
     def _full_schedule(self) -> tuple[Tensor, Tensor]:
         """(sigmas Float[num_steps + 1], timesteps Float[num_steps]) of ``set_timesteps(num_steps)``, fp32 on
-        the CPU, as ``WanPipeline`` sets them."""
+        the CPU, as ``WanPipeline`` sets them: of the flow-matching Euler scheduler, or of the folder's own
+        (UniPC: timesteps are integers) while `uses_ode_scheduler`."""
+        if self.uses_ode_scheduler():
+            ode = self._fresh_ode_scheduler()
+            return ode.sigmas.detach().to("cpu", torch.float32), ode.timesteps.detach().to(
+                "cpu", torch.float32
+            )
         sig = self.full_sigmas()
         return sig, self.scheduler.timesteps.detach().to("cpu", torch.float32)
 
@@ -424,8 +501,28 @@ class WanPolicy(FlowMatchingPolicy):
         return (t < self.boundary_ratio * self.scheduler.config.num_train_timesteps).long()
 
     def schedule(self) -> dict[str, Tensor]:
-        """`FlowMatchingPolicy.schedule` plus the expert of every step."""
-        return {**super().schedule(), "expert": self._step_experts()}
+        """`FlowMatchingPolicy.schedule` plus the expert of every step (and, while `uses_ode_scheduler`, the
+        folder scheduler's timesteps, which the transformer is called at)."""
+        table = {**super().schedule(), "expert": self._step_experts()}
+        if self.uses_ode_scheduler():
+            table["timesteps"] = self._run_schedule()[1]
+        return table
+
+    def ode_step(self, prediction: Tensor, latents: Tensor, sched: dict[str, Tensor]) -> Tensor:
+        """The Euler step; while `uses_ode_scheduler` the folder scheduler's (UniPC's multistep) update of step
+        ``sched["step_index"]``, its state started afresh at step 0 of each rollout."""
+        if not self.uses_ode_scheduler():
+            return super().ode_step(prediction, latents, sched)
+        i = int(sched["step_index"][0])
+        if i == 0:
+            self._ode_run = self._fresh_ode_scheduler()
+        run = self._ode_run
+        if run is None or (run.step_index or 0) != i:
+            raise RuntimeError(
+                f"the deterministic sampler steps in order from step 0; got step {i} after "
+                f"{None if run is None else run.step_index}"
+            )
+        return run.step(prediction, run.timesteps[i], latents, return_dict=False)[0]
 
     # ------------------------------------------------------------------ rows: sources, masks, references
     def _column(self, columns: dict[str, list[Any]], key: str, b: int) -> list[Any]:
@@ -527,8 +624,67 @@ class WanPolicy(FlowMatchingPolicy):
         return torch.stack(rows).to(self.device)
 
     # ------------------------------------------------------------------ rollout hooks
+    def _first_frame(self, path: Any) -> Tensor:
+        """Float[3, H, W] in [0, 1] of a row's ``image`` at the policy's size: an image file (``.png`` ...) or
+        the first frame of anything `mmalign.media.read_video` reads, resized as it resizes."""
+        from mmalign.media import IMAGE_SUFFIXES, load_rgb, read_video
+
+        def make() -> Tensor:
+            p = Path(path)
+            if p.suffix.lower() in IMAGE_SUFFIXES:
+                import numpy as np
+
+                arr = torch.from_numpy(np.array(load_rgb(p))).permute(2, 0, 1).float() / 255.0
+                frame = arr[None]
+            else:
+                frame = read_video(p)[:1]
+            if tuple(frame.shape[-2:]) != (self.height, self.width):
+                frame = torch.nn.functional.interpolate(
+                    frame,
+                    size=(self.height, self.width),
+                    mode="bilinear",
+                    align_corners=False,
+                    antialias=True,
+                ).clamp(0, 1)
+            return frame[0]
+
+        return self._pixels.get_or(("image", str(path)), make)
+
+    def first_frames(self, columns: dict[str, list[Any]], b: int) -> Tensor:
+        """Float[B, 3, H, W] in [0, 1]: the rows' ``image`` (the first frame of image to video)."""
+        paths = self._column(columns, "image", b)
+        if any(p is None for p in paths):
+            raise ValueError(
+                "condition 'i2v' needs an image in every row (column 'image': an image file, or a clip whose "
+                "first frame is used)"
+            )
+        return torch.stack([self._first_frame(p) for p in paths])
+
+    def image_conditioning(self, columns: dict[str, list[Any]], b: int) -> dict[str, Tensor]:
+        """``image_latents`` Float[B, t + z, F_lat, h, w] (`wan_components.i2v_condition`) and, for a transformer
+        with ``image_dim``, ``image_embeds`` Float[B, N, D] (`wan_components.encode_image`), cached per image."""
+        paths = [str(p) for p in self._column(columns, "image", b)]
+        frames = self.first_frames(columns, b)
+        out: dict[str, list[Tensor]] = {"image_latents": [], "image_embeds": []}
+        for path, frame in zip(paths, frames, strict=True):
+            out["image_latents"].append(
+                self._latents.get_or(
+                    ("i2v", path, self.num_frames),
+                    lambda f=frame: i2v_condition(self.vae, f[None], self.num_frames)[0],
+                )
+            )
+            if self._takes_image_embeds():
+                out["image_embeds"].append(
+                    self._latents.get_or(
+                        ("clip", path),
+                        lambda f=frame: encode_image(self.image_encoder, self.image_processor, f[None])[0],
+                    )
+                )
+        return {k: torch.stack(v).to(self.device) for k, v in out.items() if v}
+
     def row_conditioning(self, columns: dict[str, list[Any]], group: Tensor) -> dict[str, Tensor]:
-        """``source_latents`` (concat) or ``control_latents`` (vace) of every sample; nothing otherwise."""
+        """``source_latents`` (concat), ``control_latents`` (vace) or ``image_latents`` (+ ``image_embeds``;
+        i2v) of every sample; nothing otherwise."""
         b = int(group.shape[0])
         refs = self._column(columns, "reference_frames", b)
         if self.condition != "vace" and any(r is not None and len(r) for r in refs):
@@ -539,6 +695,8 @@ class WanPolicy(FlowMatchingPolicy):
             return {"source_latents": self.source_latents(columns, b)}
         if self.condition == "vace":
             return {"control_latents": self.control_latents(columns, b)}
+        if self.condition == "i2v":
+            return self.image_conditioning(columns, b)
         return {}
 
     def initial_latents(
@@ -573,15 +731,24 @@ class WanPolicy(FlowMatchingPolicy):
     def velocity(
         self, model: torch.nn.Module, latents: Tensor, sched: dict[str, Tensor], cond: dict[str, Tensor]
     ) -> Tensor:
-        """One transformer call with the source latents concatenated on the channels (concat) or the control
-        tensor (vace); two experts: each sample's step expert. An ``expand_timesteps`` folder (TI2V-5B) gets
-        one timestep per sample (text to video; its image conditioning is not supported)."""
+        """One transformer call with the source latents (concat) or the image latents (i2v) concatenated on the
+        channels, the control tensor (vace) or the CLIP image states (i2v with ``image_dim``); two experts: each
+        sample's step expert. The timestep is sigma * num_train_timesteps (fp32), or the folder scheduler's
+        integer timestep while `uses_ode_scheduler`. An ``expand_timesteps`` folder (TI2V-5B) gets one timestep
+        per sample (text to video; its image conditioning is not supported)."""
         dtype = next(model.parameters()).dtype
-        t = sched["sigmas"] * float(self.scheduler.config.num_train_timesteps)
+        if "timesteps" in sched:
+            t = sched["timesteps"]
+        else:
+            t = sched["sigmas"] * float(self.scheduler.config.num_train_timesteps)
         x = latents
         if self.condition == "concat":
             x = torch.cat([x, cond["source_latents"].to(x)], dim=1)
+        if self.condition == "i2v":
+            x = torch.cat([x, cond["image_latents"].to(x)], dim=1)
         kw: dict[str, Any] = {}
+        if "image_embeds" in cond:
+            kw["encoder_hidden_states_image"] = cond["image_embeds"].to(dtype)
         if self.condition == "vace":
             n_layers = len(self.transformer.config.vace_layers)
             kw["control_hidden_states"] = cond["control_latents"].to(dtype)

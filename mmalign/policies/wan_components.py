@@ -7,13 +7,26 @@ optional ``transformer_2/`` (Wan2.2 A14B: the low-noise expert; ``model_index.js
 and ``tokenizer/``. `load_wan_components` reads it with ``from_pretrained`` per component (a local folder or a
 hub id); `WanComponents.save_pretrained` writes it (``WanPipeline.from_pretrained`` loads the result).
 
-**Scheduler.** The policies sample with diffusers' ``FlowMatchEulerDiscreteScheduler`` sigmas (Euler /
+**Scheduler.** The policies train with diffusers' ``FlowMatchEulerDiscreteScheduler`` sigmas (Euler /
 flow-SDE steps of `mmalign.sde`). Real Wan checkpoints ship a ``UniPCMultistepScheduler`` with
 ``use_flow_sigmas`` and a ``flow_shift`` (3.0 at 480p, 5.0 at 720p); `load_wan_components` then builds
-``FlowMatchEulerDiscreteScheduler(num_train_timesteps=..., shift=flow_shift)`` instead -- the same shifted
-flow sigmas, stepped by Euler rather than UniPC's multistep corrector -- and `WanComponents.save_pretrained`
-writes that flow-matching scheduler (so a saved policy samples in diffusers exactly as it trained). A folder
-whose scheduler is already a ``FlowMatchEulerDiscreteScheduler`` is used as is.
+``FlowMatchEulerDiscreteScheduler(num_train_timesteps=..., shift=flow_shift)`` for the SDE (the same shift
+of the flow sigmas, stepped by Euler / the flow SDE rather than UniPC's multistep corrector) and keeps the
+folder's own scheduler as ``ode_scheduler``: deterministic sampling (``noise_level`` 0: `mmalign sample`,
+`mmalign eval`) steps with it, its timesteps and sigmas, as ``WanPipeline`` does. `WanComponents.save_pretrained`
+writes the folder's own scheduler back (``ode_scheduler`` when there is one), so a saved policy is a stock
+Wan folder. A folder whose scheduler is already a ``FlowMatchEulerDiscreteScheduler`` is used for both.
+
+**Image to video** (``WanImageToVideoPipeline``; `i2v_condition`, `encode_image`): the first frame, followed
+by F - 1 black frames, is encoded by the VAE as one clip (normalised latents) and preceded on the channels by
+a mask with one channel per frame of a latent frame's group (``scale_factor_temporal`` channels: 1 on the first
+pixel frame, which the VAE keeps alone, repeated to fill its group, 0 on every later frame); the
+transformer sees ``[noisy latents, mask, image latents]`` (``in_channels`` = 2 z_dim + temporal factor, 36 for
+Wan2.1 / Wan2.2 I2V). A Wan2.1 I2V folder adds ``image_encoder/`` (``CLIPVisionModel``) and
+``image_processor/`` (``CLIPImageProcessor``): the penultimate hidden states of the processed first frame go to
+the transformer as ``encoder_hidden_states_image`` (its ``image_dim`` is set). Wan2.2 I2V A14B has no image
+encoder (two experts instead); Wan2.2 TI2V-5B's first-frame replacement (``expand_timesteps``) is not
+supported.
 
 **Prompt encoding** (`encode_prompt`): exactly diffusers' ``WanPipeline._get_t5_prompt_embeds``: each prompt
 cleaned (``prompt_clean``: ftfy when installed, HTML unescaping, whitespace collapsing), tokenized to
@@ -52,13 +65,18 @@ __all__ = [
     "WAN_MAX_SEQUENCE_LENGTH",
     "WanComponents",
     "decode_video",
+    "encode_image",
     "encode_prompt",
     "encode_video",
     "flow_scheduler",
+    "i2v_condition",
+    "i2v_mask",
     "latent_frames",
     "latent_stats",
     "letterbox_reference",
     "load_wan_components",
+    "ode_scheduler",
+    "prompt_states",
     "vace_control_tensor",
     "vace_mask_channels",
     "vae_factors",
@@ -71,7 +89,9 @@ WAN_MAX_SEQUENCE_LENGTH = 512
 @dataclass
 class WanComponents:
     """The loaded pieces of a Wan folder. ``transformer_2`` (the Wan2.2 low-noise expert) and
-    ``boundary_ratio`` (where the experts switch) come together or not at all."""
+    ``boundary_ratio`` (where the experts switch) come together or not at all; ``ode_scheduler`` is the
+    folder's own scheduler when it is not the flow-matching Euler one (UniPC: deterministic sampling);
+    ``image_encoder`` / ``image_processor`` the CLIP vision tower of a Wan2.1 image-to-video folder."""
 
     transformer: torch.nn.Module
     vae: torch.nn.Module
@@ -80,6 +100,9 @@ class WanComponents:
     tokenizer: Any
     transformer_2: torch.nn.Module | None = None
     boundary_ratio: float | None = None
+    ode_scheduler: Any = None
+    image_encoder: torch.nn.Module | None = None
+    image_processor: Any = None
 
     def __post_init__(self) -> None:
         if (self.transformer_2 is None) != (self.boundary_ratio is None):
@@ -90,15 +113,26 @@ class WanComponents:
             )
         if self.boundary_ratio is not None and not 0 < self.boundary_ratio < 1:
             raise ValueError(f"boundary_ratio must be in (0, 1), got {self.boundary_ratio}")
+        if (self.image_encoder is None) != (self.image_processor is None):
+            raise ValueError(
+                "image_encoder and image_processor go together (a Wan2.1 image-to-video folder holds both)"
+            )
 
     def text_encoders(self) -> list[torch.nn.Module]:
-        """The UMT5 text encoder (the one there is)."""
-        return [self.text_encoder]
+        """The frozen encoders: UMT5, and the CLIP image encoder of an image-to-video folder."""
+        return [self.text_encoder] + ([self.image_encoder] if self.image_encoder is not None else [])
 
     @property
     def is_vace(self) -> bool:
         """True when the transformer is a ``WanVACETransformer3DModel`` (it takes a control tensor)."""
         return hasattr(self.transformer.config, "vace_layers")
+
+    @property
+    def is_i2v(self) -> bool:
+        """True when the transformer takes image-to-video conditioning: ``in_channels`` = 2 z_dim + the VAE's
+        temporal factor (noisy latents, the first-frame mask, the image latents)."""
+        z = int(self.vae.config.z_dim)
+        return int(self.transformer.config.in_channels) == 2 * z + vae_factors(self.vae)[0]
 
     def encode_prompt(
         self, prompts: list[str], device: torch.device | str = "cpu", *, max_sequence_length: int
@@ -114,9 +148,10 @@ class WanComponents:
         transformer_2: torch.nn.Module | None = None,
     ) -> None:
         """Write every component to its subfolder of `path` and a diffusers ``model_index.json``
-        (``WanVACEPipeline`` for a VACE transformer, else ``WanPipeline``; ``boundary_ratio`` and
-        ``transformer_2`` as ``[null, null]`` when there is one expert). `transformer` / `transformer_2`
-        override the experts saved (merged LoRA copies)."""
+        (``WanVACEPipeline`` for a VACE transformer, ``WanImageToVideoPipeline`` for an image-to-video one, else
+        ``WanPipeline``; ``boundary_ratio`` and ``transformer_2`` as ``[null, null]`` when there is one
+        expert). The scheduler written is the folder's own (``ode_scheduler`` when set). `transformer` /
+        `transformer_2` override the experts saved (merged LoRA copies)."""
         import diffusers
 
         path = Path(path)
@@ -127,9 +162,13 @@ class WanComponents:
         if t2 is not None:
             t2.save_pretrained(path / "transformer_2")
         self.vae.save_pretrained(path / "vae")
-        self.scheduler.save_pretrained(path / "scheduler")
+        scheduler = self.ode_scheduler if self.ode_scheduler is not None else self.scheduler
+        scheduler.save_pretrained(path / "scheduler")
         self.text_encoder.save_pretrained(path / "text_encoder")
         self.tokenizer.save_pretrained(path / "tokenizer")
+        if self.image_encoder is not None:
+            self.image_encoder.save_pretrained(path / "image_encoder")
+            self.image_processor.save_pretrained(path / "image_processor")
 
         def entry(part: Any) -> list[str | None]:
             if part is None:
@@ -137,17 +176,23 @@ class WanComponents:
             lib = "diffusers" if type(part).__module__.startswith("diffusers") else "transformers"
             return [lib, type(part).__name__]
 
+        name = (
+            "WanVACEPipeline" if self.is_vace else "WanImageToVideoPipeline" if self.is_i2v else "WanPipeline"
+        )
         index: dict[str, Any] = {
-            "_class_name": "WanVACEPipeline" if self.is_vace else "WanPipeline",
+            "_class_name": name,
             "_diffusers_version": diffusers.__version__,
             "boundary_ratio": self.boundary_ratio,
-            "scheduler": entry(self.scheduler),
+            "scheduler": entry(scheduler),
             "text_encoder": entry(self.text_encoder),
             "tokenizer": entry(self.tokenizer),
             "transformer": entry(t1),
             "transformer_2": entry(t2),
             "vae": entry(self.vae),
         }
+        if self.is_i2v:
+            index["image_encoder"] = entry(self.image_encoder)
+            index["image_processor"] = entry(self.image_processor)
         if not self.is_vace:
             index["expand_timesteps"] = False
         (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -188,6 +233,21 @@ def flow_scheduler(path: str) -> Any:
     )
 
 
+def ode_scheduler(path: str) -> Any:
+    """The folder's own scheduler when it is not a ``FlowMatchEulerDiscreteScheduler`` (a real Wan folder's
+    ``UniPCMultistepScheduler``: what deterministic sampling steps with), loaded by the diffusers class its
+    ``scheduler_config.json`` names; None for a flow-matching Euler folder."""
+    import diffusers
+
+    name = _load_config(path, "scheduler").get("_class_name", "")
+    if name in ("", "FlowMatchEulerDiscreteScheduler"):
+        return None
+    cls = getattr(diffusers, name, None)
+    if cls is None or not hasattr(cls, "step"):
+        raise ValueError(f"{path}/scheduler/scheduler_config.json: unknown scheduler class {name!r}")
+    return cls.from_pretrained(path, subfolder="scheduler")
+
+
 def _transformer_class(path: str, subfolder: str) -> Any:
     from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 
@@ -207,10 +267,12 @@ def _transformer_class(path: str, subfolder: str) -> Any:
 def load_wan_components(path: str | Path, *, dtype: torch.dtype = torch.float32) -> WanComponents:
     """Load a Wan pipeline folder (or hub id) `path` component by component with ``from_pretrained``: the
     transformer class from ``transformer/config.json``, ``transformer_2/`` and ``boundary_ratio`` from
-    ``model_index.json`` when present, the scheduler through `flow_scheduler`. The VAE is loaded in fp32
-    (as diffusers' Wan examples do; its decode is sensitive to bf16) unless `dtype` is fp32 anyway."""
+    ``model_index.json`` when present, the scheduler through `flow_scheduler` (and the folder's own through
+    `ode_scheduler`), ``image_encoder/`` and ``image_processor/`` when ``model_index.json`` names them. The VAE
+    and the image encoder are loaded in fp32 (as diffusers' Wan examples do; the VAE's decode is sensitive to
+    bf16)."""
     from diffusers import AutoencoderKLWan
-    from transformers import AutoTokenizer, UMT5EncoderModel
+    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
     path = str(path)
     index = _load_config(path)
@@ -224,6 +286,12 @@ def load_wan_components(path: str | Path, *, dtype: torch.dtype = torch.float32)
         transformer_2 = _transformer_class(path, "transformer_2").from_pretrained(
             path, subfolder="transformer_2", torch_dtype=dtype
         )
+    enc_entry = index.get("image_encoder")
+    has_image_encoder = isinstance(enc_entry, list | tuple) and enc_entry[0] is not None
+    image_encoder = image_processor = None
+    if has_image_encoder:
+        image_encoder = CLIPVisionModel.from_pretrained(path, subfolder="image_encoder", dtype=torch.float32)
+        image_processor = CLIPImageProcessor.from_pretrained(path, subfolder="image_processor")
     return WanComponents(
         transformer=_transformer_class(path, "transformer").from_pretrained(
             path, subfolder="transformer", torch_dtype=dtype
@@ -234,6 +302,9 @@ def load_wan_components(path: str | Path, *, dtype: torch.dtype = torch.float32)
         tokenizer=AutoTokenizer.from_pretrained(path, subfolder="tokenizer"),
         transformer_2=transformer_2,
         boundary_ratio=float(boundary) if has_t2 else None,
+        ode_scheduler=ode_scheduler(path),
+        image_encoder=image_encoder,
+        image_processor=image_processor,
     )
 
 
@@ -262,7 +333,13 @@ def encode_prompt(
         return_attention_mask=True,
         return_tensors="pt",
     )
-    ids, mask = tok.input_ids.to(device), tok.attention_mask.to(device)
+    return prompt_states(text_encoder, tok.input_ids.to(device), tok.attention_mask.to(device))
+
+
+def prompt_states(text_encoder: torch.nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
+    """Float[B, L, D]: UMT5's ``last_hidden_state`` of token ids Long[B, L] under their attention mask, zeros
+    beyond each sequence's token count (the second half of `encode_prompt`; runs in the caller's grad mode, so
+    a builder can train the text encoder through it)."""
     lens = mask.gt(0).sum(dim=1).long()
     states = text_encoder(ids, mask).last_hidden_state
     pad = torch.arange(states.shape[1], device=states.device)[None, :] >= lens[:, None]
@@ -337,6 +414,47 @@ def decode_video(vae: torch.nn.Module, latents: Tensor) -> Tensor:
     z = latents.to(dev, dtype) / (1.0 / std).to(dtype) + mean.to(dtype)
     video = vae.decode(z, return_dict=False)[0].float()
     return (video / 2 + 0.5).clamp(0, 1).movedim(1, 2).cpu()
+
+
+# ----------------------------------------------------------------------------- image to video
+
+
+def i2v_mask(batch: int, num_frames: int, temporal: int, height: int, width: int) -> Tensor:
+    """Float[B, temporal, F_lat, h, w]: ``WanImageToVideoPipeline.prepare_latents``' first-frame mask at latent
+    size h x w -- 1 for pixel frame 0 (repeated `temporal` times, since the causal VAE keeps it alone in its
+    latent frame), 0 for frames 1..F-1, regrouped so that channel k of latent frame j is pixel frame
+    ``j * temporal + k`` of that padded sequence."""
+    f_lat = latent_frames(num_frames, temporal)
+    m = torch.zeros(batch, 1, num_frames, height, width)
+    m[:, :, 0] = 1
+    m = torch.cat([m[:, :, :1].repeat_interleave(temporal, dim=2), m[:, :, 1:]], dim=2)
+    return m.view(batch, f_lat, temporal, height, width).transpose(1, 2)
+
+
+@torch.no_grad()
+def i2v_condition(vae: torch.nn.Module, images: Tensor, num_frames: int) -> Tensor:
+    """Float[B, temporal + z, F_lat, h, w] (fp32): the image-to-video conditioning of first frames
+    Float[B, 3, H, W] in [0, 1] -- `i2v_mask`, then the normalised VAE latents of each image followed by
+    ``num_frames - 1`` zero frames ([-1, 1] pixels), encoded as one clip (see the module docstring)."""
+    b, _, h, w = images.shape
+    temporal, spatial = vae_factors(vae)
+    dev = next(vae.parameters()).device
+    first = (images.float() * 2 - 1).to(dev)[:, :, None]
+    clip = torch.cat([first, first.new_zeros(b, 3, num_frames - 1, h, w)], dim=2)
+    latents = torch.cat([_encode_raw(vae, clip[i : i + 1]) for i in range(b)])
+    mask = i2v_mask(b, num_frames, temporal, h // spatial, w // spatial).to(latents)
+    return torch.cat([mask, latents], dim=1)
+
+
+@torch.no_grad()
+def encode_image(image_encoder: torch.nn.Module, image_processor: Any, images: Tensor) -> Tensor:
+    """Float[B, N, D] (fp32): ``WanImageToVideoPipeline.encode_image`` -- the penultimate hidden states of the
+    CLIP vision tower on `image_processor`'s input of images Float[B, 3, H, W] in [0, 1] (handed over as uint8
+    arrays, as a PIL image of the same pixels would be)."""
+    arrays = [(im.permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy() for im in images]
+    dev = next(image_encoder.parameters()).device
+    inputs = image_processor(images=arrays, return_tensors="pt").to(dev)
+    return image_encoder(**inputs, output_hidden_states=True).hidden_states[-2].float()
 
 
 # ----------------------------------------------------------------------------- VACE

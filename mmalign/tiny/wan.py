@@ -21,7 +21,15 @@ Builders registered in `mmalign.tiny.BUILDERS`:
   ``vace_in_channels`` = 2 z_dim + s^2 (s = the VAE's spatial factor: 4 + 4 + 16 = 24).
 - ``wan22_tiny``: Wan2.2 A14B style: two experts (``transformer`` high noise, ``transformer_2`` low noise,
   ``boundary_ratio`` 0.875) and, like the real folders, a ``UniPCMultistepScheduler`` with ``flow_shift``
-  (which the loader turns into a flow-matching Euler scheduler).
+  (which the loader turns into a flow-matching Euler scheduler for the SDE, keeping UniPC for the ODE).
+- ``wan_i2v_tiny``: Wan2.1 I2V style image to video: in_channels = 2 z_dim + 2 (noisy latents, the 2-channel
+  first-frame mask of the temporal factor 2, the image latents), a tiny ``CLIPVisionModel`` (2 layers of width
+  16 on 32 x 32 images, patch 8) with its ``CLIPImageProcessor`` whose penultimate states the transformer takes
+  (``image_dim`` 16, ``added_kv_proj_dim`` its width), and a UniPC scheduler as the real folder ships.
+
+`build_tiny_wan`'s ``scheduler`` chooses ``euler`` (``FlowMatchEulerDiscreteScheduler``, shift 3) or ``unipc``
+(``UniPCMultistepScheduler`` with flow sigmas and ``flow_shift`` 3, as real Wan folders); the default is UniPC for
+two experts and image to video, Euler otherwise.
 
 `fit_video_vae` fits the tiny VAE to a set of clips (the builders of `mmalign.tiny.video_edit` and
 `mmalign.tiny.video_geometry` start from a random one) and `set_latent_stats` sets its ``latents_mean`` /
@@ -41,16 +49,19 @@ from mmalign.tiny import BUILDERS, progress_bar
 
 __all__ = [
     "CONDITIONS",
+    "SCHEDULERS",
     "build_tiny_wan",
     "fit_video_vae",
     "fitted_tiny_wan",
     "set_latent_stats",
+    "tiny_clip_vision",
     "tiny_umt5",
     "tiny_wan_transformer",
 ]
 
-CONDITIONS = ("none", "concat", "vace")
+CONDITIONS = ("none", "concat", "vace", "i2v")
 """What the tiny transformer is built for (``none``: text to video, also what SDEdit uses)."""
+SCHEDULERS = ("euler", "unipc")
 
 
 def tiny_umt5(
@@ -75,6 +86,27 @@ def tiny_umt5(
     )
 
 
+def tiny_clip_vision(hidden: int = 16, image_size: int = 32, patch: int = 8) -> tuple[Any, Any]:
+    """(a random two-layer ``CLIPVisionModel`` of width `hidden`, its ``CLIPImageProcessor`` at `image_size`)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    model = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=image_size,
+            patch_size=patch,
+            projection_dim=hidden,
+        )
+    )
+    processor = CLIPImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    return model, processor
+
+
 def build_tiny_wan(
     path: str | Path,
     *,
@@ -84,11 +116,15 @@ def build_tiny_wan(
     z_dim: int = 4,
     text_hidden: int = 16,
     num_layers: int = 2,
+    scheduler: str | None = None,
+    image_encoder: bool = True,
     seed: int = 0,
 ) -> Path:
     """Write a tiny Wan folder at `path` (see the module docstring). `condition`: ``none``, ``concat``
-    (in_channels doubled) or ``vace`` (a VACE transformer); `two_experts`: add ``transformer_2`` (same
-    architecture, other weights) and ``boundary_ratio``, with a UniPC flow scheduler as Wan2.2 ships."""
+    (in_channels doubled), ``vace`` (a VACE transformer) or ``i2v`` (image to video: in_channels 2 z_dim + 2,
+    with a CLIP image encoder unless `image_encoder` is False, as Wan2.2 I2V); `two_experts`: add
+    ``transformer_2`` (same architecture, other weights) and ``boundary_ratio``; `scheduler`: ``euler`` or
+    ``unipc`` (None: UniPC for two experts and ``i2v``, as the real folders ship, else Euler)."""
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
@@ -101,6 +137,10 @@ def build_tiny_wan(
 
     if condition not in CONDITIONS:
         raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}; got {condition!r}")
+    if scheduler is None:
+        scheduler = "unipc" if two_experts or condition == "i2v" else "euler"
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {scheduler!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -117,11 +157,12 @@ def build_tiny_wan(
         scale_factor_temporal=temporal,
         scale_factor_spatial=spatial,
     )
+    extra_channels = {"concat": z_dim, "i2v": z_dim + temporal}.get(condition, 0)
     arch: dict[str, Any] = dict(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=8,
-        in_channels=2 * z_dim if condition == "concat" else z_dim,
+        in_channels=z_dim + extra_channels,
         out_channels=z_dim,
         text_dim=text_hidden,
         freq_dim=16,
@@ -129,6 +170,10 @@ def build_tiny_wan(
         num_layers=num_layers,
         rope_max_seq_len=32,
     )
+    clip = clip_processor = None
+    if condition == "i2v" and image_encoder:
+        clip, clip_processor = tiny_clip_vision()
+        arch.update(image_dim=int(clip.config.hidden_size), added_kv_proj_dim=2 * 8)
 
     def transformer() -> torch.nn.Module:
         if condition == "vace":
@@ -139,21 +184,24 @@ def build_tiny_wan(
 
     high = transformer()
     low = transformer() if two_experts else None
-    if two_experts:
-        scheduler: Any = UniPCMultistepScheduler(
+    euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    unipc = None
+    if scheduler == "unipc":
+        unipc = UniPCMultistepScheduler(
             num_train_timesteps=1000, use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction"
         )
-    else:
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     tokenizer = t5_char_tokenizer()
     components = WanComponents(
         high,
         vae,
-        scheduler,
+        euler,
         tiny_umt5(tokenizer, text_hidden),
         tokenizer,
         transformer_2=low,
         boundary_ratio=boundary_ratio if two_experts else None,
+        ode_scheduler=unipc,
+        image_encoder=clip,
+        image_processor=clip_processor,
     )
     components.save_pretrained(path)
     return path
@@ -177,6 +225,11 @@ def _build_vace(path: Path) -> None:
 @BUILDERS.register("wan22_tiny", minutes=0.05)
 def _build_wan22(path: Path) -> None:
     build_tiny_wan(path, two_experts=True)
+
+
+@BUILDERS.register("wan_i2v_tiny", minutes=0.05)
+def _build_i2v(path: Path) -> None:
+    build_tiny_wan(path, condition="i2v")
 
 
 def fit_video_vae(

@@ -1,6 +1,6 @@
-"""What the Wan video pipelines share (`video_edit`, `video_geometry`, `euphonium`): the video options of the
-``options:`` section (`WanVideoOptions`) and building the `mmalign.policies.wan.WanPolicy` they describe
-(`build_wan_policy`). Not a pipeline itself."""
+"""What the Wan video pipelines share (`video_edit`, `video_geometry`, `euphonium`, `image_to_video`): the video
+options of the ``options:`` section (`WanVideoOptions`) and building the `mmalign.policies.wan.WanPolicy` they
+describe (`build_wan_policy`). Not a pipeline itself."""
 
 from __future__ import annotations
 

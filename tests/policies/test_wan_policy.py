@@ -1,9 +1,13 @@
 """WanPolicy on tiny offline Wan folders (`mmalign.tiny.wan`): the folder round trip, prompt encoding and decoding
 against diffusers' own Wan pipelines, the VAE factors, ratio 1 on re-scoring for every condition, the concat
 payload, SDEdit's truncated schedule and initial latents, the VACE control tensor against
-``WanVACEPipeline``, and Wan2.2's two experts."""
+``WanVACEPipeline``, Wan2.2's two experts, deterministic sampling with the folder's UniPC scheduler against
+``WanPipeline``, and image to video against ``WanImageToVideoPipeline`` (conditioning, CLIP states, the whole
+ODE sampler)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -30,6 +34,9 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "concat": build_tiny_wan(root / "concat", condition="concat"),
         "vace": build_tiny_wan(root / "vace", condition="vace"),
         "wan22": build_tiny_wan(root / "wan22", two_experts=True),
+        "t2v_unipc": build_tiny_wan(root / "t2v_unipc", scheduler="unipc"),
+        "i2v": build_tiny_wan(root / "i2v", condition="i2v"),
+        "i2v_noclip": build_tiny_wan(root / "i2v_noclip", condition="i2v", image_encoder=False),
     }
 
 
@@ -48,6 +55,11 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     np.save(out["mask"], mask)
     out["ref"] = str(root / "ref.npy")
     np.save(out["ref"], rng.integers(0, 256, (1, 16, 24, 3), dtype=np.uint8))
+    from PIL import Image
+
+    for name in ("first", "second"):  # first frames for image to video, as PNG files
+        out[name] = str(root / f"{name}.png")
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(out[name])
     return out
 
 
@@ -77,8 +89,19 @@ def test_builders_registered_and_folder_layout(folders):
     assert (folders["wan22"] / "transformer_2").is_dir()
     c = load_wan_components(folders["wan22"])
     assert c.boundary_ratio == 0.875 and c.transformer_2 is not None
-    # a real Wan2.2 folder's UniPC scheduler becomes a flow-matching Euler one with shift = flow_shift
+    # a real Wan2.2 folder's UniPC scheduler becomes a flow-matching Euler one with shift = flow_shift for the
+    # SDE, and is kept for deterministic sampling
     assert type(c.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and c.scheduler.config.shift == 3.0
+    assert type(c.ode_scheduler).__name__ == "UniPCMultistepScheduler"
+    assert load_wan_components(folders["t2v"]).ode_scheduler is None  # Euler folder: one scheduler
+    assert "wan_i2v_tiny" in names
+    i2v = load_wan_components(folders["i2v"])
+    assert i2v.is_i2v and type(i2v.image_encoder).__name__ == "CLIPVisionModel"
+    assert (
+        json.loads((folders["i2v"] / "model_index.json").read_text())["_class_name"]
+        == "WanImageToVideoPipeline"
+    )
+    assert load_wan_components(folders["i2v_noclip"]).image_encoder is None
 
 
 def test_vae_factors_read_from_config():
@@ -395,3 +418,152 @@ def test_editing_needs_a_source_video(folders, media):
         pol.rollout([dict(r, reference_frames=media["ref"]) for r in rows(media)], 1)
     with pytest.raises(ValueError, match="sdedit_strength"):
         make(folders["t2v"], condition="sdedit", sdedit_strength=0.0)
+
+
+# ----------------------------------------------------------------------------- UniPC for deterministic sampling
+
+
+def _pipe_latents(pipe, noise: torch.Tensor, cfg: float, steps: int, **kw) -> torch.Tensor:
+    b = noise.shape[0]
+    return pipe(
+        prompt=["a red  ball &amp; a box"] * b,
+        negative_prompt=[""] * b,
+        guidance_scale=cfg,
+        num_frames=9,
+        height=32,
+        width=32,
+        num_inference_steps=steps,
+        latents=noise,
+        max_sequence_length=kw.pop("max_sequence_length", 16),
+        output_type="latent",
+        **kw,
+    ).frames.float()
+
+
+def _ode(pol: WanPolicy, rows_: list[dict], seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(initial noise, final latents) of the policy's deterministic sampler, one sample per row."""
+    assert pol.sampler.deterministic
+    pol.generator.manual_seed(seed)
+    noise = pol._initial_noise(torch.arange(len(rows_)))
+    pol.generator.manual_seed(seed)
+    r = pol.rollout(rows_, 1, compute_logp=False)
+    assert r.num_actions == 0
+    return noise, r.outputs["latents"]
+
+
+@pytest.mark.parametrize("name", ["t2v_unipc", "wan22", "t2v"])
+def test_ode_sampler_equals_wan_pipeline(folders, name):
+    """noise_level 0: the folder's own scheduler (UniPC's multistep updates and integer timesteps; the Euler one
+    for an Euler folder) from the same initial noise gives WanPipeline's latents; two experts switch as it does."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(folders[name])
+    pol = make(folders[name], num_steps=6, noise_level=0.0, guidance_scale=3.0)
+    assert pol.uses_ode_scheduler() == (name != "t2v")
+    assert type(pipe.scheduler).__name__ == (
+        "FlowMatchEulerDiscreteScheduler" if name == "t2v" else "UniPCMultistepScheduler"
+    )
+    noise, ours = _ode(pol, [{"prompt": "a red  ball &amp; a box"}] * 2)
+    theirs = _pipe_latents(pipe, noise, 3.0, 6)
+    rel = float((ours - theirs).abs().max() / theirs.abs().max())
+    print(f"Wan ODE parity ({name}, {type(pipe.scheduler).__name__}): max relative difference {rel:.2e}")
+    assert rel < 1e-5
+    if name == "t2v_unipc":  # and UniPC really differs from Euler at these steps
+        euler = make(folders["t2v"], num_steps=6, noise_level=0.0, guidance_scale=3.0)
+        euler.model.load_state_dict(pol.model.state_dict())
+        assert float((_ode(euler, [{"prompt": "a red  ball &amp; a box"}] * 2)[1] - ours).abs().max()) > 1e-3
+
+
+def test_training_keeps_the_euler_schedule_and_save_keeps_unipc(folders, tmp_path):
+    pol = make(folders["t2v_unipc"], num_steps=6, noise_level=0.7)
+    assert not pol.uses_ode_scheduler() and "timesteps" not in pol.schedule_keys
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    euler.set_timesteps(6)
+    torch.testing.assert_close(pol.sigmas(), euler.sigmas)
+    with pol.evaluation_sampler():  # eval_noise_level 0: the ODE with UniPC, restored afterwards
+        assert pol.uses_ode_scheduler() and pol.schedule()["timesteps"].tolist()[0] == 999.0
+    assert not pol.uses_ode_scheduler()
+    pol.save(tmp_path / "saved")
+    cfg = json.loads((tmp_path / "saved" / "scheduler" / "scheduler_config.json").read_text())
+    assert cfg["_class_name"] == "UniPCMultistepScheduler" and cfg["flow_shift"] == 3.0
+    again = make(tmp_path / "saved", noise_level=0.0)
+    assert again.uses_ode_scheduler()
+
+
+# ----------------------------------------------------------------------------- image to video
+
+
+def _i2v_pipe(folder):
+    from diffusers import WanImageToVideoPipeline
+
+    return WanImageToVideoPipeline.from_pretrained(folder)
+
+
+def test_i2v_condition_and_image_states_equal_the_pipeline(folders, media):
+    from PIL import Image
+
+    from mmalign.policies.wan_components import encode_image, i2v_condition
+
+    pipe = _i2v_pipe(folders["i2v"])
+    img = Image.open(media["first"]).convert("RGB")
+    frame = torch.from_numpy(np.array(img)).permute(2, 0, 1).float()[None] / 255
+    pixels = pipe.video_processor.preprocess(img, height=32, width=32).float()
+    _, theirs = pipe.prepare_latents(pixels, 1, 4, 32, 32, 9, torch.float32, "cpu", None)
+    ours = i2v_condition(pipe.vae, frame, 9)
+    assert ours.shape == (1, 2 + 4, 5, 8, 8)  # temporal-factor mask channels, then z_dim latents
+    assert ours[0, :2, 0].min() == 1 and ours[0, :2, 1:].max() == 0  # only the first latent frame is given
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        states = pipe.encode_image(img, "cpu")
+    torch.testing.assert_close(
+        encode_image(pipe.image_encoder, pipe.image_processor, frame), states, rtol=0, atol=0
+    )
+
+
+@pytest.mark.parametrize("name", ["i2v", "i2v_noclip"])
+def test_i2v_ode_sampler_equals_the_pipeline(folders, media, name):
+    """Image to video from the same initial noise, CFG 3, UniPC: the policy's latents are
+    WanImageToVideoPipeline's (with the CLIP image states for the Wan2.1-style folder)."""
+    from PIL import Image
+
+    pipe = _i2v_pipe(folders[name])
+    seq = (
+        512 if name == "i2v" else 16
+    )  # diffusers' Wan attention assumes 512 text tokens next to image states
+    pol = make(folders[name], condition="i2v", num_steps=6, noise_level=0.0, guidance_scale=3.0,
+               max_sequence_length=seq)  # fmt: skip
+    noise, ours = _ode(pol, [{"prompt": "a red  ball &amp; a box", "image": media["first"]}] * 2)
+    img = Image.open(media["first"]).convert("RGB")
+    theirs = _pipe_latents(pipe, noise, 3.0, 6, image=img, max_sequence_length=seq)
+    rel = float((ours - theirs).abs().max() / theirs.abs().max())
+    print(f"Wan I2V ODE parity ({name}): max relative difference {rel:.2e}")
+    assert rel < 1e-5
+
+
+def test_i2v_rollout_rescoring_and_errors(folders, media):
+    pol = make(folders["i2v"], condition="i2v", max_sequence_length=512, guidance_scale=2.0, window_size=2)
+    assert pol.row_conditioning_keys == ("image_latents", "image_embeds")
+    rr = [{"prompt": "a", "image": media["first"]}, {"prompt": "b", "image": media["second"]}]
+    r = pol.rollout(rr, 2)
+    assert r.payload["image_latents"].shape == (4, 6, 5, 8, 8) and r.payload["image_embeds"].shape == (
+        4,
+        17,
+        16,
+    )
+    assert not torch.equal(r.payload["image_latents"][0], r.payload["image_latents"][2])
+    stats = pol.action_stats(r)
+    torch.testing.assert_close(torch.exp(stats.logp - r.logp_old), torch.ones(4, 2), rtol=0, atol=1e-5)
+    with torch.no_grad():
+        r.payload["image_latents"] = r.payload["image_latents"] + 1.0  # re-scoring reads the stored condition
+        assert not torch.allclose(pol.action_stats(r).logp, stats.logp.detach())
+    assert not any(p.requires_grad for p in pol.image_encoder.parameters())
+    with pytest.raises(ValueError, match="needs an image in every row"):
+        pol.rollout([{"prompt": "a"}], 1)
+    with pytest.raises(ValueError, match="max_sequence_length must be 512"):
+        make(folders["i2v"], condition="i2v")
+    with pytest.raises(ValueError, match="in_channels"):
+        make(folders["t2v"], condition="i2v")
+    noclip = make(folders["i2v_noclip"], condition="i2v")  # Wan2.2 I2V style: latents only, any text length
+    assert noclip.row_conditioning_keys == ("image_latents",)
