@@ -6,8 +6,9 @@ of ``vocab`` rows, tied), saved with ``save_pretrained``, and three paths run on
 (``--prompts`` x ``--group-size``) and lengths (``--max-new-tokens``):
 
 - ``mmalign full``: mmalign with ``model.logprob_chunk_size: null`` (the model's ``[B, T, V]`` logits);
-- ``mmalign chunked``: mmalign with ``model.logprob_chunk_size: --chunk`` (default 1024: the final hidden
-  states through the LM head ``--chunk`` tokens at a time, each chunk's logits recomputed in the backward);
+- ``mmalign chunked``: mmalign with ``model.logprob_chunk_size: --chunk`` (default ``auto``: as many tokens
+  as fit in ``--memory-mb``, ``model.logprob_memory_mb``; the final hidden states through the LM head a
+  chunk at a time, each chunk's logits recomputed in the backward);
 - ``TRL``: TRL's ``GRPOTrainer`` (its fused, chunked LM head), if ``trl`` and ``datasets`` are importable;
   otherwise its rows say so.
 
@@ -128,6 +129,7 @@ def run_logprob(spec: dict[str, Any]) -> dict[str, Any]:
             spec["model_dir"],
             dtype=spec["dtype"],
             logprob_chunk_size=spec["chunk"] if path == "mmalign-chunked" else None,
+            logprob_memory_mb=spec["memory_mb"],
             shared_prefix=spec["shared_prefix"],
         )
         model = policy.model.to(dev)
@@ -257,7 +259,7 @@ def _step_args(args: argparse.Namespace, vocab: int, path: str) -> argparse.Name
     if path == "mmalign-full":
         argv += ["--logprob-chunk-size", "null"]
     elif path == "mmalign-chunked":
-        argv += ["--logprob-chunk-size", str(args.chunk)]
+        argv += ["--logprob-chunk-size", str(args.chunk), "--logprob-memory-mb", str(args.memory_mb)]
     return bsv.parse_args(argv)
 
 
@@ -328,6 +330,19 @@ def format_table(rows: list[dict[str, Any]], device: str) -> str:
     return "\n".join(out)
 
 
+def _chunk_arg(text: str) -> int | str:
+    """``--chunk``: a positive number of tokens, or auto."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -340,7 +355,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="model vocabularies (default 32000 151936)",
     )
     p.add_argument(
-        "--chunk", type=int, default=1024, help="mmalign's model.logprob_chunk_size (default 1024)"
+        "--chunk",
+        type=_chunk_arg,
+        default="auto",
+        help="mmalign's model.logprob_chunk_size: tokens, or auto (default) sized from --memory-mb",
+    )
+    p.add_argument(
+        "--memory-mb",
+        type=float,
+        default=256.0,
+        help="mmalign's model.logprob_memory_mb, the budget of an auto chunk (default 256)",
     )
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {', '.join(PATHS)} (default all)")
     p.add_argument("--parts", default="step,logprob", help="comma list of step, logprob (default both)")
@@ -378,8 +402,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--paths: unknown {sorted(set(paths) - set(PATHS))}; choose from {list(PATHS)}")
         if not parts or set(parts) - {"step", "logprob"}:
             p.error(f"--parts: choose from step, logprob; got {parts}")
-        if args.chunk < 1:
-            p.error("--chunk must be >= 1")
+        if args.memory_mb <= 0:
+            p.error("--memory-mb must be > 0")
         if args.group_size < 2:
             p.error("--group-size must be >= 2 (TRL refuses smaller groups)")
         if any(v < args.bpe_vocab for v in args.vocabs):
@@ -456,7 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                         row["step_error"] = str(e)
                         print(f"  {LABELS[path]}: step FAILED: {e}", flush=True)
                 if "logprob" in args.parts:
-                    lp_spec = dict(spec, path=path, chunk=args.chunk, repeats=args.lp_repeats)
+                    lp_spec = dict(
+                        spec, path=path, chunk=args.chunk, memory_mb=args.memory_mb, repeats=args.lp_repeats
+                    )
                     try:
                         row["logprob"] = r = _run_logprob_worker(lp_spec, work, tag, args.timeout)
                         print(
@@ -473,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     settings_line = (
         f"settings: {args.prompts} prompts x {args.group_size} = {b} samples, {args.max_new_tokens} new tokens "
         f"({b * args.max_new_tokens} completion tokens), hidden {args.hidden}, {args.layers} layers, "
-        f"{args.dtype}, chunk {args.chunk}, device {args.device}, {threads} threads; steps {args.warmup} warm-up + "
+        f"{args.dtype}, chunk {args.chunk} ({args.memory_mb:g} MiB budget), device {args.device}, {threads} threads; steps {args.warmup} warm-up + "
         f"{args.steps} timed, log-prob 1 warm-up + {args.lp_repeats} timed; load average "
         f"{load['before'][0]:.1f} before, {load['after'][0]:.1f} after; {total / 60:.1f} min"
     )

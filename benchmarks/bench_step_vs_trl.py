@@ -31,7 +31,8 @@ Usage::
     python benchmarks/bench_step_vs_trl.py --model-vocab 151936 --logprob-chunk-size null   # full logits
 
 ``--model-vocab`` makes the model's vocabulary (embedding and LM head rows) larger than the BPE
-tokenizer's; ``--logprob-chunk-size`` sets mmalign's ``model.logprob_chunk_size``.
+tokenizer's; ``--logprob-chunk-size``, ``--logprob-memory-mb`` and ``--sampler`` set mmalign's
+``model.logprob_chunk_size``, ``model.logprob_memory_mb`` and ``rollout.sampler``.
 `benchmarks/bench_logprob_memory.py` runs these workers at several vocabularies.
 
 TRL comes with the ``bench`` extra: ``pip install -e '.[bench]'``.
@@ -266,11 +267,21 @@ class StepClock:
         }
 
 
+PROBE_ELEMENTS = 65536
+"""How many entries of one trainable matrix the workers compare before / after training."""
+
+
 def _param_probe(model: Any) -> tuple[str, Any]:
+    """(name, fp64 copy of the first `PROBE_ELEMENTS` entries) of the first trainable matrix: a small copy,
+    so that checking the weights changed adds nothing to the measured memory."""
+    name, p = next((n, p) for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2)
+    return name, _probe_values(p)
+
+
+def _probe_values(p: Any) -> Any:
     import torch
 
-    name, p = next((n, p) for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2)
-    return name, p.detach().float().cpu().clone().to(torch.float64)
+    return p.detach().reshape(-1)[:PROBE_ELEMENTS].cpu().to(torch.float64)
 
 
 def _memory(spec: dict[str, Any], rss_setup: float, cuda_setup: float | None) -> dict[str, Any]:
@@ -335,6 +346,7 @@ def run_mmalign(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]
                 "shared_prefix": spec.get("shared_prefix", True),
                 # e.g. {"logprob_chunk_size": None} (--logprob-chunk-size); absent: the config's defaults
                 **spec.get("model_overrides", {}),
+                **{k: v for k, v in spec.get("policy_attrs", {}).items() if k == "logprob_memory_mb"},
             },
             "data": {"train": str(data), "prompt_template": "{prompt}", "shuffle": True},
             "rollout": {
@@ -344,6 +356,7 @@ def run_mmalign(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]
                 "temperature": 1.0,
                 "top_p": 1.0,
                 "top_k": 0,
+                **{k: v for k, v in spec.get("policy_attrs", {}).items() if k == "sampler"},
             },
             "rewards": [{"name": "bench_step_vs_trl:char_reward"}],
             "algorithm": {"estimator": "grpo", "loss": "ppo_clip", "loss_agg": "token_mean", "kl_coef": 0.0},
@@ -366,6 +379,15 @@ def run_mmalign(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]
     )
     components = pipelines.get("text_reasoning")(cfg)
     trainer = GroupTrainer(cfg, components)
+    for key, value in spec.get("policy_attrs", {}).items():  # --logprob-memory-mb, --sampler
+        setattr(trainer.policy, key, value)
+    policy = trainer.policy
+    settings = {
+        "logprob_chunk_size": policy.logprob_chunk_size,
+        "logprob_memory_mb": getattr(policy, "logprob_memory_mb", None),
+        "sampler": getattr(policy, "sampler", "hf"),
+        "own_loop_blockers": policy.own_loop_blockers() if hasattr(policy, "own_loop_blockers") else None,
+    }
     probe_name, before = _param_probe(trainer.policy.model)
     if spec["device"] == "cuda":
         torch.cuda.synchronize()
@@ -381,7 +403,8 @@ def run_mmalign(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]
         if i >= spec["warmup"]:
             rows.append(m)
     timing = clock.stats()
-    after = dict(trainer.policy.model.named_parameters())[probe_name].detach().float().cpu().to(torch.float64)
+    memory = _memory(spec, rss_setup, cuda_setup)  # the peak of training, before anything else
+    after = _probe_values(dict(trainer.policy.model.named_parameters())[probe_name])
 
     def mean(key: str) -> float:
         return statistics.fmean(float(r[key]) for r in rows)
@@ -399,9 +422,10 @@ def run_mmalign(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]
             "other (advantages, metrics)": timing["mean_s"] - rollout - reward - update,
         },
         "reward_mean": mean("reward/mean"),
+        "policy_settings": settings,
         "params_changed": bool((after - before).abs().max() > 0),
         "rss_after_import_mb": rss_import,
-        **_memory(spec, rss_setup, cuda_setup),
+        **memory,
     }
 
 
@@ -536,7 +560,8 @@ def run_trl(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]:
 
     trainer.train()
 
-    after = dict(trainer.model.named_parameters())[probe_name].detach().float().cpu().to(torch.float64)
+    memory = _memory(spec, rss_setup, cuda_setup)  # the peak of training, before anything else
+    after = _probe_values(dict(trainer.model.named_parameters())[probe_name])
     rows = timer.rows[warmup:]
     if len(rows) != steps:
         raise RuntimeError(f"TRL ran {len(timer.rows)} optimizer steps, expected {warmup + steps}")
@@ -559,7 +584,7 @@ def run_trl(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]:
         },
         "params_changed": bool((after - before).abs().max() > 0),
         "rss_after_import_mb": rss_import,
-        **_memory(spec, rss_setup, cuda_setup),
+        **memory,
     }
 
 
@@ -757,16 +782,18 @@ def _fmt_breakdown(results: dict[str, dict[str, Any]]) -> str:
     )
 
 
-def _chunk_size(text: str) -> int | None:
-    """``--logprob-chunk-size``: a positive int, or null / none for the full-logits path."""
+def _chunk_size(text: str) -> int | str | None:
+    """``--logprob-chunk-size``: a positive int, auto, or null / none for the full-logits path."""
     if text.strip().lower() in ("null", "none"):
         return None
+    if text.strip().lower() == "auto":
+        return "auto"
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or null, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, auto or null, got {text!r}")
     return value
 
 
@@ -794,8 +821,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--logprob-chunk-size",
         type=_chunk_size,
         default=argparse.SUPPRESS,
-        help="mmalign's model.logprob_chunk_size: tokens per chunk through the LM head, or null for the\n"
-        "full-logits path (default: the config's default)",
+        help="mmalign's model.logprob_chunk_size: tokens per chunk through the LM head, auto (sized from\n"
+        "--logprob-memory-mb), or null for the full-logits path (default: the config's default, auto)",
+    )
+    p.add_argument(
+        "--logprob-memory-mb",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="mmalign's model.logprob_memory_mb, the budget of an auto chunk (default: the config's, 256)",
+    )
+    p.add_argument(
+        "--sampler",
+        choices=["mmalign", "hf"],
+        default=argparse.SUPPRESS,
+        help="mmalign's rollout.sampler: its own decode loop (default) or Hugging Face generate",
     )
     p.add_argument("--prompt-words", type=int, default=12, help="made-up words per prompt (default 12)")
     p.add_argument(
@@ -905,6 +944,10 @@ def make_spec(
     }
     if hasattr(args, "logprob_chunk_size"):  # mmalign only; TRL has its own fused LM head
         spec["model_overrides"] = {"logprob_chunk_size": args.logprob_chunk_size}
+    # mmalign only: set in the config and on the built policy (whatever the pipeline passes on)
+    policy_attrs = {key: getattr(args, key) for key in ("logprob_memory_mb", "sampler") if hasattr(args, key)}
+    if policy_attrs:
+        spec["policy_attrs"] = policy_attrs
     return spec
 
 
@@ -977,7 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_fmt_table(results, args.device))
     print()
     print(_fmt_breakdown(results))
-    ratio = paired = None
+    ratio = paired = cpu_ratio = memory_ratio = None
     if "mmalign" in results and "trl" in results:
         ratio = results["trl"]["median_s"] / results["mmalign"]["median_s"]
         print()
@@ -990,11 +1033,17 @@ def main(argv: list[str] | None = None) -> int:
             ]
             paired = statistics.median(pairs)
             print(f"ratio TRL/mmalign, median of the {len(pairs)} back-to-back step pairs: {paired:.2f}x")
+        cpu_ratio = statistics.median(results["trl"]["step_cpu_times_s"]) / statistics.median(
+            results["mmalign"]["step_cpu_times_s"]
+        )
+        print(f"ratio TRL/mmalign of the median CPU time per step: {cpu_ratio:.2f}x")
         for key, name in (("peak_rss_mb", "peak RSS"), ("cuda_peak_allocated_mb", "peak CUDA memory")):
             if results["mmalign"].get(key) is not None:
                 a, b = results["mmalign"][key], results["trl"][key]
+                memory_ratio = a / b
                 print(
-                    f"{name}: mmalign {a:.0f} MiB vs TRL {b:.0f} MiB ({'no more' if a <= b else 'MORE'} than TRL)"
+                    f"{name}: mmalign {a:.0f} MiB vs TRL {b:.0f} MiB ({memory_ratio:.2f}x TRL's; "
+                    f"{'no more' if a <= b else 'MORE'} than TRL)"
                 )
     busy = max(r["other_procs_cpu_frac"] for r in results.values())
     if args.device == "cpu" and busy > 0.05:
@@ -1022,6 +1071,8 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "ratio_trl_over_mmalign": ratio,
         "ratio_trl_over_mmalign_paired_median": paired,
+        "ratio_trl_over_mmalign_cpu_time": cpu_ratio,
+        "peak_memory_mmalign_over_trl": memory_ratio,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(payload, indent=2) + "\n")

@@ -75,11 +75,17 @@ class ModelConfig:
     shared_prefix: bool = True
     """Encode each group's prompt once when recomputing log-probs (same numbers as the plain forward;
     not used under gradient checkpointing). Set false for a model whose KV cache cannot carry grad."""
-    logprob_chunk_size: int | None = 1024
+    logprob_chunk_size: int | Literal["auto"] | None = "auto"
     """Text and VLM policies: compute per-token log-probs (and entropies) from the final hidden states,
     this many completion tokens at a time through the output head, recomputing each chunk's logits in the
-    backward pass, so memory does not grow with the vocabulary (null: from the full [B, T, V] logits; same
-    numbers). Checked against the full path on the first batch."""
+    backward pass, so memory does not grow with the batch or length (null: from the full [B, T, V] logits;
+    same numbers). `auto`: as many tokens as fit in `logprob_memory_mb` at the model's vocabulary size V
+    (a plain linear head: 4.5 bytes per token and vocabulary entry, 6.5 in half precision, e.g. 392
+    tokens at V = 151,936 and 256 MiB; another head, e.g. LoRA on `lm_head`: about 17). Checked against
+    the full path on the first batch."""
+    logprob_memory_mb: float = 256.0
+    """Memory budget (MiB) of one chunk of logits and its temporaries when `logprob_chunk_size` is `auto`
+    (the gradient of the output head's weight, V x hidden in fp32, comes on top)."""
     attn_implementation: str | None = None
     """Passed to `from_pretrained` (e.g. `sdpa`, `flash_attention_2`; null: the model's default)."""
     trust_remote_code: bool = False
@@ -131,6 +137,12 @@ class RolloutConfig:
     """Top-k sampling (0: off)."""
     stop_strings: list[str] = field(default_factory=list)
     """Generation stops at any of these strings."""
+    sampler: Literal["mmalign", "hf"] = "mmalign"
+    """Single-turn sampling of text policies without an engine (VLM and multi-turn rollouts use `generate`):
+    `mmalign` (its own KV-cache decode loop: the distribution `generate` samples, drawn on the last
+    position's logits in their dtype, without `multinomial`'s V random numbers per token; models whose
+    generation config sets e.g. a repetition penalty use `generate` anyway) or `hf` (Hugging Face
+    `generate`, the same tokens as before for a seed)."""
     engine: Literal["hf", "fake", "vllm"] = "hf"
     """Who samples: `hf` (the policy's own `generate`), `vllm` (colocated vLLM, `mmalign[vllm]`, GPU)
     or `fake` (an in-process CPU engine with its own weight copy, for tests)."""
@@ -895,10 +907,11 @@ def validate(cfg: Config, src: _Source | str | None = None) -> None:
         need(m.lora.alpha > 0, "model.lora.alpha", "must be > 0")
     need(0 <= m.lora.dropout < 1, "model.lora.dropout", "must be in [0, 1)")
     need(
-        m.logprob_chunk_size is None or m.logprob_chunk_size >= 1,
+        m.logprob_chunk_size is None or m.logprob_chunk_size == "auto" or m.logprob_chunk_size >= 1,
         "model.logprob_chunk_size",
-        "must be >= 1 or null",
+        "must be >= 1, auto or null",
     )
+    need(_finite(m.logprob_memory_mb) and m.logprob_memory_mb > 0, "model.logprob_memory_mb", "must be > 0")
     need(cfg.data.max_rows is None or cfg.data.max_rows >= 1, "data.max_rows", "must be >= 1 or null")
     need(r.group_size >= 1, "rollout.group_size", "must be >= 1")
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")

@@ -62,7 +62,7 @@ def policy_kwargs(cfg: Config, environment: Environment | None = None) -> dict[s
         gradient_checkpointing=m.gradient_checkpointing,
         attn_implementation=m.attn_implementation,
         trust_remote_code=m.trust_remote_code,
-        need_reference=cfg.algorithm.kl_coef > 0,
+        need_reference=cfg.algorithm.needs_reference(),
         max_new_tokens=r.max_new_tokens,
         temperature=r.temperature,
         top_p=r.top_p,
@@ -71,6 +71,8 @@ def policy_kwargs(cfg: Config, environment: Environment | None = None) -> dict[s
         system_prompt=m.system_prompt,
         generation_batch_size=r.batch_size,
         logprob_chunk_size=m.logprob_chunk_size,
+        logprob_memory_mb=m.logprob_memory_mb,
+        sampler=r.sampler,
     )
 
 

@@ -114,7 +114,7 @@ def build_flow_policy(cfg: Config) -> FlowMatchingPolicy:
         sampler=opts.sampler_settings(seed=seed),
         **({} if opts.max_sequence_length is None else {"max_sequence_length": opts.max_sequence_length}),
         load_t5=opts.load_t5,
-        need_reference=cfg.algorithm.kl_coef > 0,
+        need_reference=cfg.algorithm.needs_reference(),
     )
     if opts.resolution is not None:
         policy.latent_size = latent_size_for(policy, opts.resolution, cfg.source)

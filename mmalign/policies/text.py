@@ -23,7 +23,13 @@ from mmalign.engines.client import EngineClient
 from mmalign.policies.base import ActionStats, Policy, RunInfo
 from mmalign.policies.loading import load_token_policy
 from mmalign.policies.token_sampling import TokenSampling
-from mmalign.policies.token_scoring import LinearPositions, PositionScheme, ScoringOptions, TokenScorer
+from mmalign.policies.token_scoring import (
+    DEFAULT_LOGPROB_MEMORY_MB,
+    LinearPositions,
+    PositionScheme,
+    ScoringOptions,
+    TokenScorer,
+)
 from mmalign.policies.token_turns import TurnProtocol
 from mmalign.rollout_loops import Environment, RolloutLoop, make_loop
 
@@ -50,7 +56,9 @@ class TextPolicy(TokenSampling, TurnProtocol, Policy):
         need_reference: bool = False,
         lora: bool = False,
         shared_prefix: bool = True,
-        logprob_chunk_size: int | None = 1024,
+        logprob_chunk_size: int | str | None = "auto",
+        logprob_memory_mb: float = DEFAULT_LOGPROB_MEMORY_MB,
+        sampler: str = "mmalign",
         loop: RolloutLoop | str = "single_turn",
         loop_kwargs: dict[str, Any] | None = None,
         environment: Environment | None = None,
@@ -77,10 +85,24 @@ class TextPolicy(TokenSampling, TurnProtocol, Policy):
         self.lora = lora
         self.shared_prefix = shared_prefix
         """Encode each group's prompt once when recomputing log-probs (off under gradient checkpointing)."""
-        if logprob_chunk_size is not None and logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size must be >= 1 or None, got {logprob_chunk_size}")
+        if not (
+            logprob_chunk_size is None
+            or logprob_chunk_size == "auto"
+            or (isinstance(logprob_chunk_size, int) and logprob_chunk_size >= 1)
+        ):
+            raise ValueError(f"logprob_chunk_size must be >= 1, 'auto' or None, got {logprob_chunk_size!r}")
+        if not logprob_memory_mb > 0:
+            raise ValueError(f"logprob_memory_mb must be > 0, got {logprob_memory_mb}")
+        if sampler not in ("mmalign", "hf"):
+            raise ValueError(f"sampler must be 'mmalign' or 'hf', got {sampler!r}")
         self.logprob_chunk_size = logprob_chunk_size
-        """Score the completion tokens through the output head this many at a time; None: full logits."""
+        """Score the completion tokens through the output head this many at a time; "auto": as many as
+        fit in `logprob_memory_mb`; None: full logits."""
+        self.logprob_memory_mb = logprob_memory_mb
+        """The memory budget (MiB) of one chunk of logits and its temporaries, for ``"auto"``."""
+        self.sampler = sampler
+        """Single-turn sampling without an engine: ``mmalign`` (the own decode loop, where the model's
+        generation config allows it; `TokenSampling.own_loop_blockers`) or ``hf`` (``generate``)."""
         self.suppressed_ids: list[int] = []
         """Tokens never sampled (VLM vision placeholders), masked out of the recomputed distribution too."""
         self.scorer = TokenScorer(self.position_scheme(), label=type(self).__name__)
@@ -247,6 +269,7 @@ class TextPolicy(TokenSampling, TurnProtocol, Policy):
             chunk_size=self.logprob_chunk_size,
             shared_prefix=self.shared_prefix,
             suppressed_ids=tuple(self.suppressed_ids),
+            memory_mb=self.logprob_memory_mb,
         )
         return self.scorer.logprobs(
             model, rollout, opts, base_model=self.model, grad=grad, entropy_out=entropy_out, chunked=chunked

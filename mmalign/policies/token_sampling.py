@@ -1,5 +1,13 @@
-"""Single-turn sampling of a token policy: prompt encoding, batched ``generate`` (or the rollout engine), stop
-strings and the action mask, and the `Rollout` of sampled completions."""
+"""Single-turn sampling of a token policy: prompt encoding, batched sampling (mmalign's own decode loop,
+Hugging Face ``generate`` or the rollout engine), stop strings and the action mask, and the `Rollout` of
+sampled completions.
+
+The own decode loop (`TokenSampling._sample_loop`, the default where the model's generation config asks for
+nothing beyond temperature / top-k / top-p / suppressed tokens) draws each token with `sample_next_tokens`:
+the same distribution as ``generate`` (suppressed tokens, temperature, top-k, then top-p on the renormalised
+top-k), computed on the last position's logits in their own dtype, the vocabulary in slices (no fp32 copy of
+the ``[B, V]`` logits, no full sort, one uniform number per row instead of ``multinomial``'s V exponentials).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +22,207 @@ from tqdm.auto import tqdm
 from mmalign.batch import Rollout, group_fields, left_pad
 from mmalign.engines.client import EngineClient
 from mmalign.logprobs import cache_kwarg
+
+SAMPLING_SLICES = 8
+"""`sample_next_tokens` walks the vocabulary in this many slices (fp32 temporaries of [B, V / 8])."""
+SAMPLING_BLOCK = 256
+"""Vocabulary ids per block of the two-level inverse CDF (block sums, then one block per row)."""
+
+_HANDLED_GENERATION_KEYS = frozenset(
+    {
+        # handled by the own loop, or given by the policy's arguments
+        "eos_token_id",
+        "pad_token_id",
+        "bos_token_id",
+        "decoder_start_token_id",
+        "suppress_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "do_sample",
+        "max_length",
+        "max_new_tokens",
+        "use_cache",
+        # bookkeeping, outputs, beam search / assisted decoding / compilation settings that sampling ignores
+        "transformers_version",
+        "_from_model_config",
+        "_commit_hash",
+        "output_attentions",
+        "output_hidden_states",
+        "output_scores",
+        "output_logits",
+        "return_dict_in_generate",
+        "length_penalty",
+        "early_stopping",
+        "low_memory",
+        "num_assistant_tokens",
+        "num_assistant_tokens_schedule",
+        "assistant_confidence_threshold",
+        "assistant_lookbehind",
+        "target_lookbehind",
+        "assistant_early_exit",
+        "assistant_ensemble_weight",
+        "is_assistant",
+        "max_matching_ngram_size",
+        "compile_config",
+        "disable_compile",
+        "cache_config",
+        "max_cache_len",
+        "prefill_chunk_size",
+        "continuous_batching_config",
+    }
+)
+_NEUTRAL_GENERATION_VALUES: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "min_p": (None, 0.0),
+    "guidance_scale": (None, 1.0),
+    "num_beams": (None, 1),
+    "num_beam_groups": (None, 1),
+    "num_return_sequences": (None, 1),
+    "diversity_penalty": (None, 0.0),
+}
+
+
+def unsupported_generation_settings(generation_config: Any) -> list[str]:
+    """The settings of a model's ``generation_config`` that `generate` would apply and the own decode loop
+    does not (repetition penalties, bad words, min length, typical / min-p / epsilon sampling, a stop string
+    of the model's own, beams, a custom cache ...): ``key=value`` strings; empty when the loop samples the
+    same distribution as `generate`."""
+    if generation_config is None:
+        return []
+    out = []
+    for key, value in generation_config.to_dict().items():
+        if key in _HANDLED_GENERATION_KEYS:
+            continue
+        if value in _NEUTRAL_GENERATION_VALUES.get(key, (None, False, [], {}, ())):
+            continue
+        out.append(f"{key}={value!r}")
+    return out
+
+
+def _block_sums(logits: Tensor, top: Tensor, temperature: float) -> Tensor:
+    """Float64[B, ceil(V / SAMPLING_BLOCK)]: the sums of ``exp(fp32(logits) / T - top)`` over consecutive
+    blocks of `SAMPLING_BLOCK` vocabulary ids, the vocabulary read in `SAMPLING_SLICES` slices (each block
+    summed in fp32, then kept in fp64)."""
+    b, v = logits.shape
+    n_blocks = -(-v // SAMPLING_BLOCK)
+    per_slice = -(-n_blocks // SAMPLING_SLICES) * SAMPLING_BLOCK
+    out = torch.empty(b, n_blocks, dtype=torch.float64, device=logits.device)
+    for lo in range(0, v, per_slice):
+        e = _shifted_exp(logits[:, lo : lo + per_slice], top, temperature)
+        if e.shape[1] % SAMPLING_BLOCK:
+            e = torch.nn.functional.pad(e, (0, SAMPLING_BLOCK - e.shape[1] % SAMPLING_BLOCK))
+        first = lo // SAMPLING_BLOCK
+        out[:, first : first + e.shape[1] // SAMPLING_BLOCK] = e.view(b, -1, SAMPLING_BLOCK).sum(dim=-1)
+    return out
+
+
+def _shifted_exp(x: Tensor, top: Tensor, temperature: float) -> Tensor:
+    """``exp(fp32(x) / T - top[:, None])``, a new fp32 tensor (`x` [B, n] in any float dtype)."""
+    if x.dtype == torch.float32 and temperature == 1.0:
+        return torch.sub(x, top[:, None]).exp_()
+    z = x / temperature if x.dtype == torch.float32 else x.float()
+    if x.dtype != torch.float32 and temperature != 1.0:
+        z.div_(temperature)
+    return z.sub_(top[:, None]).exp_()
+
+
+def _scaled(x: Tensor, temperature: float) -> Tensor:
+    """fp32 ``x / temperature`` of a small tensor (maxima, picked logits)."""
+    return x.float() / temperature
+
+
+def _inverse_cdf(weights: Tensor, target: Tensor) -> Tensor:
+    """Per row, the first column whose running sum of `weights` (>= 0) exceeds `target` (fp64 running sums;
+    a target at or past the row's total, from rounding, takes the last column of positive weight)."""
+    cum = weights.double().cumsum(dim=-1)
+    pos = torch.searchsorted(cum, target[:, None].contiguous(), right=True).squeeze(1)
+    last = weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(pos, last)
+
+
+def sample_next_tokens(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    suppressed: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Draw one token per row of `logits` [B, V] (any float dtype; suppressed entries are set to -inf in
+    place) from the distribution ``generate`` samples: suppressed ids removed, ``softmax(logits / T)`` in
+    fp32, truncated to the top-k (ties with the k-th kept, as ``TopKLogitsWarper``), then to the top-p
+    nucleus of the renormalised rest (a token stays while the mass of the strictly better ones is < p, at
+    least one).
+
+    Returns ``(tokens, logp)``: Long[B] and Float[B], the drawn token's log-prob under the untruncated
+    ``log_softmax(logits / T)`` without the suppressed ids (what `TextPolicy` recomputes), via a
+    log-sum-exp. The vocabulary is read in `SAMPLING_SLICES` slices (fp32 temporaries of [B, V / 8], no
+    full-size copy); top-k uses ``topk``, top-p alone ``topk`` with a growing k until the nucleus fits (a
+    full sort only when it spans the vocabulary); the draw is an inverse CDF on one uniform number per row
+    (``torch.rand`` with `generator`), not ``multinomial``'s exponential race, so the tokens differ from
+    ``generate``'s for the same seed while their distribution is the same."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    b, v = logits.shape
+    if suppressed is not None and suppressed.numel():
+        logits.index_fill_(-1, suppressed, float("-inf"))
+    top = _scaled(logits.amax(dim=-1), temperature)  # max(x / T) == max(x) / T: rounding is monotone
+    blocks = _block_sums(logits, top, temperature)  # [B, ceil(V / SAMPLING_BLOCK)] sums of exp(z - top)
+    total = blocks.sum(dim=-1)
+    u = torch.rand(b, dtype=torch.float64, device=logits.device, generator=generator)
+    k = min(int(top_k), v) if top_k and top_k > 0 else 0
+    if k == 0 and top_p >= 1.0:
+        # two-level inverse CDF: the block of SAMPLING_BLOCK ids, then the id within it
+        target = u * total
+        j = _inverse_cdf(blocks, target)
+        before = (blocks.cumsum(dim=-1) - blocks).gather(1, j[:, None]).squeeze(1)
+        cols = j[:, None] * SAMPLING_BLOCK + torch.arange(SAMPLING_BLOCK, device=logits.device)[None, :]
+        w = _shifted_exp(logits.gather(1, cols.clamp(max=v - 1)), top, temperature)
+        w.masked_fill_(cols >= v, 0.0)
+        tokens = cols.gather(1, _inverse_cdf(w, target - before)[:, None]).squeeze(1)
+    else:
+        tokens = _sample_truncated(logits, top, total, u, k, top_p, temperature)
+    picked = _scaled(logits.gather(1, tokens[:, None]).squeeze(1), temperature)
+    logp = picked - (top + total.log().float())
+    return tokens, logp
+
+
+def _sample_truncated(
+    logits: Tensor, top: Tensor, total: Tensor, u: Tensor, k: int, top_p: float, temperature: float
+) -> Tensor:
+    """`sample_next_tokens` with top-k (k > 0) and/or top-p (< 1): the candidates, best first, from ``topk``."""
+    v = logits.shape[-1]
+    if k:
+        kth = logits.topk(k, dim=-1).values[:, -1:]
+        k = int((logits >= kth).sum(dim=-1).max())  # ties with the k-th value stay in, as in generate
+        vals, idx = logits.topk(k, dim=-1)
+        w = _shifted_exp(vals, top, temperature).double().masked_fill_(vals < kth, 0.0)
+        mass = w.sum(dim=-1)  # the top-k's share of `total`
+    else:
+        mass = total
+        k = min(256, v)
+        while True:
+            vals, idx = logits.topk(k, dim=-1)
+            w = _shifted_exp(vals, top, temperature).double()
+            # the nucleus lies within these k when their mass reaches top_p of the whole (or k == V)
+            if k == v or bool((w.sum(dim=-1) >= top_p * mass).all()):
+                break
+            k = min(4 * k, v)
+    if top_p < 1.0:
+        before = w.cumsum(dim=-1) - w
+        w = w.masked_fill(before >= top_p * mass[:, None], 0.0)  # never the best token: its `before` is 0
+    pick = _inverse_cdf(w, u * w.sum(dim=-1))
+    return idx.gather(1, pick[:, None]).squeeze(1)
 
 
 def completion_mask(completion_ids: Tensor, eos_ids: list[int], stop_lengths: Tensor | None = None) -> Tensor:
@@ -70,6 +279,7 @@ class TokenSampling:
     max_new_tokens: int
     generation_batch_size: int | None
     shared_prefix: bool
+    sampler: str
     _prompt_cache: dict[str, list[int]]
     device: torch.device
     _logprobs: Callable[..., Tensor]
@@ -278,13 +488,99 @@ class TokenSampling:
         return parts
 
     def _generate(self, prompts: list[str]) -> tuple[Tensor, Tensor, Tensor]:
+        """(prompt ids, prompt mask, completion ids) of one chunk of prompts: the own decode loop
+        (`_sample_loop`) where `own_loop_blockers` is empty, Hugging Face ``generate`` otherwise."""
         ids, att = self._encode_prompts(prompts)
         ids, att = ids.to(self.device), att.to(self.device)
-        kwargs = self._sampling_kwargs()
-        if self.shared_prefix and ids.shape[1] > 1:
-            kwargs[cache_kwarg()] = self._prefill(prompts, ids, att)
-        out = self.model.generate(input_ids=ids, attention_mask=att, **kwargs)
-        return ids.cpu(), att.cpu(), out[:, ids.shape[1] :].cpu()
+        cache = self._prefill(prompts, ids, att) if self.shared_prefix and ids.shape[1] > 1 else None
+        if not self.own_loop_blockers():
+            new = self._sample_loop(ids, att, cache)
+        else:
+            kwargs = self._sampling_kwargs()
+            if cache is not None:
+                kwargs[cache_kwarg()] = cache
+            new = self.model.generate(input_ids=ids, attention_mask=att, **kwargs)[:, ids.shape[1] :]
+        return ids.cpu(), att.cpu(), new.cpu()
+
+    def own_loop_blockers(self) -> list[str]:
+        """Why single-turn sampling goes through ``generate`` instead of the own decode loop: ``sampler: hf``,
+        a model sharded over processes (``generate`` lock-steps the ranks), or generation-config settings the
+        loop does not apply (`unsupported_generation_settings`); empty: the own loop samples."""
+        if self.sampler == "hf":
+            return ["sampler=hf"]
+        if sharded_over_processes(self.model):
+            return ["FSDP2 over several processes"]
+        return unsupported_generation_settings(getattr(self.model, "generation_config", None))
+
+    def _stop_criterion(self) -> Any:
+        """Hugging Face's ``StopStringCriteria`` for the policy's stop strings (built once; None without)."""
+        key = tuple(self.stop_strings)
+        if not key:
+            return None
+        cached = getattr(self, "_stop_criterion_cache", None)
+        if cached is None or cached[0] != key:
+            from transformers import StopStringCriteria
+
+            cached = (key, StopStringCriteria(tokenizer=self.tokenizer, stop_strings=list(key)))
+            self._stop_criterion_cache = cached
+        return cached[1]
+
+    @torch.no_grad()
+    def _sample_loop(self, ids: Tensor, att: Tensor, cache: Any = None) -> Tensor:
+        """Sample up to ``max_new_tokens`` per row after the left-padded prompts `ids` / `att` (on the model's
+        device), with the KV cache and positions ``generate`` would use; `cache`: the prefilled cache of all
+        but the last prompt token (`_prefill`), or None. Each step runs the new token(s) with
+        ``logits_to_keep=1`` and draws with `sample_next_tokens`; a row that produced EOS or completed a
+        stop string gets the pad id from then on, and the loop ends when every row has. Returns the new
+        tokens [B, steps]."""
+        from transformers import DynamicCache
+
+        key = cache_kwarg()
+        dev = ids.device
+        b = ids.shape[0]
+        pad = self.tokenizer.pad_token_id
+        eos = torch.tensor(self.eos_ids, device=dev) if self.eos_ids else None
+        gen_cfg = getattr(self.model, "generation_config", None)
+        blocked = list(getattr(gen_cfg, "suppress_tokens", None) or [])
+        suppressed = torch.tensor(blocked, dtype=torch.long, device=dev) if blocked else None
+        stop = self._stop_criterion()
+        # generate's positions for left padding: cumsum of the mask - 1 (1 on the padding)
+        positions = (att.long().cumsum(dim=1) - 1).masked_fill(att == 0, 1)
+        step_ids, step_pos = (ids[:, -1:], positions[:, -1:]) if cache is not None else (ids, positions)
+        cache = DynamicCache() if cache is None else cache
+        seq, mask = ids, att
+        unfinished = torch.ones(b, dtype=torch.bool, device=dev)
+        new: list[Tensor] = []
+        for _ in range(self.max_new_tokens):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{key: cache},
+            )
+            cache = out[key]
+            tokens, _ = sample_next_tokens(
+                out.logits[:, -1, :],
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                suppressed=suppressed,
+            )
+            del out
+            tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad))
+            new.append(tokens)
+            if eos is not None:
+                unfinished &= ~torch.isin(tokens, eos)
+            if stop is not None:
+                seq = torch.cat([seq, tokens[:, None]], dim=1)
+                unfinished &= ~stop(seq, None).to(dev)
+            if not bool(unfinished.any()):
+                break
+            step_ids, step_pos = tokens[:, None], step_pos[:, -1:] + 1
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+        return torch.stack(new, dim=1) if new else ids.new_zeros(b, 0)
 
     def _prefill(self, prompts: list[str], ids: Tensor, att: Tensor) -> Any:
         """KV cache of all but the last prompt token, computed once per distinct prompt and gathered

@@ -19,10 +19,13 @@ from torch import Tensor
 
 from mmalign.batch import Rollout
 from mmalign.logprobs import (
+    auto_chunk_tokens,
+    autocast_dtype,
     cache_kwarg,
     check_agreement,
     chunked_token_logprobs,
     final_hidden_states,
+    fusable_head,
     output_head,
     selective_log_softmax,
     token_entropy,
@@ -207,15 +210,42 @@ class MRopePositions:
 
 
 # ----------------------------------------------------------------------------- the scorer
+DEFAULT_LOGPROB_MEMORY_MB = 256.0
+"""The default budget of ``chunk_size="auto"`` (``model.logprob_memory_mb``)."""
+
+
 @dataclass(frozen=True)
 class ScoringOptions:
     """How to score: the sampling temperature, tokens the sampler could not draw, the head's chunk size
-    (None: full logits) and whether to share each group's prompt forward."""
+    (tokens; ``"auto"``: from `memory_mb`; None: full logits) and whether to share each group's prompt
+    forward."""
 
     temperature: float = 1.0
-    chunk_size: int | None = None
+    chunk_size: int | str | None = None
     shared_prefix: bool = False
     suppressed_ids: tuple[int, ...] = ()
+    memory_mb: float = DEFAULT_LOGPROB_MEMORY_MB
+
+
+def _head_dtype(features: Tensor) -> torch.dtype:
+    """The dtype of the head's output: autocast's where it is on, else the hidden states'."""
+    return autocast_dtype(features.device) or features.dtype
+
+
+def chunk_tokens(head: torch.nn.Module, opts: ScoringOptions, logits_dtype: torch.dtype) -> int:
+    """Tokens per chunk through `head`: ``opts.chunk_size``, or with ``"auto"`` as many as fit in
+    ``opts.memory_mb`` (`mmalign.logprobs.auto_chunk_tokens`, for the head's vocabulary and path)."""
+    if opts.chunk_size != "auto":
+        assert isinstance(opts.chunk_size, int)
+        return opts.chunk_size
+    weight = getattr(head, "weight", None)
+    vocab = weight.shape[0] if isinstance(weight, Tensor) else int(getattr(head, "out_features", 0))
+    if vocab < 1:
+        raise ValueError(
+            f"model.logprob_chunk_size: auto cannot read the vocabulary size of the output head "
+            f"({type(head).__name__}); set a number of tokens"
+        )
+    return auto_chunk_tokens(vocab, opts.memory_mb, fused=fusable_head(head), logits_dtype=logits_dtype)
 
 
 class TokenScorer:
@@ -345,12 +375,13 @@ class TokenScorer:
         suppressed = list(opts.suppressed_ids)
         if chunked:
             assert opts.chunk_size is not None
+            head = output_head(model)
             return chunked_token_logprobs(
                 features,
-                output_head(model),
+                head,
                 completion_ids,
                 mask,
-                chunk_tokens=opts.chunk_size,
+                chunk_tokens=chunk_tokens(head, opts, _head_dtype(features)),
                 temperature=opts.temperature,
                 suppressed_ids=suppressed,
                 with_entropy=with_entropy,

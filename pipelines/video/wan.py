@@ -75,7 +75,7 @@ def build_wan_policy(cfg: Config, opts: WanVideoOptions, policy_class: Any = Non
             num_frames=opts.num_frames,
             max_sequence_length=opts.max_sequence_length,
             train_expert=opts.train_expert,
-            need_reference=cfg.algorithm.kl_coef > 0,
+            need_reference=cfg.algorithm.needs_reference(),
             height=opts.height,
             width=opts.width,
             **({} if opts.boundary_ratio is None else {"boundary_ratio": opts.boundary_ratio}),

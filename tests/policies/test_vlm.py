@@ -410,7 +410,7 @@ def test_vlm_chunked_logprobs_equal_full_logits(
     full-logits path's log-probs, entropies and parameter gradients, vision placeholders suppressed,
     with the shared-prefix and the plain forward."""
     pol = pipeline_policy(random_vlm_dir, tmp_path / "run", shared_prefix=shared_prefix)
-    assert pol.logprob_chunk_size == 1024 and pol.suppressed_ids  # the pipeline default
+    assert pol.logprob_chunk_size == "auto" and pol.suppressed_ids  # the pipeline default
     torch.manual_seed(0)
     ro = pol.rollout(mixed_rows(), 2, compute_logp=False)
     ro = ro[torch.randperm(len(ro), generator=torch.Generator().manual_seed(1))]
