@@ -4,6 +4,7 @@
     mmalign sample CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--prompt TEXT ...] [-n N]
     mmalign eval CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--no-base]
     mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps]
+    mmalign plan CONFIG.yaml [key.sub=value ...] [--gpus N --gpu h100|h200|... --gpu-memory 80GiB --strategy ddp|fsdp2]
 
 `train`, `sample` and `eval` run on N processes too (`torchrun --standalone --nproc_per_node N -m mmalign.app.cli ...`
 or `accelerate launch`): see docs/distributed_runs.md. On a machine without CUDA such a launch runs on CPU
@@ -469,6 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["pipelines", "rewards", "estimators", "losses", "filters", "samplers", "steps", "all"],
     )
     ls.set_defaults(func=cmd_list)
+
+    from mmalign.app.plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 

@@ -1,0 +1,1520 @@
+"""`mmalign plan CONFIG`: will a config fit, how long will a step take, and what to change if it does not fit.
+
+    mmalign plan configs/text_reasoning.yaml [key.sub=value ...] [--gpus N] [--gpu h100|h200|a100|...]
+        [--gpu-memory 80GiB] [--strategy ddp|fsdp2] [--offload] [--mfu 0.4] [--prompt-tokens 256]
+
+Nothing is allocated and nothing is downloaded. The model's architecture (the model folder, the local hub cache,
+or the table of public configs, `mmalign.app.plan_models`) is built on the meta device with the config's LoRA
+(``model.lora``), dtype (``model.dtype``) and gradient checkpointing, and the work of one training step is run
+on it the way the policy runs it (token policies: the plain or shared-prefix forward and the policy's own output
+head; diffusion policies: the denoiser forwards of the trained steps kept for one backward, two branches under
+classifier-free guidance), under a recorder that counts every tensor a real device would hold and the FLOPs of
+every operator (`plan_models.Recorder`, with ``torch.utils.flop_counter``'s formulas). What scales with the run
+(optimizer state, microbatches and processes, FSDP2 sharding and CPU offload, the KV cache of generation) is
+added from the config (`StepPlan`): the peak per device of the training step and of the rollout, split into
+weights, gradients, optimizer state, activations and caches; the FLOPs per step and the time at a stated
+model-FLOPs utilisation; and, when the peak exceeds the device, the smallest changes that make it fit
+(`suggest_fixes`). docs/plan.md describes the model and what it leaves out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from mmalign.app.plan_models import (
+    ModelSpec,
+    Recorder,
+    block_param_bytes,
+    buffer_bytes,
+    build_meta,
+    largest_param_bytes,
+    param_bytes,
+    param_numel,
+    recording,
+    resolve_model,
+)
+from mmalign.config import Config, ConfigError
+
+GiB = 1024**3
+DEFAULT_PROMPT_TOKENS = 256
+"""Text tokens per prompt when neither ``--prompt-tokens`` nor the data and tokenizer say."""
+
+
+# ----------------------------------------------------------------------------- hardware
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: usable memory, dense peak FLOP/s (bf16/fp16 tensor cores; fp32 without TF32) and
+    memory bandwidth. ``kind`` is ``cuda`` (fused attention, multi-tensor AdamW) or ``cpu`` (what a CPU run of
+    mmalign does: single-tensor AdamW), used to check the planner against a CPU run."""
+
+    name: str
+    memory: int
+    flops_bf16: float
+    flops_fp32: float
+    bandwidth: float
+    kind: str = "cuda"
+
+
+DEVICES: dict[str, Device] = {
+    # memory: what `torch.cuda.get_device_properties(i).total_memory` reports; FLOP/s: vendor data sheets
+    # (dense, no sparsity); bandwidth: HBM / GDDR bytes per second.
+    "h100": Device("NVIDIA H100 80GB SXM", 81559 * 2**20, 989e12, 67e12, 3.35e12),
+    "h100-pcie": Device("NVIDIA H100 80GB PCIe", 81559 * 2**20, 756e12, 51e12, 2.0e12),
+    "h200": Device("NVIDIA H200 141GB", 143771 * 2**20, 989e12, 67e12, 4.8e12),
+    "b200": Device("NVIDIA B200 180GB", 183359 * 2**20, 2250e12, 80e12, 8.0e12),
+    "a100": Device("NVIDIA A100 80GB", 81051 * 2**20, 312e12, 19.5e12, 2.04e12),
+    "a100-40gb": Device("NVIDIA A100 40GB", 40370 * 2**20, 312e12, 19.5e12, 1.56e12),
+    "l40s": Device("NVIDIA L40S 48GB", 45589 * 2**20, 362e12, 91.6e12, 0.864e12),
+    "a10": Device("NVIDIA A10 24GB", 22731 * 2**20, 125e12, 31.2e12, 0.6e12),
+    "rtx4090": Device("NVIDIA RTX 4090 24GB", 24217 * 2**20, 165e12, 82.6e12, 1.0e12),
+    "cpu": Device("CPU (planner check)", 24 * GiB, 1e12, 1e12, 50e9, kind="cpu"),
+}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of ``80GiB`` / ``80GB`` / ``80G`` / ``81920MiB`` / a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", text, flags=re.I)
+    if not m:
+        raise ConfigError(f"--gpu-memory {text!r}: expected a size such as 80GiB, 80GB or 81920MiB")
+    value, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
+    power = "KMGT".index(unit) + 1 if unit else 0
+    return int(value * (1024 if binary or not unit else 1000) ** power)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Where the step runs: the device, the number of processes (one per device), the strategy (``ddp``:
+    a full replica per device; ``fsdp2``: weights, gradients and optimizer state sharded over all
+    processes) and FSDP2's CPU offload of parameters, gradients and optimizer state."""
+
+    device: Device
+    gpus: int = 1
+    strategy: str = "ddp"
+    offload: bool = False
+    mfu: float = 0.4
+
+    @property
+    def shards(self) -> int:
+        return self.gpus if self.strategy == "fsdp2" else 1
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass
+class Memory:
+    """Bytes per device, by kind. ``activations`` holds what the forward keeps for the backward plus the
+    temporaries live at the peak; ``caches`` the KV cache (generation) or the stored rollout tensors."""
+
+    weights: int = 0
+    frozen: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    caches: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.frozen + self.gradients + self.optimizer + self.activations + self.caches
+
+
+@dataclass
+class Phase:
+    """The peak of one phase (``train``: one step's forwards, backwards and optimizer step; ``rollout``:
+    sampling), where in the phase it happens, and the FLOPs and time of the phase."""
+
+    name: str
+    memory: Memory
+    where: str
+    flops: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
+class StepPlan:
+    """What `plan` predicts for one config on one hardware setting."""
+
+    config: str
+    model: str
+    origin: str
+    hardware: Hardware
+    params_total: int
+    params_trainable: int
+    shapes: dict[str, Any]
+    train: Phase
+    rollout: Phase
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(self.train.memory.total, self.rollout.memory.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.hardware.device.memory
+
+    @property
+    def seconds(self) -> float:
+        return self.train.seconds + self.rollout.seconds
+
+
+# ----------------------------------------------------------------------------- the workload
+def _opt(cfg: Config, name: str, default: Any = None) -> Any:
+    opts = cfg.options
+    if opts is None:
+        return default
+    if isinstance(opts, dict):
+        return opts.get(name, default)
+    return getattr(opts, name, default)
+
+
+@dataclass
+class Batching:
+    """Per-process sample counts of one training step (as `GroupTrainer._set_batching` computes them)."""
+
+    local_prompts: int
+    samples_per_group: int
+    local_batch: int
+    minibatch: int
+    microbatch: int
+    micro_per_minibatch: int
+    updates_per_pass: int
+    iterations: int
+    shuffled: bool
+    need_logp_old: bool
+
+    @property
+    def forwards_with_grad(self) -> int:
+        """Microbatch forward+backward passes per step."""
+        return self.iterations * math.ceil(self.local_batch / self.microbatch)
+
+
+def batching(cfg: Config, gpus: int) -> Batching:
+    """`Batching` of `cfg` on `gpus` processes (errors name the keys, as the trainer's would)."""
+    from mmalign import advantages
+
+    r, t = cfg.rollout, cfg.trainer
+    if r.prompts_per_step % gpus:
+        raise ConfigError(
+            f"{cfg.source}: key 'rollout.prompts_per_step' ({r.prompts_per_step}) must be divisible by the "
+            f"number of processes ({gpus})"
+        )
+    local_prompts = r.prompts_per_step // gpus
+    try:
+        extra = advantages.extra_samples(cfg.algorithm.estimator)
+    except Exception:  # an estimator from a plugin that is not importable here: no extra samples
+        extra = 0
+    spg = r.group_size + extra
+    local = local_prompts * spg
+    mini = (t.minibatch_size // gpus) if t.minibatch_size else None
+    micro = t.microbatch_size or mini or local
+    micro = min(micro, mini or local)
+    updates = math.ceil(local / mini) if mini else 1
+    size = mini or local
+    shuffled = t.shuffle_minibatches and t.num_iterations * math.ceil(local / size) > 1
+    need_old = t.num_iterations > 1 or updates > 1 or cfg.algorithm.filter == "replay" or r.engine != "hf"
+    return Batching(
+        local_prompts=local_prompts,
+        samples_per_group=spg,
+        local_batch=local,
+        minibatch=size,
+        microbatch=micro,
+        micro_per_minibatch=math.ceil(size / micro),
+        updates_per_pass=updates,
+        iterations=t.num_iterations,
+        shuffled=shuffled,
+        need_logp_old=need_old,
+    )
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _compute_dtype(cfg: Config) -> torch.dtype:
+    """The dtype activations are computed in: the weights' dtype, or the mixed-precision dtype for fp32 weights
+    (autocast is modelled as half-precision activations)."""
+    dtype = _torch_dtype(cfg.model.dtype)
+    mp = cfg.trainer.mixed_precision
+    if dtype == torch.float32 and mp in ("bf16", "fp16"):
+        return torch.bfloat16 if mp == "bf16" else torch.float16
+    return dtype
+
+
+# ----------------------------------------------------------------------------- optimizer and sharding
+@dataclass
+class Static:
+    """Bytes per device that do not depend on the batch: weights (trainable module, frozen parts), AdamW state,
+    the optimizer step's temporaries and gradients (all sharded under FSDP2, on the host with CPU offload),
+    DDP's gradient buckets, what FSDP2 gathers at once (two blocks' weights with prefetch, one block's
+    gradients before the reduce-scatter), and the divisor of gradients recorded unsharded."""
+
+    weights: int
+    frozen: int
+    gradients: int
+    optimizer: int
+    step_temp: int
+    buckets: int = 0
+    block: int = 0
+    block_grad: int = 0
+    grad_divisor: int = 1
+
+
+def _static(model: torch.nn.Module, frozen_bytes: int, hw: Hardware) -> Static:
+    """`Static` of `model` (meta, trainable flags set) on `hw`. AdamW keeps two moments per trainable value in
+    the parameter's dtype; its step needs one more copy of all of them (multi-tensor ``_foreach_sqrt``, CUDA)
+    or two copies of the largest parameter (single-tensor, CPU)."""
+    train_b = param_bytes(model, trainable=True)
+    weights = param_bytes(model) + buffer_bytes(model)
+    grads, opt = train_b, 2 * train_b
+    step_temp = 2 * largest_param_bytes(model) if hw.device.kind == "cpu" else train_b
+    n = hw.shards
+    if hw.strategy == "fsdp2" and (n > 1 or hw.offload):
+        block = block_param_bytes(model)
+        block_grad = int(block * train_b / max(1, weights))
+        if hw.offload:
+            return Static(0, frozen_bytes, 0, 0, 0, 0, 2 * block, block_grad, grad_divisor=10**9)
+        return Static(
+            weights // n, frozen_bytes, grads // n, opt // n, step_temp // n, 0, 2 * block, block_grad, n
+        )
+    buckets = train_b if hw.gpus > 1 else 0
+    return Static(weights, frozen_bytes, grads, opt, step_temp, buckets)
+
+
+def _train_memory(st: Static, peak: int, grads_at_peak: int) -> tuple[Memory, str]:
+    """The training step's peak (`Memory`, where): the larger of the steady-state microbatch's recorded
+    forward/backward (``peak`` bytes allocated, ``grads_at_peak`` of them parameter gradients, recorded
+    unsharded) and the optimizer step."""
+    grads = grads_at_peak // st.grad_divisor + st.block_grad + st.buckets
+    fb = Memory(st.weights + st.block, st.frozen, grads, st.optimizer, peak - grads_at_peak)
+    step = Memory(st.weights, st.frozen, st.gradients + st.buckets, st.optimizer, st.step_temp)
+    if step.total > fb.total:
+        return step, "optimizer step (AdamW temporaries)"
+    return fb, "forward/backward of a microbatch"
+
+
+# ----------------------------------------------------------------------------- token policies
+@dataclass
+class TokenShapes:
+    prompt: int
+    completion: int
+    image_tokens: int
+    patches: int
+    generation_batch: int
+
+
+def estimate_prompt_tokens(cfg: Config, rows: int = 256) -> int | None:
+    """The longest prompt, in tokens, among the first `rows` training rows, when the data file and the model
+    folder's tokenizer are both here (with the chat template and system prompt when the config uses them);
+    None otherwise. Images are not counted (see `token_shapes`)."""
+    from pathlib import Path
+
+    src, folder = cfg.data.train, Path(cfg.model.name_or_path)
+    if (
+        not src
+        or src.startswith("hf:")
+        or not Path(src).is_file()
+        or not (folder / "tokenizer_config.json").is_file()
+    ):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        from mmalign.data import load_rows
+
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        texts = [str(r.get("prompt", "")) for r in load_rows(src, cfg.data.prompt_template, max_rows=rows)]
+    except Exception:  # unreadable rows or tokenizer: the planner falls back to --prompt-tokens
+        return None
+    if not texts:
+        return None
+    if cfg.model.use_chat_template and getattr(tok, "chat_template", None):
+
+        def render(t: str) -> str:
+            msgs = [{"role": "system", "content": cfg.model.system_prompt}] if cfg.model.system_prompt else []
+            return tok.apply_chat_template(
+                [*msgs, {"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            )
+
+        texts = [render(t) for t in texts]
+    return max(len(tok(t)["input_ids"]) for t in texts)
+
+
+def token_shapes(cfg: Config, spec: ModelSpec, b: Batching, prompt_tokens: int) -> TokenShapes:
+    """Prompt and completion lengths of a token policy: ``prompt_tokens`` of text (plus, for a VLM, the image
+    tokens of one image at ``options.max_pixels``), the completion region of the rollout loop (multi-turn: its
+    cap with inserted turns)."""
+    r = cfg.rollout
+    completion = r.max_new_tokens
+    if r.loop == "multi_turn":
+        kw = r.loop_kwargs
+        turns = int(kw.get("max_turns", 4))
+        per_turn = int(kw.get("max_tokens_per_turn") or r.max_new_tokens)
+        insert = int(kw.get("max_insert_tokens", 512))
+        completion = int(kw.get("max_completion_tokens") or turns * per_turn + (turns - 1) * insert)
+    image_tokens = patches = 0
+    if spec.kind == "vlm":
+        vis = spec.components["model"].config.get("vision_config", {})
+        patch = int(vis.get("patch_size", 14))
+        merge = int(vis.get("spatial_merge_size", 2))
+        max_pixels = _opt(cfg, "root_max_pixels") or _opt(cfg, "max_pixels") or 12845056
+        patches = max(4, int(max_pixels) // (patch * patch) // (merge * merge) * merge * merge)
+        image_tokens = patches // (merge * merge)
+    gen = r.batch_size or b.local_batch
+    return TokenShapes(
+        prompt_tokens + image_tokens, completion, image_tokens, patches, min(gen, b.local_batch)
+    )
+
+
+def _lora_targets_for(spec: ModelSpec, targets: list[str] | str) -> list[str] | str:
+    if spec.kind == "vlm":
+        from mmalign.policies.vlm import language_model_lora_targets
+
+        return language_model_lora_targets(targets)
+    return targets
+
+
+def token_model(cfg: Config, spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
+    """The policy's model on the meta device: `dtype` weights, gradient checkpointing and the LoRA adapter as
+    `mmalign.policies.loading.load_token_policy` sets them; a VLM's vision tower frozen under
+    ``options.freeze_vision``."""
+    model = build_meta(spec.components["model"], dtype)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    lora = cfg.model.lora
+    if lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        peft_cfg = PeftLoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=_lora_targets_for(spec, lora.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, peft_cfg)
+    elif spec.kind == "vlm" and _opt(cfg, "freeze_vision", False):
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                p.requires_grad_(False)
+    model.train()
+    return model
+
+
+def _mask4d(b: int, q: int, k: int, device: str = "meta") -> torch.Tensor:
+    """A boolean [B, 1, q, k] attention mask (rollouts are left-padded, so the model gets an explicit mask)."""
+    return torch.ones((b, 1, q, k), dtype=torch.bool, device=device)
+
+
+def _text_inputs(
+    spec: ModelSpec, model: torch.nn.Module, b: int, length: int, dtype: torch.dtype, device: str = "meta"
+) -> dict[str, Any]:
+    """Forward inputs of `b` sequences of `length`: token ids, or for a VLM the merged embeddings and 3-D
+    M-RoPE positions (the vision tower's output is an input here; the tower is planned separately)."""
+    if spec.kind == "vlm":
+        hidden = int(_text_config(spec)["hidden_size"])
+        return dict(
+            inputs_embeds=torch.empty((b, length, hidden), dtype=dtype, device=device),
+            position_ids=torch.zeros((3, b, length), dtype=torch.long, device=device),
+            attention_mask=_mask4d(b, length, length, device),
+            use_cache=False,
+        )
+    return dict(
+        input_ids=torch.zeros((b, length), dtype=torch.long, device=device),
+        position_ids=torch.zeros((b, length), dtype=torch.long, device=device),
+        attention_mask=_mask4d(b, length, length, device),
+        use_cache=False,
+    )
+
+
+def _text_config(spec: ModelSpec) -> dict[str, Any]:
+    cfg = spec.components["model"].config
+    return {**cfg, **cfg.get("text_config", {})}
+
+
+def _score(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    sh: TokenShapes,
+    b: int,
+    *,
+    dtype: torch.dtype,
+    chunk: int | None,
+    grad: bool,
+    shared: bool,
+    unique: int,
+    temperature: float,
+    cfg_model: Any = None,
+    device: str = "meta",
+) -> torch.Tensor:
+    """The policy's log-probs of `b` completions on the meta device: `mmalign.policies.token_scoring.TokenScorer`'s
+    plain or shared-prefix forward and the chunked (`mmalign.logprobs`) or full-logits head, every completion
+    token valid (the worst case). Returns Float[B, T] log-probs."""
+    from mmalign.policies.token_scoring import TokenScorer
+
+    p, t = sh.prompt, sh.completion
+    ids = torch.zeros((b, t), dtype=torch.long, device=device)
+    mask = torch.ones((b, t), dtype=torch.bool, device=device)
+    with torch.set_grad_enabled(grad):
+        if shared and spec.kind == "causal_lm":
+            prefix = dict(
+                input_ids=torch.zeros((unique, p), dtype=torch.long, device=device),
+                attention_mask=_mask4d(unique, p, p, device),
+                position_ids=torch.zeros((unique, p), dtype=torch.long, device=device),
+            )
+            completion = dict(
+                input_ids=ids,
+                attention_mask=_mask4d(b, t, p + t, device),
+                position_ids=torch.zeros((b, t), dtype=torch.long, device=device),
+            )
+            inverse = torch.zeros(b, dtype=torch.long, device=device)
+            features = TokenScorer.shared_prefix_features(
+                model, prefix, completion, inverse, hidden=chunk is not None, grad=grad
+            )
+        else:
+            inputs = _text_inputs(spec, model, b, p + t, dtype, device)
+            features = TokenScorer.plain_features(model, inputs, t, hidden=chunk is not None, grad=grad)
+        logp, _entropy = TokenScorer.score_features(
+            model,
+            features,
+            ids,
+            mask,
+            scoring_options(cfg_model, temperature, chunk, shared),
+            chunked=chunk is not None,
+            with_entropy=grad,
+        )
+    return logp
+
+
+def scoring_options(model_cfg: Any, temperature: float, chunk: Any, shared: bool) -> Any:
+    """The policy's `ScoringOptions` for ``model.*`` (only the fields the installed scorer has)."""
+    import dataclasses
+
+    from mmalign.policies.token_scoring import ScoringOptions
+
+    values = dict(
+        temperature=temperature,
+        chunk_size=chunk,
+        shared_prefix=shared,
+        memory_mb=getattr(model_cfg, "logprob_memory_mb", None),
+    )
+    names = {f.name for f in dataclasses.fields(ScoringOptions)}
+    return ScoringOptions(**{k: v for k, v in values.items() if k in names and v is not None})
+
+
+def _flops(rec: Recorder, attn: Any) -> float:
+    """FLOPs of a recorded run: the recorder's operators plus the attention stand-in's."""
+    return float(rec.flops + attn.forward_flops + attn.backward_flops)
+
+
+def _vision_bytes(
+    spec: ModelSpec, patches: int, images: int, dtype: torch.dtype, *, grad: bool
+) -> tuple[int, float]:
+    """(bytes, FLOPs) of the vision tower on `images` images of `patches` patches each: frozen, the no-grad
+    forward's largest block temporaries; trained, every block's saved activations (estimated per patch as
+    for a decoder layer: 6 hidden + 4 MLP values). FLOPs: 2 per parameter per patch (times 3 with grad)."""
+    vis = spec.components["model"].config.get("vision_config", {})
+    h, f, depth = (
+        int(vis.get("embed_dim") or vis.get("hidden_size", 1280)),
+        int(
+            vis.get("intermediate_size")
+            or int(vis.get("embed_dim") or vis.get("hidden_size", 1280)) * vis.get("mlp_ratio", 4)
+        ),
+        int(vis.get("depth", 32)),
+    )
+    s = torch.finfo(dtype).bits // 8
+    n = patches * images
+    per_block = n * (6 * h + 4 * f) * s
+    params = depth * (4 * h * h + 3 * h * f)
+    flops = 2.0 * params * n * (3 if grad else 1)
+    return (per_block * depth if grad else n * (3 * h + 3 * f) * s), flops
+
+
+def plan_token(
+    cfg: Config, spec: ModelSpec, hw: Hardware, prompt_tokens: int
+) -> tuple[Phase, Phase, dict[str, Any], int, int, list[str]]:
+    """The training and rollout phases of a text or VLM policy."""
+    notes: list[str] = []
+    b = batching(cfg, hw.gpus)
+    sh = token_shapes(cfg, spec, b, prompt_tokens)
+    dtype = _torch_dtype(cfg.model.dtype)
+    lora = cfg.model.lora
+    model = _memo(
+        (
+            "token_model",
+            cfg.model.name_or_path,
+            spec.origin,
+            str(dtype),
+            cfg.model.gradient_checkpointing,
+            (lora.enabled, lora.r, lora.alpha, str(lora.target_modules)),
+            bool(_opt(cfg, "freeze_vision", False)),
+        ),
+        lambda: token_model(cfg, spec, dtype),
+    )
+    chunk = cfg.model.logprob_chunk_size
+    if hw.strategy == "fsdp2" and hw.gpus > 1 and chunk:
+        chunk = None
+        notes.append("FSDP2: the chunked log-prob head is off (full [B, T, V] logits), as the policies do")
+    shared = cfg.model.shared_prefix and not cfg.model.gradient_checkpointing
+    mb = b.microbatch
+    unique = (
+        mb
+        if b.shuffled
+        else min(mb, math.ceil(mb / b.samples_per_group) + (1 if mb % b.samples_per_group else 0))
+    )
+    temp = cfg.rollout.temperature
+    vlm_train_vision = (
+        spec.kind == "vlm" and not cfg.model.lora.enabled and not _opt(cfg, "freeze_vision", False)
+    )
+
+    frozen = 0
+    ref_copy = cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled
+    if ref_copy:
+        frozen += param_bytes(model)
+        notes.append("algorithm.kl_coef > 0 without LoRA: a frozen reference copy of the model is kept")
+    st = _static(model, frozen, hw)
+
+    # -- microbatches: forward + backward on the meta device, recorded; the second (when a minibatch has
+    # more than one) starts with the first one's gradients in place: the steady state
+    params = [p for p in model.parameters()]
+    trainable = [p for p in params if p.requires_grad]
+    n_sim = 2 if b.micro_per_minibatch > 1 else 1
+    with recording(params) as (rec, attn):
+        rec.watch_grads(trainable)
+        for i in range(n_sim):
+            with rec.phase(f"micro{i + 1}"):
+                logp = _score(
+                    model,
+                    spec,
+                    sh,
+                    mb,
+                    dtype=dtype,
+                    chunk=chunk,
+                    grad=True,
+                    shared=shared,
+                    unique=unique,
+                    temperature=temp,
+                    cfg_model=cfg.model,
+                )
+                logp.sum().backward()
+                del logp
+        train_flops_micro = _flops(rec, attn) / n_sim
+    peak = rec.peaks[f"micro{n_sim}"]
+    for p in trainable:
+        p.grad = None
+    total, grads_at_peak = peak.total, peak.grads
+    if spec.kind == "vlm":
+        vb, vf = _vision_bytes(spec, sh.patches, mb, dtype, grad=vlm_train_vision)
+        embeds = (
+            mb
+            * (sh.prompt + sh.completion)
+            * int(_text_config(spec)["hidden_size"])
+            * (torch.finfo(dtype).bits // 8)
+        )
+        total += vb + embeds
+        train_flops_micro += vf
+    train_mem, where = _train_memory(st, total, grads_at_peak)
+    # -- no-grad scoring (logp_old, reference log-probs) of the whole local batch
+    nograd_flops = 0.0
+    nograd_peak = 0
+    scoring_batch = b.local_batch
+    if b.need_logp_old or cfg.algorithm.kl_coef > 0:
+
+        def score_all() -> tuple[int, float]:
+            with recording(params) as (rec2, attn2):
+                with rec2.phase("score"):
+                    _score(
+                        model,
+                        spec,
+                        sh,
+                        scoring_batch,
+                        dtype=dtype,
+                        chunk=chunk,
+                        grad=False,
+                        shared=shared,
+                        unique=b.local_prompts,
+                        temperature=temp,
+                        cfg_model=cfg.model,
+                    )
+                return rec2.peaks["score"].total, _flops(rec2, attn2)
+
+        key = (
+            id(model),
+            "score",
+            scoring_batch,
+            sh.prompt,
+            sh.completion,
+            chunk,
+            shared,
+            b.local_prompts,
+            temp,
+        )
+        nograd_peak, nograd_flops = _memo(key, score_all)
+        passes = int(b.need_logp_old) + int(cfg.algorithm.kl_coef > 0)
+        nograd_flops *= passes
+    # -- generation: KV cache of the generation batch at full length, plus the prefill's temporaries
+    tc = _text_config(spec)
+    layers = int(tc["num_hidden_layers"])
+    heads = int(tc["num_attention_heads"])
+    kv_heads = int(tc.get("num_key_value_heads") or heads)
+    head_dim = int(tc.get("head_dim") or int(tc["hidden_size"]) // heads)
+    vocab = int(tc["vocab_size"])
+    s = torch.finfo(dtype).bits // 8
+    g = sh.generation_batch
+    kv = 2 * layers * kv_heads * head_dim * s * g * (sh.prompt + sh.completion)
+    kv_grow = 2 * kv_heads * head_dim * s * g * (sh.prompt + sh.completion)  # one layer's copy while it grows
+    sample = g * vocab * 4 * (4 if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k else 2)
+    prefill_batch = min(g, math.ceil(g / b.samples_per_group) + 1)
+
+    def prefill() -> tuple[int, float]:
+        with recording(params) as (rec3, attn3):
+            with rec3.phase("prefill"), torch.no_grad():
+                model(**_text_inputs(spec, model, prefill_batch, sh.prompt, dtype), logits_to_keep=1)
+            return rec3.peaks["prefill"].total, _flops(rec3, attn3)
+
+    prefill_peak, prefill_flops = _memo((id(model), "prefill", prefill_batch, sh.prompt), prefill)
+    rollout_weights = st.weights + (st.block if hw.shards > 1 else 0)
+    if hw.offload:
+        rollout_weights = st.block
+    vis_roll = (
+        _vision_bytes(spec, sh.patches, prefill_batch, dtype, grad=False) if spec.kind == "vlm" else (0, 0.0)
+    )
+    gen_mem = Memory(rollout_weights, st.frozen, 0, st.optimizer, sample + kv_grow + vis_roll[0], kv)
+    prefill_mem = Memory(rollout_weights, st.frozen, 0, st.optimizer, prefill_peak + vis_roll[0], 0)
+    score_mem = Memory(rollout_weights, st.frozen, 0, st.optimizer, nograd_peak, 0)
+    candidates = [(gen_mem, "generation (KV cache at full length)"), (prefill_mem, "prefill")]
+    if nograd_peak:
+        candidates.append((score_mem, f"log-probs of the {scoring_batch} rollout samples (no grad)"))
+    roll_mem, roll_where = max(candidates, key=lambda x: x[0].total)
+
+    # -- FLOPs and time
+    non_embed = param_numel(model) - vocab * int(tc["hidden_size"]) * (
+        1 if tc.get("tie_word_embeddings") else 2
+    )
+    ctx = sh.prompt + sh.completion / 2
+    decode_flops = (
+        g
+        * sh.completion
+        * (2 * non_embed + 2 * vocab * int(tc["hidden_size"]) + 4 * layers * heads * head_dim * ctx)
+    )
+    n_gen_batches = math.ceil(b.local_batch / g)
+    gen_flops = n_gen_batches * (prefill_flops * math.ceil(g / prefill_batch) + decode_flops) + (
+        vis_roll[1] * b.local_prompts / max(1, prefill_batch)
+    )
+    train_flops = train_flops_micro * b.forwards_with_grad + nograd_flops
+    peak_flops = hw.device.flops_bf16 if s == 2 else hw.device.flops_fp32
+    weight_read = param_bytes(model)
+    decode_bytes = n_gen_batches * sh.completion * (weight_read + kv / 2)
+    t_train = train_flops / (hw.mfu * peak_flops)
+    t_gen = max(gen_flops / (hw.mfu * peak_flops), decode_bytes / hw.device.bandwidth)
+    notes.append(
+        "rollout time: the larger of FLOPs at the MFU and one read of the weights and the KV cache per "
+        "generated token (decoding is bandwidth-bound)"
+    )
+    shapes = dict(
+        prompt_tokens=sh.prompt,
+        image_tokens=sh.image_tokens,
+        completion_tokens=sh.completion,
+        microbatch=mb,
+        microbatches_per_step=b.forwards_with_grad,
+        generation_batch=g,
+        logprob_head=f"chunked ({chunk} tokens)" if chunk else "full logits",
+        shared_prefix=shared,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+    )
+    train = Phase("train", train_mem, where, train_flops, t_train)
+    roll = Phase("rollout", roll_mem, roll_where, gen_flops, t_gen)
+    return train, roll, shapes, param_numel(model), param_numel(model, trainable=True), notes
+
+
+# ----------------------------------------------------------------------------- diffusion policies
+TWO_BRANCH = {
+    "SD3Transformer2DModel",
+    "WanTransformer3DModel",
+    "WanVACETransformer3DModel",
+    "QwenImageTransformer2DModel",
+    "UNet2DConditionModel",
+}
+
+
+@dataclass
+class DiffusionShapes:
+    latent: tuple[int, ...]
+    text_tokens: int
+    image_tokens: int
+    trained_steps: int
+    num_steps: int
+    train_branches: int
+    rollout_branches: int
+    pixels: tuple[int, ...]
+    reference_tokens: int = 0
+    """Packed tokens of a reference image the denoiser attends to besides the latents (FLUX.1 Kontext's source)."""
+
+
+def _vae_factor(spec: ModelSpec) -> int:
+    vae = spec.components.get("vae")
+    if vae is None:
+        return 8
+    if "block_out_channels" in vae.config:
+        return 2 ** (len(vae.config["block_out_channels"]) - 1)
+    return 8
+
+
+def diffusion_shapes(cfg: Config, spec: ModelSpec) -> DiffusionShapes:
+    """Latent shape of one sample, tokens, trained steps per sample and CFG branches of a diffusion config."""
+    den = spec.components[spec.denoiser]
+    c = den.config
+    cls = den.cls
+    factor = _vae_factor(spec)
+    num_steps = int(_opt(cfg, "num_steps", 10))
+    guidance = float(_opt(cfg, "guidance_scale", 1.0))
+    window = _opt(cfg, "window_size")
+    n_trainable = num_steps - (1 if _opt(cfg, "sde_kind", "flow_sde") == "cps" else 0)
+    trained = (
+        int(window) if window else max(1, math.ceil(float(_opt(cfg, "train_fraction", 1.0)) * n_trainable))
+    )
+    two = cls in TWO_BRANCH and guidance > 1.0
+    train_two = two and bool(_opt(cfg, "train_guidance", True))
+    if cls.startswith("Wan"):
+        frames = int(_opt(cfg, "num_frames", 17))
+        h, w = int(_opt(cfg, "height", 480)), int(_opt(cfg, "width", 832))
+        lf = (frames - 1) // 4 + 1
+        ch = int(c.get("out_channels") or c.get("in_channels", 16))
+        latent = (ch, lf, h // 8, w // 8)
+        ps = c.get("patch_size", [1, 2, 2])
+        img_tokens = lf // ps[0] * (h // 8 // ps[1]) * (w // 8 // ps[2])
+        text = int(_opt(cfg, "max_sequence_length", 512))
+        pixels = (frames, 3, h, w)
+    elif cls == "UNet2DConditionModel":
+        size = int(_opt(cfg, "latent_size") or c.get("sample_size", 64))
+        latent = (int(c.get("in_channels", 4)), size, size)
+        img_tokens = size * size
+        text = 77
+        pixels = (3, size * factor, size * factor)
+    else:
+        res = _opt(cfg, "resolution")
+        if cls == "QwenImageTransformer2DModel":
+            size = int(res or 1024) // 8
+            ch = int(c.get("out_channels", 16))
+            text = int(_opt(cfg, "max_sequence_length") or 512)
+        elif cls == "FluxTransformer2DModel":
+            vae_size = (
+                spec.components["vae"].config.get("sample_size", 1024) if "vae" in spec.components else 1024
+            )
+            size = int(res or vae_size) // factor
+            ch = int(c.get("in_channels", 64)) // 4
+            text = int(_opt(cfg, "max_sequence_length") or 512)
+        else:
+            size = int(res) // factor if res else int(c.get("sample_size", 128))
+            ch = int(c.get("in_channels", 16))
+            t5 = int(_opt(cfg, "max_sequence_length") or 256)
+            clip = (
+                int(spec.components["text_encoder"].config.get("max_position_embeddings", 77))
+                if "text_encoder" in spec.components
+                else 77
+            )
+            text = clip + t5  # without T5 its part of the prompt states is zeros of the same length
+        latent = (ch, size, size)
+        patch = int(c.get("patch_size", 2)) if cls != "FluxTransformer2DModel" else 2
+        img_tokens = (size // patch) ** 2
+        pixels = (3, size * factor, size * factor)
+    ref = img_tokens if cfg.pipeline == "image_edit" and cls == "FluxTransformer2DModel" else 0
+    return DiffusionShapes(
+        latent,
+        text,
+        img_tokens + ref,
+        trained,
+        num_steps,
+        2 if train_two else 1,
+        2 if two else 1,
+        pixels,
+        ref,
+    )
+
+
+def _denoiser_inputs(spec: ModelSpec, sh: DiffusionShapes, batch: int, dtype: torch.dtype) -> dict[str, Any]:
+    """Keyword inputs of one denoiser call on `batch` rows (as the policies' ``velocity`` / ``predict`` build them)."""
+    den = spec.components[spec.denoiser]
+    c, cls = den.config, den.cls
+
+    def e(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dt, device="meta")
+
+    if cls == "SD3Transformer2DModel":
+        return dict(
+            hidden_states=e(batch, *sh.latent),
+            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("joint_attention_dim", 4096))),
+            pooled_projections=e(batch, int(c.get("pooled_projection_dim", 2048))),
+            timestep=e(batch),
+            return_dict=False,
+        )
+    if cls == "FluxTransformer2DModel":
+        ch, h, w = sh.latent
+        n = (h // 2) * (w // 2) + sh.reference_tokens
+        kw = dict(
+            hidden_states=e(batch, n, ch * 4),
+            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("joint_attention_dim", 4096))),
+            pooled_projections=e(batch, int(c.get("pooled_projection_dim", 768))),
+            timestep=e(batch),
+            txt_ids=e(sh.text_tokens, 3),
+            img_ids=e(n, 3),
+            return_dict=False,
+        )
+        if c.get("guidance_embeds"):
+            kw["guidance"] = e(batch, dt=torch.float32)
+        return kw
+    if cls.startswith("Wan"):
+        ch, lf, h, w = sh.latent
+        kw = dict(
+            hidden_states=e(batch, int(c.get("in_channels", ch)), lf, h, w),
+            timestep=e(batch, dt=torch.float32),
+            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("text_dim", 4096))),
+            return_dict=False,
+        )
+        if c.get("image_dim"):  # image to video: the CLIP image states (257 tokens of ViT-H/14)
+            kw["encoder_hidden_states_image"] = e(batch, 257, int(c["image_dim"]))
+        if cls == "WanVACETransformer3DModel":
+            n_layers = len(c.get("vace_layers", []))
+            kw["control_hidden_states"] = e(batch, int(c.get("vace_in_channels", 96)), lf, h, w)
+            kw["control_hidden_states_scale"] = e(n_layers)
+        return kw
+    if cls == "QwenImageTransformer2DModel":
+        ch, h, w = sh.latent
+        return dict(
+            hidden_states=e(batch, (h // 2) * (w // 2), ch * 4),
+            timestep=e(batch),
+            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("joint_attention_dim", 3584))),
+            encoder_hidden_states_mask=torch.ones((batch, sh.text_tokens), dtype=torch.bool, device="meta"),
+            img_shapes=[[(1, h // 2, w // 2)]] * batch,
+            return_dict=False,
+        )
+    if cls == "UNet2DConditionModel":
+        return dict(
+            sample=e(batch, *sh.latent),
+            timestep=e(batch),
+            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("cross_attention_dim", 768))),
+            return_dict=False,
+        )
+    raise ConfigError(f"{den.source}: `mmalign plan` does not know how to call a {cls}")
+
+
+def _lora_targets_diffusion(cls: str) -> tuple[str, ...]:
+    """The ``all-linear`` LoRA targets of the policy that trains a `cls` denoiser."""
+    if cls == "SD3Transformer2DModel":
+        from mmalign.policies.sd3 import LORA_TARGETS
+
+        return tuple(LORA_TARGETS)
+    if cls == "FluxTransformer2DModel":
+        from mmalign.policies.flux import FLUX_LORA_TARGETS
+
+        return tuple(FLUX_LORA_TARGETS)
+    if cls.startswith("Wan"):
+        from mmalign.policies import wan
+
+        return tuple(
+            getattr(
+                wan, "WAN_LORA_TARGETS", ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+            )
+        )
+    if cls == "QwenImageTransformer2DModel":
+        from mmalign.policies.qwen_image import QWEN_IMAGE_LORA_TARGETS
+
+        return tuple(QWEN_IMAGE_LORA_TARGETS)
+    from mmalign.policies.ddim import LORA_TARGETS as DDIM_TARGETS
+
+    return tuple(DDIM_TARGETS)
+
+
+def steps_kept_per_backward(cfg: Config, steps: int) -> int:
+    """Trained steps whose graphs are alive at once: ``options.steps_per_backward`` (one backward per chunk of
+    that many steps, `DenoisingPolicy.action_chunks`) unless the loss couples a sample's actions (then, as
+    without the option, all of them)."""
+    per = _opt(cfg, "steps_per_backward")
+    if per is None:
+        return steps
+    try:
+        from mmalign.losses import couples_actions
+
+        if couples_actions(cfg.algorithm.loss):
+            return steps
+    except (ImportError, KeyError):
+        pass
+    return max(1, min(steps, int(per)))
+
+
+def diffusion_model(cfg: Config, spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
+    """The denoiser on the meta device with the config's LoRA (`mmalign.policies.denoising.add_lora`)."""
+    from mmalign.policies.denoising import add_lora
+
+    den = spec.components[spec.denoiser]
+    model = build_meta(den, dtype)
+    if not add_lora(model, cfg.model.lora, _lora_targets_diffusion(den.cls)):
+        model.requires_grad_(True)
+    model.train()
+    return model
+
+
+def _frozen_components(
+    cfg: Config, spec: ModelSpec, dtype: torch.dtype
+) -> tuple[int, torch.nn.Module | None]:
+    """Bytes of the frozen components (text encoders, VAE; SD3's T5 only with ``options.load_t5``), and the VAE
+    on the meta device. The Wan and Qwen-Image VAEs load in fp32, as their component loaders do."""
+    total, vae = 0, None
+    den_cls = spec.components[spec.denoiser].cls
+    for name, comp in spec.components.items():
+        if name == spec.denoiser or name in ("scheduler", "tokenizer", "geometry"):
+            continue
+        if name == "text_encoder_3" and not _opt(cfg, "load_t5", True):
+            continue
+        fp32 = name == "vae" and (den_cls.startswith("Wan") or den_cls == "QwenImageTransformer2DModel")
+        try:
+            module = build_meta(comp, torch.float32 if fp32 else dtype)
+        except Exception:  # an auxiliary folder that is not a model class we can build: not counted
+            continue
+        total += param_bytes(module) + buffer_bytes(module)
+        if name == "vae":
+            vae = module
+    return total, vae
+
+
+def _vae_decode_bytes(
+    vae: torch.nn.Module | None, sh: DiffusionShapes, params: list[torch.Tensor]
+) -> tuple[int, float]:
+    """(peak bytes, FLOPs) of decoding one sample's latents with the VAE (no grad), recorded on the meta
+    device; 0 when the VAE cannot be run there."""
+    if vae is None:
+        return 0, 0.0
+    dt = next(vae.parameters()).dtype
+    try:
+        with recording(list(vae.parameters())) as (rec, attn), torch.no_grad(), rec.phase("vae"):
+            z = torch.empty((1, *sh.latent), dtype=dt, device="meta")
+            vae.decode(z, return_dict=False)
+        return rec.peaks["vae"].total, _flops(rec, attn)
+    except Exception:
+        return 0, 0.0
+
+
+_MEMO: dict[tuple, Any] = {}
+"""Results of the meta-device runs, by what they depend on: the fix search plans many variants of one config,
+most of which change only what is added from the config (microbatch, devices, strategy)."""
+
+
+def _memo(key: tuple, make: Any) -> Any:
+    if key not in _MEMO:
+        _MEMO[key] = make()
+    return _MEMO[key]
+
+
+def _denoiser_pass(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    sh: DiffusionShapes,
+    batch: int,
+    dtype: torch.dtype,
+    *,
+    grad: bool,
+    steps: int,
+) -> tuple[Recorder, float, list[int]]:
+    """Record `steps` denoiser forwards on `batch` rows kept for one backward (with `grad`), then the
+    backward; returns (recorder, FLOPs, bytes live after each forward)."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    with recording(params) as (rec, attn):
+        rec.watch_grads(trainable)
+        with rec.phase("train"), torch.set_grad_enabled(grad):
+            outs, kept = [], []
+            for _ in range(steps):
+                out = model(**_denoiser_inputs(spec, sh, batch, dtype))[0]
+                outs.append(out.float().mean())
+                kept.append(rec.current)
+            if grad:
+                torch.stack(outs).sum().backward()
+        flops = _flops(rec, attn)
+    for p in trainable:
+        p.grad = None
+    return rec, flops, kept
+
+
+def plan_diffusion(
+    cfg: Config, spec: ModelSpec, hw: Hardware
+) -> tuple[Phase, Phase, dict[str, Any], int, int, list[str]]:
+    """The training and rollout phases of a diffusion policy: every trained step of every sample of a
+    microbatch keeps its denoiser activations until the microbatch's one backward
+    (`mmalign.policies.denoising.DenoisingPolicy._score`); the rollout runs all local samples at once."""
+    notes: list[str] = []
+    b = batching(cfg, hw.gpus)
+    sh = diffusion_shapes(cfg, spec)
+    dtype = _torch_dtype(cfg.model.dtype)
+    cdtype = _compute_dtype(cfg)
+    lora = cfg.model.lora
+    lora_key = (lora.enabled, lora.r, lora.alpha, str(lora.target_modules)) if lora.enabled else (False,)
+    base_key = (cfg.model.name_or_path, spec.origin, lora_key)
+    model = _memo(("model", *base_key, str(dtype)), lambda: diffusion_model(cfg, spec, dtype))
+    frozen, vae = _memo(
+        ("frozen", cfg.model.name_or_path, str(dtype), bool(_opt(cfg, "load_t5", True))),
+        lambda: _frozen_components(cfg, spec, dtype),
+    )
+    notes.append("frozen text encoders and VAE are counted on the device")
+    ref_copy = cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled
+    if ref_copy:
+        frozen += param_bytes(model)
+        notes.append("algorithm.kl_coef > 0 without LoRA: a frozen reference copy of the denoiser is kept")
+    st = _static(model, frozen, hw)
+    sim = (
+        model
+        if cdtype == dtype
+        else _memo(("model", *base_key, str(cdtype)), lambda: diffusion_model(cfg, spec, cdtype))
+    )
+    if cdtype != dtype:
+        notes.append(
+            f"model.dtype float32 with trainer.mixed_precision {cfg.trainer.mixed_precision}: activations modelled "
+            f"in {str(cdtype).removeprefix('torch.')} plus half-precision copies of the matmul weights"
+        )
+    mb = b.microbatch
+    rows = mb * sh.train_branches
+    # two trained steps of one row, kept for one backward: what one more step keeps is the difference
+    shape_key = (*base_key, str(cdtype), sh.latent, sh.text_tokens, sh.reference_tokens, cfg.pipeline)
+    rec, f2, kept = _memo(
+        ("train", *shape_key), lambda: _denoiser_pass(sim, spec, sh, 1, cdtype, grad=True, steps=2)
+    )
+    per_step = kept[1] - kept[0]
+    peak = rec.peaks["train"]
+    row_peak = peak.total - peak.grads  # one row, two steps, at the peak of the backward
+    steps = sh.trained_steps
+    kept_steps = steps_kept_per_backward(cfg, steps)
+    act = rows * (row_peak + (kept_steps - 2) * per_step)
+    if cdtype != dtype:  # autocast's half-precision copies of the weights, kept for the backward
+        act += sum(
+            m.weight.numel() * 2 for m in model.modules() if isinstance(m, torch.nn.Linear | torch.nn.Conv2d)
+        )
+    grads = peak.grads if b.micro_per_minibatch == 1 else param_bytes(model, trainable=True)
+    train_mem, where = _train_memory(st, act + grads, grads)
+    where += f"; {kept_steps} of {steps} trained step(s) x {rows} rows kept for one backward"
+    f1 = f2 / 2
+    train_flops = f1 * rows * steps * b.forwards_with_grad
+    if cfg.algorithm.kl_coef > 0:  # the reference forward of each trained step (no grad)
+        train_flops += f1 / 3 * rows * steps * b.forwards_with_grad
+    # rollout: all local samples at once, every denoising step, no grad
+    roll_rows = b.local_batch * sh.rollout_branches
+    rec_r, f_r, _ = _memo(
+        ("rollout", *shape_key), lambda: _denoiser_pass(sim, spec, sh, 1, cdtype, grad=False, steps=1)
+    )
+    fwd_row = rec_r.peaks["train"].total
+    latent_bytes = math.prod(sh.latent) * 4
+    stored = b.local_batch * latent_bytes * (2 * sh.trained_steps + 2)
+    vae_peak, vae_flops = _memo(
+        ("vae", cfg.model.name_or_path, sh.latent), lambda: _vae_decode_bytes(vae, sh, [])
+    )
+    decode_rows = b.local_batch
+    rollout_weights = st.weights + (st.block if hw.shards > 1 else 0)
+    if hw.offload:
+        rollout_weights = st.block
+    denoise = Memory(rollout_weights, st.frozen, 0, st.optimizer, roll_rows * fwd_row, stored)
+    decode = Memory(rollout_weights, st.frozen, 0, st.optimizer, decode_rows * vae_peak, stored)
+    roll_mem, roll_where = max(
+        [
+            (
+                denoise,
+                f"denoiser forward on {roll_rows} rows (all local samples{' x 2 CFG branches' if sh.rollout_branches == 2 else ''})",
+            ),
+            (decode, f"VAE decode of {decode_rows} samples at once"),
+        ],
+        key=lambda x: x[0].total,
+    )
+    roll_flops = f_r * roll_rows * sh.num_steps + vae_flops * decode_rows
+    s = torch.finfo(cdtype).bits // 8
+    peak_flops = hw.device.flops_bf16 if s == 2 else hw.device.flops_fp32
+    t_train = train_flops / (hw.mfu * peak_flops)
+    t_roll = roll_flops / (hw.mfu * peak_flops)
+    shapes = dict(
+        latent=sh.latent,
+        image_tokens=sh.image_tokens,
+        text_tokens=sh.text_tokens,
+        denoising_steps=sh.num_steps,
+        trained_steps=sh.trained_steps,
+        steps_per_backward=kept_steps,
+        cfg_branches_train=sh.train_branches,
+        microbatch=mb,
+        microbatches_per_step=b.forwards_with_grad,
+        rollout_rows=roll_rows,
+    )
+    train = Phase("train", train_mem, where, train_flops, t_train)
+    roll = Phase("rollout", roll_mem, roll_where, roll_flops, t_roll)
+    return train, roll, shapes, param_numel(model), param_numel(model, trainable=True), notes
+
+
+# ----------------------------------------------------------------------------- plan and fixes
+def plan(cfg: Config, hw: Hardware, *, prompt_tokens: int | None = None) -> StepPlan:
+    """`StepPlan` of `cfg` on `hw` (see the module docstring). `prompt_tokens`: text tokens per prompt of a
+    token policy (None: the longest of the training rows when the data and the tokenizer are here, else
+    `DEFAULT_PROMPT_TOKENS`)."""
+    if not cfg.model.name_or_path:
+        raise ConfigError(f"{cfg.source}: key 'model.name_or_path' is empty")
+    if cfg.model.tiny_builder:  # a tiny config's model is built on first use, as `mmalign train` does
+        from mmalign.tiny import ensure_model
+
+        ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
+    spec = resolve_model(cfg.model.name_or_path)
+    if spec.kind in ("causal_lm", "vlm"):
+        source = "--prompt-tokens"
+        if prompt_tokens is None:
+            prompt_tokens, source = estimate_prompt_tokens(cfg), "the longest of the first 256 training rows"
+            if prompt_tokens is None:
+                prompt_tokens, source = DEFAULT_PROMPT_TOKENS, "the default (no data file or tokenizer here)"
+        train, roll, shapes, total, trainable, notes = plan_token(cfg, spec, hw, prompt_tokens)
+        notes.insert(0, f"text tokens per prompt: {prompt_tokens}, from {source}")
+    else:
+        train, roll, shapes, total, trainable, notes = plan_diffusion(cfg, spec, hw)
+    if cfg.rollout.engine == "vllm":
+        notes.append("rollout.engine vllm: the engine's own memory (gpu_memory_utilization) is not included")
+    return StepPlan(
+        cfg.source, cfg.model.name_or_path, spec.origin, hw, total, trainable, shapes, train, roll, notes
+    )
+
+
+@dataclass
+class Fix:
+    """One change to the config or the launch (``overrides`` for the config; ``hardware`` for the launch) and
+    the peak it gives."""
+
+    description: str
+    overrides: list[str]
+    hardware: Hardware
+    peak: int
+
+
+def _with(cfg: Config, **changes: Any) -> Config:
+    """A copy of `cfg` with dotted keys changed (``trainer.microbatch_size=2``)."""
+    import copy
+
+    new = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        section, _, name = key.partition("__")
+        target = getattr(new, section)
+        if isinstance(target, dict):
+            target[name] = value
+        elif section == "options":
+            setattr(target, name, value)
+        else:
+            setattr(target, name, value)
+    return new
+
+
+def _axes(
+    cfg: Config, hw: Hardware, *, train: bool = True, rollout: bool = True
+) -> list[list[tuple[str, list[str], Config, Hardware]]]:
+    """Candidate changes, one list per axis, smallest change first: (description, overrides, config, hardware);
+    those that only help the training step (`train`) or the rollout (`rollout`) only when that phase is over."""
+    import copy
+
+    spec = resolve_model(cfg.model.name_or_path)
+    diffusion = spec.kind == "diffusers"
+    b = batching(cfg, hw.gpus)
+    axes: list[list[tuple[str, list[str], Config, Hardware]]] = []
+    mb = b.microbatch
+    axes.append(
+        []
+        if not train
+        else [
+            (
+                f"trainer.microbatch_size {mb} -> {m}",
+                [f"trainer.microbatch_size={m}"],
+                _with(cfg, trainer__microbatch_size=m),
+                hw,
+            )
+            for m in (mb // 2**k for k in range(1, 8))
+            if m >= 1 and (m == 1 or m < mb)
+        ]
+    )
+    if train and not diffusion and not cfg.model.gradient_checkpointing:
+        axes.append(
+            [
+                (
+                    "gradient checkpointing on",
+                    ["model.gradient_checkpointing=true"],
+                    _with(cfg, model__gradient_checkpointing=True),
+                    hw,
+                )
+            ]
+        )
+    if not diffusion and rollout:
+        gb = cfg.rollout.batch_size or b.local_batch
+        axes.append(
+            [
+                (
+                    f"rollout.batch_size -> {g}",
+                    [f"rollout.batch_size={g}"],
+                    _with(cfg, rollout__batch_size=g),
+                    hw,
+                )
+                for g in (gb // 2**k for k in range(1, 6))
+                if g >= 1
+            ]
+        )
+    if diffusion and train:
+        steps = diffusion_shapes(cfg, spec).trained_steps
+        axes.append(
+            [
+                (
+                    f"options.window_size -> {w} (trained steps per sample, was {steps})",
+                    [f"options.window_size={w}"],
+                    _with(cfg, options__window_size=w),
+                    hw,
+                )
+                for w in range(steps - 1, 0, -1)
+            ]
+        )
+    if diffusion:
+        frames = _opt(cfg, "num_frames")
+        if frames:
+            axes.append(
+                [
+                    (
+                        f"options.num_frames {frames} -> {f}",
+                        [f"options.num_frames={f}"],
+                        _with(cfg, options__num_frames=f),
+                        hw,
+                    )
+                    for f in range(frames - 4, 4, -4)  # at least 5 frames (2 latent frames)
+                ]
+            )
+    more = [n for n in (2, 4, 8, 16, 32, 64) if n > hw.gpus and cfg.rollout.prompts_per_step % n == 0]
+    axes.append([(f"{n} devices ({hw.strategy})", [f"--gpus {n}"], cfg, replace(hw, gpus=n)) for n in more])
+    if hw.strategy != "fsdp2":
+        axes.append(
+            [
+                (
+                    f"FSDP2 over {n} devices",
+                    [f"--gpus {n} --strategy fsdp2"],
+                    cfg,
+                    replace(hw, gpus=n, strategy="fsdp2"),
+                )
+                for n in [hw.gpus] + more
+                if n > 1
+            ]
+        )
+    if not hw.offload:
+        axes.append(
+            [
+                (
+                    "FSDP2 with CPU offload",
+                    ["--strategy fsdp2 --offload"],
+                    cfg,
+                    replace(hw, strategy="fsdp2", offload=True),
+                )
+            ]
+        )
+    lora = cfg.model.lora
+    if lora.enabled and train:
+        ranks = []
+        for r in (lora.r // 2**k for k in range(1, 4)):
+            if r >= 4:
+                new = copy.deepcopy(cfg)
+                new.model.lora.r = r
+                ranks.append((f"model.lora.r {lora.r} -> {r}", [f"model.lora.r={r}"], new, hw))
+        axes.append(ranks)
+    return [a for a in axes if a]
+
+
+def suggest_fixes(
+    cfg: Config, hw: Hardware, *, prompt_tokens: int | None = None, limit: int = 6, depth: int = 10
+) -> list[Fix]:
+    """Changes that bring the peak under the device memory. Along each axis (the microbatch, gradient
+    checkpointing, the generation batch, the trained window, the frames, more devices, FSDP2, CPU offload, the
+    LoRA rank) the smallest change that fits, each planned again; when no single change fits, the changes are
+    combined greedily (each time the smallest step of the axis that lowers the peak most, up to `depth` steps)
+    and the combination is returned if it fits."""
+    cap = hw.device.memory
+
+    def peak_of(c: Config, h: Hardware) -> int | None:
+        try:
+            return plan(c, h, prompt_tokens=prompt_tokens).peak
+        except (ConfigError, ValueError):
+            return None
+
+    base = plan(cfg, hw, prompt_tokens=prompt_tokens)
+    over = {"train": base.train.memory.total > cap, "rollout": base.rollout.memory.total > cap}
+    fixes: list[Fix] = []
+    for axis in _axes(cfg, hw, **over):
+        for desc, overrides, c, h in axis:
+            peak = peak_of(c, h)
+            if peak is not None and peak <= cap:
+                fixes.append(Fix(desc, overrides, h, peak))
+                break
+    if fixes:
+        fixes.sort(key=lambda f: -f.peak)
+        return fixes[:limit]
+    # no single change fits: combine the smallest step of each axis greedily (the one that lowers the peak most)
+    steps: dict[str, tuple[str, list[str]]] = {}
+    c, h, peak = cfg, hw, base.peak
+    for _ in range(depth):
+        options = []
+        for axis in _axes(c, h, **over):
+            desc, overrides, c2, h2 = axis[0]
+            p2 = peak_of(c2, h2)
+            if p2 is not None and p2 < peak:
+                options.append((p2, desc, overrides, c2, h2))
+        if not options:
+            return []
+        peak, desc, overrides, c, h = min(options, key=lambda o: o[0])
+        key = overrides[0].split("=")[0].split(" ")[0]
+        first = steps.get(key, (desc, overrides))[0]
+        start = first.split(" -> ")[0]
+        steps[key] = (f"{start} -> {desc.split(' -> ')[-1]}" if " -> " in desc else desc, overrides)
+        if peak <= cap:
+            descs = [d for d, _ in steps.values()]
+            over = [o for _, os_ in steps.values() for o in os_]
+            return [Fix(" + ".join(descs), over, h, peak)]
+    return []
+
+
+# ----------------------------------------------------------------------------- rendering
+def gib(n: float) -> str:
+    """Bytes in GiB (MiB below one GiB)."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB or n == 0 else f"{n / 2**20:.1f} MiB"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+def render(p: StepPlan, fixes: list[Fix] | None = None) -> str:
+    """A Markdown report of `p` (and the fixes, when it does not fit)."""
+    hw = p.hardware
+    strat = f"{hw.strategy}{' + CPU offload' if hw.offload else ''}"
+    lines = [
+        f"### {p.config}",
+        "",
+        f"model `{p.model}` ({p.origin}); {_count(p.params_total)} parameters, {_count(p.params_trainable)} trained; "
+        f"{hw.gpus} x {hw.device.name} ({gib(hw.device.memory)}), {strat}",
+        "",
+        "shapes: " + ", ".join(f"{k} {v}" for k, v in p.shapes.items()),
+        "",
+        "| per device | train step | rollout |",
+        "|---|---:|---:|",
+    ]
+    rows = [
+        ("weights (trained module)", "weights"),
+        ("frozen (encoders, VAE, reference)", "frozen"),
+        ("gradients", "gradients"),
+        ("optimizer state (AdamW)", "optimizer"),
+        ("activations / temporaries", "activations"),
+        ("caches (KV cache, stored rollout)", "caches"),
+    ]
+    for label, key in rows:
+        lines.append(
+            f"| {label} | {gib(getattr(p.train.memory, key))} | {gib(getattr(p.rollout.memory, key))} |"
+        )
+    lines.append(f"| **peak** | **{gib(p.train.memory.total)}** | **{gib(p.rollout.memory.total)}** |")
+    lines.append(f"| where | {p.train.where} | {p.rollout.where} |")
+    lines.append(f"| FLOPs per step | {_count(p.train.flops)} | {_count(p.rollout.flops)} |")
+    lines.append(
+        f"| time at {hw.mfu:.0%} MFU | {_seconds(p.train.seconds)} | {_seconds(p.rollout.seconds)} |"
+    )
+    lines.append("")
+    verdict = "fits" if p.fits else "does NOT fit"
+    lines.append(
+        f"**{verdict}**: peak {gib(p.peak)} of {gib(hw.device.memory)}; step about {_seconds(p.seconds)}"
+    )
+    if not p.fits:
+        lines.append("")
+        if fixes:
+            lines.append(
+                "changes that make it fit (each line on its own; `+` joins changes needed together):"
+            )
+            for f in fixes:
+                lines.append(f"- {f.description}: peak {gib(f.peak)} (`{' '.join(f.overrides)}`)")
+        else:
+            lines.append("no single change tried makes it fit (see docs/plan.md)")
+    for n in p.notes:
+        lines.append(f"- note: {n}")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- command line
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``plan`` to the ``mmalign`` subcommands (`mmalign.app.cli.build_parser`)."""
+    p = subparsers.add_parser(
+        "plan", help="predict the peak memory per device and the time of a training step, without a GPU"
+    )
+    p.add_argument("config", help="path to a YAML config (see configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.microbatch_size=2")
+    p.add_argument("--gpus", type=int, default=1, help="number of devices = processes (default 1)")
+    p.add_argument("--gpu", default="h100", choices=sorted(DEVICES), help="device type (default h100)")
+    p.add_argument(
+        "--gpu-memory", default=None, help="usable memory per device, e.g. 80GiB (default: the device's)"
+    )
+    p.add_argument(
+        "--strategy",
+        default="ddp",
+        choices=["ddp", "fsdp2"],
+        help="ddp (default) or fsdp2 (configs/accelerate/)",
+    )
+    p.add_argument(
+        "--offload", action="store_true", help="FSDP2 CPU offload of parameters, gradients, optimizer state"
+    )
+    p.add_argument(
+        "--mfu", type=float, default=0.4, help="model-FLOPs utilisation for the time estimate (default 0.4)"
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="text tokens per prompt (token policies; default: the longest training prompt when the data and "
+        f"the tokenizer are here, else {DEFAULT_PROMPT_TOKENS})",
+    )
+    p.add_argument("--no-fixes", action="store_true", help="do not search for changes when it does not fit")
+    p.set_defaults(func=main)
+    return p
+
+
+def hardware_from_args(args: argparse.Namespace) -> Hardware:
+    device = DEVICES[args.gpu]
+    if args.gpu_memory:
+        device = replace(device, memory=parse_memory(args.gpu_memory))
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu must be in (0, 1], got {args.mfu}")
+    strategy = "fsdp2" if args.offload else args.strategy
+    return Hardware(device, args.gpus, strategy, args.offload, args.mfu)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``mmalign plan``: print the plan of the config (and the fixes when it does not fit); 0 if it fits, 2 if
+    it does not."""
+    import pipelines
+    from mmalign.config import load_config
+
+    cfg = load_config(args.config, args.overrides, pipeline_finder=pipelines.find)
+    hw = hardware_from_args(args)
+    result = plan(cfg, hw, prompt_tokens=args.prompt_tokens)
+    fixes = None if result.fits or args.no_fixes else suggest_fixes(cfg, hw, prompt_tokens=args.prompt_tokens)
+    sys.stdout.write(render(result, fixes))
+    return 0 if result.fits else 2
+
+
+def _standalone(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmalign")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(_standalone())

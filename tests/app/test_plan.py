@@ -1,0 +1,354 @@
+"""`mmalign plan`: the predicted peak memory of a training step against a measured one, the architecture table
+against the published model sizes, the FLOPs against the 6 N D rule, the fixes, and every tiny config.
+
+The measured counterpart on CPU is torch's profiler with ``profile_memory=True``: it records every allocation
+and free of the CPU allocator (the tensors of C++ kernels' internals included), and the running sum of those
+events over one `GroupTrainer.update` is the step's peak of allocated tensor bytes, the quantity
+``torch.cuda.max_memory_allocated`` reports on a GPU. The planner never sees it: it runs the architecture on
+the meta device under its own dispatch-level recorder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmalign.app import plan as plan_mod
+from mmalign.app.plan_models import build_meta, load_table, param_numel, resolve_model
+from mmalign.batch import Rollout
+from mmalign.config import ConfigError, config_from_dict
+
+REPO = Path(__file__).resolve().parents[2]
+QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+# ----------------------------------------------------------------------------- a real architecture on CPU
+@pytest.fixture(scope="module")
+def qwen05_two_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2.5-0.5B-Instruct's architecture from the table (width 896, 14 query / 2 KV heads, MLP 4864, the
+    151,936-token tied vocabulary), 2 of its 24 decoder layers, random weights, saved with ``save_pretrained``
+    beside a small tokenizer and loaded back by the pipeline as any model folder."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mmalign import tiny
+
+    torch.manual_seed(0)
+    cfg = dict(load_table()["models"][QWEN]["components"]["model"]["config"])
+    cfg.pop("model_type")
+    cfg["num_hidden_layers"] = 2
+    path = tmp_path_factory.mktemp("models") / "qwen05-2layers"
+    Qwen2ForCausalLM(Qwen2Config(**cfg)).save_pretrained(path)
+    tiny.train_bpe_tokenizer(["Q: 1 + 2 = ?\nA: <answer>3</answer>"] * 8, vocab_size=300).save_pretrained(
+        path
+    )
+    return path
+
+
+def _config(model: Path, out: Path, *, lora: bool, ckpt: bool, micro: int, completion: int) -> object:
+    return config_from_dict(
+        {
+            "pipeline": "text_reasoning",
+            "output_dir": str(out),
+            "overwrite": True,
+            "model": {
+                "name_or_path": str(model),
+                "gradient_checkpointing": ckpt,
+                "lora": {"enabled": lora, "r": 16, "alpha": 32},
+            },
+            "data": {
+                "train": str(REPO / "assets/text_reasoning/train.jsonl"),
+                "prompt_template": "Q: {question} = ?\nA:",
+            },
+            "rollout": {"group_size": 4, "prompts_per_step": 1, "max_new_tokens": completion},
+            "rewards": [{"name": "format", "kwargs": {"pattern": r"[^e]*", "search": False}}],
+            "trainer": {"steps": 1, "lr": 1e-4, "cpu": True, "progress_bar": False, "microbatch_size": micro},
+        },
+        "test_plan",
+    )
+
+
+def _rollout(b: int, prompt: int, completion: int) -> Rollout:
+    """A recorded rollout of `b` samples: left-padded prompts (so the model gets an attention mask), every
+    completion token valid (the planner's worst case)."""
+    g = torch.Generator().manual_seed(0)
+    prompt_mask = torch.ones(b, prompt, dtype=torch.long)
+    prompt_mask[:, 0] = 0
+    return Rollout(
+        group=torch.arange(b) // 4,
+        mask=torch.ones(b, completion, dtype=torch.bool),
+        prompts=["p"] * b,
+        payload={
+            "prompt_ids": torch.randint(0, 300, (b, prompt), generator=g),
+            "prompt_mask": prompt_mask,
+            "completion_ids": torch.randint(0, 300, (b, completion), generator=g),
+            "completion_attention_mask": torch.ones(b, completion, dtype=torch.long),
+        },
+        advantages=torch.randn(b, generator=g),
+        rewards=torch.randn(b, 1, generator=g),
+    )
+
+
+def _measured_step_peak(cfg: object, prompt: int, completion: int) -> int:
+    """Bytes at the peak of the second `GroupTrainer.update` (AdamW's state exists from the first): the live
+    parameters and optimizer state plus the running sum of the profiler's allocation events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import pipelines
+    from mmalign.trainer import GroupTrainer
+
+    trainer = GroupTrainer(cfg, pipelines.get("text_reasoning")(cfg))
+    trainer.policy.model.train()  # as `GroupTrainer.train` does before its first step
+    batch = _rollout(4, prompt, completion)
+    trainer.update(batch)
+    gc.collect()
+    params = {id(p): p for p in trainer.policy.model.parameters()}.values()
+    base = sum(p.numel() * p.element_size() for p in params)
+    base += sum(
+        v.numel() * v.element_size()
+        for s in trainer.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer.update(batch)
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    running = peak = 0
+    for e in events:
+        running += e.nbytes()
+        peak = max(peak, running)
+    return base + peak
+
+
+CASES = [
+    # (LoRA, checkpointing, microbatch, prompt, completion)
+    pytest.param(True, False, 4, 48, 32, id="lora-short"),
+    pytest.param(False, False, 4, 48, 32, id="full-short"),
+]
+SLOW_CASES = [
+    pytest.param(True, False, 4, 160, 96, id="lora-long"),
+    pytest.param(False, False, 2, 120, 64, id="full-two-microbatches"),
+    pytest.param(True, True, 2, 400, 200, id="lora-checkpointing-long"),
+    pytest.param(False, True, 4, 400, 200, id="full-checkpointing-long"),
+]
+
+
+def _check_peak(
+    model: Path, tmp_path: Path, lora: bool, ckpt: bool, micro: int, prompt: int, completion: int
+) -> None:
+    cfg = _config(model, tmp_path / "run", lora=lora, ckpt=ckpt, micro=micro, completion=completion)
+    measured = _measured_step_peak(cfg, prompt, completion)
+    predicted = plan_mod.plan(
+        cfg, plan_mod.Hardware(plan_mod.DEVICES["cpu"]), prompt_tokens=prompt
+    ).train.memory.total
+    assert abs(predicted / measured - 1) <= 0.15, (predicted / 2**20, measured / 2**20)
+
+
+@pytest.mark.parametrize(("lora", "ckpt", "micro", "prompt", "completion"), CASES)
+def test_cpu_step_peak_within_15_percent(
+    qwen05_two_layers: Path, tmp_path: Path, lora: bool, ckpt: bool, micro: int, prompt: int, completion: int
+) -> None:
+    _check_peak(qwen05_two_layers, tmp_path, lora, ckpt, micro, prompt, completion)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("lora", "ckpt", "micro", "prompt", "completion"), SLOW_CASES)
+def test_cpu_step_peak_within_15_percent_long(
+    qwen05_two_layers: Path, tmp_path: Path, lora: bool, ckpt: bool, micro: int, prompt: int, completion: int
+) -> None:
+    _check_peak(qwen05_two_layers, tmp_path, lora, ckpt, micro, prompt, completion)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_gpu_step_peak_within_10_percent(tmp_path: Path, lora: bool) -> None:
+    """The whole Qwen2.5-0.5B architecture (24 layers) in bf16 with bf16 mixed precision on one GPU:
+    ``torch.cuda.max_memory_allocated`` over the second update against the plan for the same GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import pipelines
+    from mmalign import tiny
+    from mmalign.trainer import GroupTrainer
+
+    cfg_kw = dict(load_table()["models"][QWEN]["components"]["model"]["config"])
+    cfg_kw.pop("model_type")
+    path = tmp_path / "qwen05"
+    Qwen2ForCausalLM(Qwen2Config(**cfg_kw)).to(torch.bfloat16).save_pretrained(path)
+    tiny.train_bpe_tokenizer(["hello world"] * 8, vocab_size=300).save_pretrained(path)
+    prompt, completion = 256, 512
+    cfg = _config(path, tmp_path / "run", lora=lora, ckpt=True, micro=4, completion=completion)
+    cfg.model.dtype = "bfloat16"
+    cfg.trainer.mixed_precision = "bf16"
+    cfg.trainer.cpu = False
+    trainer = GroupTrainer(cfg, pipelines.get("text_reasoning")(cfg))
+    trainer.policy.model.train()  # as `GroupTrainer.train` does before its first step
+    batch = _rollout(4, prompt, completion)
+    trainer.update(batch)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    trainer.update(batch)
+    measured = torch.cuda.max_memory_allocated()
+    name = "h200" if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else "h100"
+    predicted = plan_mod.plan(
+        cfg, plan_mod.Hardware(plan_mod.DEVICES[name]), prompt_tokens=prompt
+    ).train.memory.total
+    assert abs(predicted / measured - 1) <= 0.10, (predicted / 2**20, measured / 2**20)
+
+
+# ----------------------------------------------------------------------------- the architecture table
+PUBLISHED_PARAMETERS = {
+    # model card / paper sizes of the trained module (transformers: the whole model; diffusers: the denoiser)
+    "Qwen/Qwen2.5-0.5B-Instruct": 0.49e9,  # model card: "Number of Parameters: 0.49B"
+    "Qwen/Qwen2.5-VL-3B-Instruct": 3.75e9,  # safetensors total of the release
+    "Qwen/Qwen2.5-VL-7B-Instruct": 8.29e9,  # safetensors total of the release
+    "stabilityai/stable-diffusion-3.5-large": 8.1e9,  # model card: 8.1 billion parameters (MMDiT)
+    "black-forest-labs/FLUX.1-dev": 12e9,  # model card: 12 billion parameter rectified flow transformer
+    "black-forest-labs/FLUX.1-Kontext-dev": 12e9,  # model card: 12 billion parameter rectified flow transformer
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": 1.3e9,  # the model's name
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": 14e9,  # the model's name
+    "Qwen/Qwen-Image": 20e9,  # model card: 20B MMDiT
+    "stable-diffusion-v1-5/stable-diffusion-v1-5": 0.86e9,  # SD paper / model card: 860M UNet
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
+def test_table_matches_published_sizes(name: str) -> None:
+    """Every typed-in architecture builds on the meta device and has its model card's size (within 10%)."""
+    spec = resolve_model(name)
+    assert spec.origin == "table"
+    key = "model" if spec.kind != "diffusers" else spec.denoiser
+    n = param_numel(build_meta(spec.components[key], torch.bfloat16))
+    assert abs(n / PUBLISHED_PARAMETERS[name] - 1) <= 0.10, n
+
+
+def test_every_real_config_names_a_known_model() -> None:
+    """The model of every non-tiny config is in the table (so `mmalign plan` works offline for all of them)."""
+    import yaml
+
+    known = set(load_table()["models"])
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        if path.name.endswith("-tiny.yaml"):
+            continue
+        name = (yaml.safe_load(path.read_text()).get("model") or {}).get("name_or_path")
+        assert name in known, f"{path.name}: {name}"
+
+
+def test_unknown_model_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model.name_or_path"):
+        resolve_model("nobody/no-such-model")
+
+
+# ----------------------------------------------------------------------------- FLOPs
+def test_train_flops_follow_the_6nd_rule() -> None:
+    """The recorded FLOPs of one microbatch of Qwen2.5-0.5B (plain forward, full logits, no checkpointing)
+    against the textbook count: 6 x (non-embedding parameters) per token, 6 V H per scored token for the head,
+    and 4 L^2 d per layer and head for attention, 3.5 times with its backward."""
+    cfg = config_from_dict(
+        {
+            "pipeline": "text_reasoning",
+            "output_dir": "runs/unused",
+            "model": {"name_or_path": QWEN, "shared_prefix": False, "logprob_chunk_size": None},
+            "data": {"train": "unused.jsonl"},
+            "rollout": {"group_size": 4, "prompts_per_step": 1, "max_new_tokens": 256},
+            "rewards": [{"name": "format"}],
+            "trainer": {"microbatch_size": 4},
+        },
+        "test_plan",
+    )
+    p = plan_mod.plan(cfg, plan_mod.Hardware(plan_mod.DEVICES["h100"]), prompt_tokens=256)
+    c = load_table()["models"][QWEN]["components"]["model"]["config"]
+    h, f, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    per_layer = h * h * 2 + 2 * h * kv * d + 3 * h * f  # q, o; k, v; gate, up, down
+    b, length, scored = 4, 512, 256
+    expected = (
+        6 * layers * per_layer * b * length
+        + 6 * vocab * h * b * scored
+        + 3.5 * 4 * layers * heads * d * length**2 * b
+    )
+    assert p.train.flops == pytest.approx(expected, rel=0.10)
+
+
+# ----------------------------------------------------------------------------- fixes, tiny configs, the command
+def test_fixes_make_it_fit() -> None:
+    """A config that does not fit in a small device gets changes, each of which fits when planned again."""
+    import pipelines
+    from mmalign.config import load_config
+
+    cfg = load_config(str(REPO / "configs/text_reasoning-tiny.yaml"), [], pipeline_finder=pipelines.find)
+    full = plan_mod.plan(cfg, plan_mod.Hardware(plan_mod.DEVICES["h100"]))
+    small = plan_mod.replace(plan_mod.DEVICES["h100"], memory=int(full.peak * 0.6))
+    hw = plan_mod.Hardware(small)
+    assert not plan_mod.plan(cfg, hw).fits
+    fixes = plan_mod.suggest_fixes(cfg, hw)
+    assert fixes
+    for fix in fixes:
+        assert fix.peak <= small.memory
+    assert any("microbatch" in f.description for f in fixes)
+
+
+def test_parse_memory() -> None:
+    assert plan_mod.parse_memory("80GiB") == 80 * 2**30
+    assert plan_mod.parse_memory("80GB") == 80 * 10**9
+    assert plan_mod.parse_memory("81920MiB") == 80 * 2**30
+    with pytest.raises(ConfigError):
+        plan_mod.parse_memory("lots")
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="mmalign")
+    plan_mod.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", *argv])
+    rc = args.func(args)
+    return rc, capsys.readouterr().out
+
+
+TINY = sorted(p.name for p in (REPO / "configs").glob("*-tiny.yaml"))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_every_tiny_config_plans(
+    name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mmalign plan configs/<x>-tiny.yaml` prints the table; a tiny config fits one H100."""
+    monkeypatch.chdir(REPO)
+    rc, out = _run([f"configs/{name}", "--no-fixes"], capsys)
+    assert rc == 0, out
+    assert "| **peak** |" in out and "FLOPs per step" in out
+    assert "**fits**" in out
+
+
+def test_command_reports_a_misfit_with_fixes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pipelines
+    from mmalign.config import load_config
+
+    monkeypatch.chdir(REPO)
+    cfg = load_config("configs/text_reasoning-tiny.yaml", [], pipeline_finder=pipelines.find)
+    peak = plan_mod.plan(cfg, plan_mod.Hardware(plan_mod.DEVICES["h100"])).peak
+    rc, out = _run(["configs/text_reasoning-tiny.yaml", "--gpu-memory", str(int(peak * 0.7))], capsys)
+    assert rc == 2
+    assert "does NOT fit" in out and "changes that make it fit" in out
+
+
+def test_real_config_plans_from_the_table(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real config plans offline from the architecture table (Qwen2.5-0.5B, GSM8K shapes) and fits an H100."""
+    monkeypatch.chdir(REPO)
+    rc, out = _run(["configs/text_reasoning.yaml", "--no-fixes"], capsys)
+    assert rc == 0, out
+    assert "(table)" in out
+    assert math.isfinite(float(out.split("peak ")[1].split(" ")[0]))
