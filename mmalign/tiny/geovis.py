@@ -8,33 +8,41 @@ Rows follow the grounding layout (`pipelines.grounding.data`): ``image``, ``expr
 pixels of the original image), ``coords: absolute``, ``image_width`` / ``image_height``, plus ``object``
 ("red building"), ``relation`` ("left of the lake") and ``landmark`` ("lake").
 
-With the policy's pixel bounds at ``min_pixels = max_pixels = 3136`` the whole map reaches the model as
-56x56 pixels (a building is 1-2 pixels there, and a box written in those pixels is quantised to 4 original
-pixels): answering in one shot cannot be precise. A crop of ~1/4 of the map side reaches the model at
-about its own resolution and shows the target.
+The views have their own pixel bounds (`VIEW_PIXELS`, `pipelines.grounding.geovis_views.ViewPixels`): the
+whole map reaches the model as 56x56 pixels (root bounds 3136 = 56 * 56; a building is 1-2 pixels there and
+a box written in those pixels is quantised to 4 original pixels), so answering in one shot cannot be
+precise; every crop reaches it as 28x28 (crop bounds 784 = 28 * 28), ONE merged visual token. The policy
+zooms twice: a coarse crop of ~40 px (shown at 0.64-0.78x), a fine crop of ~20 px of that crop (shown at
+1.2-1.6x, the building 6-13 px), then the answer in the fine crop. One token per crop because this model
+learns where a thing is inside one token in a few hundred steps but hardly which of several tokens holds it
+(crops shown at 224x224, 8x8 tokens, were tried first; `localisation_probe` and docs/grounding.md have the
+measurements).
 
 Builder ``geovis`` (`build_geovis`): a tiny Qwen2-VL warm-started on the exact token sequences the
 policy produces under the GeoViS protocol (`pipelines.grounding.geovis_env`, `pipelines.grounding.geovis_views`):
 
-(a) a 2-turn zoom conversation ``ZOOM_PROMPT`` + view 0 -> ``<crop>[..]</crop>`` (a coarse, noisy
-    square around the target, in view 0's resized pixels), then the inserted user message ``View 1:`` +
-    the crop -> ``<answer>[..]</answer>`` (the target box in the crop's resized pixels, jittered), trained
-    as ONE sequence with the loss on both assistant turns only;
-(b) ``BOX_PROMPT`` on crops that contain the target (and sometimes the whole map) -> the box;
+(a) a 3-turn zoom conversation ``ZOOM_PROMPT`` + view 0 -> ``<crop>[..]</crop>`` (a coarse square around
+    the target, in view 0's resized pixels, its centre off by the model's own error, sigma 8 px), the
+    inserted user message ``View 1:`` + the crop -> ``<crop>[..]</crop>`` (a fine square in view 1's
+    pixels, sigma 1.5 px), ``View 2:`` + that crop -> ``<answer>[..]</answer>`` (the target box in the fine
+    crop's resized pixels, jittered), trained as ONE sequence with the loss on the assistant turns only;
+(b) ``BOX_PROMPT`` on crops that contain the target (fine crops, crops of 16-112 px, and sometimes the
+    whole map) -> the box;
 (c) ``YESNO_PROMPT`` on crops with / without the target -> ``yes`` / ``no``.
+Every image is shown as the policy shows it: view 0 at the root bounds, crops at the crop bounds
+(`pipelines.grounding.geovis_views.view_image`).
 
 The model (`geovis_vlm`, ~0.74M parameters) is `mmalign.tiny.vlm`'s layout, widened: 3 text layers of
 width 128, a 2-block vision tower of width 64, and M-RoPE with ``rope_theta = 3`` (our design: with the
 usual 10000 and a 32-wide head, the rotary frequencies given to the height / width sections are so low
-that the 2x2 image tokens of a 56x56 view get nearly the same positions). Warm-start numbers (eval.jsonl,
-64 maps x 8 samples, Acc@0.5): zoom 1.6% sampled / 10.9% best-of-8 at temperature 1 (3.3% / 25% at 0.5),
-one-shot 0% / 0%; 95% of the sampled crops hold the whole target. The crops are good, the answer inside
-the crop is the weak part (mostly the crop's middle): that is what RL has to improve.
+that the 2x2 image tokens of a 56x56 view get nearly the same positions). Warm-start numbers: see
+docs/grounding.md (``python -m mmalign.tiny.geovis eval MODEL``).
 
 Sequences are rendered with the processor's own chat template (`render_conversation`); the test suite
 checks that they equal, token for token, what the VLM policy's multi_turn rollout holds for the same
 turns. ``python -m mmalign.tiny.geovis`` rewrites ``assets/geovis``; ``python -m mmalign.tiny.geovis eval
-MODEL`` prints the zoom and one-shot Acc@0.5 of a model (sampled and best-of-8).
+MODEL`` prints the zoom and one-shot Acc@0.5 of a model (sampled and best-of-8); ``python -m
+mmalign.tiny.geovis probe ...`` runs `localisation_probe`.
 """
 
 from __future__ import annotations
@@ -65,15 +73,22 @@ from pipelines.grounding.geovis_views import (
     YESNO_PROMPT,
     ZOOM_PROMPT,
     View,
-    crop_image,
+    ViewPixels,
     global_to_view,
     make_view,
+    view_image,
 )
 
 MAP_SIZE = 224
 """Side of a map in pixels."""
-PIXELS = 56 * 56
-"""The policy's pixel bounds for this task (min = max): the whole map reaches the model as 56x56."""
+ROOT_PIXELS = 56 * 56
+"""View 0's pixel bounds (min = max): the whole map reaches the model as 56x56."""
+CROP_PIXELS = 28 * 28
+"""A crop's pixel bounds (min = max): every crop reaches the model as 28x28, ONE merged visual token (see the
+module docstring for why not more)."""
+VIEW_PIXELS = ViewPixels(root=(ROOT_PIXELS, ROOT_PIXELS), crop=(CROP_PIXELS, CROP_PIXELS))
+"""The pixel bounds of this task's views (``options.root_*_pixels`` / ``crop_*_pixels`` of
+configs/geovis-tiny.yaml)."""
 
 BUILDING_COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (225, 35, 35),
@@ -181,8 +196,9 @@ def _beside(lake: Sequence[float], side: str, rng: random.Random, size: int) -> 
     return [float(x), float(y), float(x + s), float(y + s)]
 
 
-def draw_map(rng: random.Random, size: int = MAP_SIZE) -> GeoMap:
-    """One map: fields, roads, the lake, the target, a same-colour decoy on another side, other buildings."""
+def draw_map(rng: random.Random, size: int = MAP_SIZE, near: tuple[int, int] = (1, 2)) -> GeoMap:
+    """One map: fields, roads, the lake, the target, a same-colour decoy on another side, other buildings
+    (``near`` = the least and most of them drawn 10-24 px from the target)."""
     from PIL import ImageDraw
 
     img = _draw_background(rng, size)
@@ -194,7 +210,7 @@ def draw_map(rng: random.Random, size: int = MAP_SIZE) -> GeoMap:
     buildings: list[tuple[str, list[float]]] = [(colour, target), (colour, decoy)]
     others = [c for c in BUILDING_COLOURS if c != colour]
     tcx, tcy = (target[0] + target[2]) / 2, (target[1] + target[3]) / 2
-    want_near, want = rng.randint(1, 2), rng.randint(4, 6)
+    want_near, want = rng.randint(*near), rng.randint(4, 6)
     tries = 0
     while len(buildings) < 2 + want and tries < 500:
         tries += 1
@@ -258,9 +274,9 @@ def write_dataset(
 # ----------------------------------------------------------------------------- model + processor
 
 YES, NO = "yes", "no"
-LABEL_SIDES = (48, 52, 56, 60, 64, 68)
-"""Sides (original pixels) of the warm start's crops: each reaches the model as 56x56 under `PIXELS`
-(``smart_resize`` maps 72 and 96 to 28x28, so those are avoided)."""
+CROP_SIDES: tuple[tuple[int, ...], tuple[int, ...]] = ((36, 40, 44), (18, 20, 22, 24))
+"""Sides (original pixels) of the warm start's crop requests: the coarse crop of view 0 (9-11 pixels of the
+56x56 view; shown at 28x28, 0.64-0.78x) and the fine crop of the coarse one (shown at 28x28, 1.2-1.6x)."""
 
 
 def _corpus(rng: random.Random) -> list[str]:
@@ -273,7 +289,7 @@ def _corpus(rng: random.Random) -> list[str]:
             for p in (ZOOM_PROMPT, BOX_PROMPT, YESNO_PROMPT):
                 texts.append(f"{IM_START}user\n{p.format(expression=e)}{IM_END}\n{IM_START}assistant\n")
     for _ in range(200):
-        b = ",".join(str(rng.randint(0, 60)) for _ in range(4))
+        b = ",".join(str(rng.randint(0, 224)) for _ in range(4))
         k = rng.randint(1, 4)
         texts += [f"<crop>[{b}]</crop>", f"<crop view={k - 1}>[{b}]</crop>", f"<answer>[{b}]</answer>"]
         texts.append(f"{IM_START}user\nView {k}:{IM_END}\n{IM_START}assistant\n{YES}{IM_END}{NO}")
@@ -282,10 +298,15 @@ def _corpus(rng: random.Random) -> list[str]:
     return texts
 
 
-def geovis_processor(min_pixels: int = PIXELS, max_pixels: int = PIXELS) -> Any:
-    """A `Qwen2VLProcessor` with an in-process BPE (Qwen2-VL's special tokens, digits one token each)."""
+def geovis_processor(min_pixels: int | None = None, max_pixels: int | None = None) -> Any:
+    """A `Qwen2VLProcessor` with an in-process BPE (Qwen2-VL's special tokens, digits one token each); its
+    bounds default to those holding both kinds of view (`VIEW_PIXELS.processor`)."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    lo, hi = VIEW_PIXELS.processor
+    min_pixels = lo if min_pixels is None else min_pixels
+    max_pixels = hi if max_pixels is None else max_pixels
 
     tokenizer = train_bpe_tokenizer(_corpus(random.Random(0)), vocab_size=420, extra_special=VLM_SPECIALS)
     tokenizer.chat_template = VLM_CHAT_TEMPLATE
@@ -408,36 +429,51 @@ def box_text(box: Sequence[float], tag: str, view: int | None = None) -> str:
     return f"{opening}[{inner}]</{tag}>"
 
 
-def zoom_messages(expression: str, crop: str, inserted: str, answer: str) -> list[dict[str, Any]]:
-    """The GeoViS 2-turn conversation: ZOOM_PROMPT + view 0, the crop turn, the inserted view, the answer."""
+def zoom_messages(expression: str, turns: Sequence[str], inserted: Sequence[str]) -> list[dict[str, Any]]:
+    """A GeoViS conversation: ZOOM_PROMPT + view 0, then the generated `turns` with the user message the
+    environment inserted after each of them but the last (`inserted[k]`, each with its view's image)."""
 
-    return [
-        user_message(ZOOM_PROMPT.format(expression=expression), 1),
-        {"role": "assistant", "content": crop},
-        user_message(inserted, 1),
-        {"role": "assistant", "content": answer},
-    ]
+    if len(inserted) != len(turns) - 1:
+        raise ValueError(
+            f"zoom_messages: {len(turns)} turns need {len(turns) - 1} insertions, got {len(inserted)}"
+        )
+    messages = [user_message(ZOOM_PROMPT.format(expression=expression), 1)]
+    for k, turn in enumerate(turns):
+        messages.append({"role": "assistant", "content": turn})
+        if k < len(inserted):
+            messages.append(user_message(inserted[k], 1))
+    return messages
 
 
 # ----------------------------------------------------------------------------- warm-start examples
+
+
+def zoom_environment() -> ZoomEnvironment:
+    """The GeoViS crop environment at this task's pixel bounds (`VIEW_PIXELS`)."""
+    (rlo, rhi), (clo, chi) = VIEW_PIXELS.root, VIEW_PIXELS.crop
+    return ZoomEnvironment(
+        convention="resized", min_pixels=rlo, max_pixels=rhi, crop_min_pixels=clo, crop_max_pixels=chi
+    )
 
 
 def _map_row(m: GeoMap) -> dict[str, Any]:
     return {"images": [m.image], "image_width": m.image.width, "image_height": m.image.height}
 
 
-def _label_crop(m: GeoMap, rng: random.Random, root: Any, noise: float) -> list[int]:
-    """A square crop request in view 0's resized pixels around the target (centre + Gaussian `noise`
-    original pixels), shifted inside the view, redrawn until its region holds the whole target."""
-    sx, sy = root.resized[0] / root.size[0], root.resized[1] / root.size[1]
+def _label_crop(m: GeoMap, rng: random.Random, view: View, noise: float, sides: Sequence[int]) -> list[int]:
+    """A square crop request in `view`'s resized pixels around the target (side drawn from `sides`, original
+    pixels; centre + Gaussian `noise` original pixels), shifted inside the view, redrawn until its region
+    holds the whole target."""
+    sx, sy = view.resized[0] / view.size[0], view.resized[1] / view.size[1]
+    ox, oy = view.region[0], view.region[1]
     cx, cy = (m.box[0] + m.box[2]) / 2, (m.box[1] + m.box[3]) / 2
-    for _ in range(100):
-        side = rng.choice(LABEL_SIDES)
-        w, h = round(side * sx), round(side * sy)
-        x1 = round((cx + rng.gauss(0, noise)) * sx - w / 2)
-        y1 = round((cy + rng.gauss(0, noise)) * sy - h / 2)
-        x1, y1 = min(max(x1, 0), root.resized[0] - w), min(max(y1, 0), root.resized[1] - h)
-        gx1, gy1, gx2, gy2 = x1 / sx, y1 / sy, (x1 + w) / sx, (y1 + h) / sy
+    for _ in range(200):
+        side = rng.choice(sides)
+        w, h = min(round(side * sx), view.resized[0]), min(round(side * sy), view.resized[1])
+        x1 = round((cx + rng.gauss(0, noise) - ox) * sx - w / 2)
+        y1 = round((cy + rng.gauss(0, noise) - oy) * sy - h / 2)
+        x1, y1 = min(max(x1, 0), view.resized[0] - w), min(max(y1, 0), view.resized[1] - h)
+        gx1, gy1, gx2, gy2 = ox + x1 / sx, oy + y1 / sy, ox + (x1 + w) / sx, oy + (y1 + h) / sy
         if gx1 <= m.box[0] and gy1 <= m.box[1] and gx2 >= m.box[2] and gy2 >= m.box[3]:
             return [x1, y1, x1 + w, y1 + h]
     raise RuntimeError("could not place a crop around the target")
@@ -451,30 +487,46 @@ def _answer_box(box: Sequence[float], view: Any, rng: random.Random, jitter: flo
 
 
 def zoom_example(
-    processor: Any, m: GeoMap, rng: random.Random, env: Any, *, noise: float = 6.0, jitter: float = 0.5
+    processor: Any,
+    m: GeoMap,
+    rng: random.Random,
+    env: Any,
+    *,
+    noise: tuple[float, float] = (8.0, 1.5),
+    jitter: float = 0.3,
 ) -> dict[str, Any]:
-    """(a) The 2-turn zoom conversation of map `m`, rendered (`render_conversation`): the crop turn is a
-    coarse square around the target (`_label_crop`), the environment `env` (a `ZoomEnvironment`) opens it
-    exactly as in a rollout, the answer is the target box in the crop's resized pixels, jittered."""
+    """(a) The 3-turn zoom conversation of map `m`, rendered (`render_conversation`): a coarse square crop of
+    view 0 around the target (`CROP_SIDES[0]`, centre noise ``noise[0]`` original pixels), a fine square crop
+    of that crop (`CROP_SIDES[1]`, noise ``noise[1]``), both opened by the environment `env` (a
+    `ZoomEnvironment`) exactly as in a rollout, then the target box in the fine crop's resized pixels
+    (Gaussian `jitter` resized pixels)."""
 
     row = _map_row(m)
     state: dict[str, Any] = {}
     root = View.from_dict(env.ensure_views(state, row)[0])
-    crop = box_text(_label_crop(m, rng, root, noise), "crop")
-    inserted = env.step(state, row, 0, crop)
+    turns, inserted, images = [], [], [view_image(m.image, root)]
+    for level in range(2):
+        view = View.from_dict(state["views"][-1])
+        crop = box_text(_label_crop(m, rng, view, noise[level], CROP_SIDES[level]), "crop")
+        reply = env.step(state, row, level, crop)
+        if len(state["views"]) != level + 2:
+            raise RuntimeError(f"the warm start's crop {crop} was refused: {reply.text}")
+        turns.append(crop)
+        inserted.append(reply.text)
+        images.extend(reply.images)
     view = View.from_dict(state["views"][-1])
-    answer = box_text(_answer_box(m.box, view, rng, jitter), "answer")
-    messages = zoom_messages(m.expression, crop, inserted.text, answer)
-    return render_conversation(processor, messages, [m.image, *inserted.images])
+    turns.append(box_text(_answer_box(m.box, view, rng, jitter), "answer"))
+    return render_conversation(processor, zoom_messages(m.expression, turns, inserted), images)
 
 
 def _random_region(
     m: GeoMap, rng: random.Random, contains: bool, size: int
 ) -> tuple[float, float, float, float]:
-    """A crop region (original pixels, whole) that holds the whole target (`contains`) or none of it."""
+    """A crop region of 16-112 original pixels (whole) that holds the whole target (`contains`) or none of
+    it (the tree search's grid cells and everything between them)."""
     for _ in range(200):
-        w = rng.randint(40, 112)
-        h = min(max(round(w * rng.uniform(0.8, 1.25)), 40), size)
+        w = rng.randint(16, 112)
+        h = min(max(round(w * rng.uniform(0.8, 1.25)), 16), size)
         if contains:
             x1 = rng.randint(max(0, int(m.box[2]) - w), min(size - w, int(m.box[0])))
             y1 = rng.randint(max(0, int(m.box[3]) - h), min(size - h, int(m.box[1])))
@@ -490,12 +542,18 @@ def _random_region(
 
 
 def _centred_region(m: GeoMap, rng: random.Random, noise: float) -> tuple[float, float, float, float]:
-    """The original-pixel region of a `_label_crop` (a square around the target, as the zoom turn asks)."""
+    """The original-pixel region of a fine crop (`CROP_SIDES[1]`) around the target, as the zoom's second
+    crop asks for it."""
 
-    root = View.root(m.image.size, PIXELS, PIXELS)
-    x1, y1, x2, y2 = _label_crop(m, rng, root, noise)
-    sx, sy = root.resized[0] / root.size[0], root.resized[1] / root.size[1]
-    return (x1 / sx, y1 / sy, x2 / sx, y2 / sy)
+    for _ in range(200):
+        side = rng.choice(CROP_SIDES[1])
+        cx = (m.box[0] + m.box[2]) / 2 + rng.gauss(0, noise)
+        cy = (m.box[1] + m.box[3]) / 2 + rng.gauss(0, noise)
+        x1 = min(max(round(cx - side / 2), 0), m.image.width - side)
+        y1 = min(max(round(cy - side / 2), 0), m.image.height - side)
+        if x1 <= m.box[0] and y1 <= m.box[1] and x1 + side >= m.box[2] and y1 + side >= m.box[3]:
+            return (float(x1), float(y1), float(x1 + side), float(y1 + side))
+    raise RuntimeError("could not place a fine crop around the target")
 
 
 def box_example(
@@ -503,43 +561,44 @@ def box_example(
     m: GeoMap,
     rng: random.Random,
     *,
-    full: float = 0.2,
-    centred: float = 0.6,
-    noise: float = 6.0,
+    full: float = 0.15,
+    centred: float = 0.45,
+    noise: float = 1.5,
 ) -> dict[str, Any]:
     """(b) ``BOX_PROMPT`` on an image holding the target -> the box in that image's resized pixels. The image
-    is the whole map (probability `full`), a square around the target as a zoom turn would ask for
-    (`centred`, centre noise `noise` original pixels), else a random crop of 40-112 px holding the target."""
+    is the whole map at the root bounds (probability `full`; one-shot answering), else a crop at the crop
+    bounds: a fine square around the target as the zoom's second crop would ask for (`centred`, centre
+    noise `noise` original pixels) or a random crop of 16-112 px holding the target (`_random_region`)."""
 
     size = m.image.width
     u = rng.random()
     if u < full:
-        region = (0.0, 0.0, float(size), float(size))
-    elif u < full + centred:
-        region = _centred_region(m, rng, noise)
+        view = VIEW_PIXELS.root_view(m.image.size)
     else:
-        region = _random_region(m, rng, True, size)
-    view = make_view(
-        region, view_id=1, parent=0, image_size=m.image.size, min_pixels=PIXELS, max_pixels=PIXELS
-    )
+        region = _centred_region(m, rng, noise) if u < full + centred else _random_region(m, rng, True, size)
+        clo, chi = VIEW_PIXELS.crop
+        view = make_view(region, view_id=1, parent=0, image_size=m.image.size, min_pixels=clo, max_pixels=chi)
     answer = box_text(_answer_box(m.box, view, rng, 0.0), "answer")
     messages = [
         user_message(BOX_PROMPT.format(expression=m.expression), 1),
         {"role": "assistant", "content": answer},
     ]
-    return render_conversation(processor, messages, [crop_image(m.image, view.region)])
+    return render_conversation(processor, messages, [view_image(m.image, view)])
 
 
 def yesno_example(processor: Any, m: GeoMap, rng: random.Random) -> dict[str, Any]:
-    """(c) ``YESNO_PROMPT`` on a crop with (half the time) or without the target -> ``yes`` / ``no``."""
+    """(c) ``YESNO_PROMPT`` on a crop (at the crop bounds) with (half the time) or without the target ->
+    ``yes`` / ``no``."""
 
     yes = rng.random() < 0.5
     region = _random_region(m, rng, yes, m.image.width)
+    clo, chi = VIEW_PIXELS.crop
+    view = make_view(region, view_id=1, parent=0, image_size=m.image.size, min_pixels=clo, max_pixels=chi)
     messages = [
         user_message(YESNO_PROMPT.format(expression=m.expression), 1),
         {"role": "assistant", "content": YES if yes else NO},
     ]
-    return render_conversation(processor, messages, [crop_image(m.image, region)])
+    return render_conversation(processor, messages, [view_image(m.image, view)])
 
 
 def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -564,30 +623,31 @@ def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tens
     }
 
 
-@BUILDERS.register("geovis", minutes=6, phases=1)
+@BUILDERS.register("geovis", minutes=12, phases=1)
 def build_geovis(
     path: Path,
-    steps: int = 700,
+    steps: int = 2000,
     batch_size: int = 24,
     lr: float = 3e-3,
-    num_maps: int = 2000,
+    num_maps: int = 4000,
     mix: tuple[float, float, float] = (0.5, 0.35, 0.15),
-    crop_noise: float = 3.0,
-    answer_jitter: float = 0.5,
+    crop_noise: tuple[float, float] = (8.0, 1.5),
+    answer_jitter: float = 0.3,
     seed: int = 0,
 ) -> None:
     """Tiny Qwen2-VL warm-started on the GeoViS protocol over `num_maps` fresh maps (never the eval maps).
 
     Each step draws `batch_size` examples from the pools (a) zoom conversations, (b) box, (c) yes/no in
-    proportions `mix`; the loss is the mean cross-entropy over assistant tokens. `crop_noise` (original
-    pixels) and `answer_jitter` (resized pixels) keep the warm policy imprecise, so RL has work to do."""
+    proportions `mix`; the loss is the mean cross-entropy over assistant tokens. `crop_noise` (the centre
+    noise of the coarse and the fine crop, original pixels) and `answer_jitter` (resized pixels) keep the
+    warm policy imprecise, so RL has work to do."""
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
     processor = geovis_processor()
     tok = processor.tokenizer
     model = geovis_vlm(tok)
-    env = ZoomEnvironment(convention="resized", min_pixels=PIXELS, max_pixels=PIXELS)
+    env = zoom_environment()
     map_rng = random.Random(seed + 12345)  # a stream disjoint from write_dataset's seeds
     maps = [draw_map(map_rng) for _ in range(num_maps)]
     n = [round(num_maps * 2 * f) for f in mix]  # about two examples per map
@@ -596,7 +656,7 @@ def build_geovis(
             zoom_example(processor, maps[i % num_maps], rng, env, noise=crop_noise, jitter=answer_jitter)
             for i in range(n[0])
         ],
-        [box_example(processor, maps[i % num_maps], rng, noise=crop_noise) for i in range(n[1])],
+        [box_example(processor, maps[i % num_maps], rng, noise=crop_noise[1]) for i in range(n[1])],
         [yesno_example(processor, maps[i % num_maps], rng) for i in range(n[2])],
     ]
     model.train()
@@ -625,12 +685,12 @@ def build_geovis(
         "lr": lr,
         "num_maps": num_maps,
         "mix": list(mix),
-        "crop_noise": crop_noise,
+        "crop_noise": list(crop_noise),
         "answer_jitter": answer_jitter,
         "seed": seed,
         "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
-        "min_pixels": PIXELS,
-        "max_pixels": PIXELS,
+        "root_pixels": list(VIEW_PIXELS.root),
+        "crop_pixels": list(VIEW_PIXELS.crop),
     }
     (path / "mmalign_tiny.json").write_text(json.dumps(meta))
 
@@ -672,22 +732,29 @@ def evaluate(
     pixels by `pipelines.grounding.geovis_env.replay` on the generated turns (the same state the environment kept).
     Also: the mean number of turns, the share of samples with an accepted crop, the share of accepted
     crops that hold the whole target."""
-    from mmalign.policies.vlm import VLMPolicy
+    from pipelines.grounding.geovis import GeoViSPolicy
     from rewards.boxes import iou
 
     torch.manual_seed(seed)
     rows = load_rows(jsonl, max_rows)
-    env_options = {"convention": "resized", "min_pixels": PIXELS, "max_pixels": PIXELS}
-    common = dict(temperature=temperature, min_pixels=PIXELS, max_pixels=PIXELS)
-    zoom = VLMPolicy.from_pretrained(
+    env = zoom_environment()
+    env_options = {
+        "convention": "resized",
+        "min_pixels": VIEW_PIXELS.root[0],
+        "max_pixels": VIEW_PIXELS.root[1],
+        "crop_min_pixels": VIEW_PIXELS.crop[0],
+        "crop_max_pixels": VIEW_PIXELS.crop[1],
+    }
+    common = dict(temperature=temperature, view_pixels=VIEW_PIXELS)
+    zoom = GeoViSPolicy.from_pretrained(
         str(model),
         max_new_tokens=24,
         loop="multi_turn",
         loop_kwargs={"max_turns": max_turns},
-        environment=ZoomEnvironment(**env_options),
+        environment=env,
         **common,
     )
-    one = VLMPolicy.from_pretrained(str(model), max_new_tokens=24, **common)
+    one = GeoViSPolicy.from_pretrained(str(model), max_new_tokens=24, **common)
     hits: dict[str, list[list[bool]]] = {"zoom": [], "oneshot": []}
     turns_used, crops, kept, accepted = [], 0, 0, 0
     for start in range(0, len(rows), rows_per_batch):
@@ -728,9 +795,137 @@ def evaluate(
     return out
 
 
+def localisation_probe(
+    display: int,
+    side: int,
+    noise: float,
+    steps: int,
+    *,
+    scene: str = "map",
+    hidden: int = 128,
+    vision_dim: int = 64,
+    layers: int = 3,
+    vision_depth: int = 2,
+    report_every: int = 100,
+) -> list[dict[str, float]]:
+    """How fast a fresh tiny GeoViS VLM learns WHERE the target is in one view (the measurement behind the
+    tiny config's pixel bounds, docs/grounding.md): ``BOX_PROMPT`` on square crops of `side` original pixels
+    around the target (centre + Gaussian `noise` px, redrawn until the crop holds it), shown at `display` x
+    `display` pixels; 3000 training crops (maps of seed 777), `steps` steps of 24 at lr 3e-3 (50 warm-up
+    steps, cosine), scored greedily every `report_every` steps on 96 held-out crops (seed 999): mean IoU,
+    Acc@0.5 and the mean |x error| of the box centre (original pixels, over parsed boxes). `scene`: ``map``
+    (the task's maps), ``no_near`` (no buildings drawn near the target) or ``plain`` (the target alone on
+    a uniform field). Returns the reports (also printed as JSON lines)."""
+    from PIL import Image, ImageDraw
+
+    from pipelines.grounding.geovis_views import view_to_global
+    from rewards.boxes import iou, parse_box
+
+    pixels = display * display
+
+    def draw(r: random.Random) -> GeoMap:
+        m = draw_map(r, near=(0, 0)) if scene == "no_near" else draw_map(r)
+        if scene == "plain":
+            m.image = Image.new("RGB", m.image.size, (120, 140, 80))
+            b = m.box
+            ImageDraw.Draw(m.image).rectangle(
+                [b[0], b[1], b[2] - 1, b[3] - 1], fill=BUILDING_COLOURS[m.colour]
+            )
+        return m
+
+    def example(m: GeoMap, r: random.Random) -> tuple[dict[str, Any], View] | None:
+        cx, cy = (m.box[0] + m.box[2]) / 2, (m.box[1] + m.box[3]) / 2
+        for _ in range(100):
+            x1 = min(max(round(cx + r.gauss(0, noise) - side / 2), 0), MAP_SIZE - side)
+            y1 = min(max(round(cy + r.gauss(0, noise) - side / 2), 0), MAP_SIZE - side)
+            if x1 <= m.box[0] and y1 <= m.box[1] and x1 + side >= m.box[2] and y1 + side >= m.box[3]:
+                v = make_view(
+                    (x1, y1, x1 + side, y1 + side),
+                    view_id=1,
+                    parent=0,
+                    image_size=m.image.size,
+                    min_pixels=pixels,
+                    max_pixels=pixels,
+                )
+                answer = box_text(_answer_box(m.box, v, r, 0.0), "answer")
+                messages = [
+                    user_message(BOX_PROMPT.format(expression=m.expression), 1),
+                    {"role": "assistant", "content": answer},
+                ]
+                return render_conversation(processor, messages, [view_image(m.image, v)]), v
+        return None
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    lo, hi = ViewPixels(root=(ROOT_PIXELS, ROOT_PIXELS), crop=(pixels, pixels)).processor
+    processor = geovis_processor(lo, hi)
+    tok = processor.tokenizer
+    model = geovis_vlm(tok, hidden=hidden, vision_dim=vision_dim, layers=layers, vision_depth=vision_depth)
+    map_rng = random.Random(777)
+    pool = [e for e in (example(draw(map_rng), rng) for _ in range(3000)) if e is not None]
+    for e, _ in pool:
+        e["pixel_values"] = e["pixel_values"].half()  # (half the memory; cast back per batch)
+    eval_rng, held = random.Random(999), []
+    while len(held) < 96:
+        m = draw(eval_rng)
+        x = example(m, eval_rng)
+        if x:
+            held.append((m, x))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+
+    @torch.no_grad()
+    def score() -> tuple[float, float, float]:
+        model.eval()
+        ious, errs = [], []
+        for m, (e, v) in held:
+            n = int((e["labels"] != -100).nonzero()[0])
+            ids = e["input_ids"][:n][None]
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                mm_token_type_ids=e["mm_token_type_ids"][:n][None],
+                pixel_values=e["pixel_values"].float(),
+                image_grid_thw=e["image_grid_thw"],
+                max_new_tokens=22,
+                do_sample=False,
+            )
+            b = parse_box(tok.decode(out[0, n:], skip_special_tokens=True))
+            if b is None:
+                ious.append(0.0)
+                continue
+            g = view_to_global(b, v, "resized")
+            ious.append(iou(g, m.box))
+            errs.append(abs((g[0] + g[2]) / 2 - (m.box[0] + m.box[2]) / 2))
+        model.train()
+        return sum(ious) / len(ious), sum(i >= 0.5 for i in ious) / len(ious), sum(errs) / max(1, len(errs))
+
+    reports = []
+    model.train()
+    for step in range(steps):
+        batch = collate([rng.choice(pool)[0] for _ in range(24)], tok.pad_token_id)
+        batch["pixel_values"] = batch["pixel_values"].float()
+        loss = model(**batch).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if (step + 1) % report_every == 0:
+            mean_iou, acc, err = score()
+            reports.append({"step": step + 1, "iou": mean_iou, "acc@0.5": acc, "x_err_px": err})
+            print(
+                json.dumps({"display": display, "side": side, "noise": noise, "scene": scene, **reports[-1]})
+            )
+    return reports
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m mmalign.tiny.geovis [write|eval MODEL]``: rewrite ``assets/geovis`` (default) or print a
-    model's Acc@0.5 (zoom vs one-shot, sampled and best-of-n) on the eval split."""
+    """``python -m mmalign.tiny.geovis [write|eval MODEL|probe ...]``: rewrite ``assets/geovis`` (default),
+    print a model's Acc@0.5 (zoom vs one-shot, sampled and best-of-n) on the eval split, or run
+    `localisation_probe`."""
     p = argparse.ArgumentParser(prog="python -m mmalign.tiny.geovis")
     sub = p.add_subparsers(dest="cmd")
     w = sub.add_parser("write", help="write the data set (assets/geovis)")
@@ -741,7 +936,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--n", type=int, default=8)
     e.add_argument("--max-rows", type=int, default=None)
     e.add_argument("--temperature", type=float, default=1.0)
+    q = sub.add_parser("probe", help="how fast a fresh model learns where the target is in one view")
+    q.add_argument("--display", type=int, required=True, help="side (pixels) the crop is shown at")
+    q.add_argument("--side", type=int, required=True, help="side of the crop (original pixels)")
+    q.add_argument("--noise", type=float, required=True, help="std of the crop centre around the target (px)")
+    q.add_argument("--steps", type=int, default=500)
+    q.add_argument("--scene", choices=["map", "no_near", "plain"], default="map")
+    q.add_argument("--hidden", type=int, default=128)
+    q.add_argument("--vision-dim", type=int, default=64)
+    q.add_argument("--layers", type=int, default=3)
+    q.add_argument("--vision-depth", type=int, default=2)
     args = p.parse_args(argv)
+    if args.cmd == "probe":
+        localisation_probe(
+            args.display,
+            args.side,
+            args.noise,
+            args.steps,
+            scene=args.scene,
+            hidden=args.hidden,
+            vision_dim=args.vision_dim,
+            layers=args.layers,
+            vision_depth=args.vision_depth,
+        )
+        return 0
     if args.cmd == "eval":
         res = evaluate(
             args.model, args.data, n_samples=args.n, max_rows=args.max_rows, temperature=args.temperature

@@ -11,8 +11,8 @@ the whole image. After each generated turn `ZoomEnvironment` reads the FIRST act
   frame, K an earlier view id): the box is mapped to original pixels, clipped to the image and checked
   (`geovis_views.child_view`); an accepted crop becomes view k = len(views), and the environment inserts
   ``Insert(text=f"View {k}:", images=[crop], role="user")`` where ``crop`` is the exact pixel crop of the
-  ORIGINAL image (the policy's processor then resizes it within its pixel bounds, as the view's
-  ``resized`` size predicts). A refused crop (empty after clipping, a side below ``min_crop_px``, aspect
+  ORIGINAL image resized to the view's ``resized`` size under the CROP pixel bounds (`geovis_views.view_image`;
+  the policy's processor, whose bounds hold that size, leaves it as it is). A refused crop (empty after clipping, a side below ``min_crop_px``, aspect
   above ``max_aspect``, an unknown view, no readable box, the ``max_views`` limit) inserts the text-only
   message ``"Crop refused: <reason>. ..."``.
 - anything else (no action tag): the episode ends with no answer.
@@ -44,9 +44,10 @@ from pipelines.grounding.geovis_views import (
     MIN_CROP_PX,
     ZOOM_PROMPT,
     View,
+    ViewPixels,
     child_view,
-    crop_image,
     resolve_convention,
+    view_image,
     view_to_global,
 )
 
@@ -99,11 +100,12 @@ class ZoomEnvironment:
     """``env(turn: TurnContext) -> Done | Insert``: the GeoViS zoom tool (see the module docstring).
 
     Options: ``convention`` (how the model writes boxes in a view, default "resized"), ``min_pixels`` /
-    ``max_pixels`` / ``factor`` (the policy processor's resize bounds, used to predict each view's resized
-    size with ``smart_resize``; pass the policy's own), ``min_crop_px`` (smallest accepted crop side in
-    original pixels), ``max_aspect`` (largest long/short side ratio, 4.0), ``max_views`` (views in all,
-    view 0 included; a crop beyond it is refused), ``cache_images`` (how many original images to keep
-    decoded)."""
+    ``max_pixels`` (the resize bounds of view 0, the whole image), ``crop_min_pixels`` / ``crop_max_pixels``
+    (those of every crop; default: view 0's), ``factor`` (patch size x merge size): each view's resized size
+    is predicted with ``smart_resize`` and each crop is inserted at that size (pass the bounds the policy
+    shows its images at: `ViewPixels`), ``min_crop_px`` (smallest accepted crop side in original pixels),
+    ``max_aspect`` (largest long/short side ratio, 4.0), ``max_views`` (views in all, view 0 included; a
+    crop beyond it is refused), ``cache_images`` (how many original images to keep decoded)."""
 
     def __init__(
         self,
@@ -111,6 +113,8 @@ class ZoomEnvironment:
         convention: str = "resized",
         min_pixels: int = 3136,
         max_pixels: int = 12845056,
+        crop_min_pixels: int | None = None,
+        crop_max_pixels: int | None = None,
         factor: int = 28,
         min_crop_px: float = MIN_CROP_PX,
         max_aspect: float = 4.0,
@@ -121,22 +125,49 @@ class ZoomEnvironment:
             self.convention = resolve_convention(convention)
         except ValueError as e:
             raise ValueError(f"ZoomEnvironment option 'convention': {e}") from None
-        for key, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels), ("factor", factor)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ZoomEnvironment option {key!r} must be an integer >= 1, got {value!r}")
-        if min_pixels > max_pixels:
-            raise ValueError(f"ZoomEnvironment: min_pixels {min_pixels} > max_pixels {max_pixels}")
+        self.set_pixels(min_pixels, max_pixels, crop_min_pixels, crop_max_pixels, factor)
         if not float(min_crop_px) > 0:
             raise ValueError(f"ZoomEnvironment option 'min_crop_px' must be > 0 pixels, got {min_crop_px!r}")
         if not float(max_aspect) >= 1:
             raise ValueError(f"ZoomEnvironment option 'max_aspect' must be >= 1, got {max_aspect!r}")
         if not isinstance(max_views, int) or isinstance(max_views, bool) or max_views < 1:
             raise ValueError(f"ZoomEnvironment option 'max_views' must be an integer >= 1, got {max_views!r}")
-        self.min_pixels, self.max_pixels, self.factor = min_pixels, max_pixels, factor
         self.min_crop_px, self.max_aspect = float(min_crop_px), float(max_aspect)
         self.max_views = max_views
         self.cache_images = cache_images
         self._images: OrderedDict[str, Any] = OrderedDict()
+
+    def set_pixels(
+        self,
+        min_pixels: int,
+        max_pixels: int,
+        crop_min_pixels: int | None = None,
+        crop_max_pixels: int | None = None,
+        factor: int = 28,
+    ) -> None:
+        """Set the pixel bounds of view 0 and of the crops (None: view 0's); ValueError naming the option
+        on a bound that is not an integer >= 1 or a min above its max."""
+        crop = (
+            min_pixels if crop_min_pixels is None else crop_min_pixels,
+            max_pixels if crop_max_pixels is None else crop_max_pixels,
+        )
+        try:
+            self.pixels = ViewPixels(root=(min_pixels, max_pixels), crop=crop, factor=factor)
+        except ValueError as e:
+            message = str(e).replace("root_min_pixels", "min_pixels").replace("root_max_pixels", "max_pixels")
+            raise ValueError(f"ZoomEnvironment option {message}") from None
+
+    @property
+    def min_pixels(self) -> int:
+        return self.pixels.root[0]
+
+    @property
+    def max_pixels(self) -> int:
+        return self.pixels.root[1]
+
+    @property
+    def factor(self) -> int:
+        return self.pixels.factor
 
     # ------------------------------------------------------------------ the environment
     def __call__(self, turn: TurnContext) -> Done | Insert:
@@ -181,8 +212,8 @@ class ZoomEnvironment:
                 box,
                 self.convention,
                 self._image_size(views),
-                self.min_pixels,
-                self.max_pixels,
+                self.pixels.crop[0],
+                self.pixels.crop[1],
                 min_crop_px=self.min_crop_px,
                 max_aspect=self.max_aspect,
                 next_id=len(views),
@@ -195,7 +226,7 @@ class ZoomEnvironment:
             return Insert(text=REFUSAL.format(reason=reason), images=[], role="user")
         views.append(child.to_dict())
         crops.append({"turn": turn, "view": child.id, "accepted": True, "reason": ""})
-        images = [crop_image(self._load(row), child.region)] if load_images else []
+        images = [view_image(self._load(row), child)] if load_images else []
         return Insert(text=f"View {child.id}:", images=images, role="user")
 
     # ------------------------------------------------------------------ helpers
@@ -203,7 +234,7 @@ class ZoomEnvironment:
         """``state["views"]``, created with view 0 (the whole image) on the first call."""
         if not state.get("views"):
             size = self._row_size(row)
-            state["views"] = [View.root(size, self.min_pixels, self.max_pixels, self.factor).to_dict()]
+            state["views"] = [self.pixels.root_view(size).to_dict()]
             state.setdefault("crops", [])
         return state["views"]
 

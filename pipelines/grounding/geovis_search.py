@@ -5,8 +5,10 @@ A node holds a view (`geovis_views.View`, view 0 = the full image); its actions 
 (c = sqrt 2, our design), expands one untried action (not at ``max_depth``), evaluates the view
 (``w_qa * r_QA + w_iou * r_IoU``, see `_Search.evaluate`) and backs the value up. The best view (highest
 mean value) gives the final box (`_Search.final_box`). "(our design)" marks choices the paper leaves open.
-Model calls go through a `SearchOracle` (`VLMOracle` wraps a `VLMPolicy`); `TreeSearchPolicy` serves the
-search as a `Policy` for ``mmalign eval`` only.
+The model is shown every view at its own pixel bounds (`geovis_views.ViewPixels`: view 0 at the root
+bounds, crops at the crop bounds) through `geovis_views.view_image`. Model calls go through a
+`SearchOracle` (`VLMOracle` wraps a `VLMPolicy`); `TreeSearchPolicy` serves the search as a `Policy` for
+``mmalign eval`` only.
 """
 
 from __future__ import annotations
@@ -28,17 +30,19 @@ from pipelines.grounding.geovis_views import (
     BOX_PROMPT,
     MAX_ASPECT,
     MIN_CROP_PX,
+    PRESIZED,
     YESNO_PROMPT,
     Region,
     View,
+    ViewPixels,
     check_crop,
     clip_region,
-    crop_image,
     grid_cells,
     make_view,
     processor_pixel_bounds,
     resolve_convention,
     view_frame,
+    view_image,
     view_to_global,
 )
 from rewards.boxes import iou, order_box, parse_box
@@ -77,8 +81,10 @@ FINALS = ("full_image", "best_crop")
 # ============================================================================ oracle
 @runtime_checkable
 class SearchOracle(Protocol):
-    """The model calls of the search. ``convention`` is how `predict_box` boxes are written (a
-    `pipelines.grounding.geovis_views.CONVENTIONS` name), relative to the image whose frame the prompt asks for."""
+    """The model calls of the search. The images are views as the model sees them (`view_image`: cut from
+    the original and resized to the view's ``resized`` size). ``convention`` is how `predict_box` boxes are
+    written (a `pipelines.grounding.geovis_views.CONVENTIONS` name), relative to the view whose frame the
+    prompt asks for ("resized": the given image's pixels)."""
 
     convention: str
 
@@ -99,8 +105,9 @@ def _parse_box(text: str) -> tuple[float, float, float, float] | None:
 
 class VLMOracle:
     """`SearchOracle` backed by a `VLMPolicy`, whose own `encode_row` / `batch_inputs` render the prompts
-    (chat template, system prompt, processor) as in training. ``convention``: how the model writes boxes
-    ("resized" by default; a family alias is accepted)."""
+    (chat template, system prompt, processor) as in training; the images are passed as they are (the row
+    says `PRESIZED`). ``convention``: how the model writes boxes ("resized" by default; a family alias is
+    accepted)."""
 
     def __init__(
         self,
@@ -130,7 +137,7 @@ class VLMOracle:
         return int(ids[0])
 
     def _inputs(self, images: list[Any], text: str) -> dict[str, Tensor]:
-        enc = self.policy.encode_row({"prompt": text, "images": list(images)})
+        enc = self.policy.encode_row({"prompt": text, "images": list(images), PRESIZED: True})
         dev = self.policy.device
         return {k: v.to(dev) for k, v in self.policy.batch_inputs([enc]).items()}
 
@@ -289,9 +296,7 @@ class _Search:
         oracle: SearchOracle,
         cfg: SearchConfig,
         *,
-        min_pixels: int,
-        max_pixels: int,
-        factor: int,
+        pixels: ViewPixels,
         rng: random.Random | None,
     ) -> None:
         self.expression = _expression(row)
@@ -299,8 +304,8 @@ class _Search:
         self.image_size = image.size
         self.convention = resolve_convention(oracle.convention)
         self.questions = yes_no_questions(row)
-        self.bounds = {"min_pixels": min_pixels, "max_pixels": max_pixels, "factor": factor}
-        self.root_view = View.root(self.image_size, min_pixels, max_pixels, factor)
+        self.bounds = {"min_pixels": pixels.crop[0], "max_pixels": pixels.crop[1], "factor": pixels.factor}
+        self.root_view = pixels.root_view(self.image_size)
         self.views: dict[int, View] = {0: self.root_view}
         self.by_region: dict[Region, View] = {self.root_view.region: self.root_view}
         self.evals: dict[int, dict[str, Any]] = {}
@@ -323,7 +328,7 @@ class _Search:
         Records {"value", "r_qa", "r_iou", "box"} (box: in the crop's frame) in ``evals``."""
         if view.id in self.evals:
             return self.evals[view.id]["value"]
-        crop = crop_image(self.image, view.region)
+        crop = view_image(self.image, view)
         probs = [self.oracle.yes_probability([crop], q) for q in self.questions]
         self.calls += len(probs)
         box = self.oracle.predict_box([crop], BOX_PROMPT.format(expression=self.expression))
@@ -425,9 +430,9 @@ class _Search:
         if self.cfg.final == "best_crop" or best.id == 0:
             box, frame_view = self.evals[best.id]["box"], best
         else:
-            crop = crop_image(self.image, best.region)
+            images = [view_image(self.image, self.root_view), view_image(self.image, best)]
             prompt = FULL_IMAGE_BOX_PROMPT.format(expression=self.expression)
-            raw = self.oracle.predict_box([self.image, crop], prompt, frame=0)
+            raw = self.oracle.predict_box(images, prompt, frame=0)
             self.calls += 1
             box, frame_view = (order_box(raw) if raw is not None else None), self.root_view
         if box is None:
@@ -484,21 +489,23 @@ def tree_search(
     min_pixels: int,
     max_pixels: int,
     factor: int = 28,
+    crop_min_pixels: int | None = None,
+    crop_max_pixels: int | None = None,
     rng: random.Random | None = None,
 ) -> SearchResult:
     """Run the GeoViS search on the PIL `image` for `row` (``expression``, optional ``object`` /
-    ``relation``). `min_pixels` / `max_pixels` / `factor`: the processor's resize bounds (the views'
-    ``resized`` sizes). `rng`: shuffles the expansion order when given (``temperature > 0``)."""
-    search = _Search(
-        image,
-        row,
-        oracle,
-        config or SearchConfig(),
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
+    ``relation``). `min_pixels` / `max_pixels`: the pixel bounds of view 0, `crop_min_pixels` /
+    `crop_max_pixels` those of the crops (None: view 0's), `factor` patch size x merge size (the views'
+    ``resized`` sizes, `ViewPixels`). `rng`: shuffles the expansion order when given (``temperature > 0``)."""
+    pixels = ViewPixels(
+        root=(min_pixels, max_pixels),
+        crop=(
+            min_pixels if crop_min_pixels is None else crop_min_pixels,
+            max_pixels if crop_max_pixels is None else crop_max_pixels,
+        ),
         factor=factor,
-        rng=rng,
     )
+    search = _Search(image, row, oracle, config or SearchConfig(), pixels=pixels, rng=rng)
     return search.run()
 
 
@@ -534,7 +541,9 @@ class TreeSearchPolicy(Policy):
 
     With ``temperature`` 0 the search is deterministic and a row's `group_size` samples copy one search;
     above 0 each sample searches on its own (random expansion order seeded from torch's generator, boxes
-    sampled). Training methods raise ``INFERENCE_ONLY``; the weights are the wrapped policy's."""
+    sampled). The views' pixel bounds are the wrapped policy's ``view_pixels`` (the GeoViS policy's root and
+    crop bounds), else its processor's for every view. Training methods raise ``INFERENCE_ONLY``; the weights
+    are the wrapped policy's."""
 
     def __init__(
         self,
@@ -559,7 +568,10 @@ class TreeSearchPolicy(Policy):
             raise ValueError(
                 f"TreeSearchPolicy wraps a VLMPolicy (with a processor), got {type(policy).__name__}"
             )
-        self.min_pixels, self.max_pixels, self.factor = processor_pixel_bounds(processor)
+        pixels = getattr(policy, "view_pixels", None)
+        self.pixels: ViewPixels = (
+            pixels if isinstance(pixels, ViewPixels) else ViewPixels.same(*processor_pixel_bounds(processor))
+        )
 
     # ------------------------------------------------------------------ rollout
     def _search(self, row: dict[str, Any], rng: random.Random | None) -> SearchResult:
@@ -574,9 +586,11 @@ class TreeSearchPolicy(Policy):
             row,
             self.oracle,
             self.config,
-            min_pixels=self.min_pixels,
-            max_pixels=self.max_pixels,
-            factor=self.factor,
+            min_pixels=self.pixels.root[0],
+            max_pixels=self.pixels.root[1],
+            crop_min_pixels=self.pixels.crop[0],
+            crop_max_pixels=self.pixels.crop[1],
+            factor=self.pixels.factor,
             rng=rng,
         )
 

@@ -7,8 +7,15 @@ the ORIGINAL image (never a crop of a resized crop, so zooming never loses pixel
 - ``region``  (x1, y1, x2, y2): its extent in ORIGINAL image pixels (floats; whole pixels for crops made
   here, see `make_view`),
 - ``size``    (w, h): the region's width / height in original pixels,
-- ``resized`` (rw, rh): the size the processor resizes the crop to (`resized_size`, transformers'
-  ``smart_resize`` with the policy's pixel bounds), i.e. the pixel frame of the image the model saw.
+- ``resized`` (rw, rh): the size the view is shown at (`resized_size`, transformers' ``smart_resize`` with
+  the pixel bounds of its kind of view), i.e. the pixel frame of the image the model saw.
+
+Each kind of view has its own pixel bounds (`ViewPixels`, our design following DeepEyes / Mini-o3 / GeoViS,
+which show a crop at up to the model's full pixel budget: zooming is the gain in resolution): view 0 at the
+ROOT bounds (kept coarse, so that one-shot answering cannot see a small target) and every crop at the CROP
+bounds (a crop is resized UP to them). `view_image` makes the picture of a view at exactly its ``resized``
+size; the processor's own bounds are set to hold both kinds (`ViewPixels.processor`), so its resize of such
+a picture is a no-op and each view keeps its own resolution.
 
 A box written by the model "in a view" is in one of the box conventions of the shared spec, relative to
 that view:
@@ -43,22 +50,26 @@ __all__ = [
     "FAMILY_ALIASES",
     "MAX_ASPECT",
     "MIN_CROP_PX",
+    "PRESIZED",
     "YESNO_PROMPT",
     "ZOOM_PROMPT",
     "Region",
     "View",
+    "ViewPixels",
     "check_crop",
     "child_view",
     "clip_region",
     "crop_image",
     "global_to_view",
     "grid_cells",
+    "largest_area",
     "make_view",
     "processor_pixel_bounds",
     "resized_size",
     "resolve_convention",
     "round_outward",
     "view_frame",
+    "view_image",
     "view_to_global",
 ]
 
@@ -75,6 +86,10 @@ the processor's minimum size shows nothing new)."""
 MAX_ASPECT = 10.0
 """Default largest aspect ratio (long side / short side) of an accepted crop (our design; transformers'
 ``smart_resize`` itself refuses ratios above 200)."""
+
+PRESIZED = "_presized"
+"""Row key (True): the row's images are views already at the size the model sees (`view_image`), e.g. the
+tree search's crops; the GeoViS policy then does not resize them as view 0 (see `pipelines.grounding.geovis`)."""
 
 _EPS = 1e-6
 
@@ -127,6 +142,72 @@ def processor_pixel_bounds(processor: Any) -> tuple[int, int, int]:
         )
     factor = int(getattr(ip, "patch_size", 14) or 14) * int(getattr(ip, "merge_size", 2) or 2)
     return lo, hi, factor
+
+
+MAX_RATIO = 200
+"""The largest aspect ratio transformers' ``smart_resize`` accepts."""
+
+
+def largest_area(min_pixels: int, max_pixels: int, factor: int = 28) -> int:
+    """An upper bound of the area ``smart_resize`` can return under these bounds (any aspect ratio it
+    accepts): ``max_pixels``, or, when it scales an image up to ``min_pixels`` and rounds each side up to a
+    multiple of `factor`, at most ``min + factor * sqrt(min) * (sqrt(r) + 1 / sqrt(r)) + factor^2``
+    (h' w' = min, h' + w' <= sqrt(min) (sqrt(r) + 1/sqrt(r)) for aspect ratio r <= `MAX_RATIO`)."""
+    root_r = math.sqrt(MAX_RATIO)
+    up = min_pixels + factor * math.sqrt(min_pixels) * (root_r + 1 / root_r) + factor * factor
+    return max(int(max_pixels), math.ceil(up))
+
+
+def _pixel_count(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be an integer >= 1 (a pixel count), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ViewPixels:
+    """The resize bounds of each kind of view: ``root`` = (min_pixels, max_pixels) of view 0 (the whole
+    image) and ``crop`` = (min_pixels, max_pixels) of every crop, pixel counts after the resize (as
+    transformers' ``smart_resize`` takes them); ``factor`` = patch size x merge size. ValueError (naming the
+    options ``root_min_pixels`` ... ``crop_max_pixels``) on a bound that is not an integer >= 1 or a min above
+    its max."""
+
+    root: tuple[int, int]
+    crop: tuple[int, int]
+    factor: int = 28
+
+    def __post_init__(self) -> None:
+        for kind in ("root", "crop"):
+            lo, hi = getattr(self, kind)
+            lo = _pixel_count(f"{kind}_min_pixels", lo)
+            hi = _pixel_count(f"{kind}_max_pixels", hi)
+            if lo > hi:
+                raise ValueError(f"{kind}_min_pixels ({lo}) must be <= {kind}_max_pixels ({hi})")
+            object.__setattr__(self, kind, (lo, hi))
+        _pixel_count("factor", self.factor)
+
+    @classmethod
+    def same(cls, min_pixels: int, max_pixels: int, factor: int = 28) -> ViewPixels:
+        """One set of bounds for every view (a processor's own)."""
+        return cls(root=(min_pixels, max_pixels), crop=(min_pixels, max_pixels), factor=factor)
+
+    @property
+    def processor(self) -> tuple[int, int]:
+        """(min_pixels, max_pixels) for the processor: bounds that hold every size a view of either kind can
+        be given, so that each `view_image` (whose sides are multiples of ``factor``) is a fixed point of the
+        processor's resize. Not simply the outer bounds: ``smart_resize`` rounds each side down when it
+        shrinks (the area may fall below ``min_pixels``, never below factor^2) and UP when it enlarges to
+        ``min_pixels`` (the area may pass ``max_pixels``; `largest_area`)."""
+        f = self.factor
+        return f * f, max(largest_area(*self.root, f), largest_area(*self.crop, f))
+
+    def root_view(self, image_size: Sequence[float]) -> View:
+        """View 0 of an image of `image_size` (w, h), at the root bounds."""
+        return View.root(image_size, self.root[0], self.root[1], self.factor)
+
+    def crop_tokens(self) -> int:
+        """Image tokens of the largest crop the model can be shown (``crop_max_pixels / factor^2``)."""
+        return self.crop[1] // (self.factor * self.factor)
 
 
 @dataclass
@@ -260,6 +341,17 @@ def crop_image(image: Any, region: Sequence[float]) -> Any:
     if x2 <= x1 or y2 <= y1:
         raise ValueError(f"crop_image: region {tuple(region)} is empty inside a {w}x{h} image")
     return image.crop((x1, y1, x2, y2))
+
+
+def view_image(image: Any, view: View) -> Any:
+    """`view` as the model sees it: the exact crop of the ORIGINAL PIL `image` (`crop_image`; the whole
+    image for view 0) resized to ``view.resized`` (bicubic; unchanged when it has that size already). A
+    processor whose bounds hold that size leaves it as it is (`ViewPixels.processor`)."""
+    from PIL import Image
+
+    crop = crop_image(image, view.region)
+    size = (int(view.resized[0]), int(view.resized[1]))
+    return crop if crop.size == size else crop.resize(size, Image.Resampling.BICUBIC)
 
 
 def make_view(

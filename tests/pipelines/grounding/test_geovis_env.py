@@ -1,8 +1,9 @@
-"""GeoViS zoom environment (`pipelines.grounding.geovis_env`), its rewards (`rewards.search`) and the tiny GeoViS warm
-start's rendering (`mmalign.tiny.geovis`): crop parsing, clipping, refusals, the recorded state, replay,
-the global mapping of an answer (hand-worked), the multi_turn length budget, image-token accounting,
-log-probs across turns, the per-step placement of the process reward, and the warm start's training
-sequence against the policy's own rollout, token for token."""
+"""GeoViS zoom environment (`pipelines.grounding.geovis_env`), its rewards (`rewards.search`), the GeoViS policy's
+per-view pixel bounds (`pipelines.grounding.geovis.GeoViSPolicy`) and the tiny GeoViS warm start's rendering
+(`mmalign.tiny.geovis`): crop parsing, clipping, refusals, the recorded state, replay, the global mapping of
+an answer (hand-worked, with one set of pixel bounds and with crops shown larger than the map), the
+multi_turn length budget, image-token accounting, log-probs across turns, the per-step placement of the
+process reward, and the warm start's training sequence against the policy's own rollout, token for token."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ import pytest
 import torch
 
 from mmalign import tiny
-from mmalign.policies.vlm import VLMPolicy
 from mmalign.rollout_loops import Done, Insert, Segment, TurnContext
 from mmalign.tiny import geovis as tg
+from pipelines.grounding.geovis import GeoViSPolicy
 from pipelines.grounding.geovis_env import ZOOM_PROMPT, ZoomEnvironment, parse_action, replay
+from pipelines.grounding.geovis_views import View, ViewPixels, view_image
 from rewards import RewardBatch
 from rewards.search import CropKeepsTarget, SearchFormat, ToolUseBonus, TurnsUsed, turn_runs
 
-PIX = 3136  # min_pixels = max_pixels: the tiny policies' bounds
+PIX = 3136  # min_pixels = max_pixels: the map (view 0) is shown at 56x56
+CROP = 112 * 112  # the crops of the policy tests are shown at 112x112 (8x8 patches, 4x4 merged tokens)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -39,7 +42,7 @@ def stripes(w: int, h: int) -> Any:
 
 
 def env(**kw: Any) -> ZoomEnvironment:
-    return ZoomEnvironment(min_pixels=PIX, max_pixels=PIX, **kw)
+    return ZoomEnvironment(**{"min_pixels": PIX, "max_pixels": PIX, **kw})
 
 
 class Conv:
@@ -105,9 +108,9 @@ def test_view0_crop_answer_mapping_hand_worked(wide: dict[str, Any]) -> None:
     state, replies = run_turns(env(), wide, ["<crop>[10,5,30,20]</crop>", "<answer>[42,28,84,56]</answer>"])
     ins = replies[0]
     assert isinstance(ins, Insert) and ins.text == "View 1:" and ins.role == "user" and len(ins.images) == 1
-    with Image.open(wide["images"][0]) as im:
-        expected = im.convert("RGB").crop((20, 10, 60, 40))
-    assert ins.images[0].size == (40, 30) and list(ins.images[0].getdata()) == list(expected.getdata())
+    with Image.open(wide["images"][0]) as im:  # the exact crop of the original, shown at its resized size
+        expected = im.convert("RGB").crop((20, 10, 60, 40)).resize((84, 56), Image.Resampling.BICUBIC)
+    assert ins.images[0].size == (84, 56) and list(ins.images[0].getdata()) == list(expected.getdata())
     assert isinstance(replies[1], Done)
     assert state == {
         "views": [
@@ -131,6 +134,31 @@ def test_view0_crop_answer_mapping_hand_worked(wide: dict[str, Any]) -> None:
         "answer_turn": 1,
     }
     assert json.loads(json.dumps(state)) == state  # JSON-serialisable as is
+
+
+def test_crops_shown_at_their_own_pixel_bounds_hand_worked(wide: dict[str, Any]) -> None:
+    """View 0 at 3136 px (56x28, as above), crops at 112*112 = 12544 px: the same crop request opens the same
+    region, shown larger, and an answer in the larger crop maps back to the same original pixels."""
+    # view 1 = [20,10,60,40], 40x30 px: smart_resize(30, 40, 12544, 12544): 28x28 < 12544,
+    #   beta = sqrt(12544/1200) = 3.2332, h = ceil(30*3.2332/28)*28 = ceil(3.464)*28 = 112,
+    #   w = ceil(40*3.2332/28)*28 = ceil(4.619)*28 = 140 -> resized (140, 112)
+    # answer [70,56,140,112] in view 1: x = 20 + 70*40/140 = 40, y = 10 + 56*30/112 = 25, x2 = 60, y2 = 40
+    e = env(crop_min_pixels=CROP, crop_max_pixels=CROP)
+    state, replies = run_turns(e, wide, ["<crop>[10,5,30,20]</crop>", "<answer>[70,56,140,112]</answer>"])
+    assert [v["resized"] for v in state["views"]] == [[56, 28], [140, 112]]
+    assert state["views"][1]["region"] == [20.0, 10.0, 60.0, 40.0]
+    assert replies[0].images[0].size == (140, 112)
+    assert state["answer_box"] == [40.0, 25.0, 60.0, 40.0]
+    assert (
+        replay(wide, ["<crop>[10,5,30,20]</crop>", "<answer>[70,56,140,112]</answer>"], **e_options())
+        == state
+    )
+    with pytest.raises(ValueError, match=r"crop_min_pixels \(20000\) must be <= crop_max_pixels \(12544\)"):
+        env(crop_min_pixels=20000, crop_max_pixels=CROP)
+
+
+def e_options() -> dict[str, Any]:
+    return {"min_pixels": PIX, "max_pixels": PIX, "crop_min_pixels": CROP, "crop_max_pixels": CROP}
 
 
 def test_crop_in_earlier_view_clipping_and_reversed_corners(wide: dict[str, Any]) -> None:
@@ -336,18 +364,20 @@ def maps(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return rows
 
 
-def scripted_policy(path: Path, script: list[list[str]], group: int, **loop_kwargs: Any) -> VLMPolicy:
-    """A VLMPolicy whose turns are `script[row][turn]` (tokenized + <|im_end|>) instead of samples: the
-    environment, insertions, payload and log-probs are the policy's own."""
-    policy = VLMPolicy.from_pretrained(
+PIXELS = ViewPixels(root=(PIX, PIX), crop=(CROP, CROP))
+
+
+def scripted_policy(path: Path, script: list[list[str]], group: int, **loop_kwargs: Any) -> GeoViSPolicy:
+    """A GeoViSPolicy (map at 56x56, crops at 112x112) whose turns are `script[row][turn]` (tokenized +
+    <|im_end|>) instead of samples: the environment, insertions, payload and log-probs are the policy's own."""
+    policy = GeoViSPolicy.from_pretrained(
         str(path),
         max_new_tokens=40,
         temperature=0.7,
-        min_pixels=PIX,
-        max_pixels=PIX,
+        view_pixels=PIXELS,
         loop="multi_turn",
         loop_kwargs={"max_turns": 4, **loop_kwargs},
-        environment=env(),
+        environment=env(crop_min_pixels=CROP, crop_max_pixels=CROP),
     )
     tok = policy.tokenizer
     eos = tok.convert_tokens_to_ids(tg.IM_END)
@@ -397,10 +427,16 @@ def test_rollout_state_tokens_and_logprobs(geo_dir: Path, maps: list[dict[str, A
     assert ro.outputs["num_turns"].tolist() == [2, 2, 3, 3]
     assert ro.outputs["stop_reasons"] == ["done"] * 4
     assert ro.outputs["inserted_texts"][2][0].startswith("Crop refused: too small")
+    # box rewards read the ORIGINAL map size and the size the model saw view 0 at
+    assert ro.columns["image_width"] == [224] * 4 and ro.columns["image_height"] == [224] * 4
+    assert ro.columns["resized_width"] == [56] * 4 and ro.columns["resized_height"] == [56] * 4
     for i in range(4):
         row = maps[i // 2]
         live = ro.outputs["env_state"][i]
-        assert live == replay(row, ro.outputs["turns"][i], min_pixels=PIX, max_pixels=PIX)
+        assert live == replay(row, ro.outputs["turns"][i], **e_options())
+        # the map at 56x56 (4x4 patches); the 56 px crop at 112x112 (8x8 patches): smart_resize(56, 56,
+        # 12544, 12544) = 56 * sqrt(12544 / 3136) = 112 a side
+        assert [v["resized"] for v in live["views"]] == [[56, 56], [112, 112]]
         assert json.loads(json.dumps(live)) == live
         assert "answer_box" in live and len(live["views"]) == 2
         # the environment's predicted resized size of every view = what the processor made of it
@@ -431,10 +467,15 @@ def test_rollout_logprobs_match_a_plain_forward(geo_dir: Path, maps: list[dict[s
 
     with Image.open(row["images"][0]) as im:
         original = im.convert("RGB")
+    # the map shrunk to 56x56, the crop enlarged to 112x112, by hand (bicubic, as the views are shown)
     crop = original.crop(tuple(int(v) for v in state["views"][1]["region"]))
+    shown = [
+        original.resize((56, 56), Image.Resampling.BICUBIC),
+        crop.resize((112, 112), Image.Resampling.BICUBIC),
+    ]
     turns = ro.outputs["turns"][0]
-    messages = tg.zoom_messages(row["expression"], turns[0], "View 1:", turns[1])
-    ex = tg.render_conversation(policy.processor, messages, [original, crop])
+    messages = tg.zoom_messages(row["expression"], turns, ["View 1:"])
+    ex = tg.render_conversation(policy.processor, messages, shown)
     with torch.no_grad():
         logits = policy.model(
             input_ids=ex["input_ids"][None],
@@ -462,19 +503,23 @@ def test_warm_start_sequence_equals_rollout(geo_dir: Path, maps: list[dict[str, 
     with Image.open(row["images"][0]) as im:
         original = im.convert("RGB")
     turns = ro.outputs["turns"][0]
-    inserted = env().step({}, row, 0, turns[0])
+    e = env(crop_min_pixels=CROP, crop_max_pixels=CROP)
+    inserted = e.step({}, row, 0, turns[0])
     assert isinstance(inserted, Insert)
-    messages = tg.zoom_messages(row["expression"], turns[0], inserted.text, turns[1])
-    ex = tg.render_conversation(policy.processor, messages, [original, *inserted.images])
+    messages = tg.zoom_messages(row["expression"], turns, [inserted.text])
+    root = View.root(original.size, PIX, PIX)
+    ex = tg.render_conversation(policy.processor, messages, [view_image(original, root), *inserted.images])
     assert ex["input_ids"].tolist() == rollout_ids.tolist()
     n_prompt = int(p["prompt_mask"][0].sum())
     assert (ex["labels"] != -100).tolist() == [False] * n_prompt + ro.mask[0][:n].tolist()
     assert torch.equal(ex["image_grid_thw"], p["image_grid_thw"][0])
     assert torch.equal(ex["pixel_values"], p["pixel_values"][0])
     # the builder's own example maker renders the same layout (its crop and answer are its own draws)
-    ex2 = tg.zoom_example(policy.processor, tg.draw_map(random.Random(1)), random.Random(2), env())
+    ex2 = tg.zoom_example(policy.processor, tg.draw_map(random.Random(1)), random.Random(2), e)
     text = policy.tokenizer.decode(ex2["input_ids"][ex2["labels"] != -100])
-    assert text.startswith("<crop>[") and text.count("<|im_end|>") == 2 and "<answer>[" in text
+    # (a coarse crop, a fine crop of it, the answer in the fine crop)
+    assert text.startswith("<crop>[") and text.count("<|im_end|>") == 3 and text.count("<crop>[") == 2
+    assert "<answer>[" in text and ex2["image_grid_thw"].shape[0] == 3
 
 
 @pytest.mark.parametrize(
@@ -488,7 +533,7 @@ def test_length_budget_ends_the_episode_without_cutting_an_image(
     from transformers import AutoTokenizer
 
     tok_len = len(AutoTokenizer.from_pretrained(str(geo_dir))(script[0][0])["input_ids"]) + 1
-    # "cap": room for the first turn and part of the insertion (an image of 4 pads + text), not all of it
+    # "cap": room for the first turn and part of the insertion (an image of 16 pads + text), not all of it
     kwargs = {"max_completion_tokens": tok_len + 6} if limit == "cap" else limit
     policy = scripted_policy(geo_dir, script, group=1, **kwargs)
     ro = policy.rollout([row], 1, compute_logp=True)
@@ -502,3 +547,34 @@ def test_length_budget_ends_the_episode_without_cutting_an_image(
     # the environment did accept the crop (recorded), the loop dropped the insertion
     assert ro.outputs["env_state"][0]["crops"][0]["accepted"]
     assert torch.allclose(policy.action_stats(ro).logp.detach(), ro.logp_old, atol=1e-5, rtol=0)
+
+
+def test_warm_start_zoom_labels_hold_the_target_and_map_back() -> None:
+    """The builder's 3-turn labels under the tiny task's own bounds (map 56x56, crops 28x28): replayed
+    through the environment, both crops hold the whole target, each crop is shown at one merged token, and
+    the answer maps back to the target within the jitter (0.3 resized px ~ 0.25 original px)."""
+    from pipelines.grounding.geovis_views import ViewPixels as VP
+
+    assert tg.VIEW_PIXELS == VP(root=(3136, 3136), crop=(784, 784))
+    processor = tg.geovis_processor()
+    tok = processor.tokenizer
+    e = tg.zoom_environment()
+    for seed in range(6):
+        m = tg.draw_map(random.Random(seed))
+        ex = tg.zoom_example(processor, m, random.Random(100 + seed), e)
+        assert ex["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 2], [1, 2, 2]]  # 4 tokens, 1, 1
+        labelled = tok.decode(ex["input_ids"][ex["labels"] != -100]).split("<|im_end|>")[:3]
+        turns = [t.strip() for t in labelled]
+        row = {"images": [m.image], "image_width": 224, "image_height": 224}
+        state = replay(row, turns, **e_tiny())
+        b = m.box
+        assert len(state["views"]) == 3
+        for v in state["views"][1:]:
+            r = v["region"]
+            assert r[0] <= b[0] and r[1] <= b[1] and r[2] >= b[2] and r[3] >= b[3], (seed, v)
+            assert v["resized"] == [28, 28]
+        assert max(abs(x - y) for x, y in zip(state["answer_box"], b, strict=True)) < 1.5
+
+
+def e_tiny() -> dict[str, Any]:
+    return {"min_pixels": 3136, "max_pixels": 3136, "crop_min_pixels": 784, "crop_max_pixels": 784}

@@ -2,8 +2,9 @@
 
 Geometry is checked against hand-worked numbers; the search runs on a FAKE oracle that sees pixels (a red
 target on white: P(yes) = 1 when a crop shows red, the predicted box = the red pixels' bounding box in the
-asked image's pixels), so the right answer is known; the VLM oracle and the policy wrapper are smoke-tested
-on the random tiny Qwen2-VL."""
+asked image's pixels), so the right answer is known; the views are shown at their original scale there
+(`AS_IS`) except in the test of per-view pixel bounds; the VLM oracle and the policy wrapper are
+smoke-tested on the random tiny Qwen2-VL."""
 
 from __future__ import annotations
 
@@ -32,13 +33,16 @@ from pipelines.grounding.geovis_views import (
     BOX_PROMPT,
     YESNO_PROMPT,
     View,
+    ViewPixels,
     check_crop,
     child_view,
     clip_region,
     crop_image,
     global_to_view,
     grid_cells,
+    largest_area,
     resized_size,
+    view_image,
     view_to_global,
 )
 
@@ -182,8 +186,47 @@ def test_uct_hand_computation() -> None:
     assert uct_score(0.0, 0, 6, 1.0) == math.inf
 
 
+def test_view_pixels_validation_and_processor_bounds() -> None:
+    with pytest.raises(ValueError, match=r"crop_min_pixels \(5000\) must be <= crop_max_pixels \(3136\)"):
+        ViewPixels(root=(3136, 3136), crop=(5000, 3136))
+    with pytest.raises(ValueError, match="root_max_pixels must be an integer >= 1"):
+        ViewPixels(root=(3136, 0), crop=(3136, 3136))
+    with pytest.raises(ValueError, match="root_min_pixels must be an integer"):
+        ViewPixels(root=(True, 3136), crop=(3136, 3136))  # type: ignore[arg-type]
+    # smart_resize enlarging to min_pixels rounds each side UP: a 76x76 crop under 224*224 bounds comes out
+    # 252x252 (76 * sqrt(50176 / 5776) / 28 = 8.000000000000002 in floats -> 9 tiles of 28), above max_pixels
+    assert resized_size(76, 76, 50176, 50176) == (252, 252)
+    # the hand bound: 50176 + 28 * 224 * (sqrt(200) + 1/sqrt(200)) + 784 = 50176 + 89142.97 + 784 -> 140103
+    assert largest_area(50176, 50176) == 140103
+    v = ViewPixels(root=(3136, 3136), crop=(50176, 50176))
+    lo, hi = v.processor
+    assert (lo, hi) == (784, 140103) and v.crop_tokens() == 64
+    # every view of either kind is inside the processor's bounds, so its resize leaves a view_image alone
+    for w in range(16, 400, 7):
+        for h in (w, max(16, w // 3), min(800, 3 * w)):
+            for bounds in (v.root, v.crop):
+                rw, rh = resized_size(w, h, *bounds)
+                assert lo <= rw * rh <= hi and resized_size(rw, rh, lo, hi) == (rw, rh), (w, h, bounds)
+
+
+def test_view_image_is_the_crop_at_its_resized_size() -> None:
+    img = Image.new("RGB", (300, 300))
+    img.putdata([(x % 256, y % 256, 7) for y in range(300) for x in range(300)])
+    v = View(id=1, parent=0, region=(100.0, 0.0, 200.0, 100.0), size=(100.0, 100.0), resized=(224, 224))
+    shown = view_image(img, v)
+    assert shown.size == (224, 224)
+    reference = img.crop((100, 0, 200, 100)).resize((224, 224), Image.Resampling.BICUBIC)
+    assert list(shown.getdata()) == list(reference.getdata())
+    same = View(id=2, parent=0, region=(10.0, 20.0, 66.0, 76.0), size=(56.0, 56.0), resized=(56, 56))
+    assert list(view_image(img, same).getdata()) == list(
+        img.crop((10, 20, 66, 76)).getdata()
+    )  # no resampling
+
+
 # ============================================================================ search on a fake oracle
 IMAGE_SIZE = 300
+AS_IS = {"min_pixels": 1, "max_pixels": 10**6, "factor": 1}
+"""Pixel bounds under which every view is shown at its original scale (the fake oracle's "absolute" boxes)."""
 TARGET = (240.0, 40.0, 260.0, 60.0)  # inside the top-right cell (200..300, 0..100), at its centre
 
 
@@ -239,9 +282,7 @@ ROW = {"expression": "the red square", "_source": "test.jsonl:1"}
 def test_search_finds_the_target(final: str) -> None:
     oracle = PixelOracle()
     assert isinstance(oracle, SearchOracle)
-    res = tree_search(
-        target_image(), ROW, oracle, SearchConfig(final=final), min_pixels=3136, max_pixels=3136
-    )
+    res = tree_search(target_image(), ROW, oracle, SearchConfig(final=final), **AS_IS)
     assert res.best_view.id != 0 and contains(res.best_view.region, TARGET)
     assert res.best_view.region == (200.0, 0.0, 300.0, 100.0)  # the top-right cell
     assert res.answer_box is not None and box_iou(res.answer_box, TARGET) > 0.9
@@ -254,9 +295,7 @@ def test_search_finds_the_target(final: str) -> None:
 
 
 def test_search_values_hand_numbers() -> None:
-    res = tree_search(
-        target_image(), ROW, PixelOracle(), SearchConfig(final="best_crop"), min_pixels=3136, max_pixels=3136
-    )
+    res = tree_search(target_image(), ROW, PixelOracle(), SearchConfig(final="best_crop"), **AS_IS)
     scores = {s["view"]: s for s in res.scores}
     # root: yes = 1; red box 240..260 x 40..60 of 300 px does not meet the central 100..200 box -> IoU 0
     assert abs(scores[0]["value"] - 0.1) < 1e-9
@@ -275,8 +314,7 @@ def test_search_limits_hold() -> None:
         ROW,
         oracle,
         SearchConfig(simulations=30, max_depth=1, final="best_crop"),
-        min_pixels=3136,
-        max_pixels=3136,
+        **AS_IS,
     )
     assert res.depth_reached == 1 and len(res.views) == 10  # the root + its 9 cells, nothing deeper
     assert all(v.parent in (None, 0) for v in res.views)
@@ -289,8 +327,7 @@ def test_search_limits_hold() -> None:
         ROW,
         PixelOracle(),
         SearchConfig(simulations=60, max_depth=3, final="best_crop"),
-        min_pixels=3136,
-        max_pixels=3136,
+        **AS_IS,
     )
     assert res.depth_reached <= 3
     by_id = {v.id: v for v in res.views}
@@ -301,17 +338,59 @@ def test_search_limits_hold() -> None:
     assert contains(res.best_view.region, TARGET)
     assert res.answer_box is not None and box_iou(res.answer_box, TARGET) > 0.9
 
-    res = tree_search(
-        target_image(), ROW, PixelOracle(), SearchConfig(simulations=0), min_pixels=3136, max_pixels=3136
-    )
+    res = tree_search(target_image(), ROW, PixelOracle(), SearchConfig(simulations=0), **AS_IS)
     assert res.best_view.id == 0 and len(res.views) == 1 and res.depth_reached == 0
+
+
+class ShownPixelOracle(PixelOracle):
+    """The pixel oracle reading the images as shown (``resized``), recording each image's size."""
+
+    convention = "resized"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[list[tuple[int, int]]] = []
+
+    def yes_probability(self, images: list[Any], question: str) -> float:
+        self.sizes.append([im.size for im in images])
+        return super().yes_probability(images, question)
+
+    def predict_box(self, images: list[Any], prompt: str, frame: int = -1) -> Any:
+        self.sizes.append([im.size for im in images])
+        return super().predict_box(images, prompt, frame)
+
+
+@pytest.mark.parametrize("final", ["best_crop", "full_image"])
+def test_search_shows_each_view_at_its_own_pixel_bounds(final: str) -> None:
+    """View 0 at the root bounds (28x28 for the 300 px image: smart_resize's floor of 300 / sqrt(90000 / 3136)
+    / 28 = 1.9999999999999998 in floats), every crop at the crop bounds (a 100 px cell -> 224x224), the
+    paper's final call with both at their own sizes."""
+    oracle = ShownPixelOracle()
+    res = tree_search(
+        target_image(),
+        ROW,
+        oracle,
+        SearchConfig(final=final),
+        min_pixels=3136,
+        max_pixels=3136,
+        crop_min_pixels=224 * 224,
+        crop_max_pixels=224 * 224,
+    )
+    assert res.views[0].resized == resized_size(300, 300, 3136, 3136) == (28, 28)
+    assert all(v.resized == resized_size(*v.size, 50176, 50176) for v in res.views[1:])
+    shown = {v.id: v.resized for v in res.views}
+    calls = 2 * len(res.views)  # one yes/no + one box per evaluated view, in order of first evaluation
+    assert [s[0] for s in oracle.sizes[:calls:2]] == [shown[v.id] for v in res.views]
+    assert res.best_view.region == (200.0, 0.0, 300.0, 100.0)
+    if final == "full_image":  # the full image at the root size, the best crop at its own
+        assert oracle.sizes[-1] == [(28, 28), (224, 224)]
+    else:  # the box read in the 224x224 crop, mapped back: within a pixel of the 20 px target
+        assert res.answer_box is not None and box_iou(res.answer_box, TARGET) > 0.85
 
 
 def test_search_needs_an_expression() -> None:
     with pytest.raises(ValueError, match="test.jsonl:1.*'expression'"):
-        tree_search(
-            target_image(), {"_source": "test.jsonl:1"}, PixelOracle(), min_pixels=3136, max_pixels=3136
-        )
+        tree_search(target_image(), {"_source": "test.jsonl:1"}, PixelOracle(), **AS_IS)
     with pytest.raises(ValueError, match="final='crop'"):
         SearchConfig(final="crop")
 
