@@ -5,6 +5,9 @@
     mmalign eval CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--no-base]
     mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps]
     mmalign plan CONFIG.yaml [key.sub=value ...] [--gpus N --gpu h100|h200|... --gpu-memory 80GiB --strategy ddp|fsdp2]
+    mmalign probe CONFIG.yaml [key.sub=value ...] [-n PROMPTS] [--group-sizes 4,8,16,32] [--json PATH]
+    mmalign parity CONFIG.yaml [key.sub=value ...] [-n PROMPTS] [--microbatch-sizes 1,2,4] [--precisions fp32,bf16,fp16]
+        [--tol 1e-3] [--json PATH]
 
 `train`, `sample` and `eval` run on N processes too (`torchrun --standalone --nproc_per_node N -m mmalign.app.cli ...`
 or `accelerate launch`): see docs/distributed_runs.md. On a machine without CUDA such a launch runs on CPU
@@ -474,6 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
     from mmalign.app.plan import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from mmalign.app.parity import add_parser as add_parity_parser
+    from mmalign.app.probe import add_parser as add_probe_parser
+
+    add_probe_parser(sub)
+    add_parity_parser(sub)
     return p
 
 
