@@ -1,7 +1,10 @@
-"""Image rewards: `jpeg_compressibility`, `jpeg_incompressibility`, `shapes_compositional`,
+"""Image rewards: `jpeg_compressibility`, `jpeg_incompressibility`, `saturation`, `shapes_compositional`,
 `shapes_layout`, `clip_score`, `aesthetic`, `preference`.
 
 - ``jpeg_compressibility`` / ``jpeg_incompressibility`` (DDPO): minus / plus the JPEG size in kB.
+- ``saturation``: the mean HSV colour saturation of the image, a reward that is easy to hack (paint
+  everything in vivid colours); configs/text_to_image-hacked-tiny.yaml trains on it to show the
+  over-optimisation watchdog (docs/overoptimisation.md).
 - ``shapes_compositional``: a verifiable reward for a synthetic "shapes world" measured from the
   pixels (colour present, number of objects, where they are). The world itself (its `PALETTE`, its
   `POSITIONS` and `render_scene`, which draws such scenes) is `mmalign.tiny.world`.
@@ -42,11 +45,13 @@ __all__ = [
     "JpegCompressibility",
     "JpegIncompressibility",
     "PreferenceScore",
+    "Saturation",
     "ShapesCompositional",
     "ShapesLayout",
     "aesthetic_mlp",
     "colour_mask",
     "connected_components",
+    "hsv_saturation",
     "jpeg_size_kb",
     "to_pil",
 ]
@@ -109,6 +114,35 @@ class JpegIncompressibility(_JpegSize):
     """DDPO incompressibility: the JPEG size of the image in kB (times `scale`)."""
 
     sign = 1.0
+
+
+# =========================================================================== colour saturation
+def hsv_saturation(images: Tensor) -> Tensor:
+    """Float[B]: each image's mean HSV saturation, S = (max_c - min_c) / max_c per pixel, 0 where max_c = 0
+    (images Float[B,3,H,W], clamped to [0, 1]). Greys (white, black) score 0, pure hues 1."""
+    x = images.detach().float().clamp(0, 1)
+    hi, lo = x.max(dim=1).values, x.min(dim=1).values
+    s = torch.where(hi > 0, (hi - lo) / hi.clamp_min(1e-12), torch.zeros_like(hi))
+    return s.flatten(1).mean(1)
+
+
+@register_reward("saturation")
+class Saturation(Reward):
+    """Mean HSV colour saturation of the image (`hsv_saturation`), times `scale`: pays for vivid colour
+    anywhere in the picture, so a policy can raise it by tinting the background or smearing colour, whatever
+    the prompt asked. A deliberately hackable reward for testing over-optimisation detection."""
+
+    needs = {"images"}
+
+    def __init__(self, *, scale: float = 1.0, device: str | None = None) -> None:
+        if not math.isfinite(float(scale)):
+            raise ValueError(f"reward {self.name!r}: scale must be a finite number, got {scale!r}")
+        self.scale = float(scale)
+        self.device = device  # a few tensor ops; kept for a uniform option set
+
+    def __call__(self, batch: RewardBatch) -> Tensor:
+        with torch.no_grad():
+            return self.scale * hsv_saturation(_images(self, batch)).cpu()
 
 
 # =========================================================================== shapes world

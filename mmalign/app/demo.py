@@ -34,6 +34,7 @@ from typing import Any
 from mmalign import rundir
 
 __all__ = [
+    "WATCHDOG_CURVES",
     "DEMO_MAX_BYTES",
     "DEMO_MAX_GENERATIONS",
     "DEMO_SAMPLES_DIR",
@@ -511,30 +512,57 @@ def row_columns(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def metric_keys(run_dirs: Sequence[str | Path]) -> list[str]:
-    """Every numeric key of the runs' ``metrics.jsonl`` (``step`` excluded), sorted."""
+    """Every numeric key of the runs' ``metrics.jsonl`` and of the over-optimisation watchdog's log
+    (``overopt.jsonl``; ``step`` excluded), sorted."""
+    from mmalign.app.doctor import watchdog_rows
+
     keys: set[str] = set()
     for run in run_dirs:
-        for row in rundir.read_metrics(run):
+        for row in [*rundir.read_metrics(run), *watchdog_rows(run)]:
             keys.update(k for k, v in row.items() if k != "step" and isinstance(v, int | float))
     return sorted(keys)
 
 
+WATCHDOG_CURVES = ("watchdog/gold", "watchdog/train_reward")
+"""The over-optimisation watchdog's curves (``eval.watchdog``) the reward plot shows by default beside the
+training reward: the held-out gold reward and the training reward on the same held-out samples."""
+
+
 def default_curve_keys(keys: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``(reward keys, diagnostic keys)`` plotted by default: the total and each component's mean reward;
-    loss, KL, clip fraction, |advantage| and the others of `DIAGNOSTIC_KEYS` that the runs log."""
+    """``(reward keys, diagnostic keys)`` plotted by default: the total and each component's mean reward, and
+    the watchdog's gold and held-out training rewards (`WATCHDOG_CURVES`) when the runs have them; loss, KL,
+    clip fraction, |advantage| and the others of `DIAGNOSTIC_KEYS` that the runs log."""
     rewards = [k for k in keys if k == "reward/mean" or (k.startswith("reward/") and k.endswith("/mean"))]
+    rewards += [k for k in WATCHDOG_CURVES if k in keys]
     diags = [k for k in DIAGNOSTIC_KEYS if k in keys]
     return rewards, diags
 
 
+def _curve_source(run: str | Path, keys: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows `curve_rows` reads for one run: ``metrics.jsonl``, whose ``watchdog/*`` numbers are replaced by
+    the watchdog's own log when the run has one (``overopt.jsonl``: every evaluation, the base model's at step
+    0 included, also at steps that were not logged)."""
+    rows = rundir.read_metrics(run)
+    if not any(k.startswith("watchdog/") for k in keys):
+        return rows
+    from mmalign.app.doctor import watchdog_rows
+
+    evals = watchdog_rows(run)
+    if not evals:
+        return rows
+    plain = [{k: v for k, v in r.items() if not k.startswith("watchdog/")} for r in rows]
+    return plain + [{k: v for k, v in r.items() if k != "watchdog/warning"} for r in evals]
+
+
 def curve_rows(run_dirs: Sequence[str | Path], keys: Sequence[str]) -> list[dict[str, Any]]:
     """Long-format rows ``{"step", "value", "series"}`` of `keys` for every run (series ``run: key`` with
-    several runs, ``key`` with one); non-finite values are left out."""
+    several runs, ``key`` with one), in step order; non-finite values are left out. ``watchdog/*`` keys come
+    from the watchdog's log when the run has one (`_curve_source`)."""
     out = []
     several = len(run_dirs) > 1
     for run in run_dirs:
         label = run_label(run)
-        for row in rundir.read_metrics(run):
+        for row in sorted(_curve_source(run, keys), key=lambda r: r.get("step", 0)):
             for k in keys:
                 v = row.get(k)
                 if isinstance(v, int | float) and math.isfinite(v) and "step" in row:

@@ -13,6 +13,7 @@ returns at least one finding, so a report covers all of them.
     diagnose(run_dir) -> list[Finding]         # every check (or `checks=[...]`) on a run directory
     format_report(findings) -> str             # the text report, most severe first
     doctor_main(argv) -> int                   # `mmalign doctor RUN_DIR [--json] [--checks a,b]`
+    watchdog_rows(run_dir) -> list[dict]       # the over-optimisation watchdog's log as rows (`overoptimisation`)
     LiveDoctor(config).observe(metrics)        # per-step: rate-limited logging warnings
     DoctorMonitor()                            # the trainer's monitor that feeds a LiveDoctor
 
@@ -107,6 +108,8 @@ LIVE_MIN_STEPS = PERSIST_STEPS
 step" is one step)."""
 LIVE_IMMEDIATE = ("nan",)
 """`LiveDoctor`: checks that warn from the first step (a NaN reward or loss needs no history)."""
+LIVE_SKIP = ("overoptimisation",)
+"""`LiveDoctor`: checks it does not run (the over-optimisation watchdog warns during training itself)."""
 
 _ZERO_STD_FILTERS = ("dynamic_sampling", "range", "replay")
 """Group filters that keep zero-std groups out of the update (or replace them)."""
@@ -874,6 +877,83 @@ def check_kl(metrics: list[dict[str, Any]], config: dict[str, Any] | None) -> li
     return out
 
 
+def check_overoptimisation(metrics: list[dict[str, Any]], config: dict[str, Any] | None) -> list[Finding]:
+    """The over-optimisation watchdog's findings (``eval.watchdog``, `mmalign.app.overopt`): the held-out gold
+    reward against the training reward, the step at which a divergence began, drift of the samples' image
+    statistics, the per-denoising-step ratio bias. `diagnose` feeds it the watchdog's own log
+    (``overopt.jsonl``: every evaluation) when the run has one, else the ``watchdog/*`` metrics."""
+    name = "overoptimisation"
+    gold = _series(metrics, "watchdog/gold")
+    if not gold:
+        every = ((config or {}).get("eval") or {}).get("watchdog", {}) or {}
+        why = "eval.watchdog.every is 0" if config is not None and not every.get("every") else "not logged"
+        return [
+            Finding(
+                name,
+                "info",
+                [],
+                f"no over-optimisation watchdog numbers ({why})",
+                "Set eval.watchdog.every (with a held-out gold reward in eval.rewards) to check during training "
+                "that the training reward is not being hacked (docs/overoptimisation.md).",
+            )
+        ]
+    train = dict(_series(metrics, "watchdog/train_reward"))
+    best_step = (
+        int(_series(metrics, "watchdog/best_step")[-1][1]) if _series(metrics, "watchdog/best_step") else None
+    )
+    best = max(v for _, v in gold)
+    (first_step, first), (last_step, last) = gold[0], gold[-1]
+    drift = {}
+    for row in metrics[::-1]:
+        found = {k.split("/", 2)[2]: _num(v) for k, v in row.items() if k.startswith("watchdog/drift_z/")}
+        if found:
+            drift = {k: v for k, v in found.items() if math.isfinite(v)}
+            break
+    bias = [v for _, v in _series(metrics, "watchdog/ratio_bias/max_abs")]
+    details: dict[str, Any] = {
+        "evaluations": len(gold),
+        "first": first,
+        "best": best,
+        "best_step": best_step,
+        "last": last,
+        "last_step": last_step,
+        "drift_z": drift,
+    }
+    extra = ""
+    if drift:
+        k = max(drift, key=lambda n: abs(drift[n]))
+        extra += f"; largest drift of the samples: {k} {drift[k]:+.1f} base std"
+    if bias:
+        details["max_ratio_bias"] = max(bias)
+        extra += f"; max |mean(ratio - 1)| of a denoising step {_fmt(max(bias))}"
+    curve = (
+        f"gold reward {_fmt(first)} (step {first_step}) -> best {_fmt(best)}"
+        f"{f' (step {best_step})' if best_step is not None else ''} -> {_fmt(last)} (step {last_step}); training "
+        f"reward on the same samples {_fmt(train.get(first_step, math.nan))} -> {_fmt(train.get(last_step, math.nan))}"
+    )
+    diverging = [st for st, v in _series(metrics, "watchdog/diverging") if v >= 0.5]
+    if diverging:
+        since = [v for _, v in _series(metrics, "watchdog/diverged_since")]
+        began = int(since[0]) if since else diverging[0]
+        warned = [str(r["watchdog/warning"]) for r in metrics if r.get("watchdog/warning")]
+        details.update({"diverged_since": began, "flagged_at": diverging[0], "warnings": warned})
+        return [
+            Finding(
+                name,
+                "warn",
+                diverging,
+                (warned[0] if warned else f"over-optimisation: divergence began at step {began}")
+                + f" ({curve}{extra})",
+                "The training reward keeps rising on held-out prompts while the gold reward falls: the policy is "
+                "exploiting the training reward (reward hacking). Use the best checkpoint by gold reward (best/ in "
+                "the run directory), look at the samples from the step the divergence began, and fix the reward "
+                "(add the gold criterion, a KL term algorithm.kl_coef, a lower trainer.lr).",
+                details,
+            )
+        ]
+    return [Finding(name, "ok", [], curve + extra, "", details)]
+
+
 CHECKS: dict[str, Check] = {
     "zero_std": check_zero_std,
     "ratio": check_ratio,
@@ -883,6 +963,7 @@ CHECKS: dict[str, Check] = {
     "tool_use": check_tool_use,
     "length_cap": check_length_cap,
     "kl": check_kl,
+    "overoptimisation": check_overoptimisation,
 }
 """Every check, by name, in report order."""
 
@@ -949,6 +1030,14 @@ def diagnose(run_dir: str | Path, checks: Sequence[str] | None = None) -> list[F
     if not metrics:
         return [Finding("run", "info", [], f"{Path(run_dir) / 'metrics.jsonl'} holds no steps yet", "")]
     findings = run_checks(metrics, config, checks)
+    if checks is None or "overoptimisation" in checks:
+        rows = watchdog_rows(run_dir)
+        if rows:
+            findings = [f for f in findings if f.check != "overoptimisation"]
+            try:
+                findings.extend(check_overoptimisation(rows, config))
+            except Exception as e:  # a check bug must not hide the others
+                findings.append(Finding("overoptimisation", "error", [], f"the check failed: {e}", ""))
     for f in findings:
         if f.check == "nan" and f.details.get("kind") == "nan":
             example = _nan_example(run_dir, f.steps, f.details["reward"])
@@ -956,6 +1045,26 @@ def diagnose(run_dir: str | Path, checks: Sequence[str] | None = None) -> list[F
                 f.message += f"; e.g. {example}"
                 f.details["example"] = example
     return findings
+
+
+def watchdog_rows(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The over-optimisation watchdog's evaluations (``RUN_DIR/overopt.jsonl``) as metrics-like rows: each
+    evaluation's ``watchdog/*`` numbers (`mmalign.app.overopt.record_metrics`) and, where it warned,
+    ``watchdog/warning`` (the text). Empty when the run has no such log. Unlike ``metrics.jsonl`` it holds every
+    evaluation, also those of steps that were not logged, and the base model's at step 0."""
+    from mmalign.app import overopt
+
+    records = overopt.read_log(run_dir)
+    if not records:
+        return []
+    base = overopt.evaluation_of(records[0])
+    rows = []
+    for rec in records:
+        row: dict[str, Any] = {"step": int(rec["step"]), **overopt.record_metrics(rec, base)}
+        if rec.get("warning"):
+            row["watchdog/warning"] = rec["warning"]
+        rows.append(row)
+    return rows
 
 
 def _nan_example(run_dir: str | Path, steps: Sequence[int], column: str) -> str | None:
@@ -1068,7 +1177,7 @@ class LiveDoctor:
         logger: logging.Logger | None = None,
     ) -> None:
         self.config = config
-        self.checks = list(CHECKS) if checks is None else list(checks)
+        self.checks = [c for c in CHECKS if c not in LIVE_SKIP] if checks is None else list(checks)
         self.every = every
         self.window = window
         self.head = head

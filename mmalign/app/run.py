@@ -3,8 +3,9 @@
 The core trainer imports no tool; `build_trainer` hands it the live learning diagnostics
 (`mmalign.app.doctor.DoctorMonitor`), the experiment trackers of ``trainer.log_with``
 (`mmalign.app.trackers.TrackerMonitor`) and, in a multi-process run, the bound on waiting for a peer
-(`WatchdogMonitor`: the process group's timeout and the heartbeat watchdog of `mmalign.watchdog`), which
-`mmalign train` and scripts that want the same run use.
+(`WatchdogMonitor`: the process group's timeout and the heartbeat watchdog of `mmalign.watchdog`) and, with
+``eval.watchdog.every`` > 0, the over-optimisation watchdog (`mmalign.app.overopt.OverOptMonitor`: held-out gold
+rewards during training), which `mmalign train` and scripts that want the same run use.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from mmalign.app.doctor import DoctorMonitor
+from mmalign.app.overopt import OverOptMonitor, watchdog_monitors
 from mmalign.app.trackers import TrackerMonitor
 from mmalign.config import Config
 from mmalign.distributed import launched_processes
@@ -50,12 +52,16 @@ class WatchdogMonitor:
             self.watchdog = None
 
 
-def standard_monitors(cfg: Config, *, resume: bool = False) -> list[Any]:
+def standard_monitors(cfg: Config, *, resume: bool = False, components: Any = None) -> list[Any]:
     """The trackers of ``trainer.log_with`` (a missing tracker package is a `ConfigError` now), the live
-    doctor and, when the launcher started several processes (``WORLD_SIZE`` > 1), the `WatchdogMonitor`."""
+    doctor, when the launcher started several processes (``WORLD_SIZE`` > 1) the `WatchdogMonitor` and, given
+    the pipeline's `components` and ``eval.watchdog.every`` > 0, the over-optimisation watchdog
+    (`OverOptMonitor`, last: it samples the held-out rows of `components`)."""
     monitors: list[Any] = [TrackerMonitor(cfg, resume=resume), DoctorMonitor()]
     if launched_processes() > 1:
         monitors.append(WatchdogMonitor(cfg))
+    if components is not None:
+        monitors.extend(watchdog_monitors(cfg, components))
     return monitors
 
 
@@ -67,13 +73,17 @@ def build_trainer(
     accelerator: Any = None,
     monitors: Sequence[Any] = (),
 ) -> GroupTrainer:
-    """`GroupTrainer(cfg, components, ...)` with the `standard_monitors`, then `monitors`. An ``Accelerator``
-    passed in must have been built with ``mmalign.app.trackers.accelerator_kwargs(cfg)`` when the config
-    lists trackers."""
+    """`GroupTrainer(cfg, components, ...)` with the `standard_monitors`, then `monitors`, then the
+    over-optimisation watchdog (last, so that its ``eval.watchdog.stop`` error is raised after every other
+    monitor's ``on_train_end``). An ``Accelerator`` passed in must have been built with
+    ``mmalign.app.trackers.accelerator_kwargs(cfg)`` when the config lists trackers."""
+    standard = standard_monitors(cfg, resume=resume, components=components)
+    last = [m for m in standard if isinstance(m, OverOptMonitor)]
+    first = [m for m in standard if not isinstance(m, OverOptMonitor)]
     return GroupTrainer(
         cfg,
         components,
         resume=resume,
         accelerator=accelerator,
-        monitors=[*standard_monitors(cfg, resume=resume), *monitors],
+        monitors=[*first, *monitors, *last],
     )

@@ -173,6 +173,28 @@ def test_curves_of_two_runs_are_labelled_by_run(image_run: Path, tmp_path: Path)
     assert rk == ["reward/mean", "reward/quality/mean"] and dk == ["loss", "kl"]
 
 
+def test_gold_curve_beside_the_training_curve(image_run: Path) -> None:
+    """A run with the over-optimisation watchdog: the reward plot shows the held-out gold reward and the held-out
+    training reward by default, read from the watchdog's log (every evaluation, the base model's at step 0
+    included), beside reward/mean."""
+    from mmalign.app import overopt
+    from mmalign.app.overopt import Evaluation, WatchdogState
+
+    state = WatchdogState()
+    with (image_run / overopt.LOG_FILE).open("w") as f:
+        for step, gold, train in [(0, 0.5, 0.1), (2, 0.3, 0.4)]:
+            rec = state.observe(Evaluation(step=step, gold={"g": gold}, gold_total=gold, train_total=train))
+            f.write(json.dumps(rec) + "\n")
+    keys = demo.metric_keys([image_run])
+    assert "watchdog/gold" in keys and "watchdog/train_reward" in keys
+    rk, _ = demo.default_curve_keys(keys)
+    assert rk[0] == "reward/mean" and rk[-2:] == ["watchdog/gold", "watchdog/train_reward"]
+    rows = demo.curve_rows([image_run], ["reward/mean", "watchdog/gold"])
+    gold = [(r["step"], r["value"]) for r in rows if r["series"] == "watchdog/gold"]
+    assert gold == [(0, 0.5), (2, 0.3)]
+    assert [r["step"] for r in rows if r["series"] == "reward/mean"] == [1, 2]
+
+
 def test_checkpoint_choices(image_run: Path) -> None:
     ck = rundir.checkpoint_dir(image_run, 2)
     ck.mkdir(parents=True)

@@ -295,6 +295,51 @@ def test_kl_growth_and_kl_above_threshold_warn() -> None:
     assert f.level == "info"
 
 
+def test_overoptimisation_warns_with_the_step_divergence_began() -> None:
+    rows = healthy(12)
+    gold = {3: 0.50, 6: 0.62, 9: 0.45, 12: 0.40}
+    train = {3: 0.10, 6: 0.15, 9: 0.30, 12: 0.40}
+    for r in rows:
+        s = r["step"]
+        if s in gold:
+            r.update({"watchdog/gold": gold[s], "watchdog/train_reward": train[s], "watchdog/best_step": 6.0})
+            r["watchdog/diverging"] = 1.0 if s == 12 else 0.0
+            r["watchdog/drift_z/saturation"] = 0.5 * s
+    rows[-1]["watchdog/diverged_since"] = 9.0
+    found = by(run_all(rows, config()), "overoptimisation")
+    assert [f.level for f in found] == ["warn"] and found[0].steps == [12]
+    assert "divergence began at step 9" in found[0].message
+    assert "best 0.62 (step 6) -> 0.4 (step 12)" in found[0].message
+    assert "saturation +6.0 base std" in found[0].message
+    assert found[0].details["diverged_since"] == 9
+    # the same curve without the divergence flag is reported, not warned
+    calm = [{k: v for k, v in r.items() if k != "watchdog/diverging"} for r in rows]
+    assert [f.level for f in by(run_all(calm, config()), "overoptimisation")] == ["ok"]
+    # no watchdog: info naming the key
+    off = by(run_all(healthy(), config()), "overoptimisation")
+    assert off[0].level == "info" and "eval.watchdog.every is 0" in off[0].message
+
+
+def test_diagnose_reads_the_watchdog_log(tmp_path: Path) -> None:
+    """`mmalign doctor` takes the watchdog's own log (every evaluation, with its warning text), also when the
+    evaluation steps were not logged in metrics.jsonl."""
+    from mmalign.app import overopt
+    from mmalign.app.overopt import Evaluation, WatchdogState
+
+    run = write_run(tmp_path / "run", healthy(), config())
+    state = WatchdogState(patience=1, tolerance=0.01)
+    with (run / overopt.LOG_FILE).open("w") as f:
+        for step, gold, train in [(0, 0.5, 0.1), (4, 0.6, 0.2), (8, 0.3, 0.5)]:
+            rec = state.observe(Evaluation(step=step, gold={"g": gold}, gold_total=gold, train_total=train))
+            f.write(json.dumps(rec) + "\n")
+    found = by(doctor.diagnose(run), "overoptimisation")
+    assert [f.level for f in found] == ["warn"]
+    assert found[0].message.startswith(
+        "over-optimisation: the gold reward fell from 0.6000 (step 4) to 0.3000"
+    )
+    assert "divergence began at step 8" in found[0].message and found[0].steps == [8]
+
+
 def test_a_failing_check_becomes_an_error_finding(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(metrics: list[dict[str, Any]], cfg: dict[str, Any] | None) -> list[Finding]:
         raise RuntimeError("boom")
@@ -434,6 +479,7 @@ def test_trainer_feeds_every_step_to_the_live_doctor(
         [],
     )
     trainer.is_main, trainer._last_batch = True, None
+    trainer._async = None  # synchronous rollouts (trainer.async unset), as `GroupTrainer.__init__` sets it
     trainer.monitors = [DoctorMonitor()]  # as `mmalign.app.run.build_trainer` gives it
     trainer.policy = SimpleNamespace(save=lambda path: None)
     trainer.accelerator = SimpleNamespace(wait_for_everyone=lambda: None)

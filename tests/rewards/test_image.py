@@ -35,6 +35,7 @@ def test_registered_with_summaries() -> None:
     for name in (
         "jpeg_compressibility",
         "jpeg_incompressibility",
+        "saturation",
         "shapes_compositional",
         "shapes_layout",
         "clip_score",
@@ -46,6 +47,35 @@ def test_registered_with_summaries() -> None:
         doc = (cls.__doc__ or "").strip()
         assert doc and "\n" not in doc.splitlines()[0] and len(doc.splitlines()[0]) > 10
     assert rewards.get("clip_score").needs == {"images", "prompts"}
+
+
+# =========================================================================== saturation
+class TestSaturation:
+    def test_hand_worked(self) -> None:
+        # HSV saturation (max - min) / max per pixel: (1, .5, .5) -> .5, black -> 0, white -> 0,
+        # (.2, .1, 0) -> 1; mean .375. A pure red image: 1; a grey one: 0.
+        img = torch.tensor([[[1.0, 0.0], [1.0, 0.2]], [[0.5, 0.0], [1.0, 0.1]], [[0.5, 0.0], [1.0, 0.0]]])
+        red = torch.zeros(3, 2, 2)
+        red[0] = 1.0
+        grey = torch.full((3, 2, 2), 0.4)
+        r = load_reward("saturation")(image_batch(torch.stack([img, red, grey])))
+        assert r.tolist() == pytest.approx([0.375, 1.0, 0.0])
+        scaled = load_reward("saturation", scale=2.0)(image_batch(img[None]))
+        assert scaled.tolist() == pytest.approx([0.75])
+
+    def test_matches_pil_hsv(self) -> None:
+        """PIL's own RGB -> HSV conversion (S in 0..255) on a random uint8 image: the same mean saturation."""
+        g = torch.Generator().manual_seed(3)
+        img = (torch.rand(3, 9, 7, generator=g) * 255).round() / 255
+        pil_s = torch.tensor(list(to_pil(img).convert("HSV").getdata()), dtype=torch.float64)[:, 1] / 255
+        r = load_reward("saturation")(image_batch(img[None]))
+        assert float(r[0]) == pytest.approx(float(pil_s.mean()), abs=2.5e-3)  # PIL rounds S to 8 bits
+
+    def test_needs_images_and_a_finite_scale(self) -> None:
+        with pytest.raises(ValueError, match="scale"):
+            load_reward("saturation", scale=float("nan"))
+        with pytest.raises(KeyError, match=r"needs outputs\['images'\]"):
+            load_reward("saturation")(RewardBatch(prompts=["a"], outputs={}, columns={}))
 
 
 # =========================================================================== JPEG
