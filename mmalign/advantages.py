@@ -459,6 +459,73 @@ class SPOTracker(EstimatorState):
         self._table = {int(i): (float(a), float(b), int(v)) for i, a, b, v in zip(ids, alpha, beta, visits)}
 
 
+class PolicyShiftMemory:
+    """SPO's D(x) for ``rho_mode="kl"``: how far the policy moved since prompt x's previous visit.
+
+    Keeps, per prompt id, one response drawn at its last visit (an opaque ``item``, e.g. a one-sample
+    `Rollout`) with its per-action log-probs then (``logp_then``, Float[T], and the valid actions
+    ``mask``, Bool[T]). At the next visit
+
+        D(x) = mean_{t valid} | log pi_now(y'_t) - log pi_then(y'_t) |
+
+    with log pi_now from ``score(item)`` (Float[T], the current policy's per-action log-probs of the
+    stored response): the mean absolute log-ratio on the old response, a sample estimate of the policy
+    shift on x that the authors' tracker decays by (verl-recipe ``spo``: rho = 2^(-D / D_half)).
+    (our design): one stored response per prompt (the first sample of its group at that visit), the
+    absolute value (so D >= 0), and a memory that is not checkpointed: after a resume a prompt's first
+    revisit has D = 0 (rho = rho_max), as for a prompt never seen.
+
+    The trainer calls ``shift`` BEFORE the estimator (fills ``EstimatorContext.policy_shift``) and
+    ``record`` after it, on the global batch.
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[Any, Tensor, Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, prompt_id: object) -> bool:
+        return prompt_id in self._items
+
+    def shift(self, prompt_ids: Sequence[int] | Tensor, score: Callable[[Any], Tensor]) -> Tensor:
+        """Float64[B]: D of each sample's prompt (0 for a prompt with nothing stored); ``score`` is called
+        once per distinct stored prompt of the batch."""
+        ids = [int(x) for x in torch.as_tensor(prompt_ids).flatten().tolist()]
+        per_prompt: dict[int, float] = {}
+        for x in dict.fromkeys(ids):
+            if x not in self._items:
+                continue
+            item, then, mask = self._items[x]
+            now = torch.as_tensor(score(item)).detach().to(torch.float64).flatten().cpu()
+            if now.shape != then.shape:
+                raise ValueError(
+                    f"PolicyShiftMemory: score returned {tuple(now.shape)} log-probs for prompt {x}, "
+                    f"the stored response has {tuple(then.shape)}"
+                )
+            n = int(mask.sum())
+            gap = (now - then).abs()
+            per_prompt[x] = float(gap[mask].sum()) / n if n else 0.0
+        return torch.tensor([per_prompt.get(x, 0.0) for x in ids], dtype=torch.float64)
+
+    def record(
+        self, prompt_ids: Sequence[int] | Tensor, items: Sequence[Any], logp: Tensor, mask: Tensor
+    ) -> None:
+        """Store, for each prompt of the batch, its first sample: ``items[i]`` with ``logp[i]`` / ``mask[i]``
+        (Float[B,T] / Bool[B,T]: the log-probs under the policy that drew it, detached)."""
+        ids = [int(x) for x in torch.as_tensor(prompt_ids).flatten().tolist()]
+        if not len(ids) == len(items) == logp.shape[0] == mask.shape[0]:
+            raise ValueError("PolicyShiftMemory.record: prompt_ids, items, logp and mask differ in length")
+        seen: set[int] = set()
+        for i, x in enumerate(ids):
+            if x in seen:
+                continue
+            seen.add(x)
+            m = torch.as_tensor(mask[i]).bool().cpu()
+            lp = torch.as_tensor(logp[i]).detach().to(torch.float64).cpu()
+            self._items[x] = (items[i], torch.where(m, lp, torch.zeros_like(lp)), m)
+
+
 # --------------------------------------------------------------------------- registry API
 
 

@@ -9,6 +9,8 @@ them). Same contract as every policy loss::
                 advantage magnitude (micro) and the group's reward std (macro).
 - ``reg_grpo``  Reg-GRPO (DeepVideo-R1): regress a predicted advantage beta * mean_t log(pi/pi_old)
                 onto the advantage; no clipping, no min.
+- ``d3s``       D³S token level: PPO clip on only the tokens with the largest |A_t| * H_t, the kept
+                fraction relaxing with training progress (``d3s_keep_fraction``).
 
 Also `d3s_token_mask`, the token-level selection of D³S (what a loss needs to train only on the
 tokens with the largest |A_t| * H_t).
@@ -24,12 +26,13 @@ from torch import Tensor
 from mmalign.losses import (
     PolicyLossOutput,
     _check_clip,
+    _clipped_surrogate,
     _exp_clamped,
     _prepare,
     register,
 )
 
-__all__ = ["d3s_token_mask", "etr", "reg_grpo"]
+__all__ = ["d3s", "d3s_keep_fraction", "d3s_token_mask", "etr", "reg_grpo"]
 
 
 def _per_sample(name: str, x: Tensor | None, batch: int, like: Tensor, what: str) -> Tensor | None:
@@ -172,3 +175,78 @@ def d3s_token_mask(advantages: Tensor, entropy: Tensor, mask: Tensor, keep_frac:
         order = torch.sort(score, descending=True, stable=True).indices[:k]
         keep[order] = True
     return keep.view_as(m) & m
+
+
+def d3s_keep_fraction(
+    step: int | None, total_steps: int | None, keep_start: float, keep_end: float, ramp: float
+) -> float:
+    """The D³S token keep fraction at training progress p = step / total_steps (0 without both).
+
+    f(p) = keep_start + (keep_end - keep_start) * min(1, p / ramp); ``ramp`` = 0 gives keep_end at once.
+    """
+    p = 0.0 if step is None or not total_steps else min(1.0, max(0.0, step / total_steps))
+    ramp_pos = 1.0 if ramp == 0 else min(1.0, p / ramp)
+    return keep_start + (keep_end - keep_start) * ramp_pos
+
+
+@register("d3s")
+def d3s(
+    logp: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    keep_start: float = 0.2,
+    keep_end: float = 1.0,
+    ramp: float = 1.0,
+    entropy: Tensor | None = None,
+    step: int | None = None,
+    total_steps: int | None = None,
+) -> PolicyLossOutput:
+    """D³S token level: the PPO clipped surrogate on only the tokens with the top ``f`` share of |A_t| * H_t.
+
+    "Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient Policy
+    Optimization" (D³S): at the token level, train on the tokens where the policy is both uncertain
+    (entropy H_t) and impactful (|A_t|). With k = ceil(f * n) of the n valid actions of this call kept
+    (`d3s_token_mask`, ties by position) and K the kept set:
+
+        loss_t = (n / k) * -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)   for t in K, 0 else
+
+    so that a ``token_mean`` over the valid actions equals the mean over the kept ones. The fraction
+    relaxes over training: f = `d3s_keep_fraction` (keep_start + (keep_end - keep_start) *
+    min(1, (step / total_steps) / ramp)). ``entropy`` (Float[B,T], the policy's per-action entropy,
+    detached; the trainer passes ``ActionStats.entropy``), ``step`` and ``total_steps`` (the trainer's
+    step and ``trainer.steps``) are per-call inputs the trainer supplies; without ``entropy`` it is a
+    ValueError (without step / total_steps f = keep_start).
+
+    (our design): keep_start 0.2, keep_end 1.0 over the whole run (ramp 1.0), the linear schedule, the
+    n / k rescaling, and the selection within one loss call (a microbatch, or one action chunk of it);
+    the paper's constants are not in its abstract and no code is public. ``clipped`` covers kept
+    tokens only.
+    """
+    _check_clip("d3s", eps_low, eps_high)
+    for key, value in (("keep_start", keep_start), ("keep_end", keep_end)):
+        if not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise ValueError(f"d3s: {key} must be in (0, 1], got {value!r}")
+    if not (math.isfinite(ramp) and 0.0 <= ramp <= 1.0):
+        raise ValueError(f"d3s: ramp must be in [0, 1] (a fraction of the run), got {ramp!r}")
+    if entropy is None:
+        raise ValueError(
+            "d3s: needs entropy (Float[B,T], the per-action entropy the policy's action_stats returns), "
+            "which the trainer passes; this policy gives none"
+        )
+    m, adv, log_ratio = _prepare(logp, logp_old, advantages, mask)
+    h = torch.as_tensor(entropy).detach().to(device=logp.device, dtype=logp.dtype)
+    if h.shape != logp.shape:
+        raise ValueError(
+            f"d3s: entropy must be Float[B,T] like logp {tuple(logp.shape)}, got {tuple(h.shape)}"
+        )
+    frac = d3s_keep_fraction(step, total_steps, keep_start, keep_end, ramp)
+    keep = d3s_token_mask(adv, h, m, frac).to(m.device)
+    n_valid, n_kept = int(m.sum()), int(keep.sum())
+    scale = n_valid / n_kept if n_kept else 0.0
+    ratio = _exp_clamped(log_ratio)
+    per_token, clipped = _clipped_surrogate(ratio, adv, keep, eps_low, eps_high)
+    return PolicyLossOutput(per_token=per_token * scale, clipped=clipped, ratio=ratio)

@@ -1,7 +1,7 @@
 """Rollout loops: how a text or VLM policy turns a dataset row into the sequence it trains on.
 
 A loop is chosen by ``rollout.loop`` (``rollout.loop_kwargs`` are its options) and handed to the
-policy's constructor (``TextPolicy(..., loop=...)``; `VLMPolicy` likewise). Two are registered:
+policy's constructor (``TextPolicy(..., loop=...)``; `VLMPolicy` likewise). Three are registered:
 
 ``single_turn``
     One completion per sample, exactly as the policy always sampled (`TextPolicy.single_turn_rollout`).
@@ -30,6 +30,12 @@ policy's constructor (``TextPolicy(..., loop=...)``; `VLMPolicy` likewise). Two 
     ends the sample instead (an insertion is never cut, so an image is never split). ``reward_text``: what
     ``outputs["texts"]`` holds (below). ``mask_over_turn`` (default False): samples that reach
     ``max_turns`` still wanting to go on get no loss (``outputs["exclude_from_loss"]``).
+
+``igpo``
+    ``multi_turn`` that also scores the gold answer after every turn with the policy itself and records
+    the per-turn information gains as ``step_rewards`` (IGPO; `InfoGainMultiTurn`). Options: those of
+    ``multi_turn`` plus ``answer_column`` (default ``answer``), ``answer_template`` (``"{answer}"``) and
+    ``gain`` (``logprob`` or ``prob``). Text policies.
 
 What the rollout holds (both loops; the multi-turn one fills the completion region with several turns):
 
@@ -66,6 +72,7 @@ through `TurnPolicy` (the primitives `TextPolicy` and `VLMPolicy` implement).
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
@@ -80,6 +87,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DONE",
     "LOOPS",
+    "InfoGainMultiTurn",
     "Conversation",
     "Done",
     "Environment",
@@ -90,6 +98,7 @@ __all__ = [
     "SingleTurn",
     "TurnContext",
     "TurnPolicy",
+    "answer_logprobs",
     "get",
     "loop_from_config",
     "make_loop",
@@ -264,6 +273,8 @@ class RolloutLoop(abc.ABC):
 
     name: ClassVar[str] = ""
     multi_turn: ClassVar[bool] = False
+    gives_step_rewards: ClassVar[bool] = False
+    """The loop writes ``Rollout.step_rewards`` itself (``igpo``), so a per-step estimator needs no per_step reward."""
 
     @abc.abstractmethod
     def rollout(
@@ -351,6 +362,9 @@ class MultiTurn(RolloutLoop):
         per_turn, cap = self.limits(policy)
         conversations = policy.start_conversations(rows, group_size)
         active = list(conversations)
+        after_turn = getattr(self, "_after_turn", None)
+        if after_turn is not None:
+            after_turn(conversations)
         for turn in range(self.max_turns):
             if not active:
                 break
@@ -375,6 +389,8 @@ class MultiTurn(RolloutLoop):
                     continue
                 conv.segments.append(inserted)
                 still.append(conv)
+            if after_turn is not None:  # igpo: every conversation that took this turn, after its insertion
+                after_turn(active)
             active = still
         rollout = policy.finish_conversations(rows, group_size, conversations, compute_logp=compute_logp)
         if self.reward_text == "last_turn":
@@ -412,6 +428,139 @@ class MultiTurn(RolloutLoop):
                 f"(turn {turn}); it must return mmalign.rollout_loops.Done or Insert"
             )
         return reply
+
+
+@LOOPS.register("igpo")
+class InfoGainMultiTurn(MultiTurn):
+    """``multi_turn`` plus IGPO's turn rewards: the policy's own gain in log P(gold answer | history) per turn.
+
+    "Information Gain-based Policy Optimization" (IGPO): after every turn k (the generated turn and the
+    environment's insertion after it, if any) the policy scores the gold answer a (the row's
+    ``answer_column``, rendered with ``answer_template``) by teacher forcing:
+
+        s_k = log pi(a | prompt, turns 1..k)     (s_0: the prompt alone)
+        r_k = s_k - s_{k-1}                      (``gain: logprob``, default)
+        r_k = exp(s_k / |a|) - exp(s_{k-1} / |a|) (``gain: prob``: the per-token geometric-mean probability)
+
+    The rollout then carries ``step_rewards`` (Float[B,T]: r_k on every action of turn k, 0 elsewhere),
+    for the per-step estimator ``grpo_process``; ``outputs["env_state"][i]["turn_rewards"]`` (the list
+    r_1..r_K, for ``gigpo`` / ``hgpo``'s ``turn_rewards``) and ``["answer_logprobs"]`` (s_0..s_K). The
+    outcome reward is configured as usual. The scores are taken without gradient at temperature 1 with
+    the sampling weights (``policy.model``), over the prompt tokens and the completion region so far.
+
+    (our design): the logprob gain as default (the paper's probability gain is ``gain: prob``), the
+    score after the insertion that follows a turn, and dense per-action step rewards. Text policies only
+    (the conversation's prompt must be token ids); a VLM policy raises ValueError.
+    """
+
+    name = "igpo"
+    gives_step_rewards = True
+
+    def __init__(
+        self,
+        *,
+        environment: Environment | None = None,
+        answer_column: str = "answer",
+        answer_template: str = "{answer}",
+        gain: Literal["logprob", "prob"] = "logprob",
+        **options: Any,
+    ) -> None:
+        super().__init__(environment=environment, **options)
+        if gain not in ("logprob", "prob"):
+            raise ValueError(f"igpo option 'gain' must be 'logprob' or 'prob', got {gain!r}")
+        if "{answer}" not in answer_template:
+            raise ValueError(
+                f"igpo option 'answer_template' must contain '{{answer}}', got {answer_template!r}"
+            )
+        self.answer_column, self.answer_template, self.gain = answer_column, answer_template, gain
+
+    def rollout(
+        self, policy: TurnPolicy, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool
+    ) -> Rollout:
+        import torch
+
+        from mmalign.advantages import turns_from_mask
+
+        for row in rows:
+            if row.get(self.answer_column) is None:
+                raise ValueError(
+                    f"igpo: a row has no {self.answer_column!r} column (loop_kwargs.answer_column): {sorted(row)}"
+                )
+        scores: dict[int, list[float]] = {}
+
+        def score(convs: list[Conversation]) -> None:
+            values = answer_logprobs(policy, convs, [self._answer(c.row) for c in convs])
+            for c, v in zip(convs, values, strict=True):
+                scores.setdefault(c.index, []).append(v)
+
+        self._after_turn = score
+        try:
+            rollout = super().rollout(policy, rows, group_size, compute_logp=compute_logp)
+        finally:
+            self._after_turn = None
+        turn = turns_from_mask(rollout.mask)
+        steps = torch.zeros(rollout.mask.shape, dtype=torch.float32)
+        for i, state in enumerate(rollout.outputs["env_state"]):
+            s = scores[i]
+            n_ans = len(self._answer_ids(policy, rows[i // group_size]))
+            if self.gain == "prob":
+                vals = [math.exp(v / max(n_ans, 1)) for v in s]
+            else:
+                vals = list(s)
+            gains = [b - a for a, b in zip(vals[:-1], vals[1:], strict=True)]
+            state["answer_logprobs"] = list(s)
+            state["turn_rewards"] = gains
+            for k, g in enumerate(gains):
+                steps[i][turn[i] == k] = g
+        rollout.step_rewards = steps
+        return rollout
+
+    def _answer(self, row: dict[str, Any]) -> str:
+        return self.answer_template.format(answer=row[self.answer_column])
+
+    def _answer_ids(self, policy: TurnPolicy, row: dict[str, Any]) -> list[int]:
+        return list(policy.tokenizer(self._answer(row), add_special_tokens=False)["input_ids"])  # type: ignore[attr-defined]
+
+
+def answer_logprobs(policy: Any, conversations: list[Conversation], answers: list[str]) -> list[float]:
+    """log pi(answer_i | prompt_i + completion region so far), summed over the answer's tokens, per conversation.
+
+    One batched forward of ``policy.model`` without gradient (right-padded: causal attention makes the
+    padding invisible), logits at temperature 1. Text policies only (``conversation.prompt`` token ids).
+    """
+    import torch
+
+    if not conversations:
+        return []
+    seqs, spans = [], []
+    for conv, answer in zip(conversations, answers, strict=True):
+        if not isinstance(conv.prompt, list | tuple):
+            raise ValueError(
+                "igpo scores the gold answer with a text policy (the prompt as token ids); "
+                f"this policy's prompt is a {type(conv.prompt).__name__}"
+            )
+        head = [int(t) for t in conv.prompt] + [t for seg in conv.segments for t in seg.ids]
+        ans = list(policy.tokenizer(answer, add_special_tokens=False)["input_ids"])
+        if not ans:
+            raise ValueError(f"igpo: the answer {answer!r} has no tokens")
+        seqs.append(head + ans)
+        spans.append((len(head), len(ans)))
+    width = max(len(x) for x in seqs)
+    pad = policy.tokenizer.pad_token_id or 0
+    ids = torch.full((len(seqs), width), int(pad), dtype=torch.long)
+    att = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)] = torch.tensor(x)
+        att[i, : len(x)] = 1
+    device = next(policy.model.parameters()).device
+    with torch.no_grad():
+        logits = policy.model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    out = []
+    for i, (start, n) in enumerate(spans):
+        target = ids[i, start : start + n].to(device)
+        out.append(float(logp[i, start - 1 : start + n - 1].gather(-1, target[:, None]).sum()))
+    return out
 
 
 def _name(fn: Any) -> str:

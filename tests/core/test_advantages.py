@@ -1601,3 +1601,78 @@ def test_factorized_matches_per_phase_grpo():
         adv.factorized(torch.ones(1, 2), torch.tensor([0]), context=ctx, phase_components=[[0], [1]])
     with pytest.raises(ValueError, match="phase_components"):
         adv.factorized(torch.ones(1, 2), torch.tensor([0]), context=ctx)
+
+
+# ---------------------------------------------------------------------------- SPO policy shift (rho_mode kl)
+def _fake_logp(tokens, version):
+    """A stand-in policy at `version`: the log-prob of token k is -(1 + k % 5) * (1 + 0.07 * version)."""
+    return [-(1 + k % 5) * (1 + 0.07 * version) for k in tokens]
+
+
+def test_policy_shift_memory_feeds_spo_like_a_plain_loop():
+    rng = random.Random(11)
+    memory, state = adv.PolicyShiftMemory(), SPOTracker()
+    plain: dict[int, tuple[list[int], list[float]]] = {}  # prompt -> (tokens, log-probs then)
+    batches, got_all = [], []
+    width = 6
+    for version in range(8):
+        pids, r, gids, tokens = [], [], [], []
+        for k, x in enumerate(rng.sample(range(6), rng.randint(1, 4))):
+            for _ in range(rng.randint(1, 3)):
+                pids.append(x)
+                gids.append(k)
+                r.append(float(rng.random() < 0.5))
+                tokens.append([rng.randrange(50) for _ in range(rng.randint(1, width))])
+        # plain loop: D(x) = mean |log pi_now - log pi_then| over the stored response's tokens
+        shifts = []
+        for x in pids:
+            if x in plain:
+                toks, then = plain[x]
+                now = _fake_logp(toks, version)
+                shifts.append(sum(abs(a - b) for a, b in zip(now, then, strict=True)) / len(toks))
+            else:
+                shifts.append(0.0)
+        for i, x in enumerate(pids):
+            if x not in {pids[j] for j in range(i)}:
+                plain[x] = (tokens[i], _fake_logp(tokens[i], version))
+        batches.append((r, pids, shifts))
+        # the memory: items are token lists, score pads to the stored width
+        got_shift = memory.shift(
+            pids,
+            lambda toks, v=version: torch.tensor(
+                _fake_logp(toks, v) + [0.0] * (width - len(toks)), dtype=torch.float64
+            ),
+        )
+        assert (got_shift - torch.tensor(shifts, dtype=torch.float64)).abs().max().item() < 1e-12
+        ctx = EstimatorContext(prompt_ids=torch.tensor(pids), policy_shift=got_shift)
+        got_all.append(adv.spo(torch.tensor(r), torch.tensor(gids), context=ctx, state=state, rho_mode="kl"))
+        logp = torch.zeros(len(pids), width, dtype=torch.float64)
+        mask = torch.zeros(len(pids), width, dtype=torch.bool)
+        for i, toks in enumerate(tokens):
+            logp[i, : len(toks)] = torch.tensor(_fake_logp(toks, version), dtype=torch.float64)
+            mask[i, : len(toks)] = True
+        memory.record(pids, tokens, logp, mask)
+    want, table = ref_spo_run(batches, rho_mode="kl")
+    diff = max(
+        (g - torch.tensor(w, dtype=g.dtype)).abs().max().item() for g, w in zip(got_all, want, strict=True)
+    )
+    print(f"spo rho_mode kl with PolicyShiftMemory max abs diff vs plain loop: {diff:.3e}")
+    assert diff < 1e-9
+    assert any(s > 0 for _, _, sh in batches for s in sh)  # the decay did adapt
+    for x, (a, b, v) in table.items():
+        assert state.posterior(x) == pytest.approx((a, b), abs=1e-12) and state.visits(x) == v
+
+
+def test_policy_shift_memory_hand_worked_and_errors():
+    memory = adv.PolicyShiftMemory()
+    memory.record(
+        [3, 3],
+        ["a", "b"],
+        torch.tensor([[-1.0, -2.0, 0.0], [-9.0, -9.0, -9.0]]),
+        torch.tensor([[True, True, False], [True, True, True]]),
+    )
+    # stored: prompt 3 -> "a" with (-1, -2); now (-1.5, -1.0): D = (0.5 + 1.0) / 2 = 0.75
+    d = memory.shift([3, 7, 3], lambda item: torch.tensor([-1.5, -1.0, 5.0]) if item == "a" else None)
+    assert d.tolist() == [0.75, 0.0, 0.75]
+    with pytest.raises(ValueError, match="stored response"):
+        memory.shift([3], lambda item: torch.zeros(2))

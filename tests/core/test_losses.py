@@ -508,6 +508,7 @@ def test_approx_kl_and_masked_mean():
 
 def test_registry_names():
     assert set(L.names()) == ALL_LOSSES | {
+        "d3s",
         "etr",
         "reg_grpo",
     }  # mmalign/losses_extra.py (tests/core/test_losses_extra.py)

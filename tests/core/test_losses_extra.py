@@ -187,3 +187,62 @@ def test_d3s_token_mask_matches_plain_loop():
         assert got.tolist() == want
     with pytest.raises(ValueError, match="keep_frac"):
         X.d3s_token_mask(torch.ones(1), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool), 0.0)
+
+
+# ---------------------------------------------------------------------------- D³S token loss
+def ref_d3s_loss(logp, logp_old, adv, mask, ent, frac, eps_low, eps_high):
+    """Plain loop from the formula: keep the top ceil(frac * n) |A| * H (ties by position), PPO clip on
+    them scaled by n / k, 0 elsewhere."""
+    b, t = len(mask), len(mask[0])
+    a = [[adv[i][j] if isinstance(adv[i], list) else adv[i] for j in range(t)] for i in range(b)]
+    cells = [(abs(a[i][j]) * ent[i][j], i * t + j) for i in range(b) for j in range(t) if mask[i][j]]
+    n = len(cells)
+    k = math.ceil(frac * n - 1e-9)
+    kept = {pos for _, pos in sorted(cells, key=lambda c: (-c[0], c[1]))[:k]}
+    out = [[0.0] * t for _ in range(b)]
+    for i in range(b):
+        for j in range(t):
+            if i * t + j in kept:
+                rho = math.exp(logp[i][j] - logp_old[i][j])
+                clipped = min(max(rho, 1 - eps_low), 1 + eps_high)
+                out[i][j] = -min(rho * a[i][j], clipped * a[i][j]) * n / k
+    return out
+
+
+@pytest.mark.parametrize("token_adv", [False, True])
+def test_d3s_loss_matches_plain_loop_and_relaxes_with_progress(token_adv):
+    assert "d3s" in L.names()
+    worst = 0.0
+    for seed in range(6):
+        logp, logp_old, adv, mask = random_inputs(seed, token_adv=token_adv)
+        g = torch.Generator().manual_seed(100 + seed)
+        ent = torch.rand(logp.shape, generator=g, dtype=torch.float64) * 2.0
+        for step, total in ((0, 10), (5, 10), (10, 10), (None, None)):
+            out = L.get("d3s")(logp, logp_old, adv, mask, entropy=ent, step=step, total_steps=total)
+            p = 0.0 if step is None else step / total
+            frac = 0.2 + 0.8 * min(1.0, p / 1.0)  # the documented defaults
+            want = ref_d3s_loss(
+                logp.tolist(), logp_old.tolist(), adv.tolist(), mask.tolist(), ent.tolist(), frac, 0.2, 0.2
+            )
+            diff = (out.per_token.detach() - torch.tensor(want, dtype=torch.float64)).abs().max().item()
+            worst = max(worst, diff)
+            assert diff < 1e-12, (seed, step, diff)
+    print(f"d3s loss (token_adv={token_adv}) max abs diff vs plain loop: {worst:.3e}")
+    # at keep 1.0 (end of training) it is exactly ppo_clip
+    out = L.get("d3s")(logp, logp_old, adv, mask, entropy=ent, step=10, total_steps=10)
+    torch.testing.assert_close(out.per_token, L.get("ppo_clip")(logp, logp_old, adv, mask).per_token)
+
+
+def test_d3s_loss_hand_worked_and_errors():
+    # 4 valid tokens, |A| * H = 2*0.1, 2*0.9, 1*0.5, 1*0.3 -> keep_start 0.5 keeps tokens 1 and 2; n / k = 2
+    logp = torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)
+    ent = torch.tensor([[0.1, 0.9], [0.5, 0.3]], dtype=torch.float64)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    out = L.get("d3s")(logp, logp.detach(), torch.tensor([2.0, -1.0]), mask, entropy=ent, keep_start=0.5)
+    assert out.per_token.tolist() == [[0.0, -4.0], [2.0, 0.0]]
+    with pytest.raises(ValueError, match="entropy"):
+        L.get("d3s")(logp, logp.detach(), torch.ones(2), mask)
+    with pytest.raises(ValueError, match="keep_start"):
+        L.get("d3s")(logp, logp.detach(), torch.ones(2), mask, entropy=ent, keep_start=0.0)
+    with pytest.raises(TypeError):
+        L.get("d3s")(logp, logp.detach(), torch.ones(2), mask, entropy=ent, frac=0.5)
