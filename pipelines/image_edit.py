@@ -1,0 +1,182 @@
+"""Instruction-based image editing: FLUX.1 Kontext trained with Flow-GRPO on editing rewards.
+
+Each row holds a source image and an instruction ("make the red square blue"); the policy
+(`mmalign.policies.flux_kontext.FluxKontextPolicy`) samples ``rollout.group_size`` edits of the source with the
+Flow-GRPO SDE (one action = one stochastic denoising step; the source latents ride along the sequence at
+every step, as in diffusers' ``FluxKontextPipeline``); the rewards score the decoded edits, typically
+instruction following (``clip_directional``: the CLIP change from source to edit against the change from
+source caption to target caption; ``image_vlm_judge``: a VLM shown source and edit), preservation (``image_psnr`` / ``image_ssim`` outside the edit region)
+and, in the offline shapes world, ``shapes_edit_accuracy`` (rewards/edit.py); the shared `GroupTrainer`
+updates the transformer (usually its LoRA adapter).
+
+Data (``data.train``, ``data.eval``): JSONL rows::
+
+    {"prompt": "make the red square blue", "source_image": "sources/train_000.png",
+     "source_caption": "one red square on the left", "target_caption": "one blue square on the left",
+     "edit_mask": "masks/train_000.png", "edit_bbox": [[0.03, 0.38, 0.28, 0.63]],
+     "target_image": "targets/train_000.png", "target_objects": [...]}
+
+``source_image`` (required; the column ``options.image_column``) and ``edit_mask`` / ``target_image``
+(optional) are paths relative to the JSONL's folder (or ``options.image_root``); ``prompt`` is the instruction
+(or ``data.prompt_template`` formats it from the columns); ``edit_bbox`` gives the edit region as boxes in
+fractions of the image (when there is no mask image). Every column reaches the rewards. A missing file or
+column is a `DataError` naming file:line (or the row is skipped and counted with ``options.on_bad_row: skip``).
+
+The output size is ``options.resolution`` (null: the VAE's ``sample_size``); the source is resized to it.
+``guidance_scale`` is FLUX.1 Kontext-dev's distilled guidance (2.5 by default, its model card's value; one
+forward, no CFG branches); ``max_sequence_length`` is the T5 length of the instruction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import rewards.edit  # noqa: F401  (registers the editing rewards this pipeline's configs name)
+from mmalign.config import Config
+from mmalign.data import DataError
+from mmalign.distributed import process_seed
+from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
+from mmalign.policies.flux_kontext import FluxKontextPolicy
+from mmalign.tiny import ensure_model
+from pipelines import TrainingSetup, register_pipeline
+from pipelines.common import load_resolved_rows, options
+from pipelines.text_to_image import latent_size_for
+from rewards import RewardSet
+
+PATH_COLUMNS = ("edit_mask", "target_image")
+"""Optional row columns holding paths (resolved like the source image column)."""
+
+
+@dataclass
+class ImageEditOptions(SamplerSettings):
+    """The ``options:`` section: the sampler (`mmalign.policies.denoising.SamplerSettings`, validated there) plus
+    the editing data and the model's input sizes."""
+
+    guidance_scale: float = 2.5
+    """FLUX.1 Kontext-dev's distilled guidance (its guidance embedding; one forward per step, no CFG branches),
+    the same in sampling and in the log-probs. Its model card uses 2.5."""
+    max_sequence_length: int | None = None
+    """Tokens of the T5 encoder's instruction states; null: 512, as diffusers."""
+    resolution: int | None = None
+    """Side of the edited image in pixels (the source is resized to it); null: the VAE's ``sample_size``. Must be
+    a multiple of 2 x the VAE's downsampling factor (2x2 latent packing)."""
+    image_column: str = "source_image"
+    """The row column holding the source image (a path relative to the JSONL's folder or ``image_root``)."""
+    image_root: str | None = None
+    """Folder that relative paths are resolved against (default: the JSONL file's folder)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A malformed row or missing file: stop with an error naming file:line, or skip it (counted, logged)."""
+    reward_models: dict[str, str] = field(default_factory=dict)
+    """Reward-model folders to build first when missing (path -> tiny builder, e.g. the tiny CLIP)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sde_kind not in FLOW_SDE_KINDS:
+            raise ValueError(
+                f"sde_kind must be one of {', '.join(FLOW_SDE_KINDS)} (image_edit trains flow-matching models); "
+                f"got {self.sde_kind!r}"
+            )
+        if self.max_sequence_length is not None and self.max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
+        if self.resolution is not None and self.resolution < 1:
+            raise ValueError(f"resolution must be >= 1 or null, got {self.resolution}")
+        if not self.image_column:
+            raise ValueError("image_column must name the row column holding the source image")
+
+
+def image_edit_options(cfg: Config) -> ImageEditOptions:
+    """The typed `options:` section (`config_from_dict` validates it against `ImageEditOptions`)."""
+    return options(cfg, ImageEditOptions)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def edit_row_resolver(image_column: str) -> Any:
+    """``resolve(row, root)`` for `load_resolved_rows`: the row with its source image (`image_column`,
+    required) and `PATH_COLUMNS` (optional) resolved against `root` and checked to exist; a `DataError` names
+    the row's file:line and the column. A source image already in memory (a PIL image) is kept as is."""
+
+    def resolve(row: dict[str, Any], root: Path) -> dict[str, Any]:
+        where = row.get("_source", "?")
+        if row.get(image_column) in (None, ""):
+            raise DataError(f"{where}: the row has no {image_column!r} column (the source image to edit)")
+        out = dict(row)
+        for key in (image_column, *PATH_COLUMNS):
+            value = row.get(key)
+            if value is None or (key != image_column and value == ""):
+                continue
+            if not isinstance(value, str):
+                if key == image_column and hasattr(value, "convert"):  # a PIL image (Hugging Face datasets)
+                    continue
+                raise DataError(f"{where}: column {key!r} must be a path, got {str(value)[:80]!r}")
+            full = Path(value) if Path(value).is_absolute() else root / value
+            if not full.is_file():
+                raise DataError(f"{where}: column {key!r}: no such file: {full}")
+            out[key] = str(full)
+        return out
+
+    return resolve
+
+
+def load_edit_rows(
+    source: str, template: str, opts: ImageEditOptions, max_rows: int | None = None
+) -> list[dict[str, Any]]:
+    """Rows of `source` with resolved paths; bad rows raise or are skipped per ``opts.on_bad_row``."""
+    resolve = edit_row_resolver(opts.image_column)
+    return load_resolved_rows(source, template, resolve, opts.image_root, opts.on_bad_row, max_rows)
+
+
+# ----------------------------------------------------------------------------- policy
+
+
+def build_edit_policy(cfg: Config) -> FluxKontextPolicy:
+    """The `FluxKontextPolicy` described by `cfg.model` and the `options:` section (`ImageEditOptions`)."""
+    opts = image_edit_options(cfg)
+    path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
+    policy = FluxKontextPolicy.from_pretrained(
+        path,
+        dtype=cfg.model.dtype,
+        lora=cfg.model.lora,
+        sampler=opts.sampler_settings(seed=process_seed(opts.seed)),
+        image_column=opts.image_column,
+        **({} if opts.max_sequence_length is None else {"max_sequence_length": opts.max_sequence_length}),
+        need_reference=cfg.algorithm.needs_reference(),
+    )
+    if opts.resolution is not None:
+        size = latent_size_for(policy, opts.resolution, cfg.source)
+        if size % 2:
+            raise ValueError(
+                f"{cfg.source}: key 'options.resolution' ({opts.resolution}) gives {size} latents, but FLUX.1 "
+                "packs 2x2 latent patches: the latent side must be even"
+            )
+        policy.latent_size = size
+    return policy
+
+
+@register_pipeline("image_edit", options=ImageEditOptions)
+def build(cfg: Config) -> Any:
+    """Instruction-based image editing: FLUX.1 Kontext on (source image, instruction) rows + editing rewards."""
+    opts = image_edit_options(cfg)
+    rows = load_edit_rows(cfg.data.train, cfg.data.prompt_template, opts, cfg.data.max_rows)
+    eval_rows = load_edit_rows(cfg.data.eval, cfg.data.prompt_template, opts) if cfg.data.eval else None
+    for path, builder in opts.reward_models.items():
+        ensure_model(path, builder)
+    reward_set = RewardSet(cfg.rewards, source=cfg.source)
+    policy = build_edit_policy(cfg)
+    return TrainingSetup(
+        policy=policy,
+        rewards=reward_set,
+        data=rows,
+        eval_data=eval_rows,
+        sample_columns=edit_sample_columns(rows, opts.image_column),
+    )
+
+
+def edit_sample_columns(rows: list[dict[str, Any]], image_column: str) -> list[str]:
+    """The columns written beside each training sample: the source image's path (only when every row holds a
+    path: an in-memory PIL image from a Hugging Face dataset cannot go into the JSONL) and the two captions."""
+    paths = all(isinstance(r.get(image_column), str) for r in rows)
+    return [*([image_column] if paths else []), "source_caption", "target_caption"]
