@@ -29,13 +29,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -428,7 +425,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     """``mmalign parity``: print the markdown report (and the JSON one with ``--json``); 0 when the trainer's own
     setting keeps ratio = 1, 2 when it does not."""
-    from mmalign.app.probe import jsonable, load_setup
+    from mmalign.app.probe import emit_report, load_setup
 
     if not args.tol > 0:
         raise ConfigError(f"--tol must be > 0, got {args.tol}")
@@ -443,11 +440,6 @@ def main(args: argparse.Namespace) -> int:
         tol=args.tol,
         seed=args.seed,
     )
-    sys.stdout.write(render(report))
-    if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(jsonable(report), indent=2) + "\n")
-        print(f"report: {out}")
+    emit_report(render(report), report, args.json)
     first = report.get("first_update")
     return 2 if first is not None and not first["ok"] else 0

@@ -797,10 +797,15 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         informative=args.informative,
     )
-    sys.stdout.write(render(report))
-    if args.json:
-        out = Path(args.json)
+    emit_report(render(report), report, args.json)
+    return 0
+
+
+def emit_report(text: str, report: dict[str, Any], json_path: str | None) -> None:
+    """Print a command's markdown report; with ``--json PATH`` also write the report as JSON there."""
+    sys.stdout.write(text)
+    if json_path:
+        out = Path(json_path)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(jsonable(report), indent=2) + "\n")
         print(f"report: {out}")
-    return 0
