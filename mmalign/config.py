@@ -252,6 +252,33 @@ class AlgorithmConfig:
         return bool(fields & {"logp_ref_mean", "logp_ref_sum"})
 
 
+@dataclass
+class AsyncConfig:
+    """Asynchronous rollouts (`trainer.async`; `mmalign.asynchronous`): a rollout worker with its own copy of the
+    policy samples the next steps' batches while the trainer updates; the trainer pushes its weights to it after
+    each training step. A sample is at most `max_staleness` training steps older than the weights it is trained
+    on; the loss corrects it with the truncated importance weights of ``rollout.is_correction``."""
+
+    max_staleness: int = 1
+    """K: the most training steps (weight versions) a sample's behaviour weights may lag the trained weights. The
+    worker prefetches K steps ahead; 0 is the synchronous trainer run through the worker (the same numbers)."""
+    backend: Literal["process", "ray"] = "process"
+    """Where the rollout worker runs: ``process`` (a forked worker process on this machine, with a background
+    thread that scores rewards as batches arrive) or ``ray`` (Ray actors, the ``ray`` extra)."""
+    timeout_s: float = 600.0
+    """Waiting for a rollout or a weight sync fails loudly past this many seconds (a dead or frozen worker)."""
+    ray_address: str | None = None
+    """``ray`` backend: the cluster address given to ``ray.init`` (None: a local Ray instance)."""
+    num_workers: int = 1
+    """``ray`` backend: rollout actors; the rounds are handed out round-robin."""
+    worker_resources: dict[str, Any] = field(default_factory=dict)
+    """``ray`` backend: the resources of each rollout actor (``num_cpus``, ``num_gpus``, ...), so it is placed on
+    its own device or node."""
+    score_in_worker: bool = False
+    """Score the rewards in the rollout worker right after it samples (its process, device or node; the reward
+    set is copied there) instead of in a thread of the trainer's process as each batch arrives."""
+
+
 TRACKERS = ("tensorboard", "wandb")
 """The experiment trackers `TrainerConfig.log_with` may name (`mmalign.app.trackers`)."""
 
@@ -317,6 +344,9 @@ class TrainerConfig:
     tracker_media: int = 8
     """Sample images / videos logged to the trackers at each sample step, at most: the first samples of the
     main process's batch (its first group first); 0 logs none."""
+    async_: AsyncConfig | None = field(default=None, metadata={"yaml_key": "async"})
+    """Asynchronous rollouts (YAML key ``trainer.async``, e.g. ``{max_staleness: 1}``; null: synchronous).
+    See `AsyncConfig` and docs/distributed.md."""
 
 
 @dataclass
@@ -503,9 +533,15 @@ def _where(src: _Source | str, key: str | None) -> str:
     return src.where(key) if isinstance(src, _Source) else src
 
 
+def yaml_key(f: dataclasses.Field[Any]) -> str:
+    """The YAML key of a config dataclass field: its name, or ``metadata["yaml_key"]`` where the key is a Python
+    keyword (``trainer.async`` is the field ``async_``)."""
+    return str(f.metadata.get("yaml_key", f.name))
+
+
 def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {yaml_key(f): _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, list | tuple):
         return [_to_plain(v) for v in obj]
     if isinstance(obj, dict):
@@ -553,6 +589,8 @@ def _convert(value: Any, tp: Any, key: str, src: _Source | str) -> Any:
         for arg in args:
             if arg is type(None):
                 continue
+            if dataclasses.is_dataclass(arg) and isinstance(value, dict):
+                return _build(arg, value, key, src)  # its own error names the key inside the section
             try:
                 return _convert(value, arg, key, src)
             except (_Mismatch, ConfigError):
@@ -624,7 +662,9 @@ def _convert_checked(value: Any, tp: Any, key: str, src: _Source | str) -> Any:
 def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source | str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {
-        f.name: f for f in dataclasses.fields(cls) if f.init and not (cls is Config and f.name == "source")
+        yaml_key(f): f
+        for f in dataclasses.fields(cls)
+        if f.init and not (cls is Config and f.name == "source")
     }
     dot = f"{prefix}." if prefix else ""
     kwargs: dict[str, Any] = {}
@@ -636,15 +676,15 @@ def _build(cls: type, data: dict[str, Any], prefix: str, src: _Source | str) -> 
             raise ConfigError(
                 f"{_where(src, full)}: unknown key '{full}'{hint}. Valid keys here: {', '.join(sorted(fields))}"
             )
-        kwargs[k] = _convert_checked(v, hints[k], full, src)
+        kwargs[fields[k].name] = _convert_checked(v, hints[fields[k].name], full, src)
     for name, f in fields.items():
         if (
-            name not in kwargs
+            f.name not in kwargs
             and f.default is dataclasses.MISSING
             and f.default_factory is dataclasses.MISSING
         ):
             raise ConfigError(
-                f"{_where(src, dot + name)}: key '{dot}{name}' is required ({_type_name(hints[name])})"
+                f"{_where(src, dot + name)}: key '{dot}{name}' is required ({_type_name(hints[f.name])})"
             )
     try:
         return cls(**kwargs)
@@ -859,6 +899,35 @@ def check_names(cfg: Config) -> None:
             raise ConfigError(f"{cfg.source}: key '{key}': {e}") from None
 
 
+def _validate_async(cfg: Config, need: typing.Callable[[bool, str, str], None]) -> None:
+    """`trainer.async`: a bounded staleness, a positive timeout, and the importance-sampling correction that
+    stale samples need; the loss must be a log-prob loss (the IS weights compare log-probs)."""
+    c = cfg.trainer.async_
+    if c is None:
+        return
+    need(c.max_staleness >= 0, "trainer.async.max_staleness", "must be >= 0")
+    need(_finite(c.timeout_s) and c.timeout_s > 0, "trainer.async.timeout_s", "must be a finite number > 0")
+    need(c.num_workers >= 1, "trainer.async.num_workers", "must be >= 1")
+    need(
+        c.backend == "ray" or (c.num_workers == 1 and c.ray_address is None and not c.worker_resources),
+        "trainer.async.backend",
+        "is 'process': num_workers, ray_address and worker_resources are options of the 'ray' backend",
+    )
+    if c.max_staleness > 0:
+        need(
+            cfg.rollout.is_correction != "none",
+            "rollout.is_correction",
+            "must be 'token' or 'sequence' with trainer.async.max_staleness > 0: stale samples are corrected "
+            "with the truncated importance weights",
+        )
+        need(
+            cfg.algorithm.objective is None,
+            "trainer.async.max_staleness",
+            f"must be 0 with algorithm.objective {cfg.algorithm.objective!r}: a policy-computed loss has no "
+            "log-probs to importance-weight stale samples with",
+        )
+
+
 def _validate_trackers(t: TrainerConfig, need: typing.Callable[[bool, str, str], None]) -> None:
     def close(name: str) -> str:
         match = difflib.get_close_matches(name, TRACKERS, n=1)
@@ -992,6 +1061,7 @@ def validate(cfg: Config, src: _Source | str | None = None) -> None:
         need(getattr(t, key) >= 1, f"trainer.{key}", "must be >= 1")
     need(_finite(t.dist_timeout_s) and t.dist_timeout_s > 0, "trainer.dist_timeout_s", "must be > 0")
     need(t.nan_reward_steps >= 0, "trainer.nan_reward_steps", "must be >= 0 (0: never stop)")
+    _validate_async(cfg, need)
     _validate_trackers(t, need)
     need(_finite(a.kl_coef) and a.kl_coef >= 0, "algorithm.kl_coef", "must be a finite number >= 0")
     need(a.adv_clip is None or a.adv_clip > 0, "algorithm.adv_clip", "must be > 0 or null")

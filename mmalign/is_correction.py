@@ -13,6 +13,12 @@ Secretly Brings You Off-Policy RL Training", 2025; verl's ``tis_imp_ratio_cap``)
 
     loss_t ← w_t · ℓ_t      (ℓ_t the per-token policy loss, w_t detached)
 
+The same correction serves asynchronous rollouts (``trainer.async``, `mmalign.asynchronous`): there the
+behaviour policy is the rollout worker's copy of the policy, up to ``max_staleness`` training steps older
+than the trained weights, so ``logp_engine`` is the worker's recorded behaviour log-probs (or its engine's)
+and ``logp_trainer_old`` is pi_old, the trained weights' log-probs at the start of the update
+(`mmalign.asynchronous.behaviour_fields`).
+
 C = ``cap`` (2.0 in verl's examples). Weights are detached (no gradient flows through them) and
 exactly 0 on masked positions; values at masked positions (NaN, -inf, padding) are never used.
 The exponent is computed as exp(min(x, log C)), so it cannot overflow; the token-level log-ratio

@@ -180,6 +180,14 @@ class GroupTrainer:
         """Per reward: the consecutive steps (up to now) in which it was NaN for every sample."""
         self.history: list[dict[str, Any]] = []
         self._timers: dict[str, float] = defaultdict(float)
+        self.async_cfg = cfg.trainer.async_
+        """``trainer.async`` (None: synchronous rollouts)."""
+        self._async: Any = None
+        """The rollout workers of an asynchronous run (`mmalign.asynchronous.AsyncRollouts`), started by the first
+        `train_step`."""
+        self._async_rngs: list[Any] | None = None
+        """The rollout workers' random states read from the checkpoint resumed from (None: start fresh)."""
+        self._async_step: dict[str, float] = defaultdict(float)
         set_seed(cfg.seed + 1000 * self.rank)
         self._prepare_output_dir(resume)
 
@@ -346,26 +354,35 @@ class GroupTrainer:
         """One round of sampling on this process; returns (local rollout, global rewards, global groups, global
         numbers of valid actions per sample, global prompt ids: each sample's dataset row index)."""
         pps = self.cfg.rollout.prompts_per_step
-        idx = self.sampler.next_indices(pps)
+        key = (self.step, self._round)
+        prefetched = self._async is not None and self._async.has(key)
+        # the prompts of a round the rollout worker sampled ahead were drawn when it was submitted
+        idx = self._async.indices(key) if prefetched else self.sampler.next_indices(pps)
         round_base = self._round * pps
-        mine = idx[self.rank * self.local_prompts : (self.rank + 1) * self.local_prompts]
-        rows = [self.rows[i] for i in mine]
-        # schedules of the policy, weight syncs of its sampler; resume-safe
-        self.policy.on_train_step(self.step)
-        rollout = self.policy.rollout(rows, self.samples_per_group, compute_logp=self.need_logp_old)
+        rows = self._rows_of(idx)
+        if self._async is None:
+            # schedules of the policy, weight syncs of its sampler; resume-safe
+            self.policy.on_train_step(self.step)
+            rollout = self.policy.rollout(rows, self.samples_per_group, compute_logp=self.need_logp_old)
+        else:  # sampled by the rollout worker (ahead of time, or now), its rewards scored as it arrived
+            if not prefetched:
+                self._async_submit(key, idx)
+            rollout, rewards = self._async_take(key)
         # global group ids: position of the prompt in this step's global list, offset per round
         offset = self._round * self.cfg.rollout.prompts_per_step + self.rank * self.local_prompts
         rollout.group = rollout.group + offset
         self._round += 1
-        t0 = time.perf_counter()
-        # outputs that cost time (such as pixels from latents) are made only when a reward needs them
-        self.policy.materialize(rollout, self.reward_set.needs)
-        self._timers["materialize"] = self._timers.get("materialize", 0.0) + time.perf_counter() - t0
-        rewards = self.reward_set(rollout).to(rollout.group.device)
-        self._timers["reward"] += time.perf_counter() - t0
+        if self._async is None:
+            t0 = time.perf_counter()
+            # outputs that cost time (such as pixels from latents) are made only when a reward needs them
+            self.policy.materialize(rollout, self.reward_set.needs)
+            self._timers["materialize"] = self._timers.get("materialize", 0.0) + time.perf_counter() - t0
+            rewards = self.reward_set(rollout)
+            self._timers["reward"] += time.perf_counter() - t0
+            self._reward_extra = dict(getattr(self.reward_set, "last_metrics", {}) or {})
+        rewards = rewards.to(rollout.group.device)
         rollout.rewards = rewards
         rollout.reward_names = list(self.reward_set.names)
-        self._reward_extra = dict(getattr(self.reward_set, "last_metrics", {}) or {})
         g_rewards, g_group = self._gather(rewards), self._gather(rollout.group)
         # callbacks that follow the rewards (curricula): the GLOBAL batch in global group order, so their
         # decisions are the same on every process and for any number of processes
@@ -377,6 +394,135 @@ class GroupTrainer:
         self.sampler.observe([idx[int(g) - round_base] for g in ids], rates, counts)
         g_prompt = torch.tensor([idx[int(g) - round_base] for g in g_group.tolist()], dtype=torch.long)
         return rollout, g_rewards, g_group, g_actions, g_prompt
+
+    def _rows_of(self, idx: list[int]) -> list[dict[str, Any]]:
+        """This process's dataset rows of a round's global prompt indices."""
+        return [
+            self.rows[i] for i in idx[self.rank * self.local_prompts : (self.rank + 1) * self.local_prompts]
+        ]
+
+    # ----------------------------------------------------------------- asynchronous rollouts
+    def _async_start(self) -> None:
+        """Start the rollout workers of ``trainer.async`` (`mmalign.asynchronous`): they hold this process's
+        policy as it is now (weight version = finished steps) and, when resuming, the random states of the
+        checkpoint's workers."""
+        from mmalign.asynchronous import AsyncRollouts
+
+        self._async = AsyncRollouts(
+            self.policy,
+            self.reward_set,
+            self.async_cfg,
+            version=self.step,
+            seed=self.cfg.seed + 1000 * self.rank,
+            worker_rngs=self._async_rngs,
+        )
+
+    def _async_close(self) -> None:
+        if self._async is not None:
+            self._async.close()
+            self._async = None
+
+    def _async_submit(
+        self, key: tuple[int, int], idx: list[int], rows: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Submit the round `key` with the prompts `idx` (this process's dataset rows of them, or `rows`: e.g. rows
+        rewritten for a re-roll), sampled with the current weights (version ``step``)."""
+        from mmalign.asynchronous import worker_rng_state
+
+        self._async.submit(
+            key,
+            idx,
+            self._rows_of(idx) if rows is None else rows,
+            self.samples_per_group,
+            self.step,
+            self.policy.trainable_state_dict,
+            needs=tuple(self.reward_set.needs),
+            # K = 0: one random stream, as in the synchronous trainer (the worker continues this process's)
+            rng=worker_rng_state(self.policy) if self.async_cfg.max_staleness == 0 else None,
+        )
+
+    def _async_prefetch(self) -> None:
+        """Before the update of step ``step + 1``: submit the first round of the next ``max_staleness`` steps
+        with the current weights. Nothing is submitted past a step that writes a checkpoint (a barrier: no work
+        is in flight at a checkpoint, so a resumed run samples what the uninterrupted one did)."""
+        t, k = self.cfg.trainer, self.async_cfg.max_staleness
+        now = self.step + 1  # the step being run (1-based)
+        for ahead in range(1, k + 1):
+            target = now + ahead
+            if target > t.steps or any(s % t.save_every == 0 or s == t.steps for s in range(now, target)):
+                break
+            key = (target - 1, 0)
+            if not self._async.has(key):
+                self._async_submit(key, self.sampler.next_indices(self.cfg.rollout.prompts_per_step))
+
+    def _async_take(self, key: tuple[int, int]) -> tuple[Rollout, Tensor]:
+        """The worker's rollout of round `key` with its behaviour / pi_old log-probs set for the loss
+        (`mmalign.asynchronous.behaviour_fields`) and its rewards; records staleness and idle times."""
+        from mmalign.asynchronous import behaviour_fields, set_worker_rng_state
+
+        result, waited = self._async.take(key)
+        if self.async_cfg.max_staleness == 0:  # continue the stream where the worker's sampling left it
+            set_worker_rng_state(self.policy, result.rng)
+        staleness = self.step - result.version
+        rollout = behaviour_fields(
+            result.rollout,
+            staleness=staleness,
+            max_staleness=self.async_cfg.max_staleness,
+            need_logp_old=self.need_logp_old,
+            current_logprobs=self._current_logprobs,
+            recompute=self.need_logp_old or self.cfg.rollout.is_correction == "sequence",
+        )
+        rollout.outputs["staleness"] = torch.full((len(rollout),), staleness, dtype=torch.long)
+        rollout.outputs["policy_version"] = torch.full((len(rollout),), result.version, dtype=torch.long)
+        self._reward_extra = dict(result.reward_metrics)
+        a = self._async_step
+        a["trainer_wait_s"] += waited
+        a["worker_idle_s"] += result.worker_idle_s
+        a["worker_sample_s"] += result.sample_s
+        a["worker_sample_cpu_s"] += result.sample_cpu_s
+        a["reward_s"] += result.reward_s
+        a["staleness_sum"] += staleness * len(rollout)
+        a["samples"] += len(rollout)
+        a["staleness_max"] = max(a["staleness_max"], staleness)
+        assert result.rewards is not None
+        return rollout, result.rewards
+
+    @torch.no_grad()
+    def _current_logprobs(self, rollout: Rollout) -> Tensor:
+        """Float[B,T]: the log-probs of a rollout's actions under the trainer's current weights (pi_old of a stale
+        rollout), in microbatches, in training mode as the update scores them."""
+        self.policy.model.train()
+        parts = []
+        for start in range(0, len(rollout), self.microbatch):
+            stats = self.policy.action_stats(
+                rollout[list(range(start, min(start + self.microbatch, len(rollout))))]
+            )
+            if stats.logp is None:
+                raise TrainingError(
+                    f"{type(self.policy).__name__}.action_stats gives no log-probs: trainer.async.max_staleness > 0 "
+                    "needs them for the importance weights"
+                )
+            parts.append(stats.logp.detach().float())
+        logp = torch.cat(parts).to(rollout.mask.device)
+        if logp.shape != rollout.mask.shape:
+            raise TrainingError(
+                f"pi_old log-probs of shape {tuple(logp.shape)} for a mask of {tuple(rollout.mask.shape)}"
+            )
+        return logp.masked_fill(~rollout.mask, 0.0)
+
+    def _async_metrics(self) -> dict[str, float]:
+        """``async/*``: the step's mean and largest staleness (training steps between the behaviour weights and
+        the trained ones), the trainer's wait for rollouts, the worker's idle and sampling time, reward time."""
+        a, self._async_step = self._async_step, defaultdict(float)
+        return {
+            "async/staleness_mean": a["staleness_sum"] / max(a["samples"], 1.0),
+            "async/staleness_max": a["staleness_max"],
+            "async/trainer_wait_s": a["trainer_wait_s"],
+            "async/worker_idle_s": a["worker_idle_s"],
+            "async/worker_sample_s": a["worker_sample_s"],
+            "async/worker_sample_cpu_s": a["worker_sample_cpu_s"],
+            "async/reward_s": a["reward_s"],
+        }
 
     def _estimator_context(
         self, rollout: Rollout, g_group: Tensor, g_actions: Tensor, g_prompt: Tensor
@@ -915,8 +1061,12 @@ class GroupTrainer:
     # ----------------------------------------------------------------- one step
     def train_step(self) -> dict[str, Any]:
         self._timers: dict[str, float] = defaultdict(float)
+        if self.async_cfg is not None and self._async is None:
+            self._async_start()
         t0 = time.perf_counter()
         batch, metrics = self.make_rollout()
+        if self._async is not None:  # the worker samples the next steps while this one updates
+            self._async_prefetch()
         t1 = time.perf_counter()
         self.policy.model.train()
         if len(batch):
@@ -938,6 +1088,8 @@ class GroupTrainer:
             metrics["time/materialize_s"] = self._timers["materialize"]
         metrics["time/update_s"] = t2 - t1
         metrics["time/step_s"] = t2 - t0
+        if self._async is not None:
+            metrics.update(self._async_metrics())
         self._last_batch = batch
         return {"step": self.step, **metrics}
 
@@ -989,6 +1141,7 @@ class GroupTrainer:
                 bar.update(1)
         finally:
             bar.close()
+            self._async_close()
             if metrics_f is not None:
                 metrics_f.close()
             self._emit("on_train_end")
@@ -1145,6 +1298,12 @@ class GroupTrainer:
             "shuffle_gen": self.shuffle_gen.get_state(),
             "policy": self.policy.rng_state(),
         }
+        if self._async is not None:  # nothing is in flight at a checkpoint (`_async_prefetch`)
+            if self._async.in_flight():
+                raise TrainingError(f"{self._async.in_flight()} rollout job(s) in flight at a checkpoint")
+            rng["async_workers"] = list(self._async.last_rng)
+        elif self._async_rngs is not None:
+            rng["async_workers"] = list(self._async_rngs)
         rundir.save_state(rng, tmp / rundir.rng_file(self.rank))
         if self.sharded:  # every rank writes its shards of the weights and optimizer state (DCP)
             with rundir.writing(tmp / dist_lib.SHARDED_DIR):
@@ -1240,6 +1399,9 @@ class GroupTrainer:
         set_rng_state(rng["rng"])
         self.shuffle_gen.set_state(rng["shuffle_gen"])
         self.policy.load_rng_state(rng.get("policy", {}))
+        # an asynchronous run's rollout workers continue their random streams (None: a synchronous run's
+        # checkpoint; the workers start from this process's restored state)
+        self._async_rngs = rng.get("async_workers")
 
 
 # ----------------------------------------------------------------- update parts

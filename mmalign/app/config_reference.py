@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from mmalign.config import Config
+from mmalign.config import Config, yaml_key
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 """Where ``--write`` writes the reference and what ``--check`` compares against."""
@@ -192,7 +192,7 @@ def type_text(tp: Any) -> str:
 def _yaml(value: Any) -> str:
     """`value` in YAML flow style (what a config file would write)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        value = {yaml_key(f): getattr(value, f.name) for f in dataclasses.fields(value)}
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -375,7 +375,7 @@ def field_rows(
         meaning.append(notes.get(f.name, ""))
         rows.append(
             Row(
-                key=f"{prefix}{f.name}",
+                key=f"{prefix}{yaml_key(f)}",
                 type=f"`{_cell_code(_TYPE_TEXT.get((cls, f.name)) or type_text(tp))}`",
                 default=default_text(f),
                 meaning=" ".join(m for m in meaning if m),
@@ -427,7 +427,7 @@ def _config_sections(root: type, taken: set[str]) -> list[_Section]:
         for f in _fields(cls):
             nested, is_list = _nested(hints.get(f.name, f.type))
             if nested is not None and nested not in seen:
-                key = f"{prefix}{f.name}" + ("[i]" if is_list else "")
+                key = f"{prefix}{yaml_key(f)}" + ("[i]" if is_list else "")
                 walk(nested, f"`{key}`", key + ".")
 
     walk(root, "Top level", "")

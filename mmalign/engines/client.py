@@ -32,6 +32,9 @@ class EngineClient:
         """The engine holds older weights than the trainer."""
         self.run: Any = None
         """The `mmalign.policies.base.RunInfo` given to `setup` (None outside a run)."""
+        self.deferred: tuple[str, dict[str, Any]] | None = None
+        """An asynchronous run (``trainer.async``): the engine's name and options, built by the rollout worker's
+        copy of the policy on its first step rather than in the trainer's process (which never samples)."""
 
     def setup(
         self, run: Any, *, loop: Any, fill_defaults: Callable[[str, dict[str, Any], Any], None]
@@ -43,7 +46,6 @@ class EngineClient:
         if r.engine == "hf":
             return
         from mmalign.config import ConfigError
-        from mmalign.engines import get_engine
 
         if loop.multi_turn:
             raise ConfigError(
@@ -52,14 +54,36 @@ class EngineClient:
             )
         kwargs = dict(r.engine_kwargs)
         fill_defaults(r.engine, kwargs, run)
+        if getattr(run.cfg.trainer, "async_", None) is not None:
+            self.deferred = (r.engine, kwargs)  # the rollout worker builds it (`on_train_step`)
+            return
+        self.engine = self._build(r.engine, kwargs)
+
+    def _build(self, name: str, kwargs: dict[str, Any]) -> RolloutEngine | None:
+        from mmalign.config import ConfigError
+        from mmalign.engines import get_engine
+
         try:
-            self.engine = get_engine(r.engine, **kwargs)
+            engine = get_engine(name, **kwargs)
         except TypeError as e:
-            raise ConfigError(f"{run.cfg.source}: key 'rollout.engine_kwargs': {e}") from None
+            source = self.run.cfg.source if self.run is not None and self.run.cfg is not None else "<config>"
+            raise ConfigError(f"{source}: key 'rollout.engine_kwargs': {e}") from None
         self.stale = True
+        return engine
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a rollout worker's copy of the policy sent to a Ray actor): a deferred engine is left out,
+        the copy builds its own."""
+        state = dict(self.__dict__)
+        if self.deferred is not None:
+            state["engine"] = None
+        return state
 
     def on_train_step(self, step: int, sync: Callable[[int], None]) -> None:
-        """Before a step's sampling: `sync(step)` when the weights changed, and this step's seed."""
+        """Before a step's sampling: `sync(step)` when the weights changed, and this step's seed. A deferred
+        engine (asynchronous runs) is built here, in the rollout worker, on its first step."""
+        if self.engine is None and self.deferred is not None:
+            self.engine = self._build(*self.deferred)
         if self.engine is None:
             return
         if self.stale:

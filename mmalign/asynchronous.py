@@ -1,0 +1,525 @@
+"""Asynchronous rollouts (``trainer.async``): sampling the next steps while the trainer updates.
+
+A rollout worker holds its own copy of the policy (any policy: text, VLM, denoising; with its rollout engine
+when the policy has one) and turns *jobs* into rollouts: a job names the training step and sampling round it
+is for, the dataset rows, and the weight version (finished training steps) the worker must hold. The trainer
+(`mmalign.trainer.GroupTrainer`, the one training loop) submits the first round of the next ``K =
+max_staleness`` steps before it runs the current update, pushing its weights to the worker when they changed,
+and takes each round when it needs it. Rewards are scored in a background thread of the trainer process as
+each round arrives, so they overlap the update too.
+
+Determinism. The schedule is a pure function of the step: the round for step ``s`` is sampled with the
+weights after step ``s - j`` where ``j`` is how far ahead it was submitted (at most K), never older, so no
+sample has to be dropped for staleness; the loss corrects each stale sample with the truncated importance
+weights between the behaviour log-probs the worker recorded and ``pi_old`` (the trainer's weights at the
+start of the update), see `behaviour_fields`. The worker has its own random stream (its global torch /
+NumPy / Python generators and the policy's private ones), which the trainer tracks: each result carries the
+stream's state after the job. A step that writes a checkpoint is a barrier: nothing is submitted past it, so
+a checkpoint never has work in flight, and it stores the worker's stream state; a resumed run hands that
+state to its new worker with the first job, so it samples exactly what the uninterrupted run sampled
+(in-flight work is thus never checkpointed: it does not exist at a checkpoint). With ``K = 0`` nothing is prefetched and the random stream is handed back
+and forth (each job carries the trainer's random state, the trainer continues from the worker's state after
+it): the run is the synchronous trainer's, sample for sample and update for update, also for policies whose
+update draws random numbers.
+
+Backends: ``process`` (`ProcessWorker`: a forked process on this machine; a sender thread feeds it jobs and
+weights, a receiver thread collects its results and scores them) and ``ray`` (`mmalign.ray_workers`: Ray
+actors, weights through the object store). A worker that dies or stops answering fails the step within about
+``trainer.async.timeout_s`` (a dead process within a second) with `AsyncWorkerError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmalign.batch import Rollout
+from mmalign.errors import MmalignError
+
+Key = tuple[int, int]
+"""(step, round): the trainer's ``step`` (finished training steps) when the rollout is trained, and the
+sampling round within that step."""
+
+
+class AsyncWorkerError(MmalignError, RuntimeError):
+    """A rollout worker died, failed or did not answer within ``trainer.async.timeout_s``."""
+
+
+@dataclass
+class RolloutJob:
+    """What a rollout worker is asked to sample."""
+
+    key: Key
+    indices: list[int]
+    """The dataset row indices of the whole step (every process's), as the prompt sampler drew them."""
+    rows: list[dict[str, Any]]
+    """This process's rows."""
+    group_size: int
+    version: int
+    """The weight version (finished training steps) the worker must hold."""
+    needs: tuple[str, ...] = ()
+    """What the rewards need materialised (`Policy.materialize`)."""
+    rng: dict[str, Any] | None = None
+    """The worker's random state to restore before sampling (the first job of a worker); None: continue."""
+    score: bool = False
+    """Score the rewards in the worker (``trainer.async.score_in_worker``)."""
+
+
+@dataclass
+class RolloutResult:
+    """A sampled round: the rollout with the behaviour log-probs in ``logp_old`` (and an engine's in
+    ``logp_sampler``), the weight version it was sampled with, the worker's random state after it, timings, and
+    (filled in the trainer process as it arrives) the rewards."""
+
+    key: Key
+    rollout: Rollout
+    version: int
+    rng: dict[str, Any]
+    worker: int = 0
+    sample_s: float = 0.0
+    sample_cpu_s: float = 0.0
+    """CPU time of the worker's process while sampling (all its threads)."""
+    worker_idle_s: float = 0.0
+    rewards: Tensor | None = None
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+    reward_s: float = 0.0
+
+
+def worker_rng_state(policy: Any) -> dict[str, Any]:
+    """The random state a worker samples from: the global generators of its process and the policy's own."""
+    from mmalign.trainer import rng_state
+
+    return {"global": rng_state(), "policy": policy.rng_state()}
+
+
+def set_worker_rng_state(policy: Any, state: dict[str, Any]) -> None:
+    from mmalign.trainer import set_rng_state
+
+    set_rng_state(state["global"])
+    policy.load_rng_state(state.get("policy", {}))
+
+
+class RolloutWorker:
+    """The sampling side, wherever it runs: a policy copy, its weight version, `run` for one job."""
+
+    def __init__(self, policy: Any, version: int, index: int = 0, reward_set: Any = None) -> None:
+        self.policy = policy
+        self.version = version
+        self.index = index
+        self.reward_set = reward_set
+        """The rewards, when the worker scores them (``trainer.async.score_in_worker``)."""
+
+    def load_weights(self, version: int, state: dict[str, Tensor]) -> None:
+        """Load the trainer's trainable weights of `version`; a policy with an engine re-syncs it before the
+        next sampling (`Policy.after_optimizer_step`)."""
+        self.policy.load_trainable_state_dict(state)
+        self.policy.after_optimizer_step()
+        self.version = version
+
+    def run(self, job: RolloutJob, idle_s: float = 0.0) -> RolloutResult:
+        if job.version != self.version:
+            raise AsyncWorkerError(
+                f"rollout worker {self.index}: job {job.key} needs weight version {job.version}, it holds "
+                f"{self.version}"
+            )
+        if job.rng is not None:
+            set_worker_rng_state(self.policy, job.rng)
+        t0, c0 = time.perf_counter(), time.process_time()
+        self.policy.on_train_step(job.key[0])
+        rollout = self.policy.rollout(job.rows, job.group_size, compute_logp=True)
+        self.policy.materialize(rollout, job.needs)
+        if rollout.logp_old is None:
+            raise AsyncWorkerError(
+                f"{type(self.policy).__name__}.rollout(compute_logp=True) recorded no log-probs; asynchronous "
+                "rollouts need the behaviour log-probs"
+            )
+        sample_s, sample_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        scored: dict[str, Any] = {}
+        if job.score:
+            if self.reward_set is None:
+                raise AsyncWorkerError(f"rollout worker {self.index} holds no reward set to score with")
+            t1 = time.perf_counter()
+            scored["rewards"] = self.reward_set(rollout)
+            scored["reward_metrics"] = dict(getattr(self.reward_set, "last_metrics", {}) or {})
+            scored["reward_s"] = time.perf_counter() - t1
+        return RolloutResult(
+            key=job.key,
+            rollout=rollout,
+            version=self.version,
+            rng=worker_rng_state(self.policy),
+            worker=self.index,
+            sample_s=sample_s,
+            sample_cpu_s=sample_cpu_s,
+            worker_idle_s=idle_s,
+            **scored,
+        )
+
+
+# ----------------------------------------------------------------------------- the process backend
+
+
+def _send(conn: Any, obj: Any) -> None:
+    conn.send(obj)  # multiprocessing's IPC with this process's own fork (tensors via torch's shared memory)
+
+
+def _recv(conn: Any) -> Any:
+    return conn.recv()
+
+
+def _serve(worker: RolloutWorker, jobs: Any, results: Any) -> None:
+    """The worker process: weights and jobs in order from `jobs`, results (or the traceback) to `results`."""
+    free_since = time.perf_counter()
+    while True:
+        try:
+            msg = _recv(jobs)
+        except EOFError:
+            return
+        kind = msg[0]
+        if kind == "stop":
+            return
+        try:
+            if kind == "weights":
+                worker.load_weights(msg[1], msg[2])
+            elif kind == "job":
+                idle = time.perf_counter() - free_since
+                _send(results, ("result", worker.run(msg[1], idle_s=idle)))
+                free_since = time.perf_counter()
+        except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises
+            key = msg[1].key if kind == "job" else None
+            _send(results, ("error", key, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class ProcessWorker:
+    """A rollout worker in a forked process of this machine (Linux / macOS ``fork``). It inherits the policy as
+    it is at `start` (so its weight version is the trainer's then); `push_weights` and `submit` queue messages
+    that a sender thread writes to it; `on_result` is called in a receiver thread with each result."""
+
+    def __init__(
+        self,
+        policy: Any,
+        version: int,
+        on_result: Callable[[Any], None],
+        index: int = 0,
+        reward_set: Any = None,
+    ) -> None:
+        ctx = mp.get_context("fork")
+        self.index = index
+        self._jobs_r, self._jobs_w = ctx.Pipe(duplex=False)
+        self._res_r, self._res_w = ctx.Pipe(duplex=False)
+        worker = RolloutWorker(policy, version, index, reward_set)
+        self.process = ctx.Process(
+            target=_serve,
+            args=(worker, self._jobs_r, self._res_w),
+            daemon=True,
+            name=f"mmalign-rollout-{index}",
+        )
+        self.process.start()
+        self._outbox: queue.Queue[Any] = queue.Queue()
+        self._on_result = on_result
+        self.error: str | None = None
+        self._sender = threading.Thread(target=self._send_loop, daemon=True, name="mmalign-async-send")
+        self._receiver = threading.Thread(target=self._recv_loop, daemon=True, name="mmalign-async-recv")
+        self._sender.start()
+        self._receiver.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            try:
+                _send(self._jobs_w, msg)
+            except (OSError, ValueError) as e:
+                self.error = f"sending to the worker failed ({type(e).__name__}: {e})"
+                return
+            if msg[0] == "stop":
+                return
+
+    def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg = _recv(self._res_r)
+            except (EOFError, OSError):
+                return
+            self._on_result(msg)
+
+    def push_weights(self, version: int, state: dict[str, Tensor]) -> None:
+        self._outbox.put(("weights", version, state))
+
+    def submit(self, job: RolloutJob) -> None:
+        self._outbox.put(("job", job))
+
+    def problem(self) -> str | None:
+        """Why the worker cannot answer (None: it is alive)."""
+        if self.error is not None:
+            return self.error
+        if not self.process.is_alive():
+            return f"the rollout worker process (pid {self.process.pid}) died with exit code {self.process.exitcode}"
+        return None
+
+    def close(self) -> None:
+        self._outbox.put(("stop",))
+        self._outbox.put(None)
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        for conn in (self._jobs_w, self._res_r, self._jobs_r, self._res_w):
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+# ----------------------------------------------------------------------------- the trainer's side
+
+
+class AsyncRollouts:
+    """The trainer's handle on its rollout workers: submits jobs (pushing weights first when the worker's are
+    older), scores each result's rewards as it arrives, and hands results back in key order (`take`), failing
+    with `AsyncWorkerError` when a worker dies or does not answer within ``timeout_s``.
+
+    ``worker_rngs``: each worker's random state to start from (None: worker 0 continues this process's
+    generators as they are at construction; workers i > 0 are seeded from ``seed`` and i)."""
+
+    def __init__(
+        self,
+        policy: Any,
+        reward_set: Any,
+        cfg: Any,
+        *,
+        version: int,
+        seed: int = 0,
+        worker_rngs: Sequence[dict[str, Any] | None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.reward_set = reward_set
+        self.cfg = cfg
+        self.timeout_s = float(cfg.timeout_s)
+        self._cond = threading.Condition()
+        self._reward_lock = threading.Lock()
+        self._results: dict[Key, Any] = {}
+        self._pending: dict[Key, RolloutJob] = {}
+        self._assigned: dict[Key, int] = {}
+        self._next_worker = 0
+        n = int(cfg.num_workers)
+        rngs = list(worker_rngs) if worker_rngs is not None else [None] * n
+        if len(rngs) != n:
+            raise AsyncWorkerError(
+                f"the checkpoint holds the random state of {len(rngs)} rollout worker(s); this run has {n} "
+                "(trainer.async.num_workers must match to resume)"
+            )
+        self._start_rng: list[dict[str, Any] | None] = []
+        for i, r in enumerate(rngs):
+            if r is None:
+                r = (
+                    worker_rng_state(policy)
+                    if i == 0
+                    else _seeded_rng_state(policy, seed * 1_000_003 + 7919 * i)
+                )
+            self._start_rng.append(r)
+        self.last_rng: list[dict[str, Any]] = [r for r in self._start_rng if r is not None]
+        """Each worker's random state after the last result taken (what a checkpoint stores)."""
+        self.versions = [version] * n
+        self.workers = self._start(policy, version, n)
+
+    def _start(self, policy: Any, version: int, n: int) -> list[Any]:
+        if self.cfg.backend == "ray":
+            from mmalign.ray_workers import start_ray_workers
+
+            rewards = self.reward_set if self.cfg.score_in_worker else None
+            return start_ray_workers(policy, version, n, self.cfg, self._arrived, reward_set=rewards)
+        rewards = self.reward_set if self.cfg.score_in_worker else None
+        return [ProcessWorker(policy, version, self._arrived, index=0, reward_set=rewards)]
+
+    # -------------------------------------------------------------- results arriving (background thread)
+    def _arrived(self, msg: Any) -> None:
+        """A worker's message: score a result's rewards now (not after the whole batch), then publish it."""
+        if msg[0] == "error":
+            key, text = msg[1], msg[2]
+            with self._cond:
+                self._results[key if key is not None else ("error", 0)] = AsyncWorkerError(
+                    f"the rollout worker failed{'' if key is None else f' on step {key[0] + 1} round {key[1]}'}:\n"
+                    f"{text}"
+                )
+                self._cond.notify_all()
+            return
+        result: RolloutResult = msg[1]
+        if result.rewards is not None:  # scored by the worker
+            with self._cond:
+                self._results[result.key] = result
+                self._cond.notify_all()
+            return
+        try:
+            with self._reward_lock:  # several workers' threads may deliver at once
+                t0 = time.perf_counter()
+                result.rewards = self.reward_set(result.rollout)
+                result.reward_metrics = dict(getattr(self.reward_set, "last_metrics", {}) or {})
+                result.reward_s = time.perf_counter() - t0
+            item: Any = result
+        except Exception as e:  # noqa: BLE001 - raised in the trainer's thread by `take`
+            item = e
+        with self._cond:
+            self._results[result.key] = item
+            self._cond.notify_all()
+
+    # -------------------------------------------------------------- the trainer's thread
+    def has(self, key: Key) -> bool:
+        return key in self._pending
+
+    def indices(self, key: Key) -> list[int]:
+        return self._pending[key].indices
+
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def submit(
+        self,
+        key: Key,
+        indices: list[int],
+        rows: list[dict[str, Any]],
+        group_size: int,
+        version: int,
+        weights: Callable[[], dict[str, Tensor]],
+        needs: Sequence[str] = (),
+        rng: dict[str, Any] | None = None,
+    ) -> None:
+        """Queue the job `key` on the next worker (round-robin), after pushing `weights()` of `version` to it when
+        it holds older ones. `rng`: the random state the worker samples from (None: its own stream)."""
+        w = self._next_worker
+        self._next_worker = (w + 1) % len(self.workers)
+        worker = self.workers[w]
+        if self.versions[w] != version:
+            worker.push_weights(version, weights())
+            self.versions[w] = version
+        start, self._start_rng[w] = self._start_rng[w], None
+        rng = rng if rng is not None else start
+        job = RolloutJob(
+            key,
+            list(indices),
+            list(rows),
+            group_size,
+            version,
+            tuple(needs),
+            rng,
+            bool(self.cfg.score_in_worker),
+        )
+        self._pending[key] = job
+        self._assigned[key] = w
+        worker.submit(job)
+
+    def take(self, key: Key) -> tuple[RolloutResult, float]:
+        """The result of job `key` (submitted before) and the seconds this thread waited for it."""
+        if key not in self._pending:
+            raise AsyncWorkerError(f"no rollout job was submitted for step {key[0] + 1} round {key[1]}")
+        w = self._assigned[key]
+        t0 = time.perf_counter()
+        deadline = t0 + self.timeout_s
+        with self._cond:
+            while key not in self._results and ("error", 0) not in self._results:
+                problem = self.workers[w].problem()
+                if problem is not None and key not in self._results:
+                    raise AsyncWorkerError(
+                        f"{problem} while sampling step {key[0] + 1} round {key[1]}; the run stops (continue with "
+                        "--resume from the last checkpoint)"
+                    )
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise AsyncWorkerError(
+                        f"rollout worker {w} gave no result for step {key[0] + 1} round {key[1]} within "
+                        f"trainer.async.timeout_s={self.timeout_s:g} s"
+                    )
+                self._cond.wait(timeout=min(0.25, left))
+            item = self._results.pop(key, None) or self._results.pop(("error", 0))
+        del self._pending[key], self._assigned[key]
+        if isinstance(item, BaseException):
+            raise item
+        self.last_rng[w] = item.rng
+        return item, time.perf_counter() - t0
+
+    def close(self) -> None:
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                worker.close()
+
+
+def _seeded_rng_state(policy: Any, seed: int) -> dict[str, Any]:
+    """A random state for worker i > 0: this process's generators seeded with `seed` (restored after)."""
+    from mmalign.trainer import rng_state, set_rng_state, set_seed
+
+    keep = rng_state()
+    keep_policy = policy.rng_state()
+    try:
+        set_seed(seed)
+        state = {"global": rng_state(), "policy": _reseeded(keep_policy, seed)}
+    finally:
+        set_rng_state(keep)
+    return state
+
+
+def _reseeded(state: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The policy's private generator states (`Policy.rng_state`) replaced by those of generators seeded from
+    `seed`, so two workers do not draw the same noise."""
+    out: dict[str, Any] = {}
+    for k, (name, value) in enumerate(sorted(state.items())):
+        if isinstance(value, Tensor) and value.dtype == torch.uint8:
+            out[name] = torch.Generator().manual_seed((seed + 104729 * k) % 2**63).get_state()
+        else:
+            out[name] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- what the loss sees
+
+
+def behaviour_fields(
+    rollout: Rollout,
+    *,
+    staleness: int,
+    max_staleness: int,
+    need_logp_old: bool,
+    current_logprobs: Callable[[Rollout], Tensor],
+    recompute: bool = True,
+) -> Rollout:
+    """Set a worker rollout's ``logp_old`` (pi_old) and ``logp_sampler`` (the behaviour policy) for the loss.
+
+    The worker recorded ``logp_old`` with the weights it sampled with (and, with an engine, the engine's own
+    log-probs in ``logp_sampler``); the behaviour log-probs ``mu`` are the engine's when present, else the
+    worker's. With ``max_staleness = 0`` the fields are the synchronous trainer's (``logp_old`` kept only when
+    the run needs it). Otherwise ``logp_sampler = mu`` and ``logp_old`` is pi_old: with `recompute` (the
+    weights change within the update, or sequence-level weights over chunked actions) the worker's log-probs
+    when the weights did not change since sampling (``staleness = 0``), else `current_logprobs(rollout)` under
+    the trainer's weights; without it ``None``, which the loss reads as the detached log-probs of the update's
+    own forward pass, i.e. pi_old itself when the update makes one optimizer step (no extra forward pass). The
+    loss then applies the truncated importance weights ``min(exp(logp_old - mu), cap)``
+    (`mmalign.is_correction.tis_weights`)."""
+    if max_staleness == 0:
+        if staleness:
+            raise AsyncWorkerError(f"a rollout {staleness} step(s) stale with trainer.async.max_staleness=0")
+        if not need_logp_old:
+            rollout.logp_old = None
+        return rollout
+    if staleness > max_staleness:  # the schedule never submits this far ahead
+        raise AsyncWorkerError(
+            f"a rollout {staleness} steps stale exceeds trainer.async.max_staleness={max_staleness}"
+        )
+    mu = rollout.logp_sampler if rollout.logp_sampler is not None else rollout.logp_old
+    assert mu is not None
+    rollout.logp_sampler = mu.float().masked_fill(~rollout.mask, 0.0)
+    if not recompute:  # pi_old is the update's own first forward (one optimizer step per rollout)
+        rollout.logp_old = None
+    elif staleness:
+        rollout.logp_old = current_logprobs(rollout)
+    return rollout
