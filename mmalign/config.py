@@ -196,6 +196,12 @@ class AlgorithmConfig:
     reward_transforms: list[dict[str, Any]] = field(default_factory=list)
     """Reward transforms run before the estimator, in order (`mmalign.reward_transforms`): each
     ``{name: ..., column: <reward name or index, optional>, <options>}``."""
+    group_refill: dict[str, Any] = field(default_factory=dict)
+    """Refilling the all-fail groups of a round (`mmalign.group_refill.GroupRefill` keywords): ``hints: true``
+    re-rolls them with tiered hints in the prompt (``hint_column``, default ``hints``; else prefixes of the
+    ``reference_column`` answer at ``prefix_fractions``; ``hint_template``), ``replay: true`` injects the
+    prompt's best past success (R³, IS-weighted through ``rollout.is_correction``). ``{}``: off. A sample
+    succeeds when its combined reward is >= ``data.success_threshold``. Hints never reach evaluation."""
     loss: str = "ppo_clip"
     """Policy loss (`mmalign.losses`)."""
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -908,6 +914,11 @@ def _validate_async(cfg: Config, need: typing.Callable[[bool, str, str], None]) 
     need(c.max_staleness >= 0, "trainer.async.max_staleness", "must be >= 0")
     need(_finite(c.timeout_s) and c.timeout_s > 0, "trainer.async.timeout_s", "must be a finite number > 0")
     need(c.num_workers >= 1, "trainer.async.num_workers", "must be >= 1")
+    need(
+        not cfg.algorithm.group_refill,
+        "algorithm.group_refill",
+        "is not available with trainer.async yet: its hinted re-rolls sample in the trainer's process",
+    )
     need(
         c.backend == "ray" or (c.num_workers == 1 and c.ray_address is None and not c.worker_resources),
         "trainer.async.backend",

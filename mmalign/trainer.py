@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from mmalign import advantages as adv_lib
 from mmalign import distributed as dist_lib
 from mmalign import filters as filter_lib
+from mmalign import group_refill as refill_lib
 from mmalign import is_correction as isc
 from mmalign import losses as loss_lib
 from mmalign import prompt_samplers as sampler_lib
@@ -209,7 +210,9 @@ class GroupTrainer:
                 f"rewards, which {a.estimator!r} ignores; use an estimator that takes them "
                 f"({', '.join(n for n in adv_lib.names() if adv_lib.accepts_step_rewards(n))})"
             )
-        if self.estimator_takes_steps and not per_step:
+        # a rollout loop may write the step rewards itself (igpo: the policy's information gain per turn)
+        loop_steps = bool(getattr(getattr(self.policy, "loop", None), "gives_step_rewards", False))
+        if self.estimator_takes_steps and not per_step and not loop_steps:
             raise ConfigError(
                 f"{cfg.source}: key 'algorithm.estimator': {a.estimator!r} turns per-step (process) rewards into "
                 f"advantages, but no reward in 'rewards' declares per_step"
@@ -227,8 +230,33 @@ class GroupTrainer:
             f for spec in self.reward_transforms for f in rt_lib.context_fields(str(spec["name"]))
         }
         """The `EstimatorContext` fields this run fills (the estimator's and the reward transforms')."""
+        self.policy_shift = (
+            adv_lib.PolicyShiftMemory()
+            if "policy_shift" in self.context_fields and a.estimator_kwargs.get("rho_mode", "kl") == "kl"
+            else None
+        )
+        """SPO's KL-adaptive decay: each prompt's last response, re-scored at its next visit (policy_shift)."""
         self.loss_fn = loss_lib.get(a.loss)
-        self.loss_takes_group_std = "group_std" in loss_lib.options(a.loss)
+        loss_options = loss_lib.options(a.loss)
+        self.loss_takes_group_std = "group_std" in loss_options
+        self.loss_takes_entropy = "entropy" in loss_options
+        """The loss reads the per-action entropy (`ActionStats.entropy`; d3s's token selection)."""
+        self.loss_takes_progress = "total_steps" in loss_options
+        """The loss reads the training step and trainer.steps (d3s's relaxing keep fraction)."""
+        try:
+            self.group_refill = (
+                refill_lib.GroupRefill(
+                    **a.group_refill,
+                    success_threshold=cfg.data.success_threshold,
+                    weights=self.reward_set.weights.tolist(),
+                )
+                if a.group_refill
+                else None
+            )
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{cfg.source}: key 'algorithm.group_refill': {e}") from None
+        """Hints / R³ replay for all-fail groups (`mmalign.group_refill`); None when off."""
+        self._refill_stats: dict[str, float] = {}
         self.policy_loss = a.objective is not None
         """The policy computes each action's loss itself (`ActionStats.loss`; a forward-process objective)."""
         self.chunkable_loss = self.policy_loss or not loss_lib.couples_actions(a.loss)
@@ -283,6 +311,8 @@ class GroupTrainer:
             or a.filter == "replay"
             or self.policy.needs_logp_old
             or bool(self.context_fields & {"logp_old_mean", "logp_old_sum"})
+            or self.policy_shift is not None
+            or bool(a.group_refill.get("replay"))
         )
 
     def _set_prompt_sampler(self) -> None:
@@ -383,6 +413,12 @@ class GroupTrainer:
         rewards = rewards.to(rollout.group.device)
         rollout.rewards = rewards
         rollout.reward_names = list(self.reward_set.names)
+        if self.group_refill is not None:  # hints / replay for this process's all-fail groups
+            pids = [idx[int(g) - round_base] for g in rollout.group.tolist()]
+            rollout, rewards, self._refill_stats = self.group_refill.refill(
+                rollout, rewards, rollout.group, pids, self.rows, self._regenerate, self._current_logprobs
+            )
+            rollout.reward_names = list(self.reward_set.names)
         g_rewards, g_group = self._gather(rewards), self._gather(rollout.group)
         # callbacks that follow the rewards (curricula): the GLOBAL batch in global group order, so their
         # decisions are the same on every process and for any number of processes
@@ -394,6 +430,13 @@ class GroupTrainer:
         self.sampler.observe([idx[int(g) - round_base] for g in ids], rates, counts)
         g_prompt = torch.tensor([idx[int(g) - round_base] for g in g_group.tolist()], dtype=torch.long)
         return rollout, g_rewards, g_group, g_actions, g_prompt
+
+    def _regenerate(self, rows: list[dict[str, Any]], size: int) -> tuple[Rollout, Tensor]:
+        """`size` fresh samples of each of `rows` with the current weights, scored by the reward set (the
+        hinted re-rolls of `mmalign.group_refill`)."""
+        rollout = self.policy.rollout(rows, size, compute_logp=self.need_logp_old)
+        self.policy.materialize(rollout, self.reward_set.needs)
+        return rollout, self.reward_set(rollout).to(rollout.group.device)
 
     def _rows_of(self, idx: list[int]) -> list[dict[str, Any]]:
         """This process's dataset rows of a round's global prompt indices."""
@@ -543,6 +586,13 @@ class GroupTrainer:
             fields["prompt_ids"] = g_prompt
         if need & {"step", "total_steps"}:
             fields["step"], fields["total_steps"] = self.step, self.cfg.trainer.steps
+        if "policy_shift" in need and self.policy_shift is not None:
+            # this process's samples re-score their prompts' stored responses; exact with one process (with
+            # several, a prompt drawn by another process than at its last visit gets D = 0)
+            local = self._local_slice(g_prompt, len(rollout))
+            fields["policy_shift"] = self._gather(
+                self.policy_shift.shift(local, lambda item: self._current_logprobs(item)[0]).to(mask.device)
+            ).cpu()
         if "lengths" in need:
             fields["lengths"] = g_actions.double()
         if need & {"logp_old_mean", "logp_old_sum"}:
@@ -562,11 +612,10 @@ class GroupTrainer:
             fields["action_mask"] = self._gather_padded(mask.to(torch.uint8)).bool()
         if "turn_index" in need:  # padded with 0 after the +1: -1 (no action) again after the -1
             fields["turn_index"] = self._gather_padded(adv_lib.turns_from_mask(mask) + 1) - 1
-        for name in ("turn_state", "turn_rewards"):  # written by the environment into its per-sample state
+        # written by the environment into its per-sample state, under the keys "turn_states" / "turn_rewards"
+        for name, key in (("turn_state", "turn_states"), ("turn_rewards", "turn_rewards")):
             if name in need:
-                rows = [
-                    list(s.get(name + "s", [])) for s in rollout.outputs.get("env_state", [{}] * len(rollout))
-                ]
+                rows = [list(s.get(key, [])) for s in rollout.outputs.get("env_state", [{}] * len(rollout))]
                 width = max([len(r) for r in rows] + [1])
                 dtype = torch.long if name == "turn_state" else torch.float64
                 local = torch.zeros(len(rows), width, dtype=dtype)
@@ -652,6 +701,15 @@ class GroupTrainer:
             context = self._estimator_context(rollout, g_group, g_actions, g_prompt)
             adv, keep = self.compute_advantages(g_rewards, g_group, g_actions, g_steps, g_step_mask, context)
             n_local = len(rollout)
+            if self.policy_shift is not None:  # each prompt's first sample, for its next visit's policy_shift
+                local = self._local_slice(g_prompt, n_local).tolist()
+                first = list({x: i for i, x in reversed(list(enumerate(local)))}.values())
+                self.policy_shift.record(
+                    [local[i] for i in first],
+                    [rollout[[i]] for i in first],
+                    rollout.logp_old[first],
+                    rollout.mask[first],
+                )
             if self.loss_takes_group_std:  # etr: each sample's group reward std, for its macro trust region
                 total = adv_lib.combine_rewards(g_rewards, self.reward_set.weights.tolist())
                 ids, stds = filter_lib.group_std(total, g_group)
@@ -693,6 +751,7 @@ class GroupTrainer:
         stats = dict(first_stats)
         stats.update({k: float(v) for k, v in f.last_stats().items()})
         stats.update({k: float(v) for k, v in self.sampler.last_stats().items()})
+        stats.update(self._refill_stats)  # hints/groups, hints/success, replay/injected (the last round's)
         stats["filter/rounds"] = float(self._round)
         stats["filter/groups_used"] = float(n_use * self.world)
         return batch, stats
@@ -861,6 +920,10 @@ class GroupTrainer:
         loss_kwargs = dict(a.loss_kwargs)
         if self.loss_takes_group_std:
             loss_kwargs["group_std"] = mu.outputs["group_std"].to(logp.device)
+        if self.loss_takes_entropy:  # this chunk's entropies (action_stats scored the same columns)
+            loss_kwargs["entropy"] = None if stats.entropy is None else stats.entropy.to(dev)
+        if self.loss_takes_progress:
+            loss_kwargs["step"], loss_kwargs["total_steps"] = self.step, self.cfg.trainer.steps
         out = self.loss_fn(logp, logp_old, adv if adv.dim() == 1 else cols(adv), mask, **loss_kwargs)
         per_token, is_stats = out.per_token, {}
         if stats.loss_weights is not None:
@@ -1329,6 +1392,7 @@ class GroupTrainer:
                     "sampler": self.sampler.state_dict(),
                     "filter": self.group_filter.state_dict(),
                     "estimator": None if self.estimator_state is None else self.estimator_state.state_dict(),
+                    "group_refill": None if self.group_refill is None else self.group_refill.state_dict(),
                     "callbacks": [
                         cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
                     ],
@@ -1393,6 +1457,8 @@ class GroupTrainer:
         self.group_filter.load_state_dict(state["filter"])
         if self.estimator_state is not None and state.get("estimator") is not None:
             self.estimator_state.load_state_dict(state["estimator"])
+        if self.group_refill is not None and state.get("group_refill") is not None:
+            self.group_refill.load_state_dict(state["group_refill"])
         for cb, s in zip(self.callbacks, state["callbacks"], strict=False):
             if s is not None and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(s)

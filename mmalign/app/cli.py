@@ -3,7 +3,7 @@
     mmalign train CONFIG.yaml [key.sub=value ...] [--resume]
     mmalign sample CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--prompt TEXT ...] [-n N]
     mmalign eval CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--no-base]
-    mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps]
+    mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps|loops]
     mmalign plan CONFIG.yaml [key.sub=value ...] [--gpus N --gpu h100|h200|... --gpu-memory 80GiB --strategy ddp|fsdp2]
     mmalign probe CONFIG.yaml [key.sub=value ...] [-n PROMPTS] [--group-sizes 4,8,16,32] [--json PATH]
     mmalign parity CONFIG.yaml [key.sub=value ...] [-n PROMPTS] [--microbatch-sizes 1,2,4] [--precisions fp32,bf16,fp16]
@@ -396,6 +396,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         _list_section(
             "filters (algorithm.filter)", [(n, filters.FILTERS.describe(n)) for n in filters.names()]
         )
+    if what in ("loops", "all"):
+        from mmalign import rollout_loops
+
+        _list_section(
+            "rollout loops (rollout.loop)",
+            [(n, rollout_loops.LOOPS.describe(n)) for n in sorted(rollout_loops.LOOPS.names())],
+        )
     return 0
 
 
@@ -470,7 +477,17 @@ def build_parser() -> argparse.ArgumentParser:
         "what",
         nargs="?",
         default="all",
-        choices=["pipelines", "rewards", "estimators", "losses", "filters", "samplers", "steps", "all"],
+        choices=[
+            "pipelines",
+            "rewards",
+            "estimators",
+            "losses",
+            "filters",
+            "samplers",
+            "steps",
+            "loops",
+            "all",
+        ],
     )
     ls.set_defaults(func=cmd_list)
 

@@ -10,7 +10,7 @@ import yaml
 import pipelines
 import pipelines.text_reasoning
 import rewards
-from mmalign import advantages, filters, flow_objectives, losses, reward_transforms, sde
+from mmalign import advantages, filters, flow_objectives, losses, reward_transforms, rollout_loops, sde
 from mmalign import prompt_samplers as samplers
 from mmalign.app.cli import main
 from mmalign.config import ConfigError
@@ -34,6 +34,7 @@ SECTIONS = {
     "filters": ["filters (algorithm.filter)"],
     "samplers": ["prompt samplers (data.sampler)"],
     "steps": ["denoising steps (mmalign.sde.step)"],
+    "loops": ["rollout loops (rollout.loop)"],
 }
 
 
@@ -51,6 +52,7 @@ def registered() -> dict[str, list[str]]:
         "filters (algorithm.filter)": filters.names(),
         "prompt samplers (data.sampler)": samplers.names(),
         "denoising steps (mmalign.sde.step)": sde.names(),
+        "rollout loops (rollout.loop)": sorted(rollout_loops.LOOPS.names()),
     }
 
 

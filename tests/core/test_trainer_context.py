@@ -7,7 +7,6 @@ import json
 import math
 from pathlib import Path
 
-import pytest
 import torch
 
 import pipelines
@@ -68,12 +67,6 @@ def test_spo_with_its_sampler_trains_and_resumes_exactly(random_text_model_dir, 
     s1, s2 = full.estimator_state.state_dict(), resumed.estimator_state.state_dict()
     for k in ("ids", "alpha", "beta", "visits"):
         assert torch.equal(s1[k], s2[k])
-
-
-def test_spo_kl_mode_names_the_missing_field(random_text_model_dir, tmp_path):
-    t = make(cfg(random_text_model_dir, tmp_path / "run", estimator="spo"))
-    with pytest.raises(Exception, match="policy_shift"):
-        t.train()
 
 
 def test_unlikeliness_transform_uses_logp_old(random_text_model_dir, tmp_path):
