@@ -73,6 +73,13 @@ def test_config_key_and_validation(random_text_model_dir: Path, tmp_path: Path) 
         )
     with pytest.raises(ConfigError, match="unknown key 'trainer.async.staleness'"):
         make_cfg(random_text_model_dir, tmp_path / "r", trainer={"async": {"staleness": 1}})
+    with pytest.raises(ConfigError, match="algorithm.group_refill"):  # hints re-roll in the trainer's process
+        make_cfg(
+            random_text_model_dir,
+            tmp_path / "r",
+            trainer={"async": {"max_staleness": 1}},
+            algorithm={"group_refill": {"hints": True}},
+        )
 
 
 def test_k0_equals_the_synchronous_trainer_bit_for_bit(random_text_model_dir: Path, tmp_path: Path) -> None:
