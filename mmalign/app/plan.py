@@ -957,8 +957,33 @@ def diffusion_model(cfg: Config, spec: ModelSpec, dtype: torch.dtype) -> torch.n
     model = build_meta(den, dtype)
     if not add_lora(model, cfg.model.lora, _lora_targets_diffusion(den.cls)):
         model.requires_grad_(True)
+    if cfg.model.gradient_checkpointing and getattr(model, "_supports_gradient_checkpointing", False):
+        model.enable_gradient_checkpointing()  # as `DenoisingPolicy.set_gradient_checkpointing`
     model.train()
     return model
+
+
+def rollout_chunk(cfg: Config, local_batch: int) -> int:
+    """Samples a diffusion rollout denoises at once: ``rollout.batch_size`` rounded down to whole groups (at
+    least one), as `mmalign.policies.denoising.DenoisingPolicy.rollout`; null: all local samples."""
+    k = cfg.rollout.batch_size
+    if k is None or local_batch <= k:
+        return local_batch
+    g = cfg.rollout.group_size
+    return min(local_batch, max(1, k // g) * g)
+
+
+def vae_decode_rows(cfg: Config, spec: ModelSpec, local_batch: int) -> int:
+    """Samples the VAE decodes at once in the rollout (``options.vae_decode_batch``, as
+    `mmalign.policies.denoising.DenoisingPolicy.decode_chunk`: ``auto`` is 1 video clip or 8 images; null: all
+    local samples)."""
+    from mmalign.policies.denoising import AUTO_DECODE_IMAGES, AUTO_DECODE_VIDEOS
+
+    k = _opt(cfg, "vae_decode_batch", "auto")
+    if k == "auto":
+        video = spec.components[spec.denoiser].cls.startswith("Wan")
+        k = AUTO_DECODE_VIDEOS if video else AUTO_DECODE_IMAGES
+    return local_batch if k is None else max(1, min(int(k), local_batch))
 
 
 def _frozen_components(
@@ -1055,7 +1080,7 @@ def plan_diffusion(
     cdtype = _compute_dtype(cfg)
     lora = cfg.model.lora
     lora_key = (lora.enabled, lora.r, lora.alpha, str(lora.target_modules)) if lora.enabled else (False,)
-    base_key = (cfg.model.name_or_path, spec.origin, lora_key)
+    base_key = (cfg.model.name_or_path, spec.origin, lora_key, bool(cfg.model.gradient_checkpointing))
     model = _memo(("model", *base_key, str(dtype)), lambda: diffusion_model(cfg, spec, dtype))
     frozen, vae = _memo(
         ("frozen", cfg.model.name_or_path, str(dtype), bool(_opt(cfg, "load_t5", True))),
@@ -1078,7 +1103,10 @@ def plan_diffusion(
             f"in {str(cdtype).removeprefix('torch.')} plus half-precision copies of the matmul weights"
         )
     mb = b.microbatch
-    rows = mb * sh.train_branches
+    # two-branch CFG with ``detach_uncond`` (the default): the unconditional branch runs without a graph, so the
+    # backward keeps one branch per sample (`FlowMatchingPolicy.predict`, `DDIMPolicy.predict`)
+    detach = sh.train_branches == 2 and bool(_opt(cfg, "detach_uncond", True))
+    rows = mb * (1 if detach else sh.train_branches)
     # two trained steps of one row, kept for one backward: what one more step keeps is the difference
     shape_key = (*base_key, str(cdtype), sh.latent, sh.text_tokens, sh.reference_tokens, cfg.pipeline)
     rec, f2, kept = _memo(
@@ -1099,20 +1127,23 @@ def plan_diffusion(
     where += f"; {kept_steps} of {steps} trained step(s) x {rows} rows kept for one backward"
     f1 = f2 / 2
     train_flops = f1 * rows * steps * b.forwards_with_grad
-    if cfg.algorithm.kl_coef > 0:  # the reference forward of each trained step (no grad)
-        train_flops += f1 / 3 * rows * steps * b.forwards_with_grad
-    # rollout: all local samples at once, every denoising step, no grad
-    roll_rows = b.local_batch * sh.rollout_branches
+    # rollout: the local samples in chunks of whole groups (rollout.batch_size), every denoising step, no grad
+    chunk = rollout_chunk(cfg, b.local_batch)
+    roll_rows = chunk * sh.rollout_branches
     rec_r, f_r, _ = _memo(
         ("rollout", *shape_key), lambda: _denoiser_pass(sim, spec, sh, 1, cdtype, grad=False, steps=1)
     )
+    if detach:  # the unconditional branch's forward without grad
+        train_flops += f_r * mb * steps * b.forwards_with_grad
+    if cfg.algorithm.kl_coef > 0:  # the reference forward of each trained step (no grad, both CFG branches)
+        train_flops += f_r * mb * sh.train_branches * steps * b.forwards_with_grad
     fwd_row = rec_r.peaks["train"].total
     latent_bytes = math.prod(sh.latent) * 4
     stored = b.local_batch * latent_bytes * (2 * sh.trained_steps + 2)
     vae_peak, vae_flops = _memo(
         ("vae", cfg.model.name_or_path, sh.latent), lambda: _vae_decode_bytes(vae, sh, [])
     )
-    decode_rows = b.local_batch
+    decode_rows = vae_decode_rows(cfg, spec, b.local_batch)
     rollout_weights = st.weights + (st.block if hw.shards > 1 else 0)
     if hw.offload:
         rollout_weights = st.block
@@ -1122,13 +1153,14 @@ def plan_diffusion(
         [
             (
                 denoise,
-                f"denoiser forward on {roll_rows} rows (all local samples{' x 2 CFG branches' if sh.rollout_branches == 2 else ''})",
+                f"denoiser forward on {roll_rows} rows ({'all' if chunk == b.local_batch else chunk} of "
+                f"{b.local_batch} local samples{' x 2 CFG branches' if sh.rollout_branches == 2 else ''})",
             ),
-            (decode, f"VAE decode of {decode_rows} samples at once"),
+            (decode, f"VAE decode of {decode_rows} of {b.local_batch} samples at once"),
         ],
         key=lambda x: x[0].total,
     )
-    roll_flops = f_r * roll_rows * sh.num_steps + vae_flops * decode_rows
+    roll_flops = f_r * b.local_batch * sh.rollout_branches * sh.num_steps + vae_flops * b.local_batch
     s = torch.finfo(cdtype).bits // 8
     peak_flops = hw.device.flops_bf16 if s == 2 else hw.device.flops_fp32
     t_train = train_flops / (hw.mfu * peak_flops)
@@ -1141,9 +1173,13 @@ def plan_diffusion(
         trained_steps=sh.trained_steps,
         steps_per_backward=kept_steps,
         cfg_branches_train=sh.train_branches,
+        cfg_branches_kept=rows // mb,
         microbatch=mb,
         microbatches_per_step=b.forwards_with_grad,
         rollout_rows=roll_rows,
+        rollout_batch=chunk,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        vae_decode_batch=decode_rows,
     )
     train = Phase("train", train_mem, where, train_flops, t_train)
     roll = Phase("rollout", roll_mem, roll_where, roll_flops, t_roll)
@@ -1207,6 +1243,13 @@ def _with(cfg: Config, **changes: Any) -> Config:
     return new
 
 
+def _generation_batches(current: int, unit: int) -> list[int]:
+    """Smaller ``rollout.batch_size`` values to try: halvings of `current`, as multiples of `unit` (a diffusion
+    rollout is chunked by whole groups), largest first."""
+    out = sorted({max(unit, (current // 2**k) // unit * unit) for k in range(1, 6)}, reverse=True)
+    return [g for g in out if 1 <= g < current]
+
+
 def _axes(
     cfg: Config, hw: Hardware, *, train: bool = True, rollout: bool = True
 ) -> list[list[tuple[str, list[str], Config, Hardware]]]:
@@ -1233,7 +1276,7 @@ def _axes(
             if m >= 1 and (m == 1 or m < mb)
         ]
     )
-    if train and not diffusion and not cfg.model.gradient_checkpointing:
+    if train and not cfg.model.gradient_checkpointing:
         axes.append(
             [
                 (
@@ -1244,7 +1287,7 @@ def _axes(
                 )
             ]
         )
-    if not diffusion and rollout:
+    if rollout:
         gb = cfg.rollout.batch_size or b.local_batch
         axes.append(
             [
@@ -1254,8 +1297,21 @@ def _axes(
                     _with(cfg, rollout__batch_size=g),
                     hw,
                 )
-                for g in (gb // 2**k for k in range(1, 6))
-                if g >= 1
+                for g in _generation_batches(gb, cfg.rollout.group_size if diffusion else 1)
+            ]
+        )
+    if diffusion and rollout:
+        k = vae_decode_rows(cfg, spec, b.local_batch)
+        axes.append(
+            [
+                (
+                    f"options.vae_decode_batch {k} -> {n}",
+                    [f"options.vae_decode_batch={n}"],
+                    _with(cfg, options__vae_decode_batch=n),
+                    hw,
+                )
+                for n in (k // 2**j for j in range(1, 5))
+                if n >= 1
             ]
         )
     if diffusion and train:

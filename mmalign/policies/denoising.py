@@ -42,6 +42,8 @@ from mmalign.policies.base import ActionStats, Policy, RunInfo
 from mmalign.schedules import SlidingWindow
 
 __all__ = [
+    "AUTO_DECODE_IMAGES",
+    "AUTO_DECODE_VIDEOS",
     "CPS_LOG_PROBS",
     "FLOW_SDE_KINDS",
     "SDE_KINDS",
@@ -61,6 +63,11 @@ CPS_LOG_PROBS = sde.LOG_PROB_FORMS
 """How a ``cps`` step is scored: ``squared_error`` (Flow-GRPO, default) or ``gaussian``."""
 WINDOW_MODES = ("random", "sliding")
 _NOISE_NAMES = {"flow_sde": "noise level a", "cps": "noise level a", "dance": "eta", "ddim": "eta"}
+AUTO_DECODE_IMAGES = 8
+"""``vae_decode_batch: auto``: images decoded per VAE call."""
+AUTO_DECODE_VIDEOS = 1
+"""``vae_decode_batch: auto``: video clips decoded per VAE call (one 81 x 480 x 832 clip through the Wan VAE
+keeps several GiB of temporaries)."""
 _EMBED_CACHE_SIZE = 10_000
 """Distinct prompts whose encodings are kept (further prompts are encoded on every use)."""
 
@@ -144,6 +151,11 @@ class SamplerSettings:
     guard_grad_reweight: bool = False
     """GRPO-Guard's gradient reweighting (flow sde kinds): the policy loss of each trained step times
     1 / (sigma - sigma'), the step's 1 / |dt|, so every step pulls with a similar gradient magnitude."""
+    vae_decode_batch: int | str | None = "auto"
+    """Samples the VAE decodes at once when a reward needs pixels (`DenoisingPolicy.decode`): an int k decodes
+    chunks of k samples (the same pixels as one call; peak memory of the decode is that of k samples);
+    ``auto`` (default): `AUTO_DECODE_IMAGES` images or `AUTO_DECODE_VIDEOS` clip at a time; null: every sample of
+    the rollout in one call."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -192,6 +204,15 @@ class SamplerSettings:
             raise ValueError(
                 f"steps_per_backward must be >= 1 (null: one backward for all steps), got {self.steps_per_backward}"
             )
+        if self.vae_decode_batch is not None and self.vae_decode_batch != "auto":
+            if isinstance(self.vae_decode_batch, bool) or not isinstance(self.vae_decode_batch, int):
+                raise ValueError(
+                    f"vae_decode_batch must be an int >= 1, 'auto' or null, got {self.vae_decode_batch!r}"
+                )
+            if self.vae_decode_batch < 1:
+                raise ValueError(
+                    f"vae_decode_batch must be >= 1 ('auto' or null: all at once), got {self.vae_decode_batch}"
+                )
         if self.sde_kind == "ddim" and (self.guard_ratio_norm or self.guard_grad_reweight):
             raise ValueError(
                 "guard_ratio_norm and guard_grad_reweight (GRPO-Guard) are for the flow sde kinds "
@@ -284,6 +305,15 @@ def mean_kl(mean: Tensor, ref_mean: Tensor, kl_std: Tensor) -> Tensor:
     return diff.mean(dim=tuple(range(1, diff.ndim))) / (2 * std2)
 
 
+def _checkpointable(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost diffusers models under `module` (itself included) that support gradient checkpointing."""
+    if getattr(module, "_supports_gradient_checkpointing", False) and hasattr(
+        module, "enable_gradient_checkpointing"
+    ):
+        return [module]
+    return [m for child in module.children() for m in _checkpointable(child)]
+
+
 def _add_shift(delta: Tensor) -> sde.MeanShift:
     return lambda mean, std: mean + delta
 
@@ -327,6 +357,7 @@ class DenoisingPolicy(Policy):
     steps_per_backward = _Setting()
     guard_ratio_norm = _Setting()
     guard_grad_reweight = _Setting()
+    vae_decode_batch = _Setting()
 
     noise_level_key = "options.noise_level"
     """The config key of ``noise_level`` in the pipelines that build this policy (named by `setup`'s refusal)."""
@@ -371,6 +402,12 @@ class DenoisingPolicy(Policy):
         self.ref_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if need_reference and not lora else None
         )
+        self.rollout_batch_size: int | None = None
+        """Samples a rollout denoises at once (``rollout.batch_size``, set by `setup`; whole groups, at least one;
+        None: the whole batch)."""
+        self.gradient_checkpointing = False
+        """Whether the denoiser checkpoints its activations in the training forward (`set_gradient_checkpointing`;
+        ``model.gradient_checkpointing``, applied by `setup`)."""
         self.train_step = 0
         """The trainer's step, set by `on_train_step` (drives the sliding window)."""
         self.window_schedule: SlidingWindow | None = None
@@ -383,14 +420,53 @@ class DenoisingPolicy(Policy):
 
     def setup(self, run: RunInfo) -> None:
         """Refuse a rollout engine (`Policy.setup`) and training with ``noise_level`` 0: the deterministic ODE
-        has no log-probs (it is for `mmalign sample` / `mmalign eval`)."""
+        has no log-probs (it is for `mmalign sample` / `mmalign eval`); turn on activation checkpointing of the
+        denoiser with ``model.gradient_checkpointing`` (`set_gradient_checkpointing`); take ``rollout.batch_size``
+        as the samples a rollout denoises at once (`rollout_batch_size`)."""
         super().setup(run)
+        self._setup_memory(run)
         if self.sampler.deterministic:
             raise ConfigError(
                 f"{run.cfg.source}: key '{self.noise_level_key}': 0 samples the deterministic ODE, which has no "
                 f"log-probs to train; set it > 0 for training ('options.eval_noise_level' chooses how "
                 "`mmalign sample` and `mmalign eval` sample, the ODE by default)"
             )
+
+    def _setup_memory(self, run: RunInfo) -> None:
+        """``rollout.batch_size`` (`rollout_batch_size`) and, when ``model.gradient_checkpointing`` is true,
+        `set_gradient_checkpointing`."""
+        batch = getattr(getattr(run.cfg, "rollout", None), "batch_size", None)
+        self.rollout_batch_size = None if batch is None else int(batch)
+        if getattr(getattr(run.cfg, "model", None), "gradient_checkpointing", False):
+            try:
+                self.set_gradient_checkpointing(True)
+            except ValueError as e:
+                raise ConfigError(f"{run.cfg.source}: key 'model.gradient_checkpointing': {e}") from None
+
+    def set_gradient_checkpointing(self, enable: bool = True) -> None:
+        """Activation checkpointing of the denoiser(s) in ``model`` (both experts of a `WanExperts`): diffusers'
+        ``enable_gradient_checkpointing()`` on every outermost diffusers model inside it, so each transformer
+        block / UNet block keeps only its inputs and is recomputed in the backward. It acts where grad is enabled
+        only (the training forward of `action_stats`); the rollout and the reference forwards run without grad
+        and are unchanged. The gradient is the same as without. A denoiser that does not support it is a
+        ValueError."""
+        found = _checkpointable(self.model)
+        if not found:
+            raise ValueError(
+                f"the denoiser {type(self.model).__name__} holds no diffusers model that supports gradient "
+                "checkpointing (_supports_gradient_checkpointing)"
+            )
+        for m in found:
+            if enable:
+                m.enable_gradient_checkpointing()
+            else:
+                m.disable_gradient_checkpointing()
+        self.gradient_checkpointing = bool(enable)
+
+    @property
+    def checkpointing_denoisers(self) -> list[torch.nn.Module]:
+        """The diffusers models `set_gradient_checkpointing` switches (outermost first)."""
+        return _checkpointable(self.model)
 
     # ------------------------------------------------------------------ evaluation sampler
     def sampler_description(self) -> dict[str, Any]:
@@ -619,7 +695,36 @@ class DenoisingPolicy(Policy):
 
     @torch.no_grad()
     def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
-        """Sample `group_size` latents for each row's ``prompt`` (see `Policy.rollout`)."""
+        """Sample `group_size` latents for each row's ``prompt`` (see `Policy.rollout`). With
+        ``rollout_batch_size`` (``rollout.batch_size``, set by `setup`) smaller than the batch, the rows are
+        sampled in chunks of whole groups, at most that many samples each (at least one group), and the chunks
+        concatenated; the trained steps (a window's start included) are drawn once for the whole batch."""
+        b = len(rows) * group_size
+        k = getattr(self, "rollout_batch_size", None)
+        if k is None or b <= k:
+            return self._rollout_chunk(rows, group_size, compute_logp=compute_logp)
+        ode = self.sampler.deterministic
+        steps = torch.zeros((b, 0), dtype=torch.long) if ode else self._trained_steps(b)
+        per = max(1, k // group_size)
+        parts = []
+        for start in range(0, len(rows), per):
+            chunk = rows[start : start + per]
+            lo, hi = start * group_size, (start + len(chunk)) * group_size
+            part = self._rollout_chunk(chunk, group_size, compute_logp=compute_logp, steps=steps[lo:hi])
+            part.group = part.group + start
+            parts.append(part)
+        return Rollout.cat(parts)
+
+    @torch.no_grad()
+    def _rollout_chunk(
+        self,
+        rows: list[dict[str, Any]],
+        group_size: int,
+        *,
+        compute_logp: bool = True,
+        steps: Tensor | None = None,
+    ) -> Rollout:
+        """`rollout` of `rows` in one batch; `steps` Long[B, T]: the trained steps (None: drawn here)."""
         prompts, group, columns = group_fields(rows, group_size)
         b, dev = len(prompts), self.device
         cond = self.conditioning(prompts)
@@ -636,7 +741,8 @@ class DenoisingPolicy(Policy):
                 f"schedule() returned {tuple(table)}, expected schedule_keys {self.schedule_keys}"
             )
         ode = self.sampler.deterministic  # noise_level 0: every step is an ODE step, nothing is recorded
-        steps = torch.zeros((b, 0), dtype=torch.long) if ode else self._trained_steps(b)
+        if steps is None:
+            steps = torch.zeros((b, 0), dtype=torch.long) if ode else self._trained_steps(b)
         t = steps.shape[1]
         n_sde, off = self._num_trainable_steps(), self._trainable_offset()
         window = set(steps[0].tolist()) if self.window_size is not None and not ode else None
@@ -742,10 +848,22 @@ class DenoisingPolicy(Policy):
     @torch.no_grad()
     def decode(self, rollout: Rollout) -> Tensor:
         """Pixels in [0, 1] of ``outputs["latents"]`` (`decode_latents`), also stored as ``outputs["images"]``
-        (Float[B,3,H,W]) or, for video latents, ``outputs["videos"]`` (Float[B,F,3,H,W])."""
-        pixels = self.decode_latents(rollout.outputs["latents"].to(self.device))
+        (Float[B,3,H,W]) or, for video latents, ``outputs["videos"]`` (Float[B,F,3,H,W]). The VAE sees
+        `decode_chunk` samples at a time (``vae_decode_batch``); the pixels are those of one call."""
+        z = rollout.outputs["latents"]
+        k = self.decode_chunk(z.ndim == 5)
+        parts = [self.decode_latents(c.to(self.device)) for c in (z.split(k) if k else [z])]
+        pixels = parts[0] if len(parts) == 1 else torch.cat(parts)
         rollout.outputs["videos" if pixels.ndim == 5 else "images"] = pixels
         return pixels
+
+    def decode_chunk(self, video: bool) -> int | None:
+        """Samples per VAE call of `decode` (``vae_decode_batch``; ``auto``: `AUTO_DECODE_VIDEOS` clips when
+        `video`, else `AUTO_DECODE_IMAGES` images); None: all at once."""
+        k = self.sampler.vae_decode_batch
+        if k == "auto":
+            return AUTO_DECODE_VIDEOS if video else AUTO_DECODE_IMAGES
+        return k
 
     def decode_latents(self, z: Tensor) -> Tensor:
         """Pixels in [0, 1] on the CPU: the VAE decodes ``z / scaling_factor + shift_factor`` of image latents

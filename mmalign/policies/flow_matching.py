@@ -328,13 +328,15 @@ class FlowMatchingPolicy(DenoisingPolicy):
         rollouts keep only clean latents (`forward_process.sample_clean` with ``algorithm.solver``; ``euler``
         and ``dpm2`` need no noise, so ``noise_level`` 0 is allowed), one action per training sigma
         (``algorithm.timesteps`` over the objective's defaults), and ``algorithm.old_policy`` builds the
-        old-policy EMA, which `callbacks` hands to the trainer (updated after every step, checkpointed)."""
+        old-policy EMA, which `callbacks` hands to the trainer (updated after every step, checkpointed). Both
+        paths apply ``model.gradient_checkpointing`` and ``rollout.batch_size`` (`DenoisingPolicy.setup`)."""
         a = run.cfg.algorithm
         objective = getattr(a, "objective", None)
         if objective is None:
             super().setup(run)
             return
         Policy.setup(self, run)
+        self._setup_memory(run)
         src = run.cfg.source
         if a.solver == "sde" and self.sampler.deterministic:
             raise ConfigError(
@@ -377,17 +379,25 @@ class FlowMatchingPolicy(DenoisingPolicy):
 
     def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
         """The policy-gradient rollout (`DenoisingPolicy.rollout`), or, with an objective, clean latents only
-        (`forward_process.sample_clean`; nothing to score, `compute_logp` is ignored)."""
+        (`forward_process.sample_clean`; nothing to score, `compute_logp` is ignored), sampled in chunks of whole
+        groups of at most ``rollout_batch_size`` samples (``rollout.batch_size``)."""
         if self.objective is None:
             return super().rollout(rows, group_size, compute_logp=compute_logp)
-        return fp.sample_clean(
-            self,
-            rows,
-            group_size,
-            num_actions=self.num_objective_actions,
-            solver=self.solver,
-            weights=self.old_policy if self.sample_with_old else None,
-        )
+        k = getattr(self, "rollout_batch_size", None)
+        per = len(rows) if k is None else max(1, k // group_size)  # whole groups, as the SDE path
+        parts = []
+        for start in range(0, len(rows), per):
+            part = fp.sample_clean(
+                self,
+                rows[start : start + per],
+                group_size,
+                num_actions=self.num_objective_actions,
+                solver=self.solver,
+                weights=self.old_policy if self.sample_with_old else None,
+            )
+            part.group = part.group + start
+            parts.append(part)
+        return Rollout.cat(parts)
 
     def action_stats(self, rollout: Rollout, *, actions: Tensor | None = None) -> ActionStats:
         """Log-probs of the stored SDE steps (`DenoisingPolicy.action_stats`), or, with an objective, its

@@ -352,3 +352,114 @@ def test_real_config_plans_from_the_table(
     assert rc == 0, out
     assert "(table)" in out
     assert math.isfinite(float(out.split("peak ")[1].split(" ")[0]))
+
+
+# ----------------------------------------------------------------------------- diffusion: checkpointing, VAE decode
+def _bench() -> object:
+    """`benchmarks/bench_denoiser_memory.py` (the harness: an SD3.5-medium-width transformer in the tiny SD3
+    folder, one `GroupTrainer.update` measured with torch's CPU memory profiler)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_denoiser_memory", REPO / "benchmarks/bench_denoiser_memory.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def sd35m_two_blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SD3.5-medium's transformer widths (24 x 64 heads, dual attention in the first block), 2 joint blocks,
+    32 x 32 latents (256 image tokens), in the tiny three-encoder SD3 folder."""
+    return _bench().build_folder(tmp_path_factory.mktemp("models") / "sd35m-2blocks", latent=32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointing"])
+def test_cpu_diffusion_step_peak_within_15_percent(
+    sd35m_two_blocks: Path, tmp_path: Path, ckpt: bool
+) -> None:
+    """The planner's training-step peak of a diffusion config (LoRA, CFG 4.5 with the unconditional branch
+    detached, 2 of 4 samples per microbatch, one backward per trained step) against torch's CPU profiler over
+    one `GroupTrainer.update`, with and without the denoiser's activation checkpointing."""
+    bench = _bench()
+    cfg = bench.make_config(sd35m_two_blocks, tmp_path, ckpt=ckpt, lora=True, micro=2, group=4, steps=2)
+    measured = bench.measured_step_peak(cfg)
+    predicted = bench.planned_step_peak(cfg)
+    print(f"checkpointing={ckpt}: measured {measured / 2**20:.1f} MiB, planned {predicted / 2**20:.1f} MiB")
+    assert abs(predicted / measured - 1) <= 0.15, (predicted / 2**20, measured / 2**20)
+
+
+def _real(name: str, *overrides: str) -> object:
+    import pipelines
+    from mmalign.config import load_config
+
+    return load_config(str(REPO / "configs" / name), list(overrides), pipeline_finder=pipelines.find)
+
+
+def test_denoiser_checkpointing_lowers_the_planned_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.gradient_checkpointing`` on a diffusion config keeps less for the backward (SD3.5-medium at 512 px:
+    by more than half) and adds the recomputed forward to the FLOPs."""
+    monkeypatch.chdir(REPO)
+    hw = plan_mod.Hardware(plan_mod.DEVICES["h100"])
+    plain = plan_mod.plan(_real("text_to_image.yaml", "model.gradient_checkpointing=false"), hw)
+    ckpt = plan_mod.plan(_real("text_to_image.yaml", "model.gradient_checkpointing=true"), hw)
+    assert ckpt.shapes["gradient_checkpointing"] and not plain.shapes["gradient_checkpointing"]
+    assert ckpt.train.memory.activations < 0.5 * plain.train.memory.activations
+    assert ckpt.train.memory.weights == plain.train.memory.weights
+    assert plain.train.flops < ckpt.train.flops < 2 * plain.train.flops
+    assert ckpt.rollout.memory.total == plain.rollout.memory.total  # the rollout has no grad
+
+
+def test_vae_decode_batch_sets_the_planned_decode() -> None:
+    """``options.vae_decode_batch``: the rollout decodes that many samples at once (auto: 8 images, 1 clip;
+    null: all), so the decode's temporaries scale with it."""
+    spec = plan_mod.resolve_model("stabilityai/stable-diffusion-3.5-medium")
+    video = plan_mod.resolve_model("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+    cfg = _real("text_rendering.yaml")
+    assert plan_mod.vae_decode_rows(cfg, spec, 256) == 8
+    assert plan_mod.vae_decode_rows(cfg, video, 16) == 1
+    assert (
+        plan_mod.vae_decode_rows(_real("text_rendering.yaml", "options.vae_decode_batch=null"), spec, 256)
+        == 256
+    )
+    assert plan_mod.vae_decode_rows(_real("text_rendering.yaml", "options.vae_decode_batch=4"), spec, 2) == 2
+    hw = plan_mod.Hardware(plan_mod.DEVICES["h100"])
+    at_once = plan_mod.plan(_real("text_rendering.yaml", "options.vae_decode_batch=null"), hw)
+    chunked = plan_mod.plan(_real("text_rendering.yaml", "options.vae_decode_batch=1"), hw)
+    assert "VAE decode of 256 of 256 samples" in at_once.rollout.where
+    assert "VAE decode" not in chunked.rollout.where  # the denoiser's forward is the rollout's peak now
+    assert chunked.rollout.memory.activations < at_once.rollout.memory.activations / 3
+    assert chunked.rollout.flops == pytest.approx(at_once.rollout.flops)
+
+
+def test_fixes_of_a_diffusion_config_include_checkpointing_and_decode_chunks() -> None:
+    """A diffusion config that does not fit a small device is offered denoiser checkpointing (training) and
+    smaller VAE decode chunks (rollout), each planned again under the device memory."""
+    cfg = _real("safe_diffusion.yaml", "options.vae_decode_batch=null")
+    full = plan_mod.plan(cfg, plan_mod.Hardware(plan_mod.DEVICES["h100"]))
+    small = plan_mod.replace(plan_mod.DEVICES["h100"], memory=int(full.train.memory.total * 0.8))
+    hw = plan_mod.Hardware(small)
+    descriptions = [d for axis in plan_mod._axes(cfg, hw) for d, *_ in axis]
+    assert "gradient checkpointing on" in descriptions
+    assert any(d.startswith("options.vae_decode_batch 128 -> 64") for d in descriptions)
+    fixes = plan_mod.suggest_fixes(cfg, hw)
+    assert fixes and all(f.peak <= small.memory for f in fixes)
+
+
+def test_diffusion_rollout_batch_is_whole_groups() -> None:
+    """``rollout.batch_size`` of a diffusion config: the rollout denoises that many samples at once, rounded down to
+    whole groups (at least one), as `DenoisingPolicy.rollout`; the FLOPs are those of every sample."""
+    cfg = _real("text_to_image.yaml", "rollout.batch_size=40")  # group_size 16: 2 groups at a time
+    assert plan_mod.rollout_chunk(cfg, 768) == 32
+    assert plan_mod.rollout_chunk(_real("text_to_image.yaml", "rollout.batch_size=3"), 768) == 16
+    assert plan_mod.rollout_chunk(_real("text_to_image.yaml", "rollout.batch_size=null"), 768) == 768
+    assert plan_mod.rollout_chunk(cfg, 24) == 24
+    hw = plan_mod.Hardware(plan_mod.DEVICES["h100"])
+    whole = plan_mod.plan(_real("text_to_image.yaml", "rollout.batch_size=null"), hw)
+    chunked = plan_mod.plan(cfg, hw)
+    assert whole.shapes["rollout_rows"] == 1536 and chunked.shapes["rollout_rows"] == 64
+    assert chunked.rollout.memory.total < whole.rollout.memory.total
+    assert chunked.rollout.flops == pytest.approx(whole.rollout.flops)
+    assert plan_mod._generation_batches(768, 16) == [384, 192, 96, 48, 16]
