@@ -692,7 +692,21 @@ def preflight(cfg: Config, *, resume: bool | None = None, eval_rewards: bool = F
     check_model_paths(cfg, eval_rewards=eval_rewards)
     if resume is not None:
         check_output_writable(cfg)
+        check_trainable_sampler(cfg)
     check_prompts(cfg, training=resume is not None)
+
+
+def check_trainable_sampler(cfg: Config) -> None:
+    """Training a denoising policy with ``options.noise_level: 0`` (the deterministic ODE, no log-probs) is
+    refused before any model loads; a forward-process objective (``algorithm.objective``) trains on any
+    solver, the ODE included. The policy's ``setup`` refuses it too (for code that builds a trainer itself)."""
+    if cfg.algorithm.objective is None and getattr(cfg.options, "noise_level", None) == 0:
+        raise ConfigError(
+            f"{cfg.source}: key 'options.noise_level': 0 samples the deterministic ODE, which has no log-probs "
+            "to train; set it > 0 for training ('options.eval_noise_level' chooses how `mmalign sample` and "
+            "`mmalign eval` sample, the ODE by default), or train with a forward-process objective "
+            "(algorithm.objective: diffusion_nft or awm)"
+        )
 
 
 def validate(

@@ -155,6 +155,14 @@ def test_misspelled_data_file_gets_a_suggestion(capsys, tmp_path, no_model):
     )
 
 
+def test_training_the_ode_is_refused_before_any_model(capsys, tmp_path, no_model):
+    cfg, out = tiny_config(tmp_path, "text_to_image")
+    rc, _, err = run_main(capsys, "train", str(cfg), "options.noise_level=0")
+    assert rc == 1
+    one_error_line(err, "key 'options.noise_level': 0 samples the deterministic ODE", "algorithm.objective")
+    assert not (out / "metrics.jsonl").exists() and not (tmp_path / "models").exists()
+
+
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_unknown_reward_is_reported_before_any_model(capsys, tmp_path, no_model, pipeline):
     cfg, out = tiny_config(tmp_path, pipeline)
