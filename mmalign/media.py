@@ -128,7 +128,8 @@ def _select(x: Tensor, num_frames: int | None, path: Path) -> Tensor:
 def read_video(
     path: str | Path, *, num_frames: int | None = None, size: Sequence[int] | None = None
 ) -> Tensor:
-    """Float[F, 3, H, W] in [0, 1] of a frame folder, a video file or a ``.npy`` (see the module docstring)."""
+    """Float[F, 3, H, W] in [0, 1] of a frame folder, a video file, a ``.npy`` (see the module docstring) or one
+    image (a one-frame clip, e.g. the first frame of image-to-video)."""
     from PIL import Image
 
     path = Path(path)
@@ -136,14 +137,16 @@ def read_video(
         raise FileNotFoundError(f"video not found: {path}")
     if path.is_dir():
         arr = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in _frame_files(path)])
+    elif path.suffix.lower() in IMAGE_SUFFIXES:
+        arr = np.asarray(Image.open(path).convert("RGB"))[None]
     elif path.suffix.lower() in VIDEO_SUFFIXES:
         arr = _decode_file(path)
     elif path.suffix.lower() in (".npy", ".npz"):
         arr = _load_array(path)
     else:
         raise ValueError(
-            f"{path}: unknown video format {path.suffix!r}; give a frame folder, a .npy / .npz or one of "
-            f"{', '.join(VIDEO_SUFFIXES)}"
+            f"{path}: unknown video format {path.suffix!r}; give a frame folder, a .npy / .npz, an image or one "
+            f"of {', '.join(VIDEO_SUFFIXES)}"
         )
     if arr.ndim != 4 or arr.shape[-1] != 3:
         raise ValueError(f"{path}: frames must be [F, H, W, 3], got {list(arr.shape)}")

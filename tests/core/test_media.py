@@ -144,6 +144,14 @@ def test_num_frames_picks_even_indices(tmp_path: Path, form: str, k: int) -> Non
     torch.testing.assert_close(got, quantised(clip)[even_frame_indices(9, k)], atol=1e-6, rtol=0)
 
 
+def test_one_image_is_a_one_frame_clip(tmp_path: Path) -> None:
+    rgb = np.random.default_rng(0).integers(0, 256, (6, 5, 3), dtype=np.uint8)
+    Image.fromarray(rgb).save(tmp_path / "first.png")
+    clip = read_video(tmp_path / "first.png")
+    assert clip.shape == (1, 3, 6, 5)
+    assert torch.equal(clip, torch.from_numpy(rgb).permute(2, 0, 1)[None].float() / 255)
+
+
 def test_size_resizes_each_frame(tmp_path: Path) -> None:
     # flat frames stay flat at any size; a left-black / right-white frame keeps its halves
     clip = torch.zeros(3, 3, 32, 32)
