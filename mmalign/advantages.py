@@ -1784,3 +1784,190 @@ def drpo(
     )
     n, _, _ = _group_stats(r, valid, gid, n_groups)
     return torch.where(valid & (n[gid] >= 2), base + length_weight * z, torch.zeros_like(r))
+
+
+@register("hapo")
+def hapo(
+    rewards: Tensor,
+    group: Tensor,
+    *,
+    num_actions: Tensor | None = None,
+    weights: Weights = None,
+    std: str = "group",
+    eps: float = 1e-6,
+    fallback: float = 5.0,
+) -> Tensor:
+    """HAPO Token Level Group Average: group statistics over the group's TOKENS, GRPO where they blow up.
+
+    "From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature" (HAPO,
+    arXiv:2509.16591); facts from the authors' verl code (``compute_hapo_outcome_advantage``: eps 1e-6,
+    fallback threshold 5). Each sample counts once per valid action (n_i = ``num_actions``, which the
+    trainer passes), so the baseline matches a token-mean loss. Over the valid samples of group g:
+
+        mu_g = sum_i n_i r_i / N_g,  s_g^2 = sum_i n_i (r_i - mu_g)^2 / N_g   (N_g = sum_i n_i, population)
+        A_i = (r_i - mu_g) / (s_g + eps)          (``std="none"``: A_i = r_i - mu_g)
+
+    If some valid sample of the group has |A_i| >= ``fallback`` (a lone long outlier), the whole group
+    takes ``grpo``'s advantage instead ((r_i - mean) / (unbiased std + eps)). Groups with < 2 valid
+    samples, N_g = 0 or all rewards equal get 0. (our reading): the authors test the threshold on every position of the
+    padded token matrix (padding holds (0 - mu) / s); we test the valid samples only.
+    """
+    if std not in ("group", "none"):
+        raise ValueError(f"hapo: std must be 'group' or 'none', got {std!r}")
+    eps = _check_eps("hapo", eps)
+    if not (math.isfinite(fallback) and fallback > 0):
+        raise ValueError(f"hapo: fallback must be a finite number > 0, got {fallback!r}")
+    if num_actions is None:
+        raise ValueError(
+            "hapo needs num_actions (each sample's number of valid actions); the trainer passes it"
+        )
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    n_tok = _num_actions("hapo", num_actions, r)
+    zero = torch.zeros_like(r)
+    w = torch.where(valid, n_tok, zero)
+    total = _seg_sum(w, gid, n_groups)
+    mu = _seg_sum(w * torch.where(valid, r, zero), gid, n_groups) / total.clamp(min=1e-300)
+    dev = torch.where(valid, r - mu[gid], zero)
+    var = _seg_sum(w * dev * dev, gid, n_groups) / total.clamp(min=1e-300)
+    adv = dev if std == "none" else _safe_div(dev, var.sqrt()[gid] + eps)
+    n, _, spread = _group_stats(r, valid, gid, n_groups)  # spread 0 exactly when the rewards are all equal
+    eligible = valid & (n[gid] >= 2) & (total[gid] > 0) & (spread[gid] > 0)
+    adv = torch.where(eligible, adv, zero)
+    blown = _seg_sum((eligible & (adv.abs() >= fallback)).to(r.dtype), gid, n_groups) > 0
+    base = grpo(rewards, group, weights=weights, eps=eps).to(r.dtype)
+    return torch.where(blown[gid], base, adv)
+
+
+@register("adora")
+def adora(
+    rewards: Tensor,
+    group: Tensor,
+    *,
+    num_actions: Tensor | None = None,
+    weights: Weights = None,
+    threshold: float = 0.5,
+    weight: float = 0.1,
+    eps: float = 1e-6,
+) -> Tensor:
+    """ADORA: GRPO advantages of a group scaled down when its correct answers are not longer than its wrong ones.
+
+    "ADORA: Training Reasoning Models with Dynamic Advantage Estimation on Reinforcement Learning"; facts
+    from the authors' verl code (``compute_grpo_outcome_advantage_length_weight``: lamda 0.1, eps 1e-6).
+    A group is "temporarily advantageous" when the longest of its high-reward answers (r > ``threshold``)
+    is longer than the mean length of its other answers (l = ``num_actions``, which the trainer passes),
+    or when it has no high-reward answer; otherwise its samples' ``grpo`` advantages
+    ((r - mean) / (unbiased std + eps)) are multiplied by ``weight``. Longer successful reasoning keeps
+    full weight, so training steers toward long chains of thought. (our design): ``threshold`` 0.5 for
+    0/1 rewards (the authors use 1.0 on Logic-RL's reward scale, where a correct answer scores above 1);
+    a group without any other answer counts as not advantageous (their mean length is +inf then). NaN
+    rewards stay out of both sets.
+    """
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"adora: weight must be a finite number >= 0, got {weight!r}")
+    if not math.isfinite(threshold):
+        raise ValueError(f"adora: threshold must be finite, got {threshold!r}")
+    eps = _check_eps("adora", eps)
+    if num_actions is None:
+        raise ValueError(
+            "adora needs num_actions (each sample's number of valid actions); the trainer passes it"
+        )
+    base = grpo(rewards, group, weights=weights, eps=eps).to(torch.float64)
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    length = _num_actions("adora", num_actions, r)
+    high = valid & (r > threshold)
+    low = valid & ~high
+    neg_inf = torch.full((n_groups,), -math.inf, dtype=r.dtype, device=r.device)
+    max_high = neg_inf.scatter_reduce(
+        0, gid, torch.where(high, length, torch.full_like(r, -math.inf)), "amax"
+    )
+    n_high = _seg_sum(high.to(r.dtype), gid, n_groups)
+    n_low = _seg_sum(low.to(r.dtype), gid, n_groups)
+    mean_low = torch.where(
+        n_low > 0,
+        _seg_sum(torch.where(low, length, torch.zeros_like(r)), gid, n_groups) / n_low.clamp(min=1),
+        torch.full_like(n_low, math.inf),
+    )
+    advantageous = (n_high == 0) | (max_high > mean_low)
+    scale = torch.where(advantageous, torch.ones_like(mean_low), torch.full_like(mean_low, float(weight)))
+    return base * scale[gid]
+
+
+_RISKPO_CREDIT = ("uniform", "std")
+
+
+@register("riskpo")
+def riskpo(
+    rewards: Tensor,
+    group: Tensor,
+    *,
+    weights: Weights = None,
+    bundle_size: int = 5,
+    quantile_down: float = 0.2,
+    quantile_up: float = 0.9,
+    w_mix: float = 1.5,
+    credit: str = "std",
+    normalize: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """RiskPO: a Mixed Value-at-Risk advantage of bundles of questions instead of the group mean baseline.
+
+    "RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM Post-Training"; facts and defaults
+    from the authors' verl code (``compute_grpo_bundle_rvar_outcome_advantage_quantile_tracking`` and their
+    MVaR script: quantiles 0.2 / 0.9, w_mix 1.5, credit ``std``, std normalisation, natural baseline, eps 1e-6).
+
+    Bundles: the batch's groups in ascending id order, ``bundle_size`` at a time. Paper k of a bundle is the
+    k-th valid sample (batch order) of each of its questions, k < the smallest question's sample count;
+    its score S_k is the sum of their rewards. Over the papers of a bundle, q_d and q_u are the
+    ``quantile_down`` / ``quantile_up`` (alpha, beta) quantiles of S (linear interpolation), s the unbiased std:
+
+        RVaR_k = ([S_k - q_d]_+ - [S_k - q_u]_+ + q_d - q_u) / (beta - alpha + eps)
+        CVaR_k = -[q_d - S_k]_+ / (alpha + eps)
+        A_k = (w CVaR_k + RVaR_k) / (w + 1) / (s + eps)      (``normalize=False``: no division by s)
+
+    Every sample of paper k gets A_k (``credit="uniform"``) or A_k / (s_q + eps) with s_q the unbiased std of
+    its question's rewards (1 where s_q <= 1e-3; ``credit="std"``). Samples outside every paper, NaN rewards
+    and bundles with one paper get 0. The quantiles are the bundle's own: the authors' trainer also tracks
+    running quantiles (SGD on a pinball loss, lr_q 0.1), but as read it stores them on the batch only after
+    that batch's advantages were computed, so their advantages use each bundle's quantiles too; the tracked
+    values (and the ``use_mean_as_baseline`` variant that needs them) are not reproduced.
+    """
+    if isinstance(bundle_size, bool) or int(bundle_size) != bundle_size or bundle_size < 1:
+        raise ValueError(f"riskpo: bundle_size must be an integer >= 1, got {bundle_size!r}")
+    if not (0.0 < quantile_down < quantile_up < 1.0):
+        raise ValueError(
+            f"riskpo: need 0 < quantile_down < quantile_up < 1, got {quantile_down!r}, {quantile_up!r}"
+        )
+    if not (math.isfinite(w_mix) and w_mix >= 0):
+        raise ValueError(f"riskpo: w_mix must be a finite number >= 0, got {w_mix!r}")
+    if credit not in _RISKPO_CREDIT:
+        raise ValueError(f"riskpo: credit must be {' or '.join(map(repr, _RISKPO_CREDIT))}, got {credit!r}")
+    eps = _check_eps("riskpo", eps)
+    r, valid, gid, n_groups = _prepare(rewards, group, weights)
+    out = torch.zeros_like(r)
+    members = [(gid == g).logical_and(valid).nonzero().flatten() for g in range(n_groups)]
+    q_scale = torch.ones(r.shape[0], dtype=r.dtype, device=r.device)
+    for idx in members:
+        if idx.numel() >= 2:
+            s_q = r[idx].std()
+            q_scale[idx] = torch.where(s_q > 1e-3, s_q, torch.ones_like(s_q))
+    for start in range(0, n_groups, int(bundle_size)):
+        questions = members[start : start + int(bundle_size)]
+        n_papers = min(int(q.numel()) for q in questions)
+        if n_papers < 2:
+            continue
+        papers = torch.stack([q[:n_papers] for q in questions], dim=1)  # [n_papers, questions]
+        scores = r[papers].sum(dim=1)
+        q_d = torch.quantile(scores, quantile_down)
+        q_u = torch.quantile(scores, quantile_up)
+        rvar = ((scores - q_d).clamp(min=0) - (scores - q_u).clamp(min=0) + q_d - q_u) / (
+            quantile_up - quantile_down + eps
+        )
+        cvar = -(q_d - scores).clamp(min=0) / (quantile_down + eps)
+        a = (w_mix * cvar + rvar) / (w_mix + 1.0)
+        if normalize:
+            a = a / (scores.std() + eps)
+        share = a[:, None].expand_as(papers)
+        if credit == "std":
+            share = share / (q_scale[papers] + eps)
+        out[papers.flatten()] = share.flatten()
+    return out

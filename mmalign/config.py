@@ -994,6 +994,9 @@ _GROUP_RELATIVE_ESTIMATORS = frozenset(
         "ace",
         "canon",
         "drpo",
+        "hapo",
+        "adora",
+        "riskpo",
     }
 )
 

@@ -11,6 +11,8 @@ them). Same contract as every policy loss::
                 onto the advantage; no clipping, no min.
 - ``d3s``       D³S token level: PPO clip on only the tokens with the largest |A_t| * H_t, the kept
                 fraction relaxing with training progress (``d3s_keep_fraction``).
+- ``hapo``      HAPO: dual-clip PPO whose clip bounds and advantages adapt to each token's entropy
+                (Asymmetric Adaptive Clipping, Differential Advantage Redistribution; ``hapo_entropy_score``).
 
 Also `d3s_token_mask`, the token-level selection of D³S (what a loss needs to train only on the
 tokens with the largest |A_t| * H_t).
@@ -32,7 +34,7 @@ from mmalign.losses import (
     register,
 )
 
-__all__ = ["d3s", "d3s_keep_fraction", "d3s_token_mask", "etr", "reg_grpo"]
+__all__ = ["d3s", "d3s_keep_fraction", "d3s_token_mask", "etr", "hapo", "hapo_entropy_score", "reg_grpo"]
 
 
 def _per_sample(name: str, x: Tensor | None, batch: int, like: Tensor, what: str) -> Tensor | None:
@@ -250,3 +252,103 @@ def d3s(
     ratio = _exp_clamped(log_ratio)
     per_token, clipped = _clipped_surrogate(ratio, adv, keep, eps_low, eps_high)
     return PolicyLossOutput(per_token=per_token * scale, clipped=clipped, ratio=ratio)
+
+
+def hapo_entropy_score(entropy: Tensor, mask: Tensor, pivot: float = 0.8, eps: float = 1e-8) -> Tensor:
+    """Float[B,T] HAPO entropy score h_hat in [-1, 1] of every valid action (0 at masked ones).
+
+    Over the n valid actions of the call: l = log(max(H, eps)), m = the ``pivot`` quantile of l (the
+    element of rank round(pivot * (n - 1)) in ascending order, Python rounding), d = (l - m) / s with
+    s = sqrt(max(mean(d0^2), eps)) and d0 = l - m; then h_hat = d / max(d) where d > 0 and
+    h_hat = d / |min(d)| where d <= 0 (each extreme floored at eps). Positive: more uncertain than the
+    pivot token; negative: more confident.
+    """
+    if not (math.isfinite(pivot) and 0.0 <= pivot <= 1.0):
+        raise ValueError(f"hapo: entropy_pivot must be in [0, 1], got {pivot!r}")
+    m = torch.as_tensor(mask).bool()
+    h = torch.as_tensor(entropy).detach().to(torch.float64)
+    if h.shape != m.shape:
+        raise ValueError(
+            f"hapo: entropy must be Float[B,T] like the mask {tuple(m.shape)}, got {tuple(h.shape)}"
+        )
+    out = torch.zeros_like(h)
+    n = int(m.sum())
+    if n == 0:
+        return out
+    logh = torch.log(torch.nan_to_num(h, nan=eps).clamp(min=eps))
+    vals = torch.sort(logh[m]).values
+    med = vals[round(pivot * (n - 1))]
+    d = torch.where(m, logh - med, out)
+    d = d / (d.pow(2).sum() / n).clamp(min=eps).sqrt()
+    pos_max = torch.where(m & (d > 0), d, out).max().clamp(min=eps)
+    neg_mag = torch.where(m & (d < 0), -d, out).max().clamp(min=eps)
+    return torch.where(m, torch.where(d > 0, d / pos_max, d / neg_mag), out)
+
+
+@register("hapo")
+def hapo(
+    logp: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    c: float = 10.0,
+    entropy_pivot: float = 0.8,
+    clip_alpha: float = 1.0,
+    adv_beta: float = 1.0,
+    entropy: Tensor | None = None,
+) -> PolicyLossOutput:
+    """HAPO loss: dual-clip PPO with entropy-adaptive asymmetric clip bounds and advantage redistribution.
+
+    "From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature" (HAPO,
+    arXiv:2509.16591); facts and defaults from the authors' verl code and Qwen2.5-Math script
+    (clip 0.2 / 0.2, clip_ratio_c 10, entropy_pivot 0.8, clip_alpha 1, adv_beta 1). With h the
+    `hapo_entropy_score` of each action (``entropy``: Float[B,T], the policy's per-action entropy, which
+    the trainer passes from ``ActionStats.entropy``; statistics over the valid actions of this call):
+
+    - Asymmetric Adaptive Clipping: eps_lo = eps_low (1 - alpha h) where h <= 0 (confident tokens may be
+      pushed down further), eps_hi = eps_high (1 + alpha h) where h > 0 (uncertain tokens may rise
+      further); the other bound stays.
+    - Differential Advantage Redistribution: A_h = A (1 + beta h); with the neutral zone
+      1 - eps_lo / 2 < rho < 1 + eps_hi / 2, an uncertain token (h > 0) takes A inside and A_h outside it,
+      a confident one (h <= 0) A_h inside and A outside (``adv_beta=0`` turns it off).
+    - loss = max(-rho A', -clip(rho, 1 - eps_lo, 1 + eps_hi) A'), and for A' < 0 at most -c A' (dual clip).
+
+    (our reading): the authors' code scales negative scores by 1 / min(d) (a negative number), which
+    makes every score >= 0 and disables the low-entropy branch; we follow the paper (h in [-1, 1]).
+    Without ``entropy`` it is a ValueError. ``clipped`` marks either clip.
+    """
+    _check_clip("hapo", eps_low, eps_high)
+    if not c > 1.0:
+        raise ValueError(f"hapo: c must be > 1, got {c!r}")
+    for key, value in (("clip_alpha", clip_alpha), ("adv_beta", adv_beta)):
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise ValueError(f"hapo: {key} must be in [0, 1], got {value!r}")
+    if entropy is None:
+        raise ValueError(
+            "hapo: needs entropy (Float[B,T], the per-action entropy the policy's action_stats returns), "
+            "which the trainer passes; this policy gives none"
+        )
+    m, adv, log_ratio = _prepare(logp, logp_old, advantages, mask)
+    score = hapo_entropy_score(entropy, m, entropy_pivot).to(device=logp.device, dtype=logp.dtype)
+    ratio = _exp_clamped(log_ratio)
+    high = score > 0
+    e_lo = eps_low * torch.where(high, torch.ones_like(score), 1.0 - clip_alpha * score)
+    e_hi = eps_high * torch.where(high, 1.0 + clip_alpha * score, torch.ones_like(score))
+    adv = adv.expand_as(logp)
+    adv_h = adv * (1.0 + adv_beta * score)
+    r = ratio.detach()
+    neutral = (r > 1.0 - e_lo / 2) & (r < 1.0 + e_hi / 2)
+    adv = torch.where(high, torch.where(neutral, adv, adv_h), torch.where(neutral, adv_h, adv))
+    adv = torch.where(m, adv, torch.zeros_like(adv))
+    unclipped = ratio * adv
+    clipped_term = torch.minimum(torch.maximum(ratio, 1.0 - e_lo), 1.0 + e_hi) * adv
+    clipped = m & (clipped_term < unclipped)
+    ppo_loss = -torch.where(clipped, clipped_term, unclipped)
+    cap = -adv * c
+    dual = m & (adv < 0) & (ppo_loss > cap)
+    loss = torch.where(dual, cap, ppo_loss)
+    per_token = torch.where(m, loss, torch.zeros_like(loss))
+    return PolicyLossOutput(per_token=per_token, clipped=clipped | dual, ratio=ratio)

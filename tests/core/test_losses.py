@@ -510,6 +510,7 @@ def test_registry_names():
     assert set(L.names()) == ALL_LOSSES | {
         "d3s",
         "etr",
+        "hapo",
         "reg_grpo",
     }  # mmalign/losses_extra.py (tests/core/test_losses_extra.py)
     assert set(L.aggregation_names()) == ALL_AGGREGATIONS
