@@ -167,7 +167,8 @@ class GroupRefill:
         regenerate_fn: RegenerateFn,
         score_fn: ScoreFn | None = None,
     ) -> tuple[Rollout, Tensor, dict[str, float]]:
-        """(rollout, rewards, metrics) with the all-fail groups hinted / given a replayed sample.
+        """(rollout, rewards, metrics) with the all-fail groups hinted / given a replayed sample; the metrics
+        include ``refill/reward_before``, the round's mean combined reward before the refill.
 
         ``rollout`` holds whole groups, each contiguous, with ``rewards`` (Float[B] or Float[B,K]) and
         ``group`` (Long[B]); ``prompt_ids[i]`` is sample i's dataset row index and ``rows[pid]`` that row.
@@ -183,10 +184,13 @@ class GroupRefill:
                 "group refill: replay needs score_fn and rollout.logp_old (the behaviour log-probs of the "
                 "round; the trainer must compute logp_old when replay is on)"
             )
-        success = self._success(self._total(rewards))
+        total = self._total(rewards)
+        success = self._success(total)
         order = list(dict.fromkeys(gids))
         members = {g: [i for i, x in enumerate(gids) if x == g] for g in order}
         metrics = {"hints/groups": 0.0, "hints/success": 0.0, "hints/tiers": 0.0, "replay/injected": 0.0}
+        # the round's reward before any refill: what the policy does without hints or replayed samples
+        metrics["refill/reward_before"] = float(total.nanmean()) if len(total) else float("nan")
         parts: list[Rollout] = []
         part_rewards: list[Tensor] = []
         hinted_ok = tiers_tried = 0

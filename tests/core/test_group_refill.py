@@ -76,6 +76,7 @@ def test_tiered_hints_rescue_all_fail_groups(pol: TextPolicy) -> None:
         "hints/tiers": pytest.approx(5 / 3),
         "replay/injected": 0.0,
         "replay/memory": 0.0,
+        "refill/reward_before": 0.0,  # every group failed before the hints
     }
     assert rewards.tolist() == [1.0] * 3 + [0.0] * 3 + [1.0] * 3
     assert out.group.tolist() == ro.group.tolist()
