@@ -234,6 +234,13 @@ class AlgorithmConfig:
     """The old policy of ``objective``: `mmalign.policies.forward_process.OldPolicy` keywords
     (``decay_type`` 0/1/2, or ``flat`` / ``ramp`` / ``cap``), an EMA of the weights updated after every
     step and checkpointed; null: the current weights, detached."""
+    eval_ema: dict[str, Any] | None = None
+    """An EMA of the trained weights for evaluation and export (``objective`` runs;
+    `mmalign.policies.forward_process.WeightEMA` keywords: ``preset``, ``decay``, ``schedule``,
+    ``warmup_steps``, ``initial_decay``, ``flat_steps``, ``ramp_rate``, ``every``, ``count_from``; ``{}``: the
+    objective's preset, DiffusionNFT's d = min((1+n)/(10+n), 0.9) or Flow-Factory's for AWM). Checkpointed,
+    written as ``final/`` and read by `mmalign eval` / `mmalign sample`; AWM's ``ema_kl_beta`` regularises
+    toward it. null: none (AWM with ``ema_kl_beta`` > 0 builds Flow-Factory's default)."""
     sample_with_old: bool = False
     """``objective`` rollouts are sampled with the old policy's weights (DiffusionNFT's recipe; needs
     ``old_policy``)."""
@@ -891,6 +898,11 @@ def check_names(cfg: Config) -> None:
                 f"{cfg.source}: key 'algorithm.sample_with_old': sampling with the old policy needs "
                 "'algorithm.old_policy' (e.g. {decay_type: 1})"
             )
+    elif a.eval_ema is not None:
+        raise ConfigError(
+            f"{cfg.source}: key 'algorithm.eval_ema': an evaluation EMA belongs to a forward-process objective "
+            "(algorithm.objective: diffusion_nft or awm)"
+        )
     for key, get, name in (
         ("algorithm.estimator", advantages.get, a.estimator),
         ("algorithm.loss", losses.get, a.loss),

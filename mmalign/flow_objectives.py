@@ -48,6 +48,7 @@ __all__ = [
     "awm_log_prob",
     "diffusion_nft",
     "get",
+    "inputs",
     "names",
     "nft_optimality",
     "noised",
@@ -99,7 +100,9 @@ REGISTRY: Registry[FlowObjective] = Registry("flow objective")
 
 def register(name: str, **meta: Any) -> Callable[[FlowObjective], FlowObjective]:
     """Decorator registering ``fn(v, v_old, noise, x0, t, advantages, mask, **options)``. ``meta`` may
-    carry ``timesteps``: the keyword defaults of `sample_timesteps` the objective's paper uses."""
+    carry ``timesteps``: the keyword defaults of `sample_timesteps` the objective's paper uses,
+    ``inputs``: keyword tensors the caller passes (not options; see `inputs`), and ``ema_preset``: the
+    `mmalign.policies.forward_process.EMA_PRESETS` entry of the authors' EMA of the weights."""
 
     def deco(fn: FlowObjective) -> FlowObjective:
         return REGISTRY.register(name, **meta)(option_checked(REGISTRY.kind, name, fn, n_positional=7))
@@ -117,10 +120,21 @@ def names() -> list[str]:
     return REGISTRY.names()
 
 
+def inputs(name: str) -> tuple[str, ...]:
+    """Keyword tensors beyond the seven positional ones that the caller supplies (registry metadata
+    ``inputs``, e.g. AWM's ``v_ema``); they are not config options."""
+    return tuple(REGISTRY.meta(name).get("inputs", ()))
+
+
 def options(name: str) -> dict[str, Any]:
-    """The options an objective accepts, with their defaults (for config validation)."""
+    """The options an objective accepts, with their defaults (for config validation; `inputs` excluded)."""
     params = list(inspect.signature(inspect.unwrap(REGISTRY.get(name))).parameters.values())[7:]
-    return {p.name: p.default for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    skip = set(inputs(name))
+    return {
+        p.name: p.default
+        for p in params
+        if p.kind is not inspect.Parameter.VAR_KEYWORD and p.name not in skip
+    }
 
 
 def timestep_defaults(name: str) -> dict[str, Any]:
@@ -226,6 +240,7 @@ def _adaptive_x0_loss(x0_pred: Tensor, x0: Tensor, n: int) -> Tensor:
 @register(
     "diffusion_nft",
     timesteps={"strategy": "schedule_subset", "timestep_range": 0.99},
+    ema_preset="diffusion_nft",
 )
 def diffusion_nft(
     v: Tensor,
@@ -327,6 +342,8 @@ def awm_log_prob(
 @register(
     "awm",
     timesteps={"strategy": "discrete", "timestep_range": 0.9},
+    inputs=("v_ema",),
+    ema_preset="flow_factory",
 )
 def awm(
     v: Tensor,
@@ -341,6 +358,8 @@ def awm(
     ghuber_power: float = 0.25,
     clip_range: float | Sequence[float] = 1e-4,
     adv_clip_range: float | Sequence[float] = 5.0,
+    ema_kl_beta: float = 0.0,
+    v_ema: Tensor | None = None,
 ) -> FlowObjectiveOutput:
     """AWM (Xue et al. 2025, "Advantage Weighted Matching: Aligning RL with Pretraining in Diffusion
     Models"), as Flow-Factory implements it (trainers/awm.py): a PPO-clipped advantage-weighted
@@ -348,10 +367,19 @@ def awm(
 
     log pi = `awm_log_prob` (v), log pi_old = the same of sg(v_old) (same x_t, eps, t); rho =
     exp(log pi - log pi_old); A clamped to `adv_clip_range`; per action max(-A rho, -A clip(rho, 1 + lo,
-    1 + hi)) with (lo, hi) = `clip_range`. Defaults are Flow-Factory's AWMTrainingArguments: weighting
-    ``uniform`` (its example config: ``ghuber`` with power 0.25), clip_range 1e-4, adv_clip_range 5."""
+    1 + hi)) with (lo, hi) = `clip_range`, plus ``ema_kl_beta * mean((v - sg(v_ema))^2)`` over the latent
+    dims (Flow-Factory's EMA KL: `velocity_kl` to the velocity `v_ema` of an EMA of the weights, an input the
+    caller supplies, needed when ``ema_kl_beta`` > 0). Defaults are Flow-Factory's AWMTrainingArguments:
+    weighting ``uniform`` (its example config: ``ghuber`` with power 0.25), clip_range 1e-4, adv_clip_range 5,
+    ema_kl_beta 0 (its guide recommends 0.1, its SD3.5 example 1)."""
     c_lo, c_hi = _clip_pair(clip_range, "clip_range")
     a_lo, a_hi = _clip_pair(adv_clip_range, "adv_clip_range")
+    if not (math.isfinite(ema_kl_beta) and ema_kl_beta >= 0):
+        raise ValueError(f"awm: ema_kl_beta must be a finite number >= 0, got {ema_kl_beta!r}")
+    if ema_kl_beta > 0 and v_ema is None:
+        raise ValueError("awm: ema_kl_beta > 0 needs v_ema, the velocity of the EMA of the weights")
+    if v_ema is not None and v_ema.shape != v.shape:
+        raise ValueError(f"awm: v_ema {tuple(v_ema.shape)} must match v {tuple(v.shape)}")
     v, v_old, noise, x0, adv, mask, t = _prepare(v, v_old, noise, x0, t, advantages, mask)
     target = noise - x0
     logp = awm_log_prob(v, target, t, weighting=weighting, ghuber_power=ghuber_power)
@@ -365,11 +393,18 @@ def awm(
     clipped_loss = -a * ratio.clamp(1.0 + c_lo, 1.0 + c_hi)
     clipped = mask & (clipped_loss > unclipped)
     per_action = torch.where(clipped, clipped_loss, unclipped)
+    stats = {"log_prob": _zero_masked(logp.detach(), mask)}
+    if v_ema is not None:
+        zero_v = torch.zeros((), dtype=v.dtype, device=v.device)
+        kl = velocity_kl(v, torch.where(_broadcast(mask, v), v_ema.to(v.device, v.dtype), zero_v), t.ndim)
+        if ema_kl_beta > 0:
+            per_action = per_action + ema_kl_beta * kl
+        stats["ema_kl"] = _zero_masked(kl.detach(), mask)
     return FlowObjectiveOutput(
         per_action=_zero_masked(per_action, mask),
         clipped=clipped,
         ratio=ratio,
-        stats={"log_prob": _zero_masked(logp.detach(), mask)},
+        stats=stats,
     )
 
 

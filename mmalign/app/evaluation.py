@@ -87,22 +87,32 @@ def resolve_checkpoint(output_dir: str | Path, spec: str | None) -> Path | None:
 
 def load_weights(policy: Any, checkpoint: Path) -> None:
     """Load the trainable weights saved in `checkpoint` (``trainable.safetensors``, checked against the
-    checkpoint's manifest; safetensors, no unpickling) into `policy`. A file that fails, cannot be read or
+    checkpoint's manifest; safetensors, no unpickling) into `policy`; when the run kept an evaluation EMA
+    (``algorithm.eval_ema``, a forward-process objective) its EMA weights instead, as `final/` holds them. A file that fails, cannot be read or
     holds NaN / inf is a `CheckpointError` naming it."""
     from safetensors.torch import load_file
 
-    from mmalign.rundir import TRAINABLE_FILE, checkpoint_problem
+    from mmalign.policies.forward_process import checkpoint_ema_weights
+    from mmalign.rundir import TRAINABLE_FILE, TRAINER_STATE_FILE, checkpoint_problem
 
     file = Path(checkpoint) / TRAINABLE_FILE
     if not file.is_file():
         raise ConfigError(f"checkpoint {checkpoint}: no trainable.safetensors in it")
-    problem = checkpoint_problem(checkpoint, only=(TRAINABLE_FILE,))
+    has_state = (Path(checkpoint) / TRAINER_STATE_FILE).is_file()
+    problem = checkpoint_problem(
+        checkpoint, only=(TRAINABLE_FILE, TRAINER_STATE_FILE) if has_state else (TRAINABLE_FILE,)
+    )
     if problem is not None:
         raise CheckpointError(f"checkpoint {checkpoint} fails verification: {problem}")
     try:
         weights = load_file(str(file))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from None
+    # a forward-process run's evaluation EMA (algorithm.eval_ema)
+    ema = checkpoint_ema_weights(checkpoint) if has_state else None
+    if ema is not None:
+        log.info("checkpoint %s: evaluating its EMA weights (algorithm.eval_ema)", checkpoint)
+        weights = ema
     bad = [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         raise CheckpointError(f"{file}: the weights hold NaN/inf ({', '.join(bad[:3])})")

@@ -9,6 +9,7 @@ docs/algorithms.md ("Denoising steps with log-prob").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any, Protocol, Self
@@ -327,9 +328,12 @@ class FlowMatchingPolicy(DenoisingPolicy):
         """The policy-gradient path: `DenoisingPolicy.setup`. With ``algorithm.objective`` (DiffusionNFT, AWM):
         rollouts keep only clean latents (`forward_process.sample_clean` with ``algorithm.solver``; ``euler``
         and ``dpm2`` need no noise, so ``noise_level`` 0 is allowed), one action per training sigma
-        (``algorithm.timesteps`` over the objective's defaults), and ``algorithm.old_policy`` builds the
-        old-policy EMA, which `callbacks` hands to the trainer (updated after every step, checkpointed). Both
-        paths apply ``model.gradient_checkpointing`` and ``rollout.batch_size`` (`DenoisingPolicy.setup`)."""
+        (``algorithm.timesteps`` over the objective's defaults), ``algorithm.old_policy`` builds the
+        old-policy EMA and ``algorithm.eval_ema`` the EMA of the weights that `save` exports (a `WeightEMA`,
+        preset from the objective's registry metadata; also built for AWM's ``ema_kl_beta`` > 0, which
+        regularises towards it), both of which `callbacks` hands to the trainer (updated after every step,
+        checkpointed). Both paths apply ``model.gradient_checkpointing`` and ``rollout.batch_size``
+        (`DenoisingPolicy.setup`)."""
         a = run.cfg.algorithm
         objective = getattr(a, "objective", None)
         if objective is None:
@@ -362,6 +366,14 @@ class FlowMatchingPolicy(DenoisingPolicy):
                 old = fp.OldPolicy(self, **dict(a.old_policy))
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{src}: key 'algorithm.old_policy': {e}") from None
+        beta = a.objective_kwargs.get("ema_kl_beta", 0.0) if "v_ema" in fo.inputs(objective) else 0.0
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+            raise ConfigError(
+                f"{src}: key 'algorithm.objective_kwargs.ema_kl_beta': must be a number, got {beta!r}"
+            )
+        self.eval_ema = self._build_eval_ema(run, objective, needed=beta > 0)
+        self.ema_in_loss = beta > 0
+        """The objective reads the EMA weights' velocity (AWM's ``ema_kl_beta`` > 0)."""
         self.objective = objective
         self.objective_kwargs = dict(a.objective_kwargs)
         self.objective_timesteps = timesteps
@@ -372,10 +384,32 @@ class FlowMatchingPolicy(DenoisingPolicy):
         self.solver = a.solver
         self.kl_in_action_stats = True  # the v-space KL comes from `action_stats` (when a reference is kept)
 
+    def _build_eval_ema(self, run: RunInfo, objective: str, *, needed: bool) -> fp.WeightEMA | None:
+        """``algorithm.eval_ema`` as a `WeightEMA` over the objective's preset (None when unset), or, when the
+        objective regularises towards an EMA (`needed`: AWM's ``ema_kl_beta`` > 0) and none is set, the
+        preset's; the copy is made now, from the weights training starts from."""
+        a = run.cfg.algorithm
+        spec = getattr(a, "eval_ema", None)  # a typed field of AlgorithmConfig (see WeightEMA)
+        if spec is None and not needed:
+            return None
+        if spec is not None and not isinstance(spec, dict):
+            raise ConfigError(
+                f"{run.cfg.source}: key 'algorithm.eval_ema': must be a mapping of WeightEMA options, got {spec!r}"
+            )
+        preset = fo.REGISTRY.meta(objective).get("ema_preset", "diffusion_nft")
+        try:
+            ema = fp.WeightEMA(self, **{"preset": preset, **dict(spec or {})})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{run.cfg.source}: key 'algorithm.eval_ema': {e}") from None
+        ema.ensure()
+        return ema
+
     def callbacks(self) -> list[Any]:
-        """The old-policy EMA of a forward-process objective (``algorithm.old_policy``), else none."""
-        old = getattr(self, "old_policy", None) if self.objective is not None else None
-        return [old] if old is not None else []
+        """The old-policy EMA (``algorithm.old_policy``) and the EMA of the weights (``algorithm.eval_ema``) of
+        a forward-process objective, those that are set; else none."""
+        if self.objective is None:
+            return []
+        return [cb for cb in (self.old_policy, self.eval_ema) if cb is not None]
 
     def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
         """The policy-gradient rollout (`DenoisingPolicy.rollout`), or, with an objective, clean latents only
@@ -414,7 +448,13 @@ class FlowMatchingPolicy(DenoisingPolicy):
             )
             rollout.payload[_DRAW_KEY] = draw
         p = fp.flow_predictions(
-            self, rollout, draw=draw, actions=actions, old=self.old_policy, reference=self.need_reference
+            self,
+            rollout,
+            draw=draw,
+            actions=actions,
+            old=self.old_policy,
+            reference=self.need_reference,
+            ema=self.eval_ema if self.ema_in_loss else None,
         )
         out = p.objective(self.objective, rollout.advantages.to(p.v.device), **self.objective_kwargs)
         kl = fo.velocity_kl(p.v, p.v_ref, 2) if p.v_ref is not None else None
@@ -431,8 +471,17 @@ class FlowMatchingPolicy(DenoisingPolicy):
         k = rollout.num_actions
         return [torch.tensor([j]) for j in range(k)] if k > 1 else None
 
+    def export_weights(self) -> contextlib.AbstractContextManager[None]:
+        """The weights `save` writes, swapped in for the block: the EMA of the weights when a forward-process
+        objective keeps one (``algorithm.eval_ema``), as DiffusionNFT and Flow-Factory save their EMA; the
+        trained weights otherwise (they always stay in the run's checkpoints)."""
+        ema = getattr(self, "eval_ema", None) if self.objective is not None else None
+        return ema.applied() if ema is not None else contextlib.nullcontext()
+
     def save(self, path: str | Path) -> None:
         """Write every component to `path` (loadable by `from_pretrained`); under LoRA the adapter is merged
-        into a copy of the transformer and also saved alone in ``transformer_lora/``."""
+        into a copy of the transformer and also saved alone in ``transformer_lora/``. The weights are
+        `export_weights`'."""
         path = Path(path)
-        self.components.save_pretrained(path, transformer=self._denoiser_to_save(path, "transformer"))
+        with self.export_weights():
+            self.components.save_pretrained(path, transformer=self._denoiser_to_save(path, "transformer"))

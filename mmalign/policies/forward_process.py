@@ -13,7 +13,10 @@ FLUX.1, Wan), without changing it:
   old policy's and optionally the reference's (no grad), for all K sigmas or a chunk of them;
 - `OldPolicy`: DiffusionNFT's old policy, a copy of the trainable parameters pulled towards the current ones
   after every training step (``old <- d old + (1 - d) current``, d from the authors' decay presets), swapped
-  into the model for the old velocity (and, as in the authors' script, for sampling).
+  into the model for the old velocity (and, as in the authors' script, for sampling);
+- `WeightEMA`: the slower EMA of the trained weights that DiffusionNFT evaluates and saves with (Flow-Factory's
+  one EMA, which AWM's ``ema_kl_beta`` regularises towards), checkpointed; `checkpoint_ema_weights` reads it
+  back from a checkpoint folder.
 
 The formulas are in docs/algorithms.md, "Forward-process objectives".
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,10 +38,14 @@ from mmalign.batch import Rollout, group_fields
 __all__ = [
     "CLEAN_KEY",
     "DECAY_PRESETS",
+    "EMA_PRESETS",
+    "EMA_SCHEDULES",
     "SOLVERS",
     "FlowPredictions",
     "ForwardDraw",
     "OldPolicy",
+    "WeightEMA",
+    "checkpoint_ema_weights",
     "dpm2_update",
     "draw_forward",
     "flow_predictions",
@@ -171,6 +179,191 @@ class OldPolicy:
                 "OldPolicy: the checkpoint's old weights do not match the policy's trainable parameters"
             )
         self.params = [s.to(p.device, p.dtype).clone() for s, p in zip(saved, params, strict=True)]
+
+
+EMA_SCHEDULES = ("constant", "power", "linear", "piecewise_linear")
+"""How `WeightEMA`'s decay follows the step count s (Flow-Factory's ``ema_decay_schedule`` names)."""
+EMA_PRESETS: dict[str, dict[str, Any]] = {
+    "diffusion_nft": {"decay": 0.9, "schedule": "power", "warmup_steps": 10, "every": 1, "count_from": 1},
+    "flow_factory": {"decay": 0.995, "schedule": "power", "warmup_steps": 10, "every": 10, "count_from": 0},
+}
+"""`WeightEMA` defaults: DiffusionNFT's evaluation EMA (scripts/train_nft_sd3.py: ``EMAModuleWrapper(decay=0.9,
+update_step_interval=1)``, stepped with the number of finished optimizer steps) and Flow-Factory's
+``TrainingArguments`` (``ema_decay`` 0.995, ``ema_update_interval`` 10, ``ema_decay_schedule`` power, warm-up 10,
+stepped with the 0-based index of the epoch just trained)."""
+EMA_STATE_KIND = "weight_ema"
+"""The ``kind`` tag of a `WeightEMA` state in a checkpoint's callback states (`checkpoint_ema_weights`)."""
+
+
+class WeightEMA:
+    """An EMA of the trainable weights for evaluation and export (DiffusionNFT's ``ema``; Flow-Factory's
+    ``ema_wrapper``, the target of AWM's ``ema_kl_beta``), apart from the old policy the loss reads.
+
+    After training step n (n finished steps) the authors' step count is s = n - 1 + ``count_from``; when
+    (s + 1) % ``every`` == 0 the copy moves by ``ema <- d ema + (1 - d) current`` with d = `decay` (s):
+    ``constant`` d_max; ``power`` min(d_max, (1 + s) / (warmup + s)) (d_max when warmup is 0); ``linear``
+    d0 + (d_max - d0) min(s / warmup, 1); ``piecewise_linear`` 0 before ``flat_steps``, then
+    min((s - flat) ramp, d_max). The copy is made from the current weights by `ensure` (the policy calls it at
+    set-up, before the first step); `applied` swaps it into the model; as a trainer callback it updates after
+    every step (logging ``ema/decay`` when it moves) and is checkpointed with the parameter names of
+    `Policy.trainable_state_dict`, so `checkpoint_ema_weights` can load it into a policy for evaluation. Not for
+    FSDP2-sharded models."""
+
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        preset: str = "diffusion_nft",
+        decay: float | None = None,
+        schedule: str | None = None,
+        warmup_steps: int | None = None,
+        initial_decay: float | None = None,
+        flat_steps: int | None = None,
+        ramp_rate: float | None = None,
+        every: int | None = None,
+        count_from: int | None = None,
+    ) -> None:
+        """`preset`: an `EMA_PRESETS` key whose values the other keywords override (``initial_decay`` 0,
+        ``flat_steps`` 0 and ``ramp_rate`` 0.001 by default, as Flow-Factory's ``create_decay_fn``)."""
+        if preset not in EMA_PRESETS:
+            raise ValueError(f"eval_ema: preset must be one of {', '.join(EMA_PRESETS)}, got {preset!r}")
+        base = EMA_PRESETS[preset]
+        self.preset = preset
+        self.max_decay = float(base["decay"] if decay is None else decay)
+        self.schedule = str(base["schedule"] if schedule is None else schedule)
+        self.warmup_steps = int(base["warmup_steps"] if warmup_steps is None else warmup_steps)
+        self.initial_decay = float(0.0 if initial_decay is None else initial_decay)
+        self.flat_steps = int(0 if flat_steps is None else flat_steps)
+        self.ramp_rate = float(0.001 if ramp_rate is None else ramp_rate)
+        self.every = int(base["every"] if every is None else every)
+        self.count_from = int(base["count_from"] if count_from is None else count_from)
+        if self.schedule not in EMA_SCHEDULES:
+            raise ValueError(
+                f"eval_ema: schedule must be one of {', '.join(EMA_SCHEDULES)}, got {self.schedule!r}"
+            )
+        if not 0 <= self.max_decay <= 1 or not 0 <= self.initial_decay <= 1:
+            raise ValueError(
+                f"eval_ema: decay and initial_decay must lie in [0, 1], got {self.max_decay}, {self.initial_decay}"
+            )
+        if self.warmup_steps < 0 or self.flat_steps < 0 or self.ramp_rate < 0:
+            raise ValueError("eval_ema: warmup_steps, flat_steps and ramp_rate must be >= 0")
+        if self.schedule == "linear" and self.warmup_steps == 0:
+            raise ValueError("eval_ema: the linear schedule needs warmup_steps > 0")
+        if self.every < 1 or self.count_from not in (0, 1):
+            raise ValueError(
+                f"eval_ema: need every >= 1 and count_from 0 or 1, got {self.every}, {self.count_from}"
+            )
+        self.policy = policy
+        self.params: list[Tensor] | None = None
+        """The EMA values of ``policy.trainable_parameters()`` (in that order), None until `ensure`."""
+        self.updates = 0
+        """How many times the copy moved."""
+
+    def decay(self, s: int) -> float:
+        """d at the authors' step count `s` (see the class docstring)."""
+        d = self.max_decay
+        if self.schedule == "power":
+            return d if self.warmup_steps == 0 else min(d, (1 + s) / (self.warmup_steps + s))
+        if self.schedule == "linear":
+            return self.initial_decay + (d - self.initial_decay) * min(s / self.warmup_steps, 1.0)
+        if self.schedule == "piecewise_linear":
+            return 0.0 if s < self.flat_steps else min((s - self.flat_steps) * self.ramp_rate, d)
+        return d
+
+    def _current(self) -> list[Tensor]:
+        params = list(self.policy.trainable_parameters())
+        if self.params is not None and [p.shape for p in params] != [q.shape for q in self.params]:
+            raise RuntimeError(
+                "WeightEMA: the policy's trainable parameters changed shape since the copy was made"
+            )
+        return params
+
+    def names(self) -> list[str]:
+        """The `Policy.trainable_state_dict` name of each trainable parameter, in `params` order."""
+        by_id = {id(p): n for n, p in self.policy.model.named_parameters()}
+        return [by_id[id(p)] for p in self.policy.trainable_parameters()]
+
+    @torch.no_grad()
+    def ensure(self) -> None:
+        """Make the copy from the current weights if there is none yet."""
+        if self.params is None:
+            self.params = [p.detach().clone() for p in self.policy.trainable_parameters()]
+
+    @torch.no_grad()
+    def update(self, step: int) -> float | None:
+        """After training step `step` (finished steps): move the copy when the interval says so; returns the d
+        used, None when it did not move."""
+        s = step - 1 + self.count_from
+        if (s + 1) % self.every != 0:
+            return None
+        self.ensure()
+        assert self.params is not None
+        d = self.decay(s)
+        for p, q in zip(self._current(), self.params, strict=True):
+            q.mul_(d).add_(p.detach().to(q.dtype), alpha=1.0 - d)
+        self.updates += 1
+        return d
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """The model runs with the EMA weights inside the block (no grad should flow through them); the
+        current weights are back on exit, also on an error."""
+        self.ensure()
+        assert self.params is not None
+        params = self._current()
+        held = [p.data for p in params]
+        with torch.no_grad():
+            for p, q in zip(params, self.params, strict=True):
+                p.data = q
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, h in zip(params, held, strict=True):
+                    p.data = h
+
+    # trainer-callback face
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        """After a training step: `update` with the trainer's step; logs ``ema/decay`` when the copy moved."""
+        d = self.update(step)
+        if d is not None:
+            metrics["ema/decay"] = d
+
+    def state_dict(self) -> dict[str, Any]:
+        weights = {}
+        if self.params is not None:
+            weights = {n: q.detach().cpu().clone() for n, q in zip(self.names(), self.params, strict=True)}
+        return {"kind": EMA_STATE_KIND, "weights": weights, "updates": self.updates}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = dict(state.get("weights") or {})
+        self.updates = int(state.get("updates", 0))
+        if not saved:
+            self.params = None
+            return
+        params, names = list(self.policy.trainable_parameters()), self.names()
+        if sorted(saved) != sorted(names) or any(
+            tuple(saved[n].shape) != tuple(p.shape) for n, p in zip(names, params, strict=True)
+        ):
+            raise ValueError(
+                "WeightEMA: the checkpoint's EMA weights do not match the policy's trainable parameters"
+            )
+        self.params = [saved[n].to(p.device, p.dtype).clone() for n, p in zip(names, params, strict=True)]
+
+
+def checkpoint_ema_weights(checkpoint: str | Path) -> dict[str, Tensor] | None:
+    """The `WeightEMA` weights a checkpoint folder holds (name -> tensor, the keys of its
+    ``trainable.safetensors``), read from its trainer state with ``weights_only`` loading; None when the run
+    kept no EMA. For `mmalign eval` / `mmalign sample`: load these in place of the trained weights."""
+    from mmalign import rundir
+
+    path = Path(checkpoint)
+    legacy = not (path / rundir.MANIFEST_FILE).is_file()
+    state = rundir.load_state(path / rundir.TRAINER_STATE_FILE, legacy=legacy)
+    for cb in state.get("callbacks") or []:
+        if isinstance(cb, Mapping) and cb.get("kind") == EMA_STATE_KIND and cb.get("weights"):
+            return dict(cb["weights"])
+    return None
 
 
 # --------------------------------------------------------------------------- schedule of a training sigma
@@ -337,10 +530,15 @@ class FlowPredictions:
     """Long[B, K] their schedule steps (None for continuous strategies)."""
     mask: Tensor
     """Bool[B, K] the rollout's mask."""
+    v_ema: Tensor | None = None
+    """Float[B, K, *latent] the `WeightEMA` weights' velocity, when asked for (no grad)."""
 
     def objective(self, name: str, advantages: Tensor, **options: Any) -> fo.FlowObjectiveOutput:
-        """The registered objective `name` on these predictions."""
-        return fo.get(name)(self.v, self.v_old, self.noise, self.x0, self.t, advantages, self.mask, **options)
+        """The registered objective `name` on these predictions (with ``v_ema`` when it takes that input)."""
+        extra = {"v_ema": self.v_ema} if "v_ema" in fo.inputs(name) else {}
+        return fo.get(name)(
+            self.v, self.v_old, self.noise, self.x0, self.t, advantages, self.mask, **options, **extra
+        )
 
 
 @dataclass
@@ -388,6 +586,7 @@ def flow_predictions(
     actions: Tensor | None = None,
     old: OldPolicy | None = None,
     reference: bool = False,
+    ema: WeightEMA | None = None,
     generator: torch.Generator | None = None,
     model: torch.nn.Module | None = None,
 ) -> FlowPredictions:
@@ -397,8 +596,8 @@ def flow_predictions(
     Long[k] selects columns of it (default: all K), so a microbatch can be scored one chunk of sigmas at a
     time with one draw. For every column: x_t = (1 - t) x0 + t eps, the old velocity under `old` (None: the
     current weights, detached -- the old policy of an on-policy update), the reference's when `reference`
-    (the adapter-disabled model under LoRA, else the frozen copy), all without grad and before the current
-    one, which runs `model` (default ``policy.forward_model``) with grad. Every call is `predict` with
+    (the adapter-disabled model under LoRA, else the frozen copy), the EMA weights' under `ema`, all without
+    grad and before the current one, which runs `model` (default ``policy.forward_model``) with grad. Every call is `predict` with
     ``guided=policy.train_guidance``."""
     if draw is None:
         draw = draw_forward(policy, rollout, timesteps=timesteps, generator=generator)
@@ -420,7 +619,7 @@ def flow_predictions(
     def run(net: torch.nn.Module, j: int) -> Tensor:
         return policy.predict(net, x_ts[j], scheds[j], cond, guided=guided)[0]
 
-    v_old = v_ref = None
+    v_old = v_ref = v_ema = None
     with torch.no_grad():
         if old is not None:
             with old.applied():
@@ -428,6 +627,9 @@ def flow_predictions(
         if reference:
             with policy._reference() as ref:
                 v_ref = torch.stack([run(ref, j) for j in range(k)], dim=1)
+        if ema is not None:
+            with ema.applied():
+                v_ema = torch.stack([run(policy.model, j) for j in range(k)], dim=1)
     net = policy.forward_model if model is None else model
     v = torch.stack([run(net, j) for j in range(k)], dim=1)
     if v_old is None:
@@ -441,4 +643,5 @@ def flow_predictions(
         t=t,
         index=index,
         mask=rollout.mask[:, cols].to(dev),
+        v_ema=v_ema,
     )

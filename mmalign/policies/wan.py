@@ -785,14 +785,16 @@ class WanPolicy(FlowMatchingPolicy):
     def save(self, path: str | Path) -> None:
         """Write the whole Wan folder (loadable by `WanPolicy.from_pretrained` and diffusers' ``WanPipeline``
         / ``WanVACEPipeline``). Under LoRA each adapted expert is merged into a copy, and its adapter also
-        saved alone in ``transformer_lora/`` / ``transformer_2_lora/``."""
+        saved alone in ``transformer_lora/`` / ``transformer_2_lora/``. The weights are `export_weights`' (the
+        evaluation EMA of a forward-process objective, when it keeps one)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        t2 = (
-            self._merged(self.transformer_2, path, "transformer_2")
-            if self.transformer_2 is not None
-            else None
-        )
-        self.components.save_pretrained(
-            path, transformer=self._merged(self.transformer, path, "transformer"), transformer_2=t2
-        )
+        with self.export_weights():
+            t2 = (
+                self._merged(self.transformer_2, path, "transformer_2")
+                if self.transformer_2 is not None
+                else None
+            )
+            self.components.save_pretrained(
+                path, transformer=self._merged(self.transformer, path, "transformer"), transformer_2=t2
+            )

@@ -251,6 +251,69 @@ def test_awm_options_are_validated():
     assert not torch.equal(out.per_action, hi.per_action)
 
 
+def flow_factory_awm_step_loss(v, v_old, v_ema, noise, x0, t, adv, *, clip, adv_clip, ema_kl_beta):
+    """Flow-Factory's AWMTrainer.optimize for one training timestep j (trainers/awm.py, steps 3 and 5):
+    loss_j = mean_i max(-A rho, -A clip(rho)) + ema_kl_beta * mean_i mean((v - v_ema)^2), the EMA prediction
+    under no_grad. Returns the mean over the K timesteps (one backward each, so the summed gradient / K)."""
+    total = 0.0
+    for j in range(t.shape[1]):
+        policy = 0.0
+        kl = 0.0
+        for i in range(t.shape[0]):
+            a = min(max(float(adv[i]), -adv_clip), adv_clip)
+            tgt = noise[i, j] - x0[i, j]
+            lp = -((v[i, j] - tgt) ** 2).mean()
+            lp_old = -((v_old[i, j].detach() - tgt) ** 2).mean()
+            rho = torch.exp(lp - lp_old)
+            policy = policy + torch.maximum(-a * rho, -a * rho.clamp(1 - clip, 1 + clip))
+            kl = kl + ((v[i, j] - v_ema[i, j].detach()) ** 2).mean()
+        total = total + policy / t.shape[0] + ema_kl_beta * kl / t.shape[0]
+    return total / t.shape[1]
+
+
+@pytest.mark.parametrize("beta", [0.1, 1.0])
+def test_awm_ema_kl_matches_flow_factory(beta):
+    v, v_old, noise, x0, t, adv = _inputs(seed=7)
+    g = torch.Generator().manual_seed(8)
+    v_ema = (v.detach() + 0.2 * torch.randn(v.shape, generator=g, dtype=F64)).requires_grad_(True)
+    out = fo.awm(v, v_old, noise, x0, t, adv, clip_range=0.3, ema_kl_beta=beta, v_ema=v_ema)
+    mean = out.per_action.mean()
+    (g_v,) = torch.autograd.grad(mean, v, retain_graph=True)
+    assert v_ema.grad is None and not torch.autograd.grad(mean, v_ema, allow_unused=True)[0]  # a fixed target
+    ref = flow_factory_awm_step_loss(
+        v, v_old, v_ema, noise, x0, t, adv, clip=0.3, adv_clip=5.0, ema_kl_beta=beta
+    )
+    (g_ref,) = torch.autograd.grad(ref, v)
+    torch.testing.assert_close(mean, ref, **TOL)
+    torch.testing.assert_close(g_v, g_ref, **TOL)
+    plain = fo.awm(v, v_old, noise, x0, t, adv, clip_range=0.3)  # beta 0 (the default): no term
+    kl = ((v.detach() - v_ema.detach()) ** 2).mean(dim=(2, 3, 4))
+    torch.testing.assert_close(out.per_action - plain.per_action, beta * kl, **TOL)
+    torch.testing.assert_close(out.stats["ema_kl"], kl, **TOL)
+
+
+def test_awm_ema_kl_hand_worked_and_validated():
+    """v = [1, 3], v_ema = [0, 1]: mean((v - v_ema)^2) = (1 + 4) / 2 = 2.5; the term's gradient is
+    beta * 2 (v - v_ema) / 2 = beta * [1, 2]. With v = v_old the PPO term is -A (rho = 1) and its gradient
+    -A d(log pi)/dv = A (v - target) = A ([1, 3] - [-1, 1]) = [2, 2] for A = 1."""
+    x0 = torch.tensor([[1.0, -1.0]], dtype=F64)
+    eps = torch.zeros(1, 2, dtype=F64)
+    t, a = torch.tensor([0.5], dtype=F64), torch.tensor([1.0], dtype=F64)
+    v = torch.tensor([[1.0, 3.0]], dtype=F64, requires_grad=True)
+    v_ema = torch.tensor([[0.0, 1.0]], dtype=F64)
+    out = fo.awm(v, v.detach(), eps, x0, t, a, ema_kl_beta=0.5, v_ema=v_ema)
+    assert float(out.per_action.detach()[0]) == pytest.approx(-1.0 + 0.5 * 2.5, abs=1e-12)
+    (g,) = torch.autograd.grad(out.per_action.sum(), v)
+    torch.testing.assert_close(g, torch.tensor([[2.0 + 0.5, 2.0 + 1.0]], dtype=F64), rtol=0, atol=1e-12)
+    vv, v_old, noise, x0s, ts, adv = _inputs()
+    with pytest.raises(ValueError, match="ema_kl_beta > 0 needs v_ema"):
+        fo.awm(vv, v_old, noise, x0s, ts, adv, ema_kl_beta=0.1)
+    with pytest.raises(ValueError, match="ema_kl_beta must be a finite number >= 0"):
+        fo.awm(vv, v_old, noise, x0s, ts, adv, ema_kl_beta=-1.0, v_ema=vv.detach())
+    assert fo.options("awm")["ema_kl_beta"] == 0.0 and "v_ema" not in fo.options("awm")
+    assert fo.inputs("awm") == ("v_ema",) and fo.inputs("diffusion_nft") == ()
+
+
 # ----------------------------------------------------------------------------- shared contract
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import pipelines
+from mmalign.app.evaluation import load_weights
 from mmalign.app.run import build_trainer
 from mmalign.config import ConfigError, load_config
 from mmalign.policies import forward_process as fp
@@ -44,6 +45,9 @@ def cfg(base: Path, out: Path, *extra: str):
 
 
 def make(c, resume: bool = False):
+    # the pipeline adds the LoRA adapter (random A) before the trainer seeds the process: seed it here so that
+    # two fresh runs in one process start from the same weights
+    torch.manual_seed(c.seed)
     return build_trainer(c, pipelines.get(c.pipeline)(c), resume=resume)
 
 
@@ -99,6 +103,83 @@ def test_old_policy_resumes_exactly(tmp_path: Path) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def with_ema(c, spec: dict | None = None):
+    """`algorithm.eval_ema` (a dict of `WeightEMA` options) set on a loaded config."""
+    c.algorithm.eval_ema = {} if spec is None else spec
+    return c
+
+
+def test_eval_ema_resumes_exactly_and_is_exported(tmp_path: Path) -> None:
+    """DiffusionNFT with its evaluation EMA (decay min((1 + n) / (10 + n), 0.9)) beside the old policy: both are
+    checkpointed and resume bit for bit; final/ holds the EMA's weights; a checkpoint's EMA loads into a policy."""
+    from safetensors.torch import load_file
+
+    args = (*SMALL, "trainer.steps=3", "trainer.save_every=1", "trainer.keep_checkpoints=5")
+    full = make(with_ema(cfg(NFT, tmp_path / "full", *args)))
+    ema_full = next(cb for cb in full.callbacks if isinstance(cb, fp.WeightEMA))
+    assert ema_full.preset == "diffusion_nft" and ema_full.params is not None  # copied at set-up
+    full_hist = full.train()
+    assert [m["ema/decay"] for m in full_hist] == pytest.approx([2 / 11, 3 / 12, 4 / 13])
+
+    part = make(with_ema(cfg(NFT, tmp_path / "part", *args[:-2], "trainer.steps=2", "trainer.save_every=1")))
+    part.train()
+    resumed = make(with_ema(cfg(NFT, tmp_path / "part", *args)), resume=True)
+    ema = next(cb for cb in resumed.callbacks if isinstance(cb, fp.WeightEMA))
+    assert resumed.step == 2 and ema.updates == 2
+    resumed.train()
+    metrics = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [strip_time(m) for m in metrics] == [strip_time(m) for m in full_hist]
+    for a, b in zip(ema_full.params, ema.params, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(full.policy.trainable_parameters(), resumed.policy.trainable_parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert any(
+        not torch.equal(a.detach(), b)
+        for a, b in zip(full.policy.trainable_parameters(), ema_full.params, strict=True)
+    )
+
+    # final/: the EMA's weights (the LoRA adapter merged), as DiffusionNFT saves its EMA
+    pol = full.policy
+    with ema_full.applied():
+        expected = pol._denoiser_to_save(tmp_path / "scratch", "transformer").state_dict()
+    saved = load_file(str(next((tmp_path / "full" / "final" / "transformer").glob("*.safetensors"))))
+    assert set(saved) == set(expected)
+    for k, v in saved.items():
+        torch.testing.assert_close(v, expected[k].detach().to(v.dtype), rtol=0, atol=0)
+
+    # a checkpoint's EMA weights, by trainable-state name, loadable into the policy (mmalign eval / sample)
+    weights = fp.checkpoint_ema_weights(tmp_path / "full" / "checkpoints" / "step_000003")
+    assert weights is not None and set(weights) == set(pol.trainable_state_dict())
+    with torch.no_grad():
+        for p in pol.trainable_parameters():
+            p.zero_()
+    load_weights(pol, tmp_path / "full" / "checkpoints" / "step_000003")  # what `mmalign eval` loads
+    for a, b in zip(pol.trainable_parameters(), ema_full.params, strict=True):
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
+    assert fp.checkpoint_ema_weights(next((tmp_path / "part").glob("checkpoints/step_*"))) is not None
+
+
+def test_awm_ema_kl_trains_through_the_trainer(tmp_path: Path) -> None:
+    """AWM with ema_kl_beta > 0 and no eval_ema: Flow-Factory's default EMA (decay 0.995, power warm-up 10,
+    every 10 epochs) is built, the loss reads its velocity and logs the v-space KL to it."""
+    c = cfg(
+        TINY,
+        tmp_path / "run",
+        *SMALL,
+        *AWM,
+        "trainer.steps=2",
+        "trainer.save_every=1000",
+        "algorithm.objective_kwargs={ema_kl_beta: 0.1}",
+    )
+    t = make(c)
+    ema = next(cb for cb in t.callbacks if isinstance(cb, fp.WeightEMA))
+    assert ema.preset == "flow_factory" and ema.every == 10 and t.policy.ema_in_loss
+    hist = t.train()
+    for m in hist:
+        assert "objective/ema_kl" in m and m["objective/ema_kl"] >= 0 and "ema/decay" not in m
+    assert hist[-1]["objective/ema_kl"] > 0  # the weights moved off the EMA (not updated before epoch 10)
+
+
 def test_objective_config_errors_name_the_key(tmp_path: Path) -> None:
     for extra, key in [
         (["algorithm.timesteps={strategy: nope}"], "algorithm.timesteps"),
@@ -107,11 +188,22 @@ def test_objective_config_errors_name_the_key(tmp_path: Path) -> None:
     ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             make(cfg(NFT, tmp_path / key, *SMALL, *extra))
+    with pytest.raises(ConfigError, match=r"algorithm\.eval_ema.*schedule must be one of"):
+        make(with_ema(cfg(NFT, tmp_path / "ema", *SMALL), {"schedule": "cubic"}))
+    with pytest.raises(ConfigError, match=r"algorithm\.objective_kwargs\.ema_kl_beta.*must be a number"):
+        make(cfg(TINY, tmp_path / "beta", *SMALL, *AWM, "algorithm.objective_kwargs={ema_kl_beta: lots}"))
+
+
+AWM_EMA_KL = [*AWM, "algorithm.objective_kwargs={ema_kl_beta: 0.1}"]
+"""AWM with Flow-Factory's recommended EMA KL (beta 0.1 towards an EMA with decay 0.9, power, every epoch)."""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("base", "extra"), [(NFT, []), (TINY, AWM)])
-def test_objective_raises_the_reward(tmp_path: Path, base: Path, extra: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("base", "extra", "ema"),
+    [(NFT, [], None), (TINY, AWM, None), (TINY, AWM_EMA_KL, {"decay": 0.9, "every": 1})],
+)
+def test_objective_raises_the_reward(tmp_path: Path, base: Path, extra: list[str], ema: dict | None) -> None:
     c = cfg(
         base,
         tmp_path / "run",
@@ -120,6 +212,8 @@ def test_objective_raises_the_reward(tmp_path: Path, base: Path, extra: list[str
         "trainer.steps=16",
         "trainer.save_every=1000",
     )
+    if ema is not None:
+        with_ema(c, ema)
     reward = [m["reward/mean"] for m in make(c).train()]
     first, last = sum(reward[:4]) / 4, sum(reward[-4:]) / 4
     assert last > first + 0.05, (first, last)

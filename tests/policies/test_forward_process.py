@@ -300,6 +300,140 @@ def test_old_policy_decay_update_swap_and_state(pipe_dir):
         again.load_state_dict({"params": state["params"][:-1]})
 
 
+# ----------------------------------------------------------------------------- the EMA of the weights
+
+
+class _Weights:
+    """The part of a policy `WeightEMA` reads: ``model`` and ``trainable_parameters`` (float64, one frozen)."""
+
+    def __init__(self, seed=0):
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+        self.model[1].bias.requires_grad_(False)
+
+    def trainable_parameters(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def _ema_reference(preset, steps, overrides, theta):
+    """A plain loop from the authors' code. DiffusionNFT (scripts/train_nft_sd3.py, flow_grpo/ema.py): after
+    optimizer step n, ``ema.step(params, n)``: d = min((1 + n) / (10 + n), 0.9), ema += (1 - d)(p - ema).
+    Flow-Factory (models/abc.py ema_step(epoch), ema/ema.py, ema_utils.py): after epoch e (0-based), if
+    (e + 1) % interval == 0, d = decay_fn(e), ema = d ema + (1 - d) p."""
+    ema = [x.clone() for x in theta[0]]
+    for n in range(1, steps + 1):
+        if preset == "diffusion_nft":
+            d = min((1 + n) / (10 + n), 0.9)
+            ema = [e + (1 - d) * (p - e) for e, p in zip(ema, theta[n], strict=True)]
+            continue
+        e_idx = n - 1
+        interval = overrides.get("every", 10)
+        if (e_idx + 1) % interval != 0:
+            continue
+        kind, top = overrides.get("schedule", "power"), overrides.get("decay", 0.995)
+        warm = overrides.get("warmup_steps", 10)
+        if kind == "power":
+            d = min(top, (1 + e_idx) / (warm + e_idx))
+        elif kind == "linear":
+            d0 = overrides.get("initial_decay", 0.0)
+            d = top if e_idx >= warm else d0 + (top - d0) * (e_idx / warm)
+        elif kind == "piecewise_linear":
+            flat, ramp = overrides.get("flat_steps", 0), overrides.get("ramp_rate", 0.001)
+            d = 0.0 if e_idx < flat else min((e_idx - flat) * ramp, top)
+        else:
+            d = top
+        ema = [d * e + (1 - d) * p for e, p in zip(ema, theta[n], strict=True)]
+    return ema
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides"),
+    [
+        ("diffusion_nft", {}),
+        ("flow_factory", {}),
+        ("flow_factory", {"every": 1, "decay": 0.9}),  # Flow-Factory's guide for AWM's ema_kl_beta
+        ("flow_factory", {"every": 1, "decay": 0.3, "schedule": "linear", "warmup_steps": 7}),
+        ("flow_factory", {"every": 2, "decay": 0.5, "schedule": "piecewise_linear", "flat_steps": 3}),
+        ("flow_factory", {"every": 3, "decay": 0.8, "schedule": "constant"}),
+    ],
+)
+def test_weight_ema_matches_the_authors_loop(preset, overrides):
+    pol = _Weights()
+    ema = fp.WeightEMA(pol, preset=preset, **overrides)
+    ema.ensure()
+    g = torch.Generator().manual_seed(3)
+    theta = [[p.detach().clone() for p in pol.trainable_parameters()]]
+    logged = []
+    for n in range(1, 31):  # an "optimizer step": new weights, then the callback
+        with torch.no_grad():
+            for p in pol.trainable_parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        theta.append([p.detach().clone() for p in pol.trainable_parameters()])
+        metrics: dict = {}
+        ema.on_step_end(None, n, metrics)
+        logged.append(metrics.get("ema/decay"))
+    ref = _ema_reference(preset, 30, overrides, theta)
+    for q, r in zip(ema.params, ref, strict=True):
+        torch.testing.assert_close(q, r, rtol=0, atol=1e-14)
+    if preset == "diffusion_nft":  # d = (1 + n) / (10 + n) from the first step: 2/11, 3/12, ...
+        assert logged[:2] == pytest.approx([2 / 11, 3 / 12]) and ema.updates == 30
+    elif not overrides:  # Flow-Factory's defaults: every 10 epochs, d = min(0.995, (1 + e) / (10 + e))
+        assert [x for x in logged if x is not None] == pytest.approx([10 / 19, 20 / 29, 30 / 39])
+        assert logged[0] is None and ema.updates == 3
+
+
+def test_weight_ema_swap_state_and_checkpoint_names():
+    pol = _Weights()
+    ema = fp.WeightEMA(pol, decay=0.5, schedule="constant")
+    ema.ensure()
+    with torch.no_grad():
+        for p in pol.trainable_parameters():
+            p.add_(1.0)
+    ema.update(1)
+    now = [p.detach().clone() for p in pol.trainable_parameters()]
+    with pytest.raises(RuntimeError, match="boom"), ema.applied():
+        for p, q, c in zip(pol.trainable_parameters(), ema.params, now, strict=True):
+            assert torch.equal(p.detach(), q) and torch.equal(q, c - 0.5)
+        raise RuntimeError("boom")
+    for p, c in zip(pol.trainable_parameters(), now, strict=True):
+        assert torch.equal(p.detach(), c)
+    state = ema.state_dict()
+    trainable = {n for n, p in pol.model.named_parameters() if p.requires_grad}
+    assert state["kind"] == fp.EMA_STATE_KIND and set(state["weights"]) == trainable and state["updates"] == 1
+    again = fp.WeightEMA(pol)
+    again.load_state_dict(state)
+    assert again.updates == 1
+    for q, s in zip(again.params, ema.params, strict=True):
+        assert torch.equal(q, s)
+    with pytest.raises(ValueError, match="do not match"):
+        again.load_state_dict({"weights": {"0.weight": state["weights"]["0.weight"]}})
+    for bad, msg in [
+        ({"preset": "nope"}, "preset must be one of"),
+        ({"schedule": "cubic"}, "schedule must be one of"),
+        ({"decay": 1.5}, "must lie in"),
+        ({"every": 0}, "every >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            fp.WeightEMA(pol, **bad)
+
+
+def test_flow_predictions_v_ema_is_the_ema_weights_velocity(pipe_dir):
+    pol = make(pipe_dir, lora=LORA)
+    _perturb(pol, seed=4)
+    ema = fp.WeightEMA(pol)
+    ema.ensure()
+    _perturb(pol, seed=5)
+    rollout = fp.sample_clean(pol, ROWS, 2, num_actions=2, solver="euler")
+    draw = fp.draw_forward(pol, rollout, generator=torch.Generator().manual_seed(0))
+    p = fp.flow_predictions(pol, rollout, draw=draw, ema=ema)
+    with ema.applied(), torch.no_grad():
+        q = fp.flow_predictions(pol, rollout, draw=draw)
+    torch.testing.assert_close(p.v_ema, q.v, rtol=0, atol=0)
+    assert not torch.allclose(p.v.detach(), p.v_ema)
+    out = p.objective("awm", torch.tensor([1.0, -1.0, 0.5, 0.0]), ema_kl_beta=0.1)
+    torch.testing.assert_close(out.stats["ema_kl"], fo.velocity_kl(p.v.detach(), p.v_ema, 2))
+
+
 # ----------------------------------------------------------------------------- learning
 
 
