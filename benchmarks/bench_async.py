@@ -15,7 +15,11 @@ GPU (a real model, vLLM sampling in a Ray rollout actor on its own GPU, the trai
         --set rollout.engine=vllm trainer.cpu=false \
         --async-options 'backend: ray, worker_resources: {num_gpus: 1, num_cpus: 4}'
 
-(the synchronous run then samples with vLLM colocated on the trainer's GPU).
+(the synchronous run then samples with vLLM colocated on the trainer's GPU). Reward actors of their own (Ray):
+``--async-options 'backend: ray, reward_workers: 2, reward_resources: {num_cpus: 1}'``.
+
+The async run's worker records the behaviour log-probs from the text policy's decode loop (no scoring pass, fp32
+models); ``async/worker_sample_cpu_s`` is the worker's CPU time per step for sampling.
 """
 
 from __future__ import annotations
@@ -105,6 +109,8 @@ def summarize(res: dict[str, Any], warmup: int) -> dict[str, float]:
         "async/trainer_wait_s",
         "async/worker_idle_s",
         "async/worker_sample_s",
+        "async/worker_sample_cpu_s",
+        "async/reward_s",
         "is/weight_mean",
         "is/capped_frac",
         "time/update_s",

@@ -5,8 +5,11 @@ when the policy has one) and turns *jobs* into rollouts: a job names the trainin
 is for, the dataset rows, and the weight version (finished training steps) the worker must hold. The trainer
 (`mmalign.trainer.GroupTrainer`, the one training loop) submits the first round of the next ``K =
 max_staleness`` steps before it runs the current update, pushing its weights to the worker when they changed,
-and takes each round when it needs it. Rewards are scored in a background thread of the trainer process as
-each round arrives, so they overlap the update too.
+and takes each round when it needs it. Rewards are scored as each round arrives, so they overlap the update
+too: in a background thread of the trainer process, in the rollout worker right after it samples
+(``score_in_worker``), or, with the Ray backend, in reward actors of their own (``reward_workers``; the round is
+handed from the rollout actor to a reward actor through the object store, so scoring overlaps the sampling of
+the next round as well).
 
 Determinism. The schedule is a pure function of the step: the round for step ``s`` is sampled with the
 weights after step ``s - j`` where ``j`` is how far ahead it was submitted (at most K), never older, so no
@@ -73,6 +76,12 @@ class RolloutJob:
     """The worker's random state to restore before sampling (the first job of a worker); None: continue."""
     score: bool = False
     """Score the rewards in the worker (``trainer.async.score_in_worker``)."""
+    compute_logp: bool = True
+    """Record the log-probs of the sampled actions (``Policy.rollout(compute_logp=...)``): the behaviour log-probs
+    with ``max_staleness > 0``; with 0 what the synchronous trainer asks for (``GroupTrainer.need_logp_old``)."""
+    sampled_logp: bool = False
+    """Let a token policy take them from its decode loop instead of a scoring pass (its ``sampled_logp``
+    attribute, `mmalign.policies.token_sampling.TokenSampling.sampled_logp`); on with ``max_staleness > 0``."""
 
 
 @dataclass
@@ -93,6 +102,18 @@ class RolloutResult:
     rewards: Tensor | None = None
     reward_metrics: dict[str, float] = field(default_factory=dict)
     reward_s: float = 0.0
+
+
+def score_rollout(reward_set: Any, rollout: Rollout) -> dict[str, Any]:
+    """Score one sampled round with `reward_set`, wherever it runs (the trainer's receiving thread, a rollout
+    worker, a reward actor): the `RolloutResult` fields ``rewards``, ``reward_metrics`` and ``reward_s``."""
+    t0 = time.perf_counter()
+    rewards = reward_set(rollout)
+    return {
+        "rewards": rewards,
+        "reward_metrics": dict(getattr(reward_set, "last_metrics", {}) or {}),
+        "reward_s": time.perf_counter() - t0,
+    }
 
 
 def worker_rng_state(policy: Any) -> dict[str, Any]:
@@ -136,9 +157,11 @@ class RolloutWorker:
             set_worker_rng_state(self.policy, job.rng)
         t0, c0 = time.perf_counter(), time.process_time()
         self.policy.on_train_step(job.key[0])
-        rollout = self.policy.rollout(job.rows, job.group_size, compute_logp=True)
+        if hasattr(self.policy, "sampled_logp"):  # a token policy: log-probs from its decode loop
+            self.policy.sampled_logp = job.sampled_logp
+        rollout = self.policy.rollout(job.rows, job.group_size, compute_logp=job.compute_logp)
         self.policy.materialize(rollout, job.needs)
-        if rollout.logp_old is None:
+        if job.compute_logp and rollout.logp_old is None:
             raise AsyncWorkerError(
                 f"{type(self.policy).__name__}.rollout(compute_logp=True) recorded no log-probs; asynchronous "
                 "rollouts need the behaviour log-probs"
@@ -148,10 +171,7 @@ class RolloutWorker:
         if job.score:
             if self.reward_set is None:
                 raise AsyncWorkerError(f"rollout worker {self.index} holds no reward set to score with")
-            t1 = time.perf_counter()
-            scored["rewards"] = self.reward_set(rollout)
-            scored["reward_metrics"] = dict(getattr(self.reward_set, "last_metrics", {}) or {})
-            scored["reward_s"] = time.perf_counter() - t1
+            scored = score_rollout(self.reward_set, rollout)
         return RolloutResult(
             key=job.key,
             rollout=rollout,
@@ -333,15 +353,33 @@ class AsyncRollouts:
         self.last_rng: list[dict[str, Any]] = [r for r in self._start_rng if r is not None]
         """Each worker's random state after the last result taken (what a checkpoint stores)."""
         self.versions = [version] * n
+        self.reward_actors: Any = None
+        """The reward actors (`mmalign.ray_workers.RewardActors`) with ``reward_workers > 0``, else None."""
         self.workers = self._start(policy, version, n)
 
     def _start(self, policy: Any, version: int, n: int) -> list[Any]:
-        if self.cfg.backend == "ray":
-            from mmalign.ray_workers import start_ray_workers
-
-            rewards = self.reward_set if self.cfg.score_in_worker else None
-            return start_ray_workers(policy, version, n, self.cfg, self._arrived, reward_set=rewards)
         rewards = self.reward_set if self.cfg.score_in_worker else None
+        if self.cfg.backend == "ray":
+            from mmalign.ray_workers import start_ray_workers, start_reward_actors
+
+            if getattr(self.cfg, "reward_workers", 0):
+                self.reward_actors = start_reward_actors(
+                    self.reward_set, int(self.cfg.reward_workers), self.cfg
+                )
+            try:
+                return start_ray_workers(
+                    policy,
+                    version,
+                    n,
+                    self.cfg,
+                    self._arrived,
+                    reward_set=rewards,
+                    reward_actors=self.reward_actors,
+                )
+            except BaseException:
+                if self.reward_actors is not None:
+                    self.reward_actors.close()
+                raise
         return [ProcessWorker(policy, version, self._arrived, index=0, reward_set=rewards)]
 
     # -------------------------------------------------------------- results arriving (background thread)
@@ -364,10 +402,10 @@ class AsyncRollouts:
             return
         try:
             with self._reward_lock:  # several workers' threads may deliver at once
-                t0 = time.perf_counter()
-                result.rewards = self.reward_set(result.rollout)
-                result.reward_metrics = dict(getattr(self.reward_set, "last_metrics", {}) or {})
-                result.reward_s = time.perf_counter() - t0
+                scored = score_rollout(self.reward_set, result.rollout)
+            result.rewards = scored["rewards"]
+            result.reward_metrics = scored["reward_metrics"]
+            result.reward_s = scored["reward_s"]
             item: Any = result
         except Exception as e:  # noqa: BLE001 - raised in the trainer's thread by `take`
             item = e
@@ -395,9 +433,12 @@ class AsyncRollouts:
         weights: Callable[[], dict[str, Tensor]],
         needs: Sequence[str] = (),
         rng: dict[str, Any] | None = None,
+        compute_logp: bool = True,
     ) -> None:
         """Queue the job `key` on the next worker (round-robin), after pushing `weights()` of `version` to it when
-        it holds older ones. `rng`: the random state the worker samples from (None: its own stream)."""
+        it holds older ones. `rng`: the random state the worker samples from (None: its own stream);
+        `compute_logp`: record the sampled actions' log-probs (always with ``max_staleness > 0``, where a token
+        policy takes them from its decode loop)."""
         w = self._next_worker
         self._next_worker = (w + 1) % len(self.workers)
         worker = self.workers[w]
@@ -406,6 +447,7 @@ class AsyncRollouts:
             self.versions[w] = version
         start, self._start_rng[w] = self._start_rng[w], None
         rng = rng if rng is not None else start
+        stale = int(self.cfg.max_staleness) > 0
         job = RolloutJob(
             key,
             list(indices),
@@ -415,6 +457,8 @@ class AsyncRollouts:
             tuple(needs),
             rng,
             bool(self.cfg.score_in_worker),
+            compute_logp=compute_logp or stale,
+            sampled_logp=stale,
         )
         self._pending[key] = job
         self._assigned[key] = w
@@ -432,14 +476,20 @@ class AsyncRollouts:
                 problem = self.workers[w].problem()
                 if problem is not None and key not in self._results:
                     raise AsyncWorkerError(
-                        f"{problem} while sampling step {key[0] + 1} round {key[1]}; the run stops (continue with "
-                        "--resume from the last checkpoint)"
+                        f"{problem} (the trainer waits for step {key[0] + 1} round {key[1]}); the run stops "
+                        "(continue with --resume from the last checkpoint)"
                     )
                 left = deadline - time.perf_counter()
                 if left <= 0:
+                    scorer = getattr(self.workers[w], "scoring", {}).get(key)  # sampled, not yet scored
                     raise AsyncWorkerError(
-                        f"rollout worker {w} gave no result for step {key[0] + 1} round {key[1]} within "
-                        f"trainer.async.timeout_s={self.timeout_s:g} s"
+                        (
+                            f"reward actor {scorer} gave no rewards"
+                            if scorer is not None
+                            else f"rollout worker {w} gave no result"
+                        )
+                        + f" for step {key[0] + 1} round {key[1]} within trainer.async.timeout_s="
+                        f"{self.timeout_s:g} s"
                     )
                 self._cond.wait(timeout=min(0.25, left))
             item = self._results.pop(key, None) or self._results.pop(("error", 0))
@@ -453,6 +503,9 @@ class AsyncRollouts:
         for worker in self.workers:
             with contextlib.suppress(Exception):
                 worker.close()
+        if self.reward_actors is not None:
+            with contextlib.suppress(Exception):
+                self.reward_actors.close()
 
 
 def _seeded_rng_state(policy: Any, seed: int) -> dict[str, Any]:

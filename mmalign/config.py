@@ -290,6 +290,15 @@ class AsyncConfig:
     score_in_worker: bool = False
     """Score the rewards in the rollout worker right after it samples (its process, device or node; the reward
     set is copied there) instead of in a thread of the trainer's process as each batch arrives."""
+    reward_workers: int = 0
+    """``ray`` backend: reward actors, each with its own copy of the reward set, that score every sampled round as
+    soon as its rollout actor finishes it (handed from actor to actor through the object store; the rounds
+    assigned round-robin), so scoring overlaps both the sampling of the next round and the update. 0: score in a
+    thread of the trainer's process (or in the rollout worker with `score_in_worker`). Each scoring call is
+    waited for at most `timeout_s`, and a dead reward actor stops the step at once, naming the actor."""
+    reward_resources: dict[str, Any] = field(default_factory=dict)
+    """``ray`` backend with `reward_workers`: the resources of each reward actor (``num_cpus``, default 1,
+    ``num_gpus``, custom resources), so reward models run on their own device or node."""
 
 
 TRACKERS = ("tensorboard", "wandb")
@@ -926,6 +935,31 @@ def _validate_async(cfg: Config, need: typing.Callable[[bool, str, str], None]) 
     need(c.max_staleness >= 0, "trainer.async.max_staleness", "must be >= 0")
     need(_finite(c.timeout_s) and c.timeout_s > 0, "trainer.async.timeout_s", "must be a finite number > 0")
     need(c.num_workers >= 1, "trainer.async.num_workers", "must be >= 1")
+    need(c.reward_workers >= 0, "trainer.async.reward_workers", "must be >= 0")
+    need(
+        c.reward_workers == 0 or c.backend == "ray",
+        "trainer.async.reward_workers",
+        "needs trainer.async.backend 'ray' (reward workers are Ray actors)",
+    )
+    need(
+        c.reward_workers == 0 or not c.score_in_worker,
+        "trainer.async.reward_workers",
+        "and trainer.async.score_in_worker both say where to score the rewards: set one of them",
+    )
+    need(
+        c.reward_workers > 0 or not c.reward_resources,
+        "trainer.async.reward_resources",
+        "is an option of the reward actors: set trainer.async.reward_workers > 0",
+    )
+    for name, amount in c.reward_resources.items():
+        need(
+            isinstance(amount, int | float)
+            and not isinstance(amount, bool)
+            and _finite(amount)
+            and amount >= 0,
+            f"trainer.async.reward_resources.{name}",
+            f"must be a number >= 0, got {amount!r}",
+        )
     need(
         not cfg.algorithm.group_refill,
         "algorithm.group_refill",

@@ -482,6 +482,8 @@ class GroupTrainer:
             needs=tuple(self.reward_set.needs),
             # K = 0: one random stream, as in the synchronous trainer (the worker continues this process's)
             rng=worker_rng_state(self.policy) if self.async_cfg.max_staleness == 0 else None,
+            # K = 0: the log-probs the synchronous trainer records; K > 0: always (the behaviour log-probs)
+            compute_logp=self.need_logp_old,
         )
 
     def _async_prefetch(self) -> None:

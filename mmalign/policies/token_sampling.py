@@ -7,6 +7,10 @@ nothing beyond temperature / top-k / top-p / suppressed tokens) draws each token
 the same distribution as ``generate`` (suppressed tokens, temperature, top-k, then top-p on the renormalised
 top-k), computed on the last position's logits in their own dtype, the vocabulary in slices (no fp32 copy of
 the ``[B, V]`` logits, no full sort, one uniform number per row instead of ``multinomial``'s V exponentials).
+It also returns each drawn token's log-prob (fp32, from the same logits); with `TokenSampling.sampled_logp` on
+(an asynchronous rollout worker's copy: `mmalign.asynchronous.RolloutWorker`) they become the rollout's
+``logp_old`` with ``compute_logp=True`` instead of a second scoring forward pass, where they are exact enough
+(`TokenSampling.sampled_logp_blockers`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from tqdm.auto import tqdm
 
 from mmalign.batch import Rollout, group_fields, left_pad
 from mmalign.engines.client import EngineClient
-from mmalign.logprobs import cache_kwarg
+from mmalign.logprobs import autocast_dtype, cache_kwarg
 
 SAMPLING_SLICES = 8
 """`sample_next_tokens` walks the vocabulary in this many slices (fp32 temporaries of [B, V / 8])."""
@@ -239,7 +243,6 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int], stop_lengths: Te
     return torch.arange(t, device=completion_ids.device)[None, :] < lengths[:, None]
 
 
-@functools.cache
 def pad_left(x: Tensor, width: int, value: int) -> Tensor:
     if x.shape[1] == width:
         return x
@@ -280,6 +283,13 @@ class TokenSampling:
     generation_batch_size: int | None
     shared_prefix: bool
     sampler: str
+    suppressed_ids: list[int]
+    sampled_logp: bool = False
+    """``compute_logp=True`` takes ``logp_old`` from the own decode loop's log-probs of the drawn tokens (no
+    scoring pass) where `sampled_logp_blockers` is empty. Off by default: the synchronous trainer's ``logp_old``
+    is pi_old of its first update and comes from the same scoring path as the update's log-probs (equal to the
+    bit, which `mmalign parity` checks); an asynchronous rollout worker with ``max_staleness > 0`` turns it on
+    for its own copy, whose log-probs are the behaviour log-probs of the importance weights."""
     _prompt_cache: dict[str, list[int]]
     device: torch.device
     _logprobs: Callable[..., Tensor]
@@ -329,15 +339,26 @@ class TokenSampling:
         prompts, group, columns = self._rollout_fields(rows, group_size)
         if self.engine_client.engine is not None:
             return self._rollout_with_engine(rows, group_size, prompts, group, columns)
-        parts = self._generate_in_chunks(prompts, self._generate)
+        with_logp = compute_logp and self.sampled_logp
+        parts = self._generate_in_chunks(prompts, functools.partial(self._generate, with_logp=with_logp))
         p_width = max(p[0].shape[1] for p in parts)
         c_width = max(p[2].shape[1] for p in parts)
         pad = self.tokenizer.pad_token_id
         prompt_ids = torch.cat([pad_left(p[0], p_width, pad) for p in parts])
         prompt_mask = torch.cat([pad_left(p[1], p_width, 0) for p in parts])
         completion_ids = torch.cat([pad_right(p[2], c_width, pad) for p in parts])
+        sampled_logp = None
+        if with_logp and all(p[3] is not None for p in parts):  # the decode loop's own log-probs
+            sampled_logp = torch.cat([pad_right(p[3], c_width, 0) for p in parts])
         return self._finish_rollout(
-            prompts, group, columns, prompt_ids, prompt_mask, completion_ids, compute_logp
+            prompts,
+            group,
+            columns,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            compute_logp,
+            sampled_logp=sampled_logp,
         )
 
     def _rollout_with_engine(
@@ -391,8 +412,12 @@ class TokenSampling:
         completion_ids: Tensor,
         compute_logp: bool,
         extra_payload: dict[str, Any] | None = None,
+        *,
+        sampled_logp: Tensor | None = None,
     ) -> Rollout:
-        """Masks, texts and (optionally) log-probs of sampled completions (`extra_payload` joins the payload)."""
+        """Masks, texts and (optionally) log-probs of sampled completions (`extra_payload` joins the payload).
+        `sampled_logp` (Float[B, T]): the log-probs the decode loop recorded for the drawn tokens; with
+        `compute_logp` they are the rollout's ``logp_old`` (0 where masked) instead of a scoring pass."""
         pad = self.tokenizer.pad_token_id
         stop_lengths = self._stop_lengths(completion_ids) if self.stop_strings else None
         mask = completion_mask(completion_ids, self.eos_ids, stop_lengths)
@@ -421,7 +446,10 @@ class TokenSampling:
                 **(extra_payload or {}),
             },
         )
-        if compute_logp:
+        if compute_logp and sampled_logp is not None:
+            dev = self.device  # where the scoring pass would put them
+            rollout.logp_old = sampled_logp.to(dev, torch.float32).masked_fill(~mask.to(dev), 0.0)
+        elif compute_logp:
             rollout.logp_old = self._logprobs(self.model, rollout, grad=False)
         return rollout
 
@@ -487,20 +515,27 @@ class TokenSampling:
                 self.model.train()
         return parts
 
-    def _generate(self, prompts: list[str]) -> tuple[Tensor, Tensor, Tensor]:
-        """(prompt ids, prompt mask, completion ids) of one chunk of prompts: the own decode loop
-        (`_sample_loop`) where `own_loop_blockers` is empty, Hugging Face ``generate`` otherwise."""
+    def _generate(
+        self, prompts: list[str], with_logp: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """(prompt ids, prompt mask, completion ids, the drawn tokens' log-probs or None) of one chunk of
+        prompts: the own decode loop (`_sample_loop`) where `own_loop_blockers` is empty, Hugging Face
+        ``generate`` otherwise. The log-probs (Float[B, T], `with_logp`) come only from the own loop and only
+        where `sampled_logp_blockers` is empty; None: the caller scores the completions instead."""
         ids, att = self._encode_prompts(prompts)
         ids, att = ids.to(self.device), att.to(self.device)
         cache = self._prefill(prompts, ids, att) if self.shared_prefix and ids.shape[1] > 1 else None
+        logp = None
         if not self.own_loop_blockers():
-            new = self._sample_loop(ids, att, cache)
+            new, logp = self._sample_loop(ids, att, cache)
+            if not with_logp or self.sampled_logp_blockers():
+                logp = None
         else:
             kwargs = self._sampling_kwargs()
             if cache is not None:
                 kwargs[cache_kwarg()] = cache
             new = self.model.generate(input_ids=ids, attention_mask=att, **kwargs)[:, ids.shape[1] :]
-        return ids.cpu(), att.cpu(), new.cpu()
+        return ids.cpu(), att.cpu(), new.cpu(), None if logp is None else logp.cpu()
 
     def own_loop_blockers(self) -> list[str]:
         """Why single-turn sampling goes through ``generate`` instead of the own decode loop: ``sampler: hf``,
@@ -511,6 +546,34 @@ class TokenSampling:
         if sharded_over_processes(self.model):
             return ["FSDP2 over several processes"]
         return unsupported_generation_settings(getattr(self.model, "generation_config", None))
+
+    def sampled_logp_blockers(self) -> list[str]:
+        """Why the own decode loop's log-probs of the drawn tokens cannot stand for the scoring pass
+        (`_logprobs`) as ``logp_old``; empty: with `sampled_logp` on they are used, and ``compute_logp=True``
+        costs no extra forward.
+
+        The loop's log-prob of a token is ``log_softmax(logits / T)`` of the last position's logits, in fp32
+        for the drawn token only (`sample_next_tokens`); the scoring pass runs the whole sequence through the
+        model at once. Both are the same function of the weights; they differ only by the order of floating
+        point operations (attention over a KV cache one token at a time against one causal forward; a
+        ``[B, 1]`` against a ``[B, T]`` matmul through the head), about 1e-6 in fp32 (the tests allow 1e-5).
+        In bf16 / fp16 that difference is of the order of the dtype's precision (1e-2), so the loop's log-probs
+        are used only for fp32 logits (checked on the logits, and not under autocast: `_sample_loop`) with fp32
+        matmuls in full precision (``torch.get_float32_matmul_precision() == "highest"``: no TF32 / bf16 passes),
+        and only where both compute the same distribution: no tokens suppressed in sampling (the model's
+        ``generation_config.suppress_tokens``) or in scoring (`suppressed_ids`, e.g. a VLM's placeholders).
+        Logits processors are never applied by the own loop (`own_loop_blockers` sends them to ``generate``,
+        whose completions are always scored)."""
+        out = []
+        precision = torch.get_float32_matmul_precision()
+        if precision != "highest":
+            out.append(f"float32_matmul_precision={precision}")
+        if self.suppressed_ids:
+            out.append(f"suppressed_ids={list(self.suppressed_ids)}")
+        blocked = getattr(getattr(self.model, "generation_config", None), "suppress_tokens", None)
+        if blocked:
+            out.append(f"suppress_tokens={list(blocked)}")
+        return out
 
     def _stop_criterion(self) -> Any:
         """Hugging Face's ``StopStringCriteria`` for the policy's stop strings (built once; None without)."""
@@ -526,13 +589,15 @@ class TokenSampling:
         return cached[1]
 
     @torch.no_grad()
-    def _sample_loop(self, ids: Tensor, att: Tensor, cache: Any = None) -> Tensor:
+    def _sample_loop(self, ids: Tensor, att: Tensor, cache: Any = None) -> tuple[Tensor, Tensor | None]:
         """Sample up to ``max_new_tokens`` per row after the left-padded prompts `ids` / `att` (on the model's
         device), with the KV cache and positions ``generate`` would use; `cache`: the prefilled cache of all
         but the last prompt token (`_prefill`), or None. Each step runs the new token(s) with
         ``logits_to_keep=1`` and draws with `sample_next_tokens`; a row that produced EOS or completed a
         stop string gets the pad id from then on, and the loop ends when every row has. Returns the new
-        tokens [B, steps]."""
+        tokens [B, steps] and their log-probs Float[B, steps] under ``log_softmax(logits / T)`` without the
+        suppressed ids (those of the pad ids after a row's end are meaningless), or None for the log-probs
+        when the logits were not fp32 or autocast was on (`sampled_logp_blockers`)."""
         from transformers import DynamicCache
 
         key = cache_kwarg()
@@ -551,6 +616,8 @@ class TokenSampling:
         seq, mask = ids, att
         unfinished = torch.ones(b, dtype=torch.bool, device=dev)
         new: list[Tensor] = []
+        logps: list[Tensor] = []
+        exact = autocast_dtype(dev) is None  # fp32 logits computed in fp32 (checked per step below)
         for _ in range(self.max_new_tokens):
             out = self.model(
                 input_ids=step_ids,
@@ -561,7 +628,8 @@ class TokenSampling:
                 **{key: cache},
             )
             cache = out[key]
-            tokens, _ = sample_next_tokens(
+            exact = exact and out.logits.dtype == torch.float32
+            tokens, logp = sample_next_tokens(
                 out.logits[:, -1, :],
                 temperature=self.temperature,
                 top_k=self.top_k,
@@ -571,6 +639,7 @@ class TokenSampling:
             del out
             tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad))
             new.append(tokens)
+            logps.append(logp)
             if eos is not None:
                 unfinished &= ~torch.isin(tokens, eos)
             if stop is not None:
@@ -580,7 +649,9 @@ class TokenSampling:
                 break
             step_ids, step_pos = tokens[:, None], step_pos[:, -1:] + 1
             mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
-        return torch.stack(new, dim=1) if new else ids.new_zeros(b, 0)
+        if not new:
+            return ids.new_zeros(b, 0), (torch.zeros(b, 0, device=dev) if exact else None)
+        return torch.stack(new, dim=1), (torch.stack(logps, dim=1).float() if exact else None)
 
     def _prefill(self, prompts: list[str], ids: Tensor, att: Tensor) -> Any:
         """KV cache of all but the last prompt token, computed once per distinct prompt and gathered

@@ -73,6 +73,23 @@ def test_config_key_and_validation(random_text_model_dir: Path, tmp_path: Path) 
         )
     with pytest.raises(ConfigError, match="unknown key 'trainer.async.staleness'"):
         make_cfg(random_text_model_dir, tmp_path / "r", trainer={"async": {"staleness": 1}})
+    ray_rewards = {
+        "max_staleness": 1,
+        "backend": "ray",
+        "reward_workers": 2,
+        "reward_resources": {"num_gpus": 1},
+    }
+    cfg = make_cfg(random_text_model_dir, tmp_path / "r", trainer={"async": ray_rewards})
+    assert cfg.trainer.async_.reward_workers == 2 and cfg.trainer.async_.reward_resources == {"num_gpus": 1}
+    for bad, key in (
+        ({"reward_workers": 1}, "needs trainer.async.backend 'ray'"),  # the process backend
+        ({**ray_rewards, "reward_workers": -1}, "trainer.async.reward_workers"),
+        ({**ray_rewards, "score_in_worker": True}, "both say where to score"),
+        ({**ray_rewards, "reward_workers": 0}, "trainer.async.reward_resources"),
+        ({**ray_rewards, "reward_resources": {"num_cpus": -1}}, r"reward_resources.num_cpus.*>= 0"),
+    ):
+        with pytest.raises(ConfigError, match=key):
+            make_cfg(random_text_model_dir, tmp_path / "r", trainer={"async": bad})
     with pytest.raises(ConfigError, match="algorithm.group_refill"):  # hints re-roll in the trainer's process
         make_cfg(
             random_text_model_dir,
@@ -159,6 +176,37 @@ def test_k1_behaviour_logprobs_are_those_of_the_workers_weights(
 ) -> None:
     rec, _, _ = _behaviour_check(tmp_path / "k1", random_text_model_dir)
     assert rec.batches[2].logp_old is None  # one optimizer step: pi_old is the update's own forward
+
+
+def test_worker_takes_behaviour_logprobs_from_the_decode_loop(
+    random_text_model_dir: Path, tmp_path: Path
+) -> None:
+    """The rollout worker of a K > 0 run records the behaviour log-probs without a scoring pass (the text
+    policy's decode loop gives them, `TokenSampling.sampled_logp`); a K = 0 job asks for what the synchronous
+    trainer asks for, through the scoring pass (here: nothing)."""
+    from mmalign.asynchronous import RolloutJob, RolloutWorker
+
+    cfg = make_cfg(random_text_model_dir, tmp_path / "w")
+    policy = pipelines.get(cfg.pipeline)(cfg).policy
+    calls = [0]
+    score = policy._logprobs
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return score(*args, **kwargs)
+
+    policy._logprobs = counted
+    worker = RolloutWorker(policy, version=0)
+    rows = [{"prompt": "Q: 1 + 2 = ?\nA:"}, {"prompt": "Q: 4 + 4 = ?\nA:"}]
+    stale = worker.run(RolloutJob((0, 0), [0, 1], rows, 3, 0, compute_logp=True, sampled_logp=True))
+    assert calls[0] == 0 and stale.rollout.logp_old is not None
+    mask = stale.rollout.mask
+    rescored = score(policy.model, stale.rollout, grad=False)
+    assert (stale.rollout.logp_old - rescored)[mask].abs().max() <= 1e-5
+    k0 = worker.run(RolloutJob((1, 0), [0, 1], rows, 3, 0, compute_logp=False))
+    assert calls[0] == 0 and k0.rollout.logp_old is None and not policy.sampled_logp
+    worker.run(RolloutJob((2, 0), [0, 1], rows, 3, 0, compute_logp=True))  # K = 0 with two passes
+    assert calls[0] == 1
 
 
 def test_k1_with_two_passes_recomputes_pi_old(random_text_model_dir: Path, tmp_path: Path) -> None:

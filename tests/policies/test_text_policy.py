@@ -444,3 +444,104 @@ def test_generation_settings_the_loop_lacks_fall_back_to_generate(random_text_mo
     assert pol.own_loop_blockers() == []
     with pytest.raises(ValueError, match="sampler"):
         _policy(random_text_model_dir, sampler="vllm")
+
+
+def _count_scoring(pol: TextPolicy) -> list[int]:
+    """Count the policy's scoring passes (`TextPolicy._logprobs` calls)."""
+    calls = [0]
+    score = pol._logprobs
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return score(*args, **kwargs)
+
+    pol._logprobs = counted
+    return calls
+
+
+def _plain_logprobs(pol: TextPolicy, rollout) -> torch.Tensor:
+    """Reference: each sample alone (no padding, no KV cache, no shared prefix), its prompt and valid completion
+    tokens in one forward, log_softmax(logits / T) at the completion tokens; 0 where masked."""
+    p = rollout.payload
+    out = torch.zeros(rollout.mask.shape, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(len(rollout)):
+            prompt = p["prompt_ids"][i][p["prompt_mask"][i].bool()]
+            n = int(rollout.mask[i].sum())
+            seq = torch.cat([prompt, p["completion_ids"][i, :n]])[None]
+            logits = pol.model(input_ids=seq).logits[0, len(prompt) - 1 : -1].double() / pol.temperature
+            out[i, :n] = torch.log_softmax(logits, dim=-1).gather(1, seq[0, len(prompt) :, None]).squeeze(1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"temperature": 0.7, "top_k": 5},
+        {"temperature": 1.3, "top_p": 0.8, "generation_batch_size": 3},
+        {"shared_prefix": False, "stop_strings": ["e"]},
+    ],
+    ids=["plain", "top_k", "top_p_chunks", "no_prefix_stops"],
+)
+def test_own_loop_logprobs_replace_the_scoring_pass(random_text_model_dir: Path, kw: dict) -> None:
+    """With ``sampled_logp`` on (an asynchronous rollout worker's copy) and ``compute_logp=True`` the own decode
+    loop's log-probs of the drawn tokens are the rollout's ``logp_old``, with no scoring pass: they equal the policy's scoring path (`_logprobs`: one causal forward
+    over the padded batch) and a plain reference (each sample alone, no cache) within 1e-5. fp32 tolerance: the
+    loop attends over a KV cache one token at a time and runs the head on one position, the others run the
+    whole sequence at once, so only the order of float operations differs (~1e-6 here)."""
+    pol = _policy(random_text_model_dir, max_new_tokens=12, **kw)
+    calls = _count_scoring(pol)
+    torch.manual_seed(3)
+    off = pol.rollout(_rows(PROMPTS), 3, compute_logp=True)  # off by default: the scoring pass
+    assert calls[0] == 1 and not pol.sampled_logp
+    pol.sampled_logp = True
+    calls[0] = 0
+    torch.manual_seed(3)
+    r = pol.rollout(_rows(PROMPTS), 3, compute_logp=True)
+    assert torch.equal(r.payload["completion_ids"], off.payload["completion_ids"])  # the same draws
+    assert (r.logp_old - off.logp_old).abs().max() <= 1e-5
+    assert calls[0] == 0 and pol.sampled_logp_blockers() == []
+    assert r.logp_old.dtype == torch.float32 and r.logp_old.shape == r.mask.shape
+    assert (r.logp_old[~r.mask] == 0).all() and (r.logp_old[r.mask] < 0).all()
+    scored = pol._logprobs(pol.model, r, grad=False)
+    assert calls[0] == 1  # (this one)
+    assert (r.logp_old - scored).abs().max() <= 1e-5
+    assert (r.logp_old.double() - _plain_logprobs(pol, r)).abs().max() <= 1e-5
+    if "stop_strings" in kw:  # masked tails: rows that ended early
+        assert int(r.mask.sum(dim=1).min()) < r.mask.shape[1]
+
+
+def test_sampled_logprobs_fall_back_to_the_scoring_pass(random_text_model_dir: Path) -> None:
+    """Where the loop's log-probs are not those the scoring path computes, the rollout is scored: tokens
+    suppressed in sampling (generation config) or in scoring (`suppressed_ids`), bf16 logits, autocast, reduced
+    fp32 matmul precision (TF32), and ``generate`` (``sampler="hf"``); without ``compute_logp`` there are none and nothing is scored."""
+
+    def scored_once(pol: TextPolicy, **kw) -> torch.Tensor:
+        pol.sampled_logp = True
+        calls = _count_scoring(pol)
+        r = pol.rollout(_rows(PROMPTS), 2, compute_logp=True)
+        assert calls[0] == 1, pol.sampled_logp_blockers()
+        return r
+
+    pol = _policy(random_text_model_dir)
+    pol.model.generation_config.suppress_tokens = [7]
+    assert pol.sampled_logp_blockers() == ["suppress_tokens=[7]"]
+    scored_once(pol)
+    pol = _policy(random_text_model_dir)
+    pol.suppressed_ids = [7]
+    assert pol.sampled_logp_blockers() == ["suppressed_ids=[7]"]
+    scored_once(pol)
+    scored_once(_policy(random_text_model_dir, sampler="hf"))
+    scored_once(_policy(random_text_model_dir, dtype="bfloat16"))
+    pol = _policy(random_text_model_dir)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scored_once(pol)
+    torch.set_float32_matmul_precision("high")  # TF32 on a GPU: fp32 logits, not fp32 products
+    try:
+        assert pol.sampled_logp_blockers() == ["float32_matmul_precision=high"]
+        scored_once(pol)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    calls = _count_scoring(pol)
+    assert pol.rollout(_rows(PROMPTS), 2, compute_logp=False).logp_old is None and calls[0] == 0
