@@ -155,7 +155,8 @@ class RolloutConfig:
     is_cap: float = 2.0
     """Cap of the truncated importance weights of `is_correction`."""
     batch_size: int | None = None
-    """Generate at most this many sequences at once (None: the whole step)."""
+    """Generate at most this many sequences at once (token policies); diffusion policies: samples denoised at
+    once, rounded down to whole groups, at least one group (None: the whole step)."""
     loop: str = "single_turn"
     """How text and VLM policies turn a prompt into a sequence (`mmalign.rollout_loops`): ``single_turn``
     (one completion), or a multi-turn loop where an environment the pipeline supplies appends text and
