@@ -1,9 +1,12 @@
-"""Instruction-based image editing: FLUX.1 Kontext trained with Flow-GRPO on editing rewards.
+"""Instruction-based image editing: FLUX.1 Kontext or Qwen-Image-Edit trained with Flow-GRPO on editing rewards.
 
 Each row holds a source image and an instruction ("make the red square blue"); the policy
-(`mmalign.policies.flux_kontext.FluxKontextPolicy`) samples ``rollout.group_size`` edits of the source with the
-Flow-GRPO SDE (one action = one stochastic denoising step; the source latents ride along the sequence at
-every step, as in diffusers' ``FluxKontextPipeline``); the rewards score the decoded edits, typically
+(`mmalign.policies.flux_kontext.FluxKontextPolicy`, or `mmalign.policies.qwen_image_edit.QwenImageEditPolicy`
+when the model folder's ``model_index.json`` names ``QwenImageEditPipeline`` / the hub id names Qwen-Image-Edit)
+samples ``rollout.group_size`` edits of the source with the Flow-GRPO SDE (one action = one stochastic denoising
+step; the source latents ride along the sequence at every step, as in diffusers' ``FluxKontextPipeline`` /
+``QwenImageEditPipeline``, and Qwen-Image-Edit's prompt states are the instruction read with the source by its
+Qwen2.5-VL); the rewards score the decoded edits, typically
 instruction following (``clip_directional``: the CLIP change from source to edit against the change from
 source caption to target caption; ``image_vlm_judge``: a VLM shown source and edit), preservation (``image_psnr`` / ``image_ssim`` outside the edit region)
 and, in the offline shapes world, ``shapes_edit_accuracy`` (rewards/edit.py); the shared `GroupTrainer`
@@ -24,7 +27,10 @@ column is a `DataError` naming file:line (or the row is skipped and counted with
 
 The output size is ``options.resolution`` (null: the VAE's ``sample_size``); the source is resized to it.
 ``guidance_scale`` is FLUX.1 Kontext-dev's distilled guidance (2.5 by default, its model card's value; one
-forward, no CFG branches); ``max_sequence_length`` is the T5 length of the instruction.
+forward, no CFG branches); ``max_sequence_length`` is the T5 length of the instruction. For Qwen-Image-Edit,
+``guidance_scale`` is true CFG with ``negative_prompt`` (two branches, the pipeline's norm rescaling; its
+``true_cfg_scale`` is 4.0) and ``max_sequence_length`` bounds the instruction's states after the source's
+vision tokens (null: 512).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from mmalign.data import DataError
 from mmalign.distributed import process_seed
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.policies.flux_kontext import FluxKontextPolicy
+from mmalign.policies.qwen_image_components import is_qwen_image_edit_folder
+from mmalign.policies.qwen_image_edit import QwenImageEditPolicy
 from mmalign.tiny import ensure_model
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_resolved_rows, options
@@ -56,12 +64,15 @@ class ImageEditOptions(SamplerSettings):
 
     guidance_scale: float = 2.5
     """FLUX.1 Kontext-dev's distilled guidance (its guidance embedding; one forward per step, no CFG branches),
-    the same in sampling and in the log-probs. Its model card uses 2.5."""
+    the same in sampling and in the log-probs. Its model card uses 2.5. Qwen-Image-Edit: true CFG with
+    ``negative_prompt`` read with the source image (two branches; the pipeline's ``true_cfg_scale`` is 4.0)."""
     max_sequence_length: int | None = None
-    """Tokens of the T5 encoder's instruction states; null: 512, as diffusers."""
+    """Tokens of the T5 encoder's instruction states (Qwen-Image-Edit: of the instruction's states after the
+    source's vision tokens); null: 512, as diffusers."""
     resolution: int | None = None
-    """Side of the edited image in pixels (the source is resized to it); null: the VAE's ``sample_size``. Must be
-    a multiple of 2 x the VAE's downsampling factor (2x2 latent packing)."""
+    """Side of the edited image in pixels (the source is resized to it); null: the VAE's ``sample_size`` (FLUX.1
+    Kontext), 1024 (Qwen-Image-Edit, the pipeline's default area). Must be a multiple of 2 x the VAE's
+    downsampling factor (2x2 latent packing)."""
     image_column: str = "source_image"
     """The row column holding the source image (a path relative to the JSONL's folder or ``image_root``)."""
     image_root: str | None = None
@@ -132,11 +143,19 @@ def load_edit_rows(
 # ----------------------------------------------------------------------------- policy
 
 
-def build_edit_policy(cfg: Config) -> FluxKontextPolicy:
-    """The `FluxKontextPolicy` described by `cfg.model` and the `options:` section (`ImageEditOptions`)."""
+def edit_policy_class(name_or_path: str | Path) -> type[FluxKontextPolicy] | type[QwenImageEditPolicy]:
+    """`QwenImageEditPolicy` for a Qwen-Image-Edit folder or hub id (`is_qwen_image_edit_folder`: its
+    ``model_index.json`` names a ``QwenImageEdit*`` pipeline), else `FluxKontextPolicy`."""
+    return QwenImageEditPolicy if is_qwen_image_edit_folder(name_or_path) else FluxKontextPolicy
+
+
+def build_edit_policy(cfg: Config) -> FluxKontextPolicy | QwenImageEditPolicy:
+    """The editing policy described by `cfg.model` (`edit_policy_class`: FLUX.1 Kontext or Qwen-Image-Edit) and
+    the `options:` section (`ImageEditOptions`)."""
     opts = image_edit_options(cfg)
     path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
-    policy = FluxKontextPolicy.from_pretrained(
+    cls = edit_policy_class(path)
+    policy = cls.from_pretrained(
         path,
         dtype=cfg.model.dtype,
         lora=cfg.model.lora,
@@ -158,7 +177,8 @@ def build_edit_policy(cfg: Config) -> FluxKontextPolicy:
 
 @register_pipeline("image_edit", options=ImageEditOptions)
 def build(cfg: Config) -> Any:
-    """Instruction-based image editing: FLUX.1 Kontext on (source image, instruction) rows + editing rewards."""
+    """Instruction-based image editing: FLUX.1 Kontext or Qwen-Image-Edit (by the folder) on (source image,
+    instruction) rows + editing rewards."""
     opts = image_edit_options(cfg)
     rows = load_edit_rows(cfg.data.train, cfg.data.prompt_template, opts, cfg.data.max_rows)
     eval_rows = load_edit_rows(cfg.data.eval, cfg.data.prompt_template, opts) if cfg.data.eval else None

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from mmalign.config import Config
+from mmalign.config import Config, ConfigError
 from mmalign.distributed import process_seed
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.policies.flow_matching import FlowMatchingPolicy
@@ -128,9 +128,15 @@ def build_flow_policy(cfg: Config) -> FlowMatchingPolicy:
 
 def flow_policy_for(path: str | Path) -> type[FlowMatchingPolicy]:
     """The policy class of the model at `path`: `QwenImagePolicy` for a Qwen-Image folder or hub id
-    (`is_qwen_image_folder`), else `mmalign.policies.flux.flow_policy_class` (FLUX.1 or SD3)."""
-    from mmalign.policies.qwen_image_components import is_qwen_image_folder
+    (`is_qwen_image_folder`), else `mmalign.policies.flux.flow_policy_class` (FLUX.1 or SD3); a Qwen-Image-Edit
+    model is a `ConfigError` (it belongs to `image_edit`)."""
+    from mmalign.policies.qwen_image_components import is_qwen_image_edit_folder, is_qwen_image_folder
 
+    if is_qwen_image_edit_folder(path):  # an editing model samples from a source image: not text to image
+        raise ConfigError(
+            f"key 'model.name_or_path': {path} is a Qwen-Image-Edit model; train it with the image_edit pipeline "
+            "(rows with a source image and an instruction, e.g. configs/image_edit-qwen.yaml)"
+        )
     if is_qwen_image_folder(path):
         from mmalign.policies.qwen_image import QwenImagePolicy
 

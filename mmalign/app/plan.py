@@ -767,6 +767,10 @@ def _vae_factor(spec: ModelSpec) -> int:
     return 8
 
 
+EDIT_DENOISERS = ("FluxTransformer2DModel", "QwenImageTransformer2DModel")
+"""Denoisers whose `image_edit` policy appends the source image's tokens to the sequence."""
+
+
 def diffusion_shapes(cfg: Config, spec: ModelSpec) -> DiffusionShapes:
     """Latent shape of one sample, tokens, trained steps per sample and CFG branches of a diffusion config."""
     den = spec.components[spec.denoiser]
@@ -825,7 +829,13 @@ def diffusion_shapes(cfg: Config, spec: ModelSpec) -> DiffusionShapes:
         patch = int(c.get("patch_size", 2)) if cls != "FluxTransformer2DModel" else 2
         img_tokens = (size // patch) ** 2
         pixels = (3, size * factor, size * factor)
-    ref = img_tokens if cfg.pipeline == "image_edit" and cls == "FluxTransformer2DModel" else 0
+    # image editing: the source's packed tokens are appended to the noisy ones (FLUX.1 Kontext, Qwen-Image-Edit)
+    ref = img_tokens if cfg.pipeline == "image_edit" and cls in EDIT_DENOISERS else 0
+    if ref and cls == "QwenImageTransformer2DModel":
+        # Qwen-Image-Edit's prompt states also hold the source's vision tokens (Qwen2.5-VL: 14 px patches
+        # merged 2 x 2, the image resized to a multiple of 28 px)
+        side = max(28, round(size * factor / 28) * 28)
+        text += (side // 28) ** 2
     return DiffusionShapes(
         latent,
         text,
@@ -887,12 +897,13 @@ def _denoiser_inputs(spec: ModelSpec, sh: DiffusionShapes, batch: int, dtype: to
         return kw
     if cls == "QwenImageTransformer2DModel":
         ch, h, w = sh.latent
+        frames = [(1, h // 2, w // 2)] * (2 if sh.reference_tokens else 1)  # + the edit's source image
         return dict(
-            hidden_states=e(batch, (h // 2) * (w // 2), ch * 4),
+            hidden_states=e(batch, (h // 2) * (w // 2) + sh.reference_tokens, ch * 4),
             timestep=e(batch),
             encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("joint_attention_dim", 3584))),
             encoder_hidden_states_mask=torch.ones((batch, sh.text_tokens), dtype=torch.bool, device="meta"),
-            img_shapes=[[(1, h // 2, w // 2)]] * batch,
+            img_shapes=[frames] * batch,
             return_dict=False,
         )
     if cls == "UNet2DConditionModel":

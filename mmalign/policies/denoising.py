@@ -6,7 +6,9 @@ stores x_t / x_{t+1} and the log-prob of every trained step; `action_stats` / `r
 stored transitions, so with unchanged weights the ratio is 1 (plus the KL on step means with a reference).
 
 Subclasses override hooks only (each documented on its method; the table is in docs/architecture.md):
-``conditioning_keys`` / ``schedule_keys`` / ``row_conditioning_keys``, `encode_conditioning`, `schedule`,
+``conditioning_keys`` / ``schedule_keys`` / ``row_conditioning_keys`` / ``negative_row_keys`` (row-aware prompt
+states: empty ``conditioning_keys``, the prompt keys and the negative branch's from `row_conditioning`),
+`encode_conditioning`, `schedule`,
 `latent_shape`, `predict`, `step`, `ode_step`, `shift_step_mean`, `row_conditioning`, `initial_latents`,
 `num_denoising_steps`, `_num_trainable_steps`, `_trainable_offset`, `rollout_outputs`, `step_loss_weight`.
 ``columns`` (what the row hooks and rewards see) holds every column any row of the batch has, None where a row
@@ -26,10 +28,11 @@ import copy
 import dataclasses
 import inspect
 import math
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -325,7 +328,13 @@ class DenoisingPolicy(Policy):
     """Keys of `encode_conditioning`'s result (also the payload keys of the prompt conditioning)."""
     row_conditioning_keys: tuple[str, ...] = ()
     """Keys of `row_conditioning`'s result (per-sample conditioning from the rows; also payload keys). A
-    policy whose row conditioning depends on its options sets this per instance."""
+    policy whose row conditioning depends on its options sets this per instance. A policy whose prompt states
+    depend on the row (Qwen-Image-Edit: the instruction read together with the source image) leaves
+    ``conditioning_keys`` empty and returns its prompt keys from `row_conditioning` instead."""
+    negative_row_keys: Mapping[str, str] = MappingProxyType({})
+    """{conditioning key: row-conditioning key holding its value for the unconditional CFG branch}: for a policy
+    whose negative prompt is encoded per row (with the row's image), `_negative_inputs` takes these in place of
+    the keys (default: none; the negative prompt's `conditioning` replaces the prompt keys)."""
     schedule_keys: tuple[str, ...] = ()
     """Keys of `schedule`'s result (also payload keys)."""
 
@@ -643,7 +652,10 @@ class DenoisingPolicy(Policy):
 
     # ------------------------------------------------------------------ conditioning
     def conditioning(self, prompts: list[str]) -> dict[str, Tensor]:
-        """`encode_conditioning` in fp32 on the policy's device, each distinct prompt encoded once (cached)."""
+        """`encode_conditioning` in fp32 on the policy's device, each distinct prompt encoded once (cached); {}
+        without calling it when ``conditioning_keys`` is empty (the prompt states are row conditioning)."""
+        if not self.conditioning_keys:
+            return {}
         cache = self._embed_cache
         missing = list(dict.fromkeys(p for p in prompts if p not in cache))
         if missing:
@@ -657,10 +669,15 @@ class DenoisingPolicy(Policy):
 
     def _negative_inputs(self, cond: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
         """The conditioning of the unconditional CFG branch for `batch` samples: the ``negative_prompt``'s
-        (the empty prompt by default) in place of the prompt conditioning; row conditioning
+        (the empty prompt by default) in place of the prompt conditioning; a key of ``negative_row_keys`` takes
+        the row conditioning it names (a negative prompt encoded per row); other row conditioning
         (``row_conditioning_keys``) is kept as is."""
         neg = self.conditioning([self.negative_prompt])
-        return {k: neg[k].expand(batch, *([-1] * (v.ndim - 1))) if k in neg else v for k, v in cond.items()}
+        swap = self.negative_row_keys
+        return {
+            k: cond[swap[k]] if k in swap else neg[k].expand(batch, *([-1] * (v.ndim - 1))) if k in neg else v
+            for k, v in cond.items()
+        }
 
     def _cfg_inputs(self, cond: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
         """The conditioning of a two-branch CFG call: the negative branch's (`_negative_inputs`) for `batch`

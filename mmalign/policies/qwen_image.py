@@ -65,22 +65,32 @@ def qwen_image_velocity(
     embeds: Tensor,
     mask: Tensor,
     num_train_timesteps: int,
+    *,
+    source: Tensor | None = None,
 ) -> Tensor:
     """Float[B, z, h, w]: one ``QwenImageTransformer2DModel`` call on unpacked latents [B, z, h, w] (any float
     dtype; packed 2x2 before the call, unpacked after) at noise levels `sigmas` Float[B], with prompt states
     `embeds` [B, L, D] and their 0/1 `mask` [B, L]. The timestep is ``sigma * num_train_timesteps / 1000`` (the
-    pipeline's scheduler timestep over 1000), ``img_shapes`` one frame of (h/2) x (w/2) tokens."""
+    pipeline's scheduler timestep over 1000), ``img_shapes`` one frame of (h/2) x (w/2) tokens. With `source`
+    [B, z, hs, ws] (Qwen-Image-Edit's source latents) its packed tokens follow the noisy ones in the sequence,
+    ``img_shapes`` gets a second frame (hs/2) x (ws/2), and only the noisy tokens' output is kept, as
+    ``QwenImageEditPipeline``."""
     dtype = next(model.parameters()).dtype
     b, _, h, w = latents.shape
+    tokens = pack_latents(latents)
+    shapes = [(1, h // 2, w // 2)]
+    if source is not None:
+        tokens = torch.cat([tokens, pack_latents(source.to(tokens.dtype))], dim=1)
+        shapes.append((1, source.shape[-2] // 2, source.shape[-1] // 2))
     out = model(
-        hidden_states=pack_latents(latents).to(dtype),
+        hidden_states=tokens.to(dtype),
         timestep=(sigmas.float() * float(num_train_timesteps) / 1000).to(dtype),
         encoder_hidden_states=embeds.to(dtype),
         encoder_hidden_states_mask=mask.bool(),
-        img_shapes=[[(1, h // 2, w // 2)]] * b,
+        img_shapes=[shapes] * b,
         return_dict=False,
     )[0]
-    return unpack_latents(out.float(), h, w)
+    return unpack_latents(out[:, : (h // 2) * (w // 2)].float(), h, w)
 
 
 def cfg_norm_rescale(guided: Tensor, cond: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
 """The Qwen-Image folder loader and prompt encoding: `QwenImageComponents`, `load_qwen_image_components`,
-`is_qwen_image_folder`, `encode_prompt`.
+`is_qwen_image_folder`, `encode_prompt`; and Qwen-Image-Edit's (`QwenImageEditComponents`,
+`load_qwen_image_edit_components`, `is_qwen_image_edit_folder`, `encode_edit_prompt`).
 
 A Qwen-Image diffusers folder (``Qwen/Qwen-Image``) holds:
 
@@ -22,6 +23,16 @@ Where the pipeline pads the states to the batch's longest prompt, `encode_prompt
 ``max_sequence_length`` (truncating longer ones, as the pipeline does) and returns the 0/1 mask of the valid
 positions, so that cached prompts of any batch stack; the transformer masks the padding out of attention and
 places text RoPE positions from 0 whatever the padding, so the network's output does not depend on it.
+
+**Qwen-Image-Edit** (``Qwen/Qwen-Image-Edit``, ``QwenImageEditPipeline``) has the same transformer, VAE and text
+encoder, plus ``processor/`` (a ``Qwen2VLProcessor``). Its prompt states are Qwen2.5-VL's reading of the
+instruction TOGETHER with the source image (`encode_edit_prompt`): the instruction goes into
+`EDIT_PROMPT_TEMPLATE` (a system turn asking to describe the input image and how the instruction changes it,
+then the user turn ``<|vision_start|><|image_pad|><|vision_end|>`` + instruction), the processor expands the
+image pad to the image's merged patch tokens and prepares the pixels, and the last hidden states of the valid
+tokens are kept without the first `EDIT_PROMPT_DROP` (64). The pipeline neither pads to a fixed length nor
+truncates; `encode_edit_prompt` pads (mask 0) to the image's tokens + ``max_sequence_length`` and truncates
+the tail beyond that.
 """
 
 from __future__ import annotations
@@ -29,19 +40,26 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "EDIT_PROMPT_DROP",
+    "EDIT_PROMPT_TEMPLATE",
     "PROMPT_DROP",
     "PROMPT_TEMPLATE",
     "QWEN_IMAGE_MAX_SEQUENCE_LENGTH",
     "QwenImageComponents",
+    "QwenImageEditComponents",
+    "edit_prompt_inputs",
+    "encode_edit_prompt",
     "encode_prompt",
+    "is_qwen_image_edit_folder",
     "is_qwen_image_folder",
     "load_qwen_image_components",
+    "load_qwen_image_edit_components",
     "prompt_states",
     "prompt_tokens",
     "vae_scale_factor",
@@ -60,6 +78,16 @@ TOKENIZER_MAX_LENGTH = 1024
 ``max_sequence_length``)."""
 QWEN_IMAGE_MAX_SEQUENCE_LENGTH = 512
 """``QwenImagePipeline.__call__``'s default ``max_sequence_length``."""
+EDIT_PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+"""``QwenImageEditPipeline.prompt_template_encode``: the chat turn holding the source image and the instruction."""
+EDIT_PROMPT_DROP = 64
+"""``QwenImageEditPipeline.prompt_template_encode_start_idx``: leading template tokens dropped from the states."""
 PARTS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
 
 
@@ -82,19 +110,28 @@ def prompt_tokens(tokenizer: Any, prompts: list[str]) -> tuple[Tensor, Tensor]:
 
 
 def prompt_states(
-    text_encoder: torch.nn.Module, ids: Tensor, mask: Tensor, max_sequence_length: int
+    text_encoder: torch.nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    max_sequence_length: int,
+    *,
+    drop: int = PROMPT_DROP,
+    **vision: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """(states Float[B, max_sequence_length, D] in the encoder's dtype, mask Long[B, max_sequence_length]):
-    the last hidden states of each sequence's valid tokens after the first `PROMPT_DROP`, at most
-    `max_sequence_length` of them, zero-padded (mask 0) to `max_sequence_length`. Runs with whatever grad
-    mode the caller has (the tiny builder trains through it)."""
-    hidden = text_encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    the last hidden states of each sequence's valid tokens after the first `drop` (`PROMPT_DROP`; the edit
+    template's `EDIT_PROMPT_DROP`), at most `max_sequence_length` of them, zero-padded (mask 0) to
+    `max_sequence_length`. `vision`: the processor's ``pixel_values`` / ``image_grid_thw`` when the template holds
+    an image. Runs with whatever grad mode the caller has (the tiny builder trains through it)."""
+    hidden = text_encoder(
+        input_ids=ids, attention_mask=mask, output_hidden_states=True, **vision
+    ).hidden_states[-1]
     b = ids.shape[0]
     out = hidden.new_zeros((b, max_sequence_length, hidden.shape[-1]))
     valid = torch.zeros((b, max_sequence_length), dtype=torch.long, device=hidden.device)
     keep = mask.bool()
     for i in range(b):
-        states = hidden[i][keep[i]][PROMPT_DROP:][:max_sequence_length]
+        states = hidden[i][keep[i]][drop:][:max_sequence_length]
         out[i, : states.shape[0]] = states
         valid[i, : states.shape[0]] = 1
     return out, valid
@@ -118,6 +155,54 @@ def encode_prompt(
     ids, mask = prompt_tokens(tokenizer, list(prompts))
     dev = next(text_encoder.parameters()).device
     states, valid = prompt_states(text_encoder, ids.to(dev), mask.to(dev), max_sequence_length)
+    return states.to(device), valid.to(device)
+
+
+def edit_prompt_inputs(processor: Any, prompts: list[str], images: list[Any]) -> dict[str, Tensor]:
+    """The processor's tensors (``input_ids``, ``attention_mask``, ``pixel_values``, ``image_grid_thw``) of each
+    prompt in `EDIT_PROMPT_TEMPLATE` with its image (`images`: one PIL image per prompt), padded to the longest,
+    as ``QwenImageEditPipeline._get_qwen_prompt_embeds`` calls it."""
+    texts = [EDIT_PROMPT_TEMPLATE.format(p) for p in prompts]
+    return dict(processor(text=texts, images=list(images), padding=True, return_tensors="pt"))
+
+
+def image_tokens(processor: Any, grid_thw: Tensor) -> Tensor:
+    """Long[N]: the merged vision tokens of each image of `grid_thw` [N, 3] (t h w / merge_size^2), what the
+    processor expands each ``<|image_pad|>`` to."""
+    merge = int(getattr(processor.image_processor, "merge_size", 2))
+    return grid_thw.prod(dim=-1) // merge**2
+
+
+@torch.no_grad()
+def encode_edit_prompt(
+    text_encoder: torch.nn.Module,
+    processor: Any,
+    prompts: list[str],
+    images: list[Any],
+    device: torch.device | str = "cpu",
+    max_sequence_length: int = QWEN_IMAGE_MAX_SEQUENCE_LENGTH,
+) -> tuple[Tensor, Tensor]:
+    """(prompt_embeds Float[B, L, D], prompt_mask Long[B, L]) of `prompts` each read with its image (`images`, PIL,
+    one per prompt) by Qwen2.5-VL (`edit_prompt_inputs`, then `prompt_states` dropping `EDIT_PROMPT_DROP`):
+    ``QwenImageEditPipeline``'s states, padded to L = the images' vision tokens (the most of the batch) +
+    `max_sequence_length`, longer ones truncated (the pipeline never truncates)."""
+    if len(images) != len(prompts):
+        raise ValueError(f"one image per prompt: {len(prompts)} prompts, {len(images)} images")
+    if max_sequence_length < 1:
+        raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+    inputs = edit_prompt_inputs(processor, prompts, images)
+    dev = next(text_encoder.parameters()).device
+    dtype = next(text_encoder.parameters()).dtype
+    length = int(image_tokens(processor, inputs["image_grid_thw"]).max()) + max_sequence_length
+    states, valid = prompt_states(
+        text_encoder,
+        inputs["input_ids"].to(dev),
+        inputs["attention_mask"].to(dev),
+        length,
+        drop=EDIT_PROMPT_DROP,
+        pixel_values=inputs["pixel_values"].to(dev, dtype),
+        image_grid_thw=inputs["image_grid_thw"].to(dev),
+    )
     return states.to(device), valid.to(device)
 
 
@@ -145,23 +230,50 @@ class QwenImageComponents:
         """`encode_prompt` with this folder's text encoder and tokenizer."""
         return encode_prompt(self.text_encoder, self.tokenizer, prompts, device, max_sequence_length)
 
+    pipeline_class: ClassVar[str] = "QwenImagePipeline"
+    """The diffusers pipeline ``model_index.json`` names."""
+    parts: ClassVar[tuple[str, ...]] = PARTS
+    """The subfolders `save_pretrained` writes."""
+
     def save_pretrained(self, path: str | Path, *, transformer: torch.nn.Module | None = None) -> None:
         """Write every component to its subfolder of `path` (`transformer` overrides the one saved, e.g. a
-        merged LoRA copy) and a ``model_index.json`` for diffusers' ``QwenImagePipeline.from_pretrained``."""
+        merged LoRA copy) and a ``model_index.json`` for diffusers' ``from_pretrained`` of `pipeline_class`."""
         import diffusers
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         index: dict[str, Any] = {
-            "_class_name": "QwenImagePipeline",
+            "_class_name": self.pipeline_class,
             "_diffusers_version": diffusers.__version__,
         }
-        for name in PARTS:
+        for name in self.parts:
             part = transformer if name == "transformer" and transformer is not None else getattr(self, name)
             part.save_pretrained(path / name)
             lib = "diffusers" if type(part).__module__.startswith("diffusers") else "transformers"
             index[name] = [lib, type(part).__name__]
         (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+@dataclass
+class QwenImageEditComponents(QwenImageComponents):
+    """The loaded pieces of a Qwen-Image-Edit folder: Qwen-Image's plus ``processor`` (a ``Qwen2VLProcessor``)."""
+
+    processor: Any = None
+    pipeline_class: ClassVar[str] = "QwenImageEditPipeline"
+    parts: ClassVar[tuple[str, ...]] = (*PARTS, "processor")
+
+    def encode_edit_prompt(
+        self,
+        prompts: list[str],
+        images: list[Any],
+        device: torch.device | str = "cpu",
+        *,
+        max_sequence_length: int = QWEN_IMAGE_MAX_SEQUENCE_LENGTH,
+    ) -> tuple[Tensor, Tensor]:
+        """`encode_edit_prompt` with this folder's text encoder and processor."""
+        return encode_edit_prompt(
+            self.text_encoder, self.processor, prompts, images, device, max_sequence_length
+        )
 
 
 def is_qwen_image_folder(name_or_path: str | Path) -> bool:
@@ -205,3 +317,48 @@ def load_qwen_image_components(
         ),
         tokenizer=AutoTokenizer.from_pretrained(path, subfolder="tokenizer"),
     )
+
+
+EDIT_PIPELINES = ("QwenImageEditPipeline",)
+"""The ``model_index.json`` pipeline classes `QwenImageEditComponents` reproduces (``QwenImageEditPlusPipeline``,
+of Qwen-Image-Edit-2509 / 2511, reads its images differently and is not supported)."""
+
+
+def _pipeline_class(name_or_path: str | Path) -> str | None:
+    """``_class_name`` of the folder's ``model_index.json`` (None without one)."""
+    index = Path(name_or_path) / "model_index.json"
+    return json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+
+
+def is_qwen_image_edit_folder(name_or_path: str | Path) -> bool:
+    """Whether `name_or_path` is a Qwen-Image-Edit model: for a local folder, its ``model_index.json`` names a
+    ``QwenImageEdit*`` pipeline; for anything else (a hub id; nothing is fetched to decide) whether the name
+    contains "qwen-image-edit" or "qwen_image_edit" (case-insensitive)."""
+    p = Path(name_or_path)
+    if p.is_dir():
+        return str(_pipeline_class(p) or "").startswith("QwenImageEdit")
+    name = str(name_or_path).lower()
+    return "qwen-image-edit" in name or "qwen_image_edit" in name
+
+
+def load_qwen_image_edit_components(
+    path: str | Path, *, dtype: torch.dtype = torch.float32
+) -> QwenImageEditComponents:
+    """`load_qwen_image_components` plus the folder's ``processor/`` (``Qwen2VLProcessor``). A folder whose
+    ``model_index.json`` names another pipeline than `EDIT_PIPELINES` (``QwenImageEditPlusPipeline``) is refused."""
+    from diffusers import DiffusionPipeline
+    from transformers import Qwen2VLProcessor
+
+    index = DiffusionPipeline.load_config(str(path))
+    if index.get("_class_name") not in EDIT_PIPELINES:
+        raise ValueError(
+            f"{path}/model_index.json names {index.get('_class_name')!r}; the Qwen-Image-Edit policy reproduces "
+            f"{', '.join(EDIT_PIPELINES)} (Qwen/Qwen-Image-Edit)"
+        )
+    base = load_qwen_image_components(path, dtype=dtype)
+    local = Path(path).is_dir()
+    processor = Qwen2VLProcessor.from_pretrained(
+        str(Path(path) / "processor") if local else str(path), **({} if local else {"subfolder": "processor"})
+    )
+    parts = {name: getattr(base, name) for name in PARTS}
+    return QwenImageEditComponents(**parts, processor=processor)

@@ -217,6 +217,7 @@ PUBLISHED_PARAMETERS = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": 1.3e9,  # the model's name
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": 14e9,  # the model's name
     "Qwen/Qwen-Image": 20e9,  # model card: 20B MMDiT
+    "Qwen/Qwen-Image-Edit": 20e9,  # model card: built on the 20B Qwen-Image
     "stable-diffusion-v1-5/stable-diffusion-v1-5": 0.86e9,  # SD paper / model card: 860M UNet
 }
 
@@ -463,3 +464,18 @@ def test_diffusion_rollout_batch_is_whole_groups() -> None:
     assert chunked.rollout.memory.total < whole.rollout.memory.total
     assert chunked.rollout.flops == pytest.approx(whole.rollout.flops)
     assert plan_mod._generation_batches(768, 16) == [384, 192, 96, 48, 16]
+
+
+@pytest.mark.parametrize("config", ["image_edit.yaml", "image_edit-qwen.yaml"])
+def test_image_edit_plans_the_source_tokens(config: str) -> None:
+    """An editing denoiser attends to the source image's packed tokens too (FLUX.1 Kontext, Qwen-Image-Edit);
+    Qwen-Image-Edit's prompt states also carry the source's vision tokens (512 px -> 504 px, 36 x 36 patches
+    merged 2 x 2 = 324 tokens, as its Qwen2.5-VL processor resizes it)."""
+    cfg = _real(config)
+    spec = resolve_model(cfg.model.name_or_path)
+    sh = plan_mod.diffusion_shapes(cfg, spec)
+    noisy = (512 // 8 // 2) ** 2  # 512 px, VAE factor 8, 2 x 2 patches: 1024 tokens
+    assert sh.reference_tokens == noisy and sh.image_tokens == 2 * noisy
+    if "qwen" in config:
+        assert sh.text_tokens == cfg.options.max_sequence_length + 324
+    assert plan_mod.plan(cfg, plan_mod.Hardware(plan_mod.DEVICES["h100"])).fits

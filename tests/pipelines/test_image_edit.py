@@ -1,7 +1,7 @@
 """The image_edit pipeline: configs and typed options, the edit rows (committed assets = what the generator
 writes; paths, bad rows), the tiny Kontext builder (a quick build that loads in diffusers and in the policy; the
 shipped assets/models/image_edit-tiny has the configs it writes), one GroupTrainer step of
-configs/image_edit-tiny.yaml, and (slow) the held-out edit accuracy rising under Flow-GRPO."""
+configs/image_edit-tiny.yaml, one on a tiny Qwen-Image-Edit folder (the policy chosen by the folder), and (slow) the held-out edit accuracy rising under Flow-GRPO."""
 
 from __future__ import annotations
 
@@ -62,6 +62,16 @@ def test_registered_and_configs_load_with_typed_options() -> None:
     assert real.model.name_or_path == "black-forest-labs/FLUX.1-Kontext-dev" and real.model.lora.enabled
     assert real.options.resolution == 512 and real.options.guidance_scale == 2.5
     assert tiny.model.tiny_builder == "image_edit" and tiny.rewards[0].name == "shapes_edit_accuracy"
+
+
+def test_the_qwen_image_edit_config_loads() -> None:
+    from pipelines.image_edit import edit_policy_class
+
+    cfg = load_config(REPO / "configs" / "image_edit-qwen.yaml")
+    assert isinstance(cfg.options, ImageEditOptions) and cfg.model.name_or_path == "Qwen/Qwen-Image-Edit"
+    assert edit_policy_class(cfg.model.name_or_path).__name__ == "QwenImageEditPolicy"
+    assert cfg.model.lora.enabled and cfg.model.gradient_checkpointing and cfg.options.guidance_scale == 4.0
+    assert cfg.options.resolution == 512 and cfg.rollout.batch_size == 16 and cfg.trainer.microbatch_size == 1
 
 
 @pytest.mark.parametrize(
@@ -231,6 +241,50 @@ def test_one_training_step_of_the_tiny_config(quick_model: Path, tmp_path: Path)
     assert small.latent_size == 8
     with pytest.raises(ValueError, match=r"options\.resolution.*even"):
         pipelines.get("image_edit")(tiny_cfg(quick_model, tmp_path, "options.resolution=18"))
+
+
+def test_a_qwen_image_edit_folder_trains_one_step(quick_model: Path, tmp_path: Path) -> None:
+    """The pipeline picks `QwenImageEditPolicy` for a Qwen-Image-Edit folder (model_index.json names
+        QwenImageEditPipeline; here the random tiny one, built by its builder on first use) and FLUX.1 Kontext
+        otherwise; one GroupTrainer step with true CFG and a KL to the adapter-off model updates the LoRA weights (the
+    learning demo is the FLUX.1 Kontext tiny config)."""
+    from mmalign.policies.qwen_image_edit import QwenImageEditPolicy
+    from pipelines.image_edit import edit_policy_class
+
+    assert edit_policy_class(quick_model) is FluxKontextPolicy
+    assert edit_policy_class("black-forest-labs/FLUX.1-Kontext-dev") is FluxKontextPolicy
+    assert edit_policy_class("Qwen/Qwen-Image-Edit") is QwenImageEditPolicy
+    folder = tmp_path / "qwen-edit"
+    cfg = tiny_cfg(
+        folder,
+        tmp_path,
+        "model.tiny_builder=qwen_image_edit_tiny",
+        "options.resolution=32",
+        "options.num_steps=3",
+        "options.window_size=2",
+        "options.guidance_scale=2.0",
+        "options.negative_prompt=' '",
+        "options.max_sequence_length=12",
+        "rollout.group_size=2",
+        "rollout.prompts_per_step=2",
+        "trainer.steps=1",
+        "algorithm.kl_coef=0.01",
+        "rewards.0.name=image_psnr",  # random weights edit no square right: a reward that varies in a group
+        "rewards.0.kwargs={region: all}",
+    )
+    setup = pipelines.get("image_edit")(cfg)
+    pol = setup.policy
+    assert isinstance(pol, QwenImageEditPolicy) and (folder / "processor").is_dir()
+    assert pol.latent_size == 16 and pol.guidance_scale == 2.0 and pol.negative_prompt == " " and pol.lora
+    before = {k: v.clone() for k, v in pol.trainable_state_dict().items()}
+    history = GroupTrainer(cfg, setup).train()
+    assert history[-1]["reward/image_psnr/std"] > 0 and history[-1]["grad_norm"] > 0
+    after = pol.trainable_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    small = pipelines.get("image_edit")(tiny_cfg(folder, tmp_path, "options.resolution=16")).policy
+    assert isinstance(small, QwenImageEditPolicy) and small.latent_size == 8
+    with pytest.raises(ValueError, match=r"options\.resolution.*must be a multiple of 4"):
+        pipelines.get("image_edit")(tiny_cfg(folder, tmp_path, "options.resolution=18"))
 
 
 # ----------------------------------------------------------------------------- learning

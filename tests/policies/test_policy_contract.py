@@ -2,7 +2,8 @@
 
 Each test runs for text (`TextPolicy`), VLM (`VLMPolicy`), flow matching (`SD3Policy`, SD3 layout: two
 CLIPs + T5), Flux (`FluxPolicy`), FLUX.1 Kontext
-editing (`FluxKontextPolicy`, a ``source_image`` column), Qwen-Image (`QwenImagePolicy`), DDIM (`DDIMPolicy`) and Wan video (`WanPolicy`:
+editing (`FluxKontextPolicy`, a ``source_image`` column), Qwen-Image (`QwenImagePolicy`), Qwen-Image-Edit
+(`QwenImageEditPolicy`, a ``source_image`` column read by the VLM and appended to the sequence), DDIM (`DDIMPolicy`) and Wan video (`WanPolicy`:
 text to video, channel-concat editing with a ``source_video`` column, VACE editing with an ``edit_mask``, Wan2.1
 image to video with an ``image`` column and CLIP image states, and Wan2.2's two experts), each with full
 fine-tuning and with LoRA:
@@ -125,6 +126,15 @@ def tiny_qwen_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mmalign import tiny
 
     return tiny.build("qwen_image_tiny", tmp_path_factory.mktemp("models") / "qwen-image", announce=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_edit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mmalign import tiny
+
+    return tiny.build(
+        "qwen_image_edit_tiny", tmp_path_factory.mktemp("models") / "qwen-image-edit", announce=False
+    )
 
 
 @pytest.fixture(scope="session")
@@ -262,6 +272,21 @@ def _qwen_image_policy(path: Path, **kw: Any) -> Policy:
     )
 
 
+def _qwen_edit_policy(path: Path, **kw: Any) -> Policy:
+    """Qwen-Image-Edit at 16 px (the Kontext rows' sources), true CFG: the negative prompt read with each source."""
+    from mmalign.policies.qwen_image_edit import QwenImageEditPolicy
+
+    return QwenImageEditPolicy.from_pretrained(
+        path,
+        num_steps=NUM_STEPS,
+        seed=0,
+        latent_size=8,
+        max_sequence_length=QWEN_SEQ,
+        guidance_scale=2.0,
+        **kw,
+    )
+
+
 def _wan_i2v_policy(path: Path, **kw: Any) -> Policy:
     """Wan2.1-style image to video: the CLIP image states need the 512 text tokens diffusers' attention assumes."""
     from mmalign.policies.wan import WanPolicy
@@ -355,6 +380,17 @@ FAMILIES = {
             # the last joint block's text-stream output is discarded (as in every Qwen-Image), so its text
             # queries, text feed-forward and text output projection reach nothing (the tiny model has 2 blocks)
             (r"transformer_blocks\.1\.(attn\.(to_add_out|add_q_proj|norm_added_q)|txt_mlp)\.",),
+        ),
+        Family(
+            "qwen_image_edit",
+            "tiny_qwen_image_edit_dir",
+            _qwen_edit_policy,
+            _kontext_rows,
+            "image",
+            ImageMean,
+            ("vae", "text_encoder"),
+            (r"transformer_blocks\.1\.(attn\.(to_add_out|add_q_proj|norm_added_q)|txt_mlp)\.",),
+            media="kontext_media_dir",
         ),
         Family(
             "wan_t2v",
