@@ -471,9 +471,9 @@ class PolicyShiftMemory:
     with log pi_now from ``score(item)`` (Float[T], the current policy's per-action log-probs of the
     stored response): the mean absolute log-ratio on the old response, a sample estimate of the policy
     shift on x that the authors' tracker decays by (verl-recipe ``spo``: rho = 2^(-D / D_half)).
-    (our design): one stored response per prompt (the first sample of its group at that visit), the
-    absolute value (so D >= 0), and a memory that is not checkpointed: after a resume a prompt's first
-    revisit has D = 0 (rho = rho_max), as for a prompt never seen.
+    (our design): one stored response per prompt (the first sample of its group at that visit) and the
+    absolute value (so D >= 0). The memory is checkpointed (`state_dict`: items that are `Rollout`s as
+    plain tensors), so a resumed run measures the same D as an uninterrupted one.
 
     The trainer calls ``shift`` BEFORE the estimator (fills ``EstimatorContext.policy_shift``) and
     ``record`` after it, on the global batch.
@@ -481,6 +481,35 @@ class PolicyShiftMemory:
 
     def __init__(self) -> None:
         self._items: dict[int, tuple[Any, Tensor, Tensor]] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stored responses by prompt id (a `Rollout` item as `mmalign.batch.rollout_state`; any other item
+        as it is, which must then be something `mmalign.rundir.save_state` can write)."""
+        from mmalign.batch import Rollout, rollout_state
+
+        ids = sorted(self._items)
+        items = [self._items[i][0] for i in ids]
+        return {
+            "name": "policy_shift",
+            "version": 1,
+            "ids": ids,
+            "rollout": [isinstance(it, Rollout) for it in items],
+            "items": [rollout_state(it) if isinstance(it, Rollout) else it for it in items],
+            "logp": [self._items[i][1] for i in ids],
+            "mask": [self._items[i][2] for i in ids],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from mmalign.batch import rollout_from_state
+
+        if not isinstance(state, dict) or state.get("name") != "policy_shift":
+            raise ValueError("not a PolicyShiftMemory state")
+        self._items = {
+            int(i): (rollout_from_state(it) if is_rollout else it, logp, mask)
+            for i, is_rollout, it, logp, mask in zip(
+                state["ids"], state["rollout"], state["items"], state["logp"], state["mask"], strict=True
+            )
+        }
 
     def __len__(self) -> int:
         return len(self._items)

@@ -208,3 +208,24 @@ class Rollout:
         return dataclasses.replace(
             self, **{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)}
         )
+
+
+def _plain(value: Any) -> Any:
+    """A CPU, detached copy of tensors inside dicts / lists (what `rundir.save_state` writes)."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def rollout_state(rollout: Rollout) -> dict[str, Any]:
+    """Every field of `rollout` as plain values and CPU tensors (`rollout_from_state` inverts it)."""
+    return {f.name: _plain(getattr(rollout, f.name)) for f in dataclasses.fields(rollout)}
+
+
+def rollout_from_state(state: dict[str, Any]) -> Rollout:
+    """The `Rollout` that `rollout_state` wrote (for checkpoints: `mmalign.rundir.save_state` / `load_state`)."""
+    return Rollout(**{k: _plain(v) for k, v in state.items()})

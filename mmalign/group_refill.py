@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from mmalign.advantages import combine_rewards
-from mmalign.batch import Rollout
+from mmalign.batch import Rollout, rollout_from_state, rollout_state
 
 __all__ = ["LEFT_PADDED", "GroupRefill", "cat_rollouts", "rollout_from_state", "rollout_state"]
 
@@ -70,26 +70,6 @@ def cat_rollouts(parts: Sequence[Rollout]) -> Rollout:
                 pad = torch.zeros((t.shape[0], width - t.shape[1]), dtype=t.dtype, device=t.device)
                 parts[i] = dataclasses.replace(p, payload={**p.payload, key: torch.cat([pad, t], dim=1)})
     return Rollout.cat(parts)
-
-
-def _plain(value: Any) -> Any:
-    """A CPU, detached copy of tensors inside dicts / lists (what `rundir.save_state` writes)."""
-    if isinstance(value, Tensor):
-        return value.detach().cpu().clone()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-def rollout_state(rollout: Rollout) -> dict[str, Any]:
-    """Every field of `rollout` as plain values and CPU tensors (`rollout_from_state` inverts it)."""
-    return {f.name: _plain(getattr(rollout, f.name)) for f in dataclasses.fields(rollout)}
-
-
-def rollout_from_state(state: dict[str, Any]) -> Rollout:
-    return Rollout(**{k: _plain(v) for k, v in state.items()})
 
 
 class GroupRefill:

@@ -1395,6 +1395,7 @@ class GroupTrainer:
                     "filter": self.group_filter.state_dict(),
                     "estimator": None if self.estimator_state is None else self.estimator_state.state_dict(),
                     "group_refill": None if self.group_refill is None else self.group_refill.state_dict(),
+                    "policy_shift": None if self.policy_shift is None else self.policy_shift.state_dict(),
                     "callbacks": [
                         cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
                     ],
@@ -1461,6 +1462,8 @@ class GroupTrainer:
             self.estimator_state.load_state_dict(state["estimator"])
         if self.group_refill is not None and state.get("group_refill") is not None:
             self.group_refill.load_state_dict(state["group_refill"])
+        if self.policy_shift is not None and state.get("policy_shift") is not None:
+            self.policy_shift.load_state_dict(state["policy_shift"])
         for cb, s in zip(self.callbacks, state["callbacks"], strict=False):
             if s is not None and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(s)

@@ -152,3 +152,18 @@ def test_replay_memory_resumes_exactly(random_text_model_dir, tmp_path):
     resumed.train()
     assert metrics(tmp_path / "part") == metrics(tmp_path / "full")
     assert sum(m["replay/injected"] for m in metrics(tmp_path / "full")[4:]) > 0  # injected after the resume
+
+
+def test_spo_kl_mode_resumes_exactly(random_text_model_dir, tmp_path):
+    """SPO's policy-shift memory (each prompt's last response) is checkpointed: 2 steps + resume to 4 give the
+    metrics of 4 steps in one go (the D of the first step after the resume is measured, not 0)."""
+    train = rows_file(tmp_path, 2)
+    full = make(cfg(random_text_model_dir, tmp_path / "full", train, VARIED, steps=4, estimator="spo"))
+    full.train()
+    make(cfg(random_text_model_dir, tmp_path / "part", train, VARIED, steps=2, estimator="spo")).train()
+    resumed = make(
+        cfg(random_text_model_dir, tmp_path / "part", train, VARIED, steps=4, estimator="spo"), resume=True
+    )
+    assert len(resumed.policy_shift) == 2  # both prompts' responses came back from the checkpoint
+    resumed.train()
+    assert metrics(tmp_path / "part") == metrics(tmp_path / "full")
