@@ -58,8 +58,11 @@ def test_text_fp32_error_zero_bf16_not(text_setup: Any) -> None:
     assert names[0].startswith("trainer (microbatch 8, fp32")
     fp32 = [s for s in report["settings"] if s["precision"] == "fp32"]
     assert len(fp32) >= 3  # the trainer's, microbatch 1 and 3, eval mode
-    for s in fp32:  # fp32 against the fp32 rollout: the same numbers
-        assert s["max_abs"] == 0.0 and s["ok"] and s["ratio"]["std"] == 0.0 and s["ratio"]["mean"] == 1.0
+    # the trainer's own setting re-scores exactly as the rollout did: the same numbers; another micro-batch size
+    # or eval mode may reorder fp32 sums with several BLAS threads (~1e-6), far inside the tolerance
+    assert fp32[0]["max_abs"] == 0.0 and fp32[0]["ratio"]["std"] == 0.0 and fp32[0]["ratio"]["mean"] == 1.0
+    for s in fp32:
+        assert s["max_abs"] <= 1e-5 and s["ok"]
     bf16 = next(s for s in report["settings"] if s["precision"] == "bf16")
     assert bf16["max_abs"] > 1e-5  # the deliberately perturbed setting: bf16 autocast changes the log-probs
     assert report["first_update"]["name"] == names[0] and report["first_update"]["ok"]
