@@ -197,7 +197,11 @@ def _recv(conn: Any) -> Any:
 
 
 def _serve(worker: RolloutWorker, jobs: Any, results: Any) -> None:
-    """The worker process: weights and jobs in order from `jobs`, results (or the traceback) to `results`."""
+    """The worker process: weights and jobs in order from `jobs`, results (or the traceback) to `results`.
+
+    It runs torch with one intra-op thread: OpenMP's thread pool does not survive ``fork``, and a forked process
+    that enters a parallel region its parent already used waits forever (one thread keeps torch out of OpenMP)."""
+    torch.set_num_threads(1)
     free_since = time.perf_counter()
     while True:
         try:

@@ -65,7 +65,9 @@ def test_k0_samples_as_sync_for_a_denoising_policy(tmp_path: Path) -> None:
     assert torch.equal(a.rewards, b.rewards)
     for key in ("latents", "next_latents"):
         assert torch.equal(a.payload[key], b.payload[key]), key
-    assert torch.equal(a.outputs["images"], b.outputs["images"])
+    # decoded in the worker with one torch thread (fork-safe), in the synchronous trainer with torch's default:
+    # a convolution's sums may be split differently, so the pixels agree to fp32 rounding
+    torch.testing.assert_close(a.outputs["images"], b.outputs["images"], rtol=0, atol=1e-5)
 
 
 class Recorder:
