@@ -23,7 +23,7 @@ The formulas are in docs/algorithms.md, "Forward-process objectives".
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +68,29 @@ DECAY_PRESETS: dict[int, tuple[int, float, float]] = {
 
 
 # --------------------------------------------------------------------------- the old policy
+
+
+def ema_step(ema: Sequence[Tensor], current: Sequence[Tensor], decay: float) -> None:
+    """In place, for each pair: ema <- decay * ema + (1 - decay) * current (the old policy's and the evaluation
+    EMA's update)."""
+    for p, q in zip(current, ema, strict=True):
+        q.mul_(decay).add_(p.detach().to(q.dtype), alpha=1.0 - decay)
+
+
+@contextmanager
+def swapped_in(params: Sequence[torch.nn.Parameter], values: Sequence[Tensor]) -> Iterator[None]:
+    """The parameters hold `values` inside the block (their ``.data`` swapped, no copy) and their own tensors
+    again on exit, also on an error."""
+    held = [p.data for p in params]
+    with torch.no_grad():
+        for p, q in zip(params, values, strict=True):
+            p.data = q
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, h in zip(params, held, strict=True):
+                p.data = h
 
 
 class OldPolicy:
@@ -138,8 +161,7 @@ class OldPolicy:
         self.ensure()
         d = self.decay(step)
         assert self.params is not None
-        for p, q in zip(self._current(), self.params, strict=True):
-            q.mul_(d).add_(p.detach().to(q.dtype), alpha=1.0 - d)
+        ema_step(self.params, self._current(), d)
         return d
 
     @contextmanager
@@ -148,17 +170,8 @@ class OldPolicy:
         target). The current weights are back on exit, also on an error."""
         self.ensure()
         assert self.params is not None
-        params = self._current()
-        held = [p.data for p in params]
-        with torch.no_grad():
-            for p, q in zip(params, self.params, strict=True):
-                p.data = q
-        try:
+        with swapped_in(self._current(), self.params):
             yield
-        finally:
-            with torch.no_grad():
-                for p, h in zip(params, held, strict=True):
-                    p.data = h
 
     # trainer-callback face
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
@@ -299,8 +312,7 @@ class WeightEMA:
         self.ensure()
         assert self.params is not None
         d = self.decay(s)
-        for p, q in zip(self._current(), self.params, strict=True):
-            q.mul_(d).add_(p.detach().to(q.dtype), alpha=1.0 - d)
+        ema_step(self.params, self._current(), d)
         self.updates += 1
         return d
 
@@ -310,17 +322,8 @@ class WeightEMA:
         current weights are back on exit, also on an error."""
         self.ensure()
         assert self.params is not None
-        params = self._current()
-        held = [p.data for p in params]
-        with torch.no_grad():
-            for p, q in zip(params, self.params, strict=True):
-                p.data = q
-        try:
+        with swapped_in(self._current(), self.params):
             yield
-        finally:
-            with torch.no_grad():
-                for p, h in zip(params, held, strict=True):
-                    p.data = h
 
     # trainer-callback face
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
