@@ -29,6 +29,7 @@ module and entry point;
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,9 +86,21 @@ def options_class(name: str) -> type | None:
 
 
 def get(name: str) -> Callable[..., Any]:
-    """The ``build`` function of pipeline `name`; an unknown name raises `RegistryError` (a KeyError) listing
-    close matches, the registered names and any entry point that failed to load."""
-    return DISCOVERY.get(name)
+    """The ``build`` function of pipeline `name`, seeded: it seeds Python, NumPy and torch with ``cfg.seed``
+    before building, so the random parts of model construction (a LoRA adapter's initial matrices) are the same
+    in every process and every run of a config, whoever builds it (the CLI did this alone before). An unknown
+    name raises `RegistryError` (a KeyError) listing close matches, the registered names and any entry point
+    that failed to load."""
+    build = DISCOVERY.get(name)
+
+    @functools.wraps(build)
+    def seeded_build(cfg: Any, *args: Any, **kwargs: Any) -> Any:
+        from mmalign.trainer import set_seed
+
+        set_seed(int(getattr(cfg, "seed", 0)))
+        return build(cfg, *args, **kwargs)
+
+    return seeded_build
 
 
 def names() -> list[str]:
