@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -132,6 +132,29 @@ def resolve_row(row: dict[str, Any], root: Path) -> dict[str, Any]:
             resolved.append(str(full))
         out[key] = resolved
     out.pop("image", None)
+    return out
+
+
+def resolve_path_columns(
+    row: dict[str, Any], root: Path, columns: Sequence[str], required: str, what: str
+) -> dict[str, Any]:
+    """`row` with each of its path `columns` (files or folders) resolved against `root` and checked to exist;
+    `required` must be present (`what` says what it holds). A `DataError` names the row's file:line and the
+    column (the video pipelines' rows)."""
+    where = row.get("_source", "?")
+    if not row.get(required):
+        raise DataError(f"{where}: the row has no {required!r} column ({what})")
+    out = dict(row)
+    for key in columns:
+        value = row.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise DataError(f"{where}: column {key!r} must be a path, got {str(value)[:80]!r}")
+        full = Path(value) if Path(value).is_absolute() else root / value
+        if not full.exists():
+            raise DataError(f"{where}: column {key!r}: no such file or folder: {full}")
+        out[key] = str(full)
     return out
 
 

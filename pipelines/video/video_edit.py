@@ -38,10 +38,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mmalign.config import Config
-from mmalign.data import DataError
 from mmalign.tiny import ensure_model
 from pipelines import TrainingSetup, register_pipeline
-from pipelines.common import load_resolved_rows, options
+from pipelines.common import load_resolved_rows, options, resolve_path_columns
 from pipelines.video.wan import WanVideoOptions, build_wan_policy
 from rewards import RewardSet
 
@@ -87,21 +86,7 @@ def video_edit_options(cfg: Config) -> VideoEditOptions:
 def resolve_edit_row(row: dict[str, Any], root: Path) -> dict[str, Any]:
     """`row` with its path columns (`PATH_COLUMNS`) resolved against `root` and checked to exist; a
     `DataError` names the row's file:line and the column."""
-    where = row.get("_source", "?")
-    if not row.get("source_video"):
-        raise DataError(f"{where}: the row has no 'source_video' column (the clip to edit)")
-    out = dict(row)
-    for key in PATH_COLUMNS:
-        value = row.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, str) or not value:
-            raise DataError(f"{where}: column {key!r} must be a path, got {str(value)[:80]!r}")
-        full = Path(value) if Path(value).is_absolute() else root / value
-        if not full.exists():
-            raise DataError(f"{where}: column {key!r}: no such file or folder: {full}")
-        out[key] = str(full)
-    return out
+    return resolve_path_columns(row, root, PATH_COLUMNS, "source_video", "the clip to edit")
 
 
 def load_edit_rows(
