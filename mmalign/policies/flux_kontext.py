@@ -63,6 +63,32 @@ def load_source_pixels(image: Any, height: int, width: int) -> Tensor:
     return arr * 2 - 1
 
 
+def distinct_sources(
+    columns: dict[str, list[Any]], image_column: str, who: str
+) -> tuple[list[Any], list[int]]:
+    """The distinct source images of a batch (column `image_column`: paths, or images in memory, told apart by
+    identity) and, per sample, the index of its image in that list, so each is read and encoded once; a missing
+    column or value is a `DataError` naming `who` (the editing policies' row conditioning)."""
+    values = columns.get(image_column)
+    if values is None:
+        raise DataError(
+            f"{who}: the rows have no {image_column!r} column (the source image to edit; "
+            f"columns: {sorted(columns) or 'none'})"
+        )
+    keys: dict[Any, int] = {}
+    order: list[int] = []
+    images: list[Any] = []
+    for i, v in enumerate(values):
+        if v is None or v == "":
+            raise DataError(f"{who}: sample {i} has no {image_column!r} (a source image)")
+        key = v if isinstance(v, str) else id(v)
+        if key not in keys:
+            keys[key] = len(images)
+            images.append(v)
+        order.append(keys[key])
+    return images, order
+
+
 class FluxKontextPolicy(FluxPolicy):
     """FLUX.1 Kontext: a `FluxPolicy` conditioned on each row's source image (see the module docstring)."""
 
@@ -110,26 +136,8 @@ class FluxKontextPolicy(FluxPolicy):
     def row_conditioning(self, columns: dict[str, list[Any]], group: Tensor) -> dict[str, Tensor]:
         """{"image_latents": Float[B, C, h, w]}: each sample's source image (column ``image_column``) encoded
         by `encode_source` at the output size; each distinct image of the batch is read and encoded once."""
-        values = columns.get(self.image_column)
-        if values is None:
-            raise DataError(
-                f"FluxKontextPolicy: the rows have no {self.image_column!r} column (the source image to edit; "
-                f"columns: {sorted(columns) or 'none'})"
-            )
+        images, order = distinct_sources(columns, self.image_column, "FluxKontextPolicy")
         side = self.pixel_size()
-        keys: dict[Any, int] = {}
-        order: list[int] = []
-        images: list[Any] = []
-        for i, v in enumerate(values):
-            if v is None or v == "":
-                raise DataError(
-                    f"FluxKontextPolicy: sample {i} has no {self.image_column!r} (a source image)"
-                )
-            key = v if isinstance(v, str) else id(v)
-            if key not in keys:
-                keys[key] = len(images)
-                images.append(v)
-            order.append(keys[key])
         try:
             pixels = torch.stack([load_source_pixels(im, side, side) for im in images])
         except OSError as e:

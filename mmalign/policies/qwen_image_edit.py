@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from mmalign.data import DataError
+from mmalign.policies.flux_kontext import distinct_sources
 from mmalign.policies.qwen_image import QwenImagePolicy, qwen_image_velocity
 from mmalign.policies.qwen_image_components import (
     QwenImageEditComponents,
@@ -159,28 +160,10 @@ class QwenImageEditPolicy(QwenImagePolicy):
         source (column ``image_column``) by the VLM, the negative prompt with the same source under true CFG,
         and the source's latents (`encode_source`); each distinct source and each distinct (instruction,
         source) pair of the batch is encoded once."""
-        values = columns.get(self.image_column)
-        if values is None:
-            raise DataError(
-                f"QwenImageEditPolicy: the rows have no {self.image_column!r} column (the source image to edit; "
-                f"columns: {sorted(columns) or 'none'})"
-            )
+        images, image_of = distinct_sources(columns, self.image_column, "QwenImageEditPolicy")
         prompts = columns.get("prompt")
-        if prompts is None or len(prompts) != len(values):
+        if prompts is None or len(prompts) != len(image_of):
             raise DataError("QwenImageEditPolicy: the rows have no 'prompt' column (the instruction)")
-        keys: dict[Any, int] = {}
-        image_of: list[int] = []
-        images: list[Any] = []
-        for i, v in enumerate(values):
-            if v is None or v == "":
-                raise DataError(
-                    f"QwenImageEditPolicy: sample {i} has no {self.image_column!r} (a source image)"
-                )
-            key = v if isinstance(v, str) else id(v)
-            if key not in keys:
-                keys[key] = len(images)
-                images.append(v)
-            image_of.append(keys[key])
         side = self.pixel_size()
         try:
             pils = [source_image(im, side) for im in images]
