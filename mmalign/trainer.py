@@ -93,6 +93,8 @@ class TrainerCallback(Protocol):
     - ``on_samples(trainer, step, rows, views)``: the steps whose samples are written: this process's rows (as
       the run directory stores them) and `Policy.sample_view`'s views of them;
     - ``on_train_end(trainer)``: `train` ends, also when it fails;
+    - any hook may call ``trainer.request_stop(reason)`` to end the run after the current step (written as the
+      last step: metrics, samples, a checkpoint);
     - ``state_dict()`` / ``load_state_dict(state)``: saved in and restored from checkpoints (callbacks only).
 
     (Every hook being optional, the protocol declares none; it names the contract.)
@@ -184,6 +186,8 @@ class GroupTrainer:
         self.async_cfg = cfg.trainer.async_
         """``trainer.async`` (None: synchronous rollouts)."""
         self._async: Any = None
+        self._stop_reason: str | None = None
+        """Set by `request_stop`: the loop ends after the current step."""
         """The rollout workers of an asynchronous run (`mmalign.asynchronous.AsyncRollouts`), started by the first
         `train_step`."""
         self._async_rngs: list[Any] | None = None
@@ -1159,6 +1163,12 @@ class GroupTrainer:
         return {"step": self.step, **metrics}
 
     # ----------------------------------------------------------------- run
+    def request_stop(self, reason: str) -> None:
+        """For callbacks and monitors (e.g. in ``on_step_end``): end `train` after the current step, with that
+        step's metrics, samples and a checkpoint written as for the last step. `train` returns normally; a caller
+        that wants the run to fail raises its own error (e.g. from ``on_train_end``)."""
+        self._stop_reason = reason
+
     def train(self) -> list[dict[str, Any]]:
         """Train until `trainer.steps`; returns the metrics of the steps run now."""
         t = self.cfg.trainer
@@ -1174,6 +1184,7 @@ class GroupTrainer:
             with rundir.writing(self.out / rundir.METRICS_FILE):
                 metrics_f = (self.out / rundir.METRICS_FILE).open("a")
         try:
+            self._stop_reason = None
             self._emit("on_train_start", self.step)
             while self.step < t.steps:
                 try:
@@ -1183,8 +1194,9 @@ class GroupTrainer:
                 # callbacks may add their numbers to `m` (a curriculum's threshold); monitors see them
                 self._emit("on_step_end", self.step, m)
                 self.history.append(m)
+                last = self.step == t.steps or self._stop_reason is not None  # written as the run's last step
                 try:  # what the step writes: an I/O error names the file and the last complete checkpoint
-                    if self.step % t.log_every == 0 or self.step == t.steps:
+                    if self.step % t.log_every == 0 or last:
                         if metrics_f is not None:
                             with rundir.writing(metrics_f.name):
                                 metrics_f.write(json.dumps(rundir.jsonable(m)) + "\n")
@@ -1196,7 +1208,7 @@ class GroupTrainer:
                             rundir.samples_file(self.out, self.step).with_suffix(""), runtime=False
                         ):
                             self.dump_samples(self._last_batch)
-                    if self.step % t.save_every == 0 or self.step == t.steps:
+                    if self.step % t.save_every == 0 or last:
                         self.save_checkpoint()
                 except (RunWriteError, NonFiniteError) as e:
                     raise self._stopped(e, self.step, after=True) from e
@@ -1204,6 +1216,8 @@ class GroupTrainer:
                     reward=f"{m.get('reward/mean', float('nan')):.3f}", step_s=f"{m['time/step_s']:.2f}"
                 )
                 bar.update(1)
+                if self._stop_reason is not None:
+                    break
         finally:
             bar.close()
             self._async_close()

@@ -405,7 +405,6 @@ class OverOptMonitor:
         self.state = WatchdogState(patience=self.w.patience, tolerance=self.w.tolerance)
         self.out = Path(cfg.output_dir)
         self.stop_step: int | None = None
-        self._saved_steps: int | None = None
         self._stop_message = ""
 
     # -- hooks
@@ -442,8 +441,6 @@ class OverOptMonitor:
         if self.stop_step is None:
             return
         stop_step, self.stop_step = self.stop_step, None
-        if self._saved_steps is not None:
-            trainer.cfg.trainer.steps = self._saved_steps
         written = rundir.latest_checkpoint(self.out)
         if sys.exc_info()[0] is None and trainer.step == stop_step and written is not None:
             raise OverOptimisationStop(
@@ -475,8 +472,7 @@ class OverOptMonitor:
             self._stop_message = record["warning"]
             # the loop ends after this step: its metrics, samples and checkpoint are written, then
             # `on_train_end` raises
-            self._saved_steps = trainer.cfg.trainer.steps
-            trainer.cfg.trainer.steps = step
+            trainer.request_stop(f"over-optimisation (eval.watchdog.stop): {record['warning']}")
         return record_metrics(record, self.state.base)
 
     def _measure(self, trainer: Any, step: int) -> Evaluation:

@@ -174,3 +174,33 @@ def test_over_turn_samples_count_in_the_group_but_not_in_the_loss(
     )
     batch, _ = make_trainer(cfg).make_rollout()
     assert "exclude_from_loss" not in batch.outputs and batch.mask.any()
+
+
+class StopAt:
+    """A monitor that asks the trainer to stop after step `at`."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        if step == self.at:
+            trainer.request_stop("test")
+
+
+def test_request_stop_ends_the_run_after_the_step_written_as_the_last(
+    random_text_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = make_cfg(
+        random_text_model_dir,
+        tmp_path / "run",
+        trainer={"steps": 5, "log_every": 10, "save_every": 10, "sample_every": 10},
+    )
+    import pipelines
+    from mmalign import rundir
+    from mmalign.trainer import GroupTrainer
+
+    trainer = GroupTrainer(cfg, pipelines.get(cfg.pipeline)(cfg), monitors=[StopAt(2)])
+    history = trainer.train()
+    assert trainer.step == 2 and len(history) == 2 and cfg.trainer.steps == 5
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [2]  # written as the last step
+    assert rundir.latest_checkpoint(tmp_path / "run").name == rundir.step_name(2)
