@@ -23,6 +23,7 @@ model folders; then the pipeline reads its data files), so a wrong command fails
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import logging
 import os
@@ -406,7 +407,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``mmalign`` parser; `command` (the first argument) gets its full subparser when it is one of the
+    `TOOL_COMMANDS`, which are otherwise listed without importing their modules."""
     p = argparse.ArgumentParser(
         prog="mmalign", description="Group-relative RL for multimodal and generative models"
     )
@@ -491,15 +494,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ls.set_defaults(func=cmd_list)
 
-    from mmalign.app.plan import add_parser as add_plan_parser
-
-    add_plan_parser(sub)
-    from mmalign.app.parity import add_parser as add_parity_parser
-    from mmalign.app.probe import add_parser as add_probe_parser
-
-    add_probe_parser(sub)
-    add_parity_parser(sub)
+    for name, (module, text) in TOOL_COMMANDS.items():
+        if name == command:  # the command being run: its full parser (imports torch)
+            importlib.import_module(module).add_parser(sub)
+        else:  # listed in `mmalign --help` without importing its module (a second of torch at start-up)
+            stub = sub.add_parser(name, help=text, add_help=False)
+            stub.add_argument("args", nargs=argparse.REMAINDER, help=f"see `mmalign {name} --help`")
     return p
+
+
+TOOL_COMMANDS = {
+    "plan": (
+        "mmalign.app.plan",
+        "predict the peak memory per device and the time of a training step, without a GPU",
+    ),
+    "probe": (
+        "mmalign.app.probe",
+        "sample the base model and report its reward distribution, flat groups per group size, box conventions",
+    ),
+    "parity": (
+        "mmalign.app.parity",
+        "re-score one rollout with unchanged weights per micro-batch size, precision and engine: is ratio = 1?",
+    ),
+}
+"""The subcommands whose modules `build_parser` imports only when they are the command run: name -> (module
+with an ``add_parser(subparsers)`` that sets ``func``, the help line of `mmalign --help`)."""
 
 
 def tiny_model_paths() -> dict[str, str]:
@@ -555,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mmalign.app.demo import demo_main
 
         return demo_main(argv[1:])
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from mmalign.app.console import quiet_third_party_warnings

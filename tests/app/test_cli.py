@@ -12,7 +12,7 @@ import pipelines.text_reasoning
 import rewards
 from mmalign import advantages, filters, flow_objectives, losses, reward_transforms, rollout_loops, sde
 from mmalign import prompt_samplers as samplers
-from mmalign.app.cli import main
+from mmalign.app.cli import build_parser, main
 from mmalign.config import ConfigError
 from mmalign.data import DataError
 from mmalign.errors import MmalignError
@@ -432,3 +432,22 @@ def test_tiny_list_and_build(tmp_path, capsys, monkeypatch):
     assert not target.with_name("tiny-lm.new").exists()
     assert main(["tiny", "build", "no_such_builder"]) == 1
     assert "no_such_builder" in capsys.readouterr().err
+
+
+def test_help_lists_the_tool_commands_without_importing_them():
+    """`mmalign --help` (and every other command) builds its parser without the planner, probe and parity
+    modules (they import torch: a second at start-up); the command being run gets its full parser."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from mmalign.app.cli import build_parser; build_parser('list'); "
+        "print(sorted(m for m in ('mmalign.app.plan', 'mmalign.app.probe', 'mmalign.app.parity', 'torch') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    help_text = build_parser().format_help()
+    assert all(name in help_text for name in ("plan", "probe", "parity"))
+    args = build_parser("plan").parse_args(["plan", str(TINY), "--gpus", "2"])
+    assert args.gpus == 2 and callable(args.func)
