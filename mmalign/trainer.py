@@ -543,9 +543,10 @@ class GroupTrainer:
         self.policy.model.train()
         parts = []
         for start in range(0, len(rollout), self.microbatch):
-            stats = self.policy.action_stats(
-                rollout[list(range(start, min(start + self.microbatch, len(rollout))))]
-            )
+            with torch.no_grad():  # numbers only: no graph to build
+                stats = self.policy.action_stats(
+                    rollout[list(range(start, min(start + self.microbatch, len(rollout))))]
+                )
             if stats.logp is None:
                 raise TrainingError(
                     f"{type(self.policy).__name__}.action_stats gives no log-probs: trainer.async.max_staleness > 0 "
