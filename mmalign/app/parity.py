@@ -30,8 +30,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,10 +204,12 @@ def parity(
     precisions: Sequence[str] = ("fp32", "bf16", "fp16"),
     tol: float = 1e-3,
     seed: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Draw one rollout of `prompts` training rows x `group_size` (default ``rollout.group_size``) from the base
     policy of `components`, re-score it under every setting (`settings_for`, `score_rollout`) and compare with the
-    rollout's ``logp_old`` (`compare`); the engine's log-probs too when ``rollout.engine`` is not ``hf``."""
+    rollout's ``logp_old`` (`compare`); the engine's log-probs too when ``rollout.engine`` is not ``hf``.
+    `progress` receives one line as each phase starts and ends (the CLI prints them to stderr)."""
     from mmalign import losses
     from mmalign.app.probe import pick_rows, seed_policy
     from mmalign.policies.base import RunInfo
@@ -221,11 +224,14 @@ def parity(
     if engine != "hf":  # the trainer's set-up: the engine is built, gets the weights and the step's seed
         policy.setup(RunInfo(cfg=cfg, accelerator=None))
         policy.on_train_step(0)
+    say = progress or (lambda line: None)
     seed_policy(policy, seed)
+    say(f"rollout: {len(rows)} prompt(s) x {g} samples from the base policy ...")
     t0 = time.perf_counter()
     with torch.no_grad():
         rollout = policy.rollout(rows, g, compute_logp=True)
     t1 = time.perf_counter()
+    say(f"rollout: done in {t1 - t0:.1f} s")
     if rollout.logp_old is None:
         raise ConfigError(
             f"{cfg.source}: {type(policy).__name__}.rollout stored no logp_old: nothing to compare"
@@ -260,7 +266,9 @@ def parity(
         )
         report["first_update"], report["breaking_settings"] = None, []
         return report
-    for s in settings_for(cfg, b, microbatches, precisions, bool(chunks and len(chunks) > 1)):
+    settings = settings_for(cfg, b, microbatches, precisions, bool(chunks and len(chunks) > 1))
+    for i, s in enumerate(settings, 1):
+        say(f"re-scoring {i}/{len(settings)}: {s.name} ...")
         entry: dict[str, Any] = {"name": s.name, "microbatch": s.microbatch, "precision": s.precision}
         try:
             # a precision the device cannot autocast fails here, before scoring
@@ -269,6 +277,7 @@ def parity(
             t2 = time.perf_counter()
             logp = score_rollout(policy, rollout, s, chunkable=chunkable)
             entry["seconds"] = round(time.perf_counter() - t2, 2)
+            say(f"re-scoring {i}/{len(settings)}: done in {entry['seconds']:.1f} s")
         except (RuntimeError, TypeError, ValueError) as e:  # e.g. fp16 kernels missing on this device
             if s.precision == "fp32":  # not a precision the device lacks: a real failure
                 raise
@@ -429,7 +438,13 @@ def main(args: argparse.Namespace) -> int:
 
     if not args.tol > 0:
         raise ConfigError(f"--tol must be > 0, got {args.tol}")
-    cfg, components = load_setup(args.config, args.overrides, need_rewards=False, command="parity")
+
+    def say(line: str) -> None:
+        print(f"mmalign parity: {line}", file=sys.stderr, flush=True)
+
+    cfg, components = load_setup(
+        args.config, args.overrides, need_rewards=False, command="parity", progress=say
+    )
     report = parity(
         cfg,
         components,
@@ -439,6 +454,7 @@ def main(args: argparse.Namespace) -> int:
         precisions=args.precisions,
         tol=args.tol,
         seed=args.seed,
+        progress=say,
     )
     emit_report(render(report), report, args.json)
     first = report.get("first_update")

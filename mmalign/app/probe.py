@@ -31,7 +31,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import groupby
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,11 +68,16 @@ FORMATS = ("xyxy", "xywh")
 
 # ============================================================================ building
 def load_setup(
-    config: str, overrides: Sequence[str], *, need_rewards: bool, command: str
+    config: str,
+    overrides: Sequence[str],
+    *,
+    need_rewards: bool,
+    command: str,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Config, Any]:
     """The checked config (`mmalign.config.load_config`, `mmalign.app.preflight.validate`) and the components its
     pipeline builds, the global RNGs seeded with ``seed`` first. `need_rewards`: a config without ``rewards`` is a
-    `ConfigError` naming `command`."""
+    `ConfigError` naming `command`. `progress` gets a line before and after the build (model, data, rewards)."""
     import pipelines
     from mmalign.app.preflight import validate
     from mmalign.config import load_config
@@ -85,7 +90,12 @@ def load_setup(
         )
     build = validate(cfg, resume=None)
     set_seed(cfg.seed)
-    return cfg, build(cfg)
+    say = progress or (lambda line: None)
+    say(f"building the {cfg.pipeline} pipeline of {cfg.source} (model, data, rewards) ...")
+    t0 = time.perf_counter()
+    components = build(cfg)
+    say(f"built in {time.perf_counter() - t0:.1f} s")
+    return cfg, components
 
 
 def seed_policy(policy: Any, seed: int) -> None:
@@ -788,7 +798,13 @@ def main(args: argparse.Namespace) -> int:
     """``mmalign probe``: print the markdown report (and write the JSON one with ``--json``)."""
     if not 0 < args.informative <= 1:
         raise ConfigError(f"--informative must be in (0, 1], got {args.informative}")
-    cfg, components = load_setup(args.config, args.overrides, need_rewards=True, command="probe")
+    cfg, components = load_setup(
+        args.config,
+        args.overrides,
+        need_rewards=True,
+        command="probe",
+        progress=lambda line: print(f"mmalign probe: {line}", file=sys.stderr, flush=True),
+    )
     report = probe(
         cfg,
         components,

@@ -160,3 +160,28 @@ def test_parity_bad_config_path(no_model: None, capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().err.strip().splitlines() == [
         "mmalign: error: config file not found: nope.yaml"
     ]
+
+
+def test_parity_cli_says_each_long_phase(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The slow phases (building the pipeline, the rollout, each re-scoring) each print a start and an end
+    line on stderr, so a minute-long parity run is never silent; the report itself stays on stdout."""
+    monkeypatch.chdir(ROOT)
+    args = ["parity", "configs/text_reasoning-tiny.yaml", "-n", "1", "--group-size", "2"]
+    assert main([*args, "--microbatch-sizes", "1", "--precisions", "fp32"]) == 0
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.startswith("mmalign parity: ")]
+    phases = [line.removeprefix("mmalign parity: ").split(" ...")[0] for line in err]
+    assert phases[0].startswith("building the text_reasoning pipeline of configs/text_reasoning-tiny.yaml")
+    assert (
+        phases[1].startswith("built in ")
+        and phases[2] == "rollout: 1 prompt(s) x 2 samples from the base policy"
+    )
+    assert phases[3].startswith("rollout: done in ")
+    rescoring = [line.removeprefix("mmalign parity: ") for line in err[4:]]
+    starts = [line for line in rescoring if line.startswith("re-scoring ") and line.endswith(" ...")]
+    ends = [line for line in rescoring if line.startswith("re-scoring ") and " done in " in line]
+    assert len(starts) == len(ends) >= 1 and len(rescoring) == 2 * len(starts)
+    assert not any(line.startswith("mmalign parity: ") for line in captured.out.splitlines())
+    assert "# mmalign parity" in captured.out
