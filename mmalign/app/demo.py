@@ -1,37 +1,54 @@
 """`mmalign demo RUN_DIR [RUN_DIR ...]`: a Gradio app that browses the samples of runs (the ``demo`` extra).
 
 The data layer (`list_steps`, `load_group`, `reward_table`, `sample_layout`, `box_annotations`,
-`diagnostic_panels`, `generate_samples`, `score_generated`, ...) is pure functions of the run directories, read through `mmalign.rundir` on every call (a run still training shows
-its new steps). The layout: `build_app` returns the `gr.Blocks` (tabs "Samples", "Curves", "Compare"),
-`launch_app` serves it, `demo_main` is the command line.
+`diagnostic_panels`, `generate_samples`, `score_generated`, ...) is pure functions of the run directories, read
+through `mmalign.rundir` on every call (a run still training shows its new steps). The layout: `build_app`
+returns the `gr.Blocks` (tabs "Samples", "Curves", "Compare"), `launch_app` serves it, `demo_main` is the command
+line.
 
-The app serves only what it shows (`served_paths`): each run's ``samples/`` (media, sample JSONL),
-``demo_samples/`` (generations) and ``metrics.jsonl``; ``config.yaml``, ``checkpoints/``, ``final/`` and
-everything else of the run directory are blocked. Generation asks at most `MAX_PROMPTS` prompts and
-`MAX_SAMPLES_PER_PROMPT` samples per prompt, and ``demo_samples/`` is pruned to `DEMO_MAX_BYTES` /
-`DEMO_MAX_GENERATIONS` (oldest generations first). Secret-looking config values (`mask_secrets`) are never
-shown.
+The path rule: every file the app reads or shows (``metrics.jsonl``, ``config.yaml``, ``samples/``, the media
+a sample row names, ``demo_samples/``, checkpoints) must resolve, symbolic links followed, to a path inside its
+resolved run directory (`checked_path`; a grounding row's input image may also lie in a `data_roots` folder the
+operator names); anything else is refused and logged. Files are opened by `open_checked`, which checks the file
+it opened, and Gradio is never handed a path of a run: it gets copies of the checked media (`served_copy`) or
+pixels, and every run directory is in its ``blocked_paths`` (`served_paths`).
+
+The trust model: a run's ``config.yaml`` is code when it is imported (a reward ``package.module:attr``, a
+``trust_remote_code`` model). Live generation and scoring refuse a config that names such code
+(`run_code_problems`) unless the operator opts in (``--trust-run-code``, ``trust_run_code=True``).
+
+Generation asks at most `MAX_PROMPTS` prompts and `MAX_SAMPLES_PER_PROMPT` samples per prompt, and
+``demo_samples/`` is pruned to `DEMO_MAX_BYTES` / `DEMO_MAX_GENERATIONS` (oldest generations first).
+Secret-looking config values (`mask_secrets`) are never shown.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
+import contextlib
 import hashlib
+import importlib.util
 import json
+import logging
 import math
 import os
 import re
 import shutil
+import stat
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import IO, Any
 
 from mmalign import rundir
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "WATCHDOG_CURVES",
@@ -41,8 +58,10 @@ __all__ = [
     "MAX_PANELS",
     "MAX_PROMPTS",
     "MAX_SAMPLES_PER_PROMPT",
+    "UntrustedRunCode",
     "box_annotations",
     "build_app",
+    "checked_path",
     "checkpoint_choices",
     "curve_rows",
     "default_curve_keys",
@@ -59,16 +78,20 @@ __all__ = [
     "mask_secrets",
     "media_items",
     "metric_keys",
+    "metrics_rows",
+    "open_checked",
     "outline_masks",
     "predicted_boxes",
     "prompt_columns",
     "prune_demo_samples",
     "reward_names",
     "reward_table",
+    "run_code_problems",
     "run_status",
     "sample_layout",
     "score_generated",
     "score_summary",
+    "served_copy",
     "served_paths",
     "split_prompts",
 ]
@@ -145,23 +168,218 @@ def _is_media(path: Any) -> bool:
     return path is not None and Path(path).suffix.lower() in MEDIA_SUFFIXES and Path(path).is_file()
 
 
+# ----------------------------------------------------------------------------- the path rule
+
+_WARNED: set[str] = set()
+"""Warnings already logged: each is logged once, not at every refresh of the app."""
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("%s", message)
+
+
+def _refuse(path: Any, run: Path, what: str, why: str) -> None:
+    """Log (once) that `what` `path` of `run` is refused, and why."""
+    _warn_once(f"refused {what} {path} of run {run}: {why}")
+
+
+def checked_path(
+    run_dir: str | Path, path: str | Path, what: str = "file", data_roots: Sequence[str | Path] = ()
+) -> Path | None:
+    """`path` resolved (``Path.resolve(strict=True)``: every symbolic link followed) when it exists and lies
+    inside the resolved `run_dir` (or one of `data_roots`, resolved); None when it does not exist, and None
+    with a logged warning naming it and the run when it resolves anywhere else (the path rule of the demo)."""
+    run = Path(run_dir).resolve()
+    try:
+        real = Path(path).resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, a dangling link, a loop
+        return None
+    roots = [run, *(Path(r).resolve() for r in data_roots)]
+    if any(real.is_relative_to(root) for root in roots):
+        return real
+    _refuse(path, run, what, f"it resolves to {real}, outside the run directory")
+    return None
+
+
+def open_checked(
+    run_dir: str | Path, path: str | Path, what: str = "file", data_roots: Sequence[str | Path] = ()
+) -> IO[bytes] | None:
+    """`path` opened for reading (binary) when it is a regular file that passes `checked_path`; the file
+    actually opened is checked again (through ``/proc/self/fd`` where there is one), so a link swapped in
+    between is refused too. None (logged when refused) otherwise; a FIFO or device is never opened blocking."""
+    real = checked_path(run_dir, path, what, data_roots)
+    if real is None:
+        return None
+    try:
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            _refuse(path, Path(run_dir).resolve(), what, "not a regular file")
+            os.close(fd)
+            return None
+        proc = Path(f"/proc/self/fd/{fd}")
+        if proc.is_symlink():
+            opened = Path(os.readlink(proc))
+            roots = [Path(run_dir).resolve(), *(Path(r).resolve() for r in data_roots)]
+            if not any(opened.is_relative_to(root) for root in roots):
+                _refuse(path, roots[0], what, f"the file opened is {opened}, outside the run directory")
+                os.close(fd)
+                return None
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+
+
+def _read_checked(run_dir: str | Path, path: str | Path, what: str) -> str | None:
+    """The text of `path` (`open_checked`; undecodable bytes replaced), or None."""
+    f = open_checked(run_dir, path, what)
+    if f is None:
+        return None
+    with f:
+        return f.read().decode("utf-8", errors="replace")
+
+
+_COPIES: list[Path] = []
+"""The folder of `served_copy` (made on first use, removed at exit)."""
+_COPIES_LOCK = threading.Lock()
+
+
+def _copies_dir() -> Path:
+    with _COPIES_LOCK:
+        if not _COPIES:
+            folder = Path(tempfile.mkdtemp(prefix="mmalign-demo-"))
+            atexit.register(shutil.rmtree, folder, True)
+            _COPIES.append(folder)
+        return _COPIES[0]
+
+
+def served_copy(
+    run_dir: str | Path, path: str | Path, what: str = "media file", data_roots: Sequence[str | Path] = ()
+) -> str | None:
+    """What the app hands Gradio for an image or video of a run: a copy of `path`, read through
+    `open_checked`, in a private temporary folder (Gradio copies it into its cache and serves that); None when
+    `path` is refused (the path rule), missing, or no `MEDIA_SUFFIXES` file. Gradio never gets a path of a run,
+    so a link in the run cannot make it serve anything else. Copies are reused while the file is unchanged."""
+    if path is None or Path(path).suffix.lower() not in MEDIA_SUFFIXES:
+        return None
+    f = open_checked(run_dir, path, what, data_roots)
+    if f is None:
+        return None
+    with f:
+        st = os.fstat(f.fileno())
+        key = hashlib.sha256(f"{Path(path).resolve()}\0{st.st_mtime_ns}\0{st.st_size}".encode()).hexdigest()
+        dest = _copies_dir() / f"{key[:32]}{Path(path).suffix.lower()}"
+        if not dest.is_file():
+            tmp = dest.with_name(f".{dest.name}.{threading.get_ident()}")
+            with open(tmp, "wb") as out:
+                shutil.copyfileobj(f, out)
+            os.replace(tmp, dest)
+    return str(dest)
+
+
 def served_paths(run_dirs: Sequence[str | Path]) -> tuple[list[str], list[str]]:
-    """``(allowed_paths, blocked_paths)`` for Gradio's file route: of each run, its ``samples/`` (media and
-    sample JSONL), ``demo_samples/`` (generations) and ``metrics.jsonl`` are served; its ``config.yaml``
-    (a remote reward's headers, tokens), ``checkpoints/``, ``final/`` and every other entry it holds now
-    are blocked (blocked paths win over every other path Gradio serves)."""
-    allowed: list[str] = []
-    blocked: list[str] = []
+    """``(allowed_paths, blocked_paths)`` for Gradio: nothing is allowed (the app hands Gradio copies of the
+    checked media, `served_copy`, which Gradio serves from its own cache), and every resolved run directory is
+    blocked, so Gradio's file route serves no file of a run (``config.yaml``, checkpoints, a link to ``/etc``),
+    nor copies one into its cache. A run directory that holds the temporary folders Gradio needs (its cache,
+    `served_copy`'s folder: ``mmalign demo /tmp``) is not blocked; nothing of it is allowed either."""
+    needed = [Path(tempfile.gettempdir()).resolve()]  # (`served_copy`'s folder is made in it)
+    if os.environ.get("GRADIO_TEMP_DIR"):
+        needed.append(Path(os.environ["GRADIO_TEMP_DIR"]).resolve())
+    blocked = []
     for r in run_dirs:
         run = Path(r).resolve()
-        served = (rundir.SAMPLES_DIR, DEMO_SAMPLES_DIR, rundir.METRICS_FILE)
-        allowed += [str(run / name) for name in served]
-        names = {rundir.CONFIG_FILE, rundir.CHECKPOINTS_DIR, rundir.FINAL_DIR, rundir.DISTRIBUTED_FILE}
-        if run.is_dir():
-            names |= {p.name for p in run.iterdir()}
-        keep = {n.lower() for n in served}  # Gradio compares blocked paths case-insensitively
-        blocked += [str(run / name) for name in sorted(names) if name.lower() not in keep]
-    return allowed, blocked
+        if not any(n.is_relative_to(run) for n in needed):
+            blocked.append(str(run))
+    return [], blocked
+
+
+# ----------------------------------------------------------------------------- the trust model
+
+MODULE_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+"""The shape of an explicit import path, ``package.module:attr`` (`mmalign.registry.import_path`)."""
+
+TRUST_HINT = (
+    "the demo imports no code a served run names. If you trust this run folder, restart the demo with "
+    "`mmalign demo RUN_DIR --trust-run-code` (from Python: launch_app(..., trust_run_code=True))"
+)
+
+
+class UntrustedRunCode(ValueError):
+    """Live generation or scoring refused: the run's config names code to import (`run_code_problems`) and the
+    demo was not started with ``--trust-run-code``. The message names the file, key and value and the flag."""
+
+
+def _importable(spec: str) -> bool:
+    """Whether the top-level package of ``package.module:attr`` can be imported here (found on ``sys.path``;
+    nothing is imported to find out). One that cannot be imported runs no code."""
+    top = spec.partition(":")[0].split(".")[0]
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _config_strings(value: Any, key: str = "") -> Iterable[tuple[str, Any]]:
+    """``(key path, value)`` of every leaf of a config (``rewards[0].name``)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _config_strings(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            yield from _config_strings(v, f"{key}[{i}]")
+    else:
+        yield key, value
+
+
+def _folder_class(value: str) -> str | None:
+    """The ``"class"`` of ``<value>/config.json`` when `value` names a folder holding one with an import path
+    (a saved geometry model: `rewards.geometry_model.load_geometry_model` imports it)."""
+    config = Path(value).expanduser() / "config.json"
+    try:
+        if not config.is_file() or config.stat().st_size > 1_000_000:
+            return None
+        cls = json.loads(config.read_text()).get("class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return cls if isinstance(cls, str) and MODULE_PATH.fullmatch(cls) else None
+
+
+def run_code_problems(run_dir: str | Path) -> list[str]:
+    """What in the run's ``config.yaml`` would import or run code when the demo builds its pipeline and
+    rewards: a value ``package.module:attr`` whose package can be imported here (a reward, an environment,
+    anything not a registered name or installed entry point, which are plain names), a saved folder whose
+    ``config.json`` names such a class, a true ``trust_remote_code`` (the model folder's own Python). Each
+    item names the file, the key and the value. Empty: only registered names."""
+    run = Path(run_dir).resolve()
+    config = run / rundir.CONFIG_FILE
+    out = []
+    for key, value in _config_strings(_run_config(run)):
+        where = f"{config}: key {key!r}"
+        if key.rsplit(".", 1)[-1] == "trust_remote_code" and value is True:
+            out.append(f"{where} is true (it runs the model folder's own Python code)")
+        elif isinstance(value, str) and MODULE_PATH.fullmatch(value) and _importable(value):
+            out.append(f"{where} names the module path {value!r} (package.module:attr, imported to build it)")
+        elif isinstance(value, str) and (cls := _folder_class(value)) and _importable(cls):
+            out.append(f"{where}: folder {value!r} names the class {cls!r} in its config.json (imported)")
+    return out
+
+
+def _check_run_code(run_dir: str | Path, trust_run_code: bool) -> None:
+    """Raise `UntrustedRunCode` when the run's config names code to import and the operator did not opt in."""
+    if trust_run_code:
+        return
+    problems = run_code_problems(run_dir)
+    if problems:
+        raise UntrustedRunCode(
+            f"refused to build the run's pipeline and rewards: {'; '.join(problems)}. {TRUST_HINT}"
+        )
 
 
 def _is_secret_key(key: Any) -> bool:
@@ -200,18 +418,44 @@ def _scrub(text: str, run_dir: str | Path) -> str:
     return text
 
 
+def _samples_dir(run_dir: str | Path) -> Path | None:
+    """The run's ``samples/`` folder when it exists and resolves inside the run (`checked_path`), else None."""
+    real = checked_path(run_dir, Path(run_dir) / rundir.SAMPLES_DIR, "samples folder")
+    return real if real is not None and real.is_dir() else None
+
+
 def list_steps(run_dir: str | Path) -> list[int]:
-    """The steps of `run_dir` that logged samples, oldest first (read again on every call)."""
-    return rundir.sample_steps(run_dir)
+    """The steps of `run_dir` that logged samples, oldest first (read again on every call); none when its
+    ``samples/`` resolves outside the run."""
+    return rundir.sample_steps(run_dir) if _samples_dir(run_dir) is not None else []
+
+
+def _checked_media(run_dir: str | Path, row: dict[str, Any], root: Path) -> dict[str, Any]:
+    """`row` with its media paths (`MEDIA_KEYS`, relative to `root`) absolute and resolved when they pass the
+    path rule (`checked_path`), None when they are refused (logged) or missing."""
+    for key in MEDIA_KEYS:
+        value = row.get(key)
+        if isinstance(value, str | Path):
+            row[key] = checked_path(run_dir, root / value, f"{key} of a sample row")
+    return row
 
 
 def _rows(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
-    """A step's sample rows, each with its ``index`` in the file; [] when the step has none (yet)."""
-    try:
-        rows = rundir.read_samples(run_dir, step)
-    except (FileNotFoundError, json.JSONDecodeError):  # not written yet / being written
+    """A step's sample rows, each with its ``index`` in the file and its media checked (`_checked_media`); []
+    when the step has none (yet) or its file is refused (the path rule)."""
+    root = _samples_dir(run_dir)
+    if root is None:
         return []
+    text = _read_checked(run_dir, rundir.samples_file(run_dir, step), "samples file")
+    if text is None:
+        return []
+    try:
+        rows = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+    except json.JSONDecodeError:  # being written
+        return []
+    rows = [r for r in rows if isinstance(r, dict)]
     for i, row in enumerate(rows):
+        _checked_media(run_dir, row, root)
         row["index"] = i
     return rows
 
@@ -320,15 +564,17 @@ def media_items(samples: Sequence[dict[str, Any]]) -> tuple[list[tuple[str, str]
 
 
 def _run_config(run_dir: str | Path) -> dict[str, Any]:
-    path = Path(run_dir) / rundir.CONFIG_FILE
-    if not path.is_file():
+    """The run's ``config.yaml`` as read (server-side only); {} when missing, unreadable or refused."""
+    text = _read_checked(run_dir, Path(run_dir) / rundir.CONFIG_FILE, "config")
+    if text is None:
         return {}
     import yaml
 
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        config = yaml.safe_load(text)
     except yaml.YAMLError:
         return {}
+    return config if isinstance(config, dict) else {}
 
 
 def box_coords(run_dir: str | Path) -> str:
@@ -384,45 +630,59 @@ def _reference_boxes(sample: dict[str, Any]) -> list[list[float]]:
     return [list(map(float, b)) for b in ref if isinstance(b, list | tuple) and len(b) == 4]
 
 
-def input_image(sample: dict[str, Any]) -> Path | None:
-    """The input image a sample row names (`INPUT_IMAGE_KEYS`: grounding rows carry ``images`` = [its path]),
-    when it is an existing image file; else None."""
+def input_image(
+    sample: dict[str, Any], run_dir: str | Path, data_roots: Sequence[str | Path] = ()
+) -> Path | None:
+    """The input image a sample row of `run_dir` names (`INPUT_IMAGE_KEYS`: grounding rows carry ``images`` =
+    [its path]), resolved, when it is an existing image file inside the run directory or one of `data_roots`
+    (`checked_path`: anything else is refused and logged); else None."""
     for key in INPUT_IMAGE_KEYS:
         value = sample.get(key)
         if isinstance(value, list | tuple):
             value = value[0] if len(value) == 1 else None
         if isinstance(value, str | Path) and Path(value).suffix.lower() in IMAGE_SUFFIXES:
-            if Path(value).is_file():
-                return Path(value)
+            real = checked_path(run_dir, value, f"input image ({key})", data_roots)
+            if real is not None and real.is_file():
+                return real
     return None
 
 
-def _load_input_image(path: Path) -> Any:
-    """The uint8 ``[H, W, 3]`` pixels of `path`, or None when it cannot be read."""
+def _load_input_image(run_dir: str | Path, path: Path, data_roots: Sequence[str | Path] = ()) -> Any:
+    """The uint8 ``[H, W, 3]`` pixels of `path`, read through `open_checked`, or None when it cannot be read
+    or is refused."""
     import numpy as np
     from PIL import Image
 
+    f = open_checked(run_dir, path, "image", data_roots)
+    if f is None:
+        return None
     try:
-        with Image.open(path) as im:
+        with f, Image.open(f) as im:
             return np.asarray(im.convert("RGB"))
     except (OSError, ValueError, Image.DecompressionBombError):
         return None
 
 
 def box_annotations(
-    sample: dict[str, Any], coords: str = "absolute"
+    sample: dict[str, Any],
+    coords: str = "absolute",
+    *,
+    run_dir: str | Path | None = None,
+    data_roots: Sequence[str | Path] = (),
 ) -> tuple[Any, list[tuple[tuple[int, int, int, int], str]]] | None:
     """``(base image, [(box, "reference" | "predicted"), ...])`` for `gr.AnnotatedImage`, or None without a
-    box. The base is the sample's image when it has one, else its input image (`input_image`: a grounding
-    row's ``images``, read here and handed over as pixels, scaled to 256..1024 px), else a grey canvas large
-    enough for the boxes. The input image's size stands in for ``image_width`` / ``image_height`` when the
-    row lacks them (to convert the predicted boxes)."""
+    box. The base is the sample's image (its path, checked when the row was read) when it has one, else, with
+    `run_dir`, its input image (`input_image`: a grounding row's ``images`` inside the run or `data_roots`,
+    read here and handed over as pixels, scaled to 256..1024 px), else a grey canvas large enough for the
+    boxes. The input image's size stands in for ``image_width`` / ``image_height`` when the row lacks them
+    (to convert the predicted boxes)."""
     import numpy as np
 
     pixels = None
     image = sample.get("image")
-    if not _is_media(image) and (path := input_image(sample)) is not None:
-        pixels = _load_input_image(path)
+    path = input_image(sample, run_dir, data_roots) if run_dir is not None and not _is_media(image) else None
+    if path is not None:
+        pixels = _load_input_image(run_dir, path, data_roots)  # type: ignore[arg-type]
         if pixels is not None and _size(sample, "image_width", "image_height") is None:
             sample = {**sample, "image_width": pixels.shape[1], "image_height": pixels.shape[0]}
     refs = _reference_boxes(sample)
@@ -511,14 +771,66 @@ def row_columns(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {k: v for k, v in samples[0].items() if k not in STANDARD_KEYS and k != "index"}
 
 
+_METRICS: dict[str, tuple[tuple[int, int], list[dict[str, Any]], list[str]]] = {}
+"""`metrics_rows` of each run's metrics file, by (modification time, size): the app's timer reads it often."""
+
+
+def metrics_rows(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """``(rows, problems)`` of the run's ``metrics.jsonl``, read through `open_checked` (the path rule): every
+    line that is a JSON object with an integer ``step``, and for each other line a message naming the file and
+    the line (logged once; the app shows them in the run's status line) and carries on with the valid ones.
+    Empty when the run logged nothing yet or the file is refused."""
+    path = Path(run_dir) / rundir.METRICS_FILE
+    f = open_checked(run_dir, path, "metrics file")
+    if f is None:
+        return [], []
+    with f:
+        st = os.fstat(f.fileno())
+        stamp = (st.st_mtime_ns, st.st_size)
+        cached = _METRICS.get(str(path))
+        if cached is not None and cached[0] == stamp:
+            return cached[1], cached[2]
+        text = f.read().decode("utf-8", errors="replace")
+    rows, problems = [], []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            problems.append(f"{path}: line {n} is not JSON ({e}); skipped")
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
+            rows.append(row)
+        else:
+            problems.append(f"{path}: line {n} is not a JSON object with an integer 'step'; skipped")
+    for problem in problems:
+        _warn_once(problem)
+    _METRICS[str(path)] = (stamp, rows, problems)
+    return rows, problems
+
+
+def _read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    return metrics_rows(run_dir)[0]
+
+
+def _watchdog_rows(run_dir: str | Path) -> list[dict[str, Any]]:
+    """`mmalign.app.doctor.watchdog_rows` of the run when its ``overopt.jsonl`` passes the path rule."""
+    from mmalign.app import overopt
+    from mmalign.app.doctor import watchdog_rows
+
+    log_file = Path(run_dir) / overopt.LOG_FILE
+    if not log_file.exists() or checked_path(run_dir, log_file, "watchdog log") is None:
+        return []
+    return watchdog_rows(run_dir)
+
+
 def metric_keys(run_dirs: Sequence[str | Path]) -> list[str]:
     """Every numeric key of the runs' ``metrics.jsonl`` and of the over-optimisation watchdog's log
     (``overopt.jsonl``; ``step`` excluded), sorted."""
-    from mmalign.app.doctor import watchdog_rows
-
     keys: set[str] = set()
     for run in run_dirs:
-        for row in [*rundir.read_metrics(run), *watchdog_rows(run)]:
+        for row in [*_read_metrics(run), *_watchdog_rows(run)]:
             keys.update(k for k, v in row.items() if k != "step" and isinstance(v, int | float))
     return sorted(keys)
 
@@ -542,12 +854,10 @@ def _curve_source(run: str | Path, keys: Sequence[str]) -> list[dict[str, Any]]:
     """The rows `curve_rows` reads for one run: ``metrics.jsonl``, whose ``watchdog/*`` numbers are replaced by
     the watchdog's own log when the run has one (``overopt.jsonl``: every evaluation, the base model's at step
     0 included, also at steps that were not logged)."""
-    rows = rundir.read_metrics(run)
+    rows = _read_metrics(run)
     if not any(k.startswith("watchdog/") for k in keys):
         return rows
-    from mmalign.app.doctor import watchdog_rows
-
-    evals = watchdog_rows(run)
+    evals = _watchdog_rows(run)
     if not evals:
         return rows
     plain = [{k: v for k, v in r.items() if not k.startswith("watchdog/")} for r in rows]
@@ -590,7 +900,7 @@ def diagnostic_panels(
     for key in keys:
         rows = []
         for run, label in zip(run_dirs, labels, strict=True):
-            for row in rundir.read_metrics(run):
+            for row in _read_metrics(run):
                 v = row.get(key)
                 if isinstance(v, int | float) and math.isfinite(v) and "step" in row:
                     rows.append({"step": int(row["step"]), "value": float(v), "run": label})
@@ -602,18 +912,24 @@ def diagnostic_panels(
 
 
 def run_status(run_dir: str | Path) -> str:
-    """One line: the run's last logged step, its sample steps and checkpoints (for the live view)."""
-    metrics = rundir.read_metrics(run_dir)
+    """One line: the run's last logged step, its sample steps and checkpoints (for the live view); below it
+    the lines of ``metrics.jsonl`` that were skipped (`metrics_rows`), at most 3 named."""
+    metrics, problems = metrics_rows(run_dir)
     last = metrics[-1] if metrics else {}
     steps = list_steps(run_dir)
-    ckpts = rundir.checkpoints(run_dir)
+    ckpts = _checkpoints(run_dir)
     parts = [
         f"**{run_label(run_dir)}**: last step {last.get('step', 'none')}",
         f"reward/mean {_fmt(last.get('reward/mean'), 3)}" if last else "",
         f"{len(steps)} sample steps" + (f" ({steps[0]}..{steps[-1]})" if steps else ""),
         f"{len(ckpts)} checkpoints",
     ]
-    return ", ".join(p for p in parts if p)
+    line = ", ".join(p for p in parts if p)
+    for problem in problems[:3]:
+        line += f"\n- warning: `{problem}`"
+    if len(problems) > 3:
+        line += f"\n- warning: {len(problems) - 3} more lines of {rundir.METRICS_FILE} skipped"
+    return line
 
 
 PROMPT_SEPARATOR = "---"
@@ -638,8 +954,16 @@ def checkpoint_choices(run_dir: str | Path) -> list[tuple[str, str]]:
     """``(label, spec)`` for the checkpoint picker: the newest checkpoint, the base model, each checkpoint
     folder (spec: its path, as `mmalign.app.evaluation.resolve_checkpoint` takes it)."""
     out = [("latest checkpoint", "latest"), ("base model", "base")]
-    out += [(p.name, str(p)) for p in reversed(rundir.checkpoints(run_dir))]
+    out += [(p.name, str(p)) for p in reversed(_checkpoints(run_dir))]
     return out
+
+
+def _checkpoints(run_dir: str | Path) -> list[Path]:
+    """`mmalign.rundir.checkpoints` of the run that pass the path rule (`checked_path`), oldest first."""
+    root = Path(run_dir) / rundir.CHECKPOINTS_DIR
+    if not root.exists() or checked_path(run_dir, root, "checkpoints folder") is None:
+        return []
+    return [p for p in rundir.checkpoints(run_dir) if checked_path(run_dir, p, "checkpoint") is not None]
 
 
 def _generation_key(ckpt: Path | None, prompts: Sequence[str], n: int, seed: int) -> str:
@@ -699,12 +1023,15 @@ def generate_samples(
     seed: int,
     *,
     sample_fn: Callable[[argparse.Namespace], int] | None = None,
+    trust_run_code: bool = False,
 ) -> tuple[str, list[dict[str, Any]]]:
     """`n` samples per prompt from `checkpoint` (``latest``, ``base`` or a folder) of `run_dir` with seed `seed`,
     by `mmalign.app.cli.cmd_sample` (or `sample_fn`) on the run's ``config.yaml``; ``(label, rows)`` with media
-    paths absolute. Kept in ``RUN_DIR/demo_samples/<key>/`` (served) and reused for the same arguments; the
-    folder is then pruned to its caps (`prune_demo_samples`). `ValueError` for more than `MAX_PROMPTS` prompts
-    or `MAX_SAMPLES_PER_PROMPT` samples per prompt. Paths in the config are relative to the current
+    paths absolute and checked (the path rule; refused ones None). Kept in ``RUN_DIR/demo_samples/<key>/`` and
+    reused for the same arguments; the folder is then pruned to its caps (`prune_demo_samples`). `ValueError`
+    for more than `MAX_PROMPTS` prompts or `MAX_SAMPLES_PER_PROMPT` samples per prompt, or a config,
+    checkpoint or ``demo_samples/`` outside the run; `UntrustedRunCode` when the config names code to import
+    (`run_code_problems`) and not `trust_run_code`. Paths in the config are relative to the current
     directory, as for `mmalign sample`."""
     from mmalign.app.evaluation import resolve_checkpoint
     from mmalign.config import ConfigError
@@ -722,11 +1049,21 @@ def generate_samples(
     config = run / rundir.CONFIG_FILE
     if not config.is_file():
         raise ConfigError(f"{run}: no {rundir.CONFIG_FILE}, so no model to generate with")
+    if checked_path(run, config, "config") is None:
+        raise ValueError(f"{config} resolves outside the run directory: refused")
+    _check_run_code(run, trust_run_code)
     ckpt = resolve_checkpoint(run, checkpoint)
+    if ckpt is not None and checked_path(run, ckpt, "checkpoint") is None:
+        raise ValueError(f"checkpoint {ckpt} resolves outside the run directory {run}: refused")
     if ckpt is None and checkpoint == "latest":
         checkpoint = "base"
     label = f"{run_label(run)} / {ckpt.name if ckpt else 'base model'} / seed {seed}"
-    out = run / DEMO_SAMPLES_DIR / _generation_key(ckpt, prompts, n, seed)
+    root = run / DEMO_SAMPLES_DIR
+    if root.is_symlink() or (root.exists() and checked_path(run, root, "generations folder") != root):
+        raise ValueError(f"{root} is a link or resolves elsewhere: refused (remove it to generate)")
+    out = root / _generation_key(ckpt, prompts, n, seed)
+    if out.is_symlink() or (out.exists() and checked_path(run, out, "generation folder") != out):
+        raise ValueError(f"{out} is a link or resolves elsewhere: refused (remove it to generate)")
     done = out / "samples.jsonl"
     with _GENERATE_LOCK:  # one model in memory at a time; no pruning while another request reads
         if not done.is_file():
@@ -751,12 +1088,11 @@ def generate_samples(
             os.utime(out)  # used again: the newest for pruning
             prune_demo_samples(run, keep=[*_RECENT, out])
         _RECENT.append(out)
-        rows = [json.loads(ln) for ln in done.read_text().splitlines() if ln.strip()]
-    for row in rows:
-        for key in MEDIA_KEYS:
-            if isinstance(row.get(key), str):
-                row[key] = out / row[key]
-    return label, rows
+        text = _read_checked(run, done, "generated samples file")
+    if text is None:
+        raise ValueError(f"{done}: missing or outside the run directory (refused)")
+    rows = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+    return label, [_checked_media(run, row, out) for row in rows if isinstance(row, dict)]
 
 
 DATA_COLUMN_STEPS = 50
@@ -778,10 +1114,12 @@ _REWARD_SETS: dict[tuple[str, float], Any] = {}
 """The run's `rewards.RewardSet`, built once per config file (and its modification time)."""
 
 
-def _reward_set(run_dir: str | Path) -> Any:
-    """The `rewards.RewardSet` of the run's ``config.yaml`` ``rewards:`` (None when it lists none)."""
+def _reward_set(run_dir: str | Path, trust_run_code: bool = False) -> Any:
+    """The `rewards.RewardSet` of the run's ``config.yaml`` ``rewards:`` (None when it lists none);
+    `UntrustedRunCode` when the config names code to import and not `trust_run_code`."""
     from rewards import RewardSet
 
+    _check_run_code(run_dir, trust_run_code)
     config = Path(run_dir).resolve() / rundir.CONFIG_FILE
     key = (str(config), config.stat().st_mtime if config.is_file() else 0.0)
     if key not in _REWARD_SETS:
@@ -791,9 +1129,9 @@ def _reward_set(run_dir: str | Path) -> Any:
     return _REWARD_SETS[key]
 
 
-def _generated_outputs(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What the rewards read of generated rows: ``texts``, and ``images`` Float[B, 3, H, W] in [0, 1] read
-    back from the PNGs when every row has one of the same size."""
+def _generated_outputs(run_dir: str | Path, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the rewards read of generated rows of `run_dir`: ``texts``, and ``images`` Float[B, 3, H, W] in
+    [0, 1] read back from the PNGs (`open_checked`) when every row has one of the same size."""
     import numpy as np
     import torch
 
@@ -802,28 +1140,33 @@ def _generated_outputs(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         outputs["texts"] = [r["text"] for r in rows]
     paths = [r.get("image") for r in rows]
     if rows and all(_is_media(p) and Path(p).suffix.lower() in IMAGE_SUFFIXES for p in paths):
-        pixels = [_load_input_image(Path(p)) for p in paths]
+        pixels = [_load_input_image(run_dir, Path(p)) for p in paths]
         if all(x is not None for x in pixels) and len({x.shape for x in pixels}) == 1:
             stack = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2)
             outputs["images"] = stack.float() / 255.0
     return outputs
 
 
-def score_generated(run_dir: str | Path, rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
+def score_generated(
+    run_dir: str | Path, rows: list[dict[str, Any]], *, trust_run_code: bool = False
+) -> tuple[list[str], dict[str, str]]:
     """Score generated `rows` with the run's rewards (`rewards.RewardSet` of its ``config.yaml``, each reward
     on its own): every row gets ``rewards`` ``{name: value}`` and ``reward``, the weighted total
     (`mmalign.advantages.combine_rewards`; NaN, "not applicable", left out). The samples of one prompt are
     scored together with the data columns the run logged with that prompt (`prompt_columns`: a reference
     answer, boxes); a free-typed prompt has none, so a reward that needs one is NaN for it. Returns ``(reward
     names, notes)``: notes say, per reward, why it is NaN somewhere (or, under ``""``, why nothing was
-    scored)."""
+    scored). A config that names code to import is not built without `trust_run_code` (`run_code_problems`:
+    the note says which name and how to opt in)."""
     import torch
 
     from mmalign.advantages import combine_rewards
     from rewards import RewardBatch, RewardSet
 
     try:
-        rs = _reward_set(run_dir)
+        rs = _reward_set(run_dir, trust_run_code)
+    except UntrustedRunCode as e:
+        return [], {"": _scrub(str(e), run_dir)}
     except Exception as e:  # a reward that cannot be built here: the samples are shown unscored
         return [], {"": _scrub(f"the run's rewards could not be built: {type(e).__name__}: {e}", run_dir)}
     if rs is None or not len(rs):
@@ -838,7 +1181,7 @@ def score_generated(run_dir: str | Path, rows: list[dict[str, Any]]) -> tuple[li
         columns = prompt_columns(run_dir, prompt)
         batch = RewardBatch(
             prompts=[prompt] * len(idx),
-            outputs=_generated_outputs(members),
+            outputs=_generated_outputs(run_dir, members),
             columns={k: [v] * len(idx) for k, v in (columns or {}).items()},
             group=torch.zeros(len(idx), dtype=torch.long),
         )
@@ -929,9 +1272,20 @@ def _group_header(step: Any, group: Any, samples: list[dict[str, Any]], has_medi
     return md
 
 
-def show_group(run: str, step: Any, group: Any) -> tuple[Any, ...]:
+def _served_items(run: str | Path, items: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`media_items`' ``(path, caption)`` as Gradio gets them: copies of the checked files (`served_copy`)."""
+    out = []
+    for path, caption in items:
+        copy = served_copy(run, path)
+        if copy is not None:
+            out.append((copy, caption))
+    return out
+
+
+def show_group(run: str, step: Any, group: Any, *, data_roots: Sequence[str | Path] = ()) -> tuple[Any, ...]:
     """The Samples tab for one group, as the 8 values of ``header, table, gallery, videos, overview,
-    sample picker, boxes, video`` (the first sample shown in the last two); placeholders without a group."""
+    sample picker, boxes, video`` (the first sample shown in the last two); placeholders without a group.
+    Media are handed over as copies of the checked files (`served_copy`)."""
     gr = _check_gradio()
     if step is None or group is None:
         empty = _frame(["sample"], [])
@@ -953,12 +1307,12 @@ def show_group(run: str, step: Any, group: Any) -> tuple[Any, ...]:
     oh, orows = group_overview(run, int(step))
     sample_choices = list(range(len(samples)))
     first = sample_choices[0] if sample_choices else None
-    ann, vid = show_sample(run, step, group, first)
+    ann, vid = show_sample(run, step, group, first, data_roots=data_roots)
     return (
         md,
         _frame(headers, rows),
-        gr.update(value=images, visible=layout["gallery"]),
-        gr.update(value=videos, visible=layout["videos"]),
+        gr.update(value=_served_items(run, images), visible=layout["gallery"]),
+        gr.update(value=_served_items(run, videos), visible=layout["videos"]),
         _frame(oh, orows),
         gr.update(choices=sample_choices, value=first, visible=layout["picker"]),
         ann,
@@ -966,9 +1320,12 @@ def show_group(run: str, step: Any, group: Any) -> tuple[Any, ...]:
     )
 
 
-def show_sample(run: str, step: Any, group: Any, k: Any) -> tuple[Any, Any]:
-    """``(boxes, video)`` updates for sample `k` of the group: its `box_annotations` and its mp4, each
-    hidden when the sample has none (both hidden when nothing is selected)."""
+def show_sample(
+    run: str, step: Any, group: Any, k: Any, *, data_roots: Sequence[str | Path] = ()
+) -> tuple[Any, Any]:
+    """``(boxes, video)`` updates for sample `k` of the group: its `box_annotations` (the input image read
+    from the run or `data_roots`) and its mp4, each hidden when the sample has none (both hidden when nothing is
+    selected); files are handed over as copies of the checked files (`served_copy`)."""
     gr = _check_gradio()
     if step is None or group is None or k is None:
         return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
@@ -976,15 +1333,19 @@ def show_sample(run: str, step: Any, group: Any, k: Any) -> tuple[Any, Any]:
     if not 0 <= int(k) < len(samples):
         return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
     s = samples[int(k)]
-    ann = box_annotations(s, box_coords(run))
-    video = s.get("video")
+    ann = box_annotations(s, box_coords(run), run_dir=run, data_roots=data_roots)
+    if ann is not None and not hasattr(ann[0], "shape"):  # the sample's own image: a checked copy
+        copy = served_copy(run, ann[0])
+        ann = (copy, ann[1]) if copy is not None else None
+    video = served_copy(run, s["video"]) if _is_media(s.get("video")) else None
     return (
         gr.update(value=outline_masks(ann) if ann else None, visible=ann is not None),
-        gr.update(
-            value=str(video) if _is_media(video) else None,
-            visible=video is not None,
-        ),
+        gr.update(value=video, visible=video is not None),
     )
+
+
+_show_group, _show_sample = show_group, show_sample
+"""(The app's handlers of the same names call these, for the runs it serves.)"""
 
 
 def move(choices_of: Callable[..., list[Any]], delta: int) -> Callable[..., Any]:
@@ -1051,7 +1412,7 @@ def _logged_side(run: str, step: Any, prompt: str) -> list[Any]:
         ]
     samples = load_group(run, int(step), g)
     h, rows = reward_table(samples)
-    images = media_items(samples)[0]
+    images = _served_items(run, media_items(samples)[0])
     return [
         f"**{run_label(run)}**, step {step}, group {g} (logged)",
         gr.update(value=images, visible=bool(images)),
@@ -1080,14 +1441,16 @@ def score_summary(rows: Sequence[dict[str, Any]], names: Sequence[str], notes: d
 
 
 def _generated_side(
+    run: str | Path,
     label: str,
     rows: list[dict[str, Any]],
     n: int,
     names: Sequence[str] = (),
     notes: dict[str, str] | None = None,
 ) -> list[Any]:
-    """``[header, images, table]`` of one side's generated rows (`n` samples per prompt): with the run's
-    rewards (`score_generated`), each sample's total and per-reward values and the side's means."""
+    """``[header, images, table]`` of one side's generated rows of `run` (`n` samples per prompt): with the
+    run's rewards (`score_generated`), each sample's total and per-reward values and the side's means; images
+    handed over as copies of the checked files (`served_copy`)."""
     gr = _check_gradio()
     scored = bool(names)
 
@@ -1095,11 +1458,14 @@ def _generated_side(
         cap = f"prompt {k // n} sample {r.get('sample')}"
         return cap + (f" | reward={_fmt(r.get('reward'), 3)}" if scored else "")
 
-    images = [
-        (str(r.get("image") or r.get("video_frames")), caption(k, r))
-        for k, r in enumerate(rows)
-        if r.get("image") or r.get("video_frames")
-    ]
+    images = _served_items(
+        run,
+        [
+            (str(r.get("image") or r.get("video_frames")), caption(k, r))
+            for k, r in enumerate(rows)
+            if r.get("image") or r.get("video_frames")
+        ],
+    )
     has_text = any("text" in r for r in rows)
     score_cols = ["reward", *names] if scored else []
     table_rows = [
@@ -1114,10 +1480,17 @@ def _generated_side(
 
 
 def _generate_both(
-    sides: Sequence[tuple[str, str]], prompts: str, n: Any, seed: Any, progress: Any
+    sides: Sequence[tuple[str, str]],
+    prompts: str,
+    n: Any,
+    seed: Any,
+    progress: Any,
+    *,
+    trust_run_code: bool = False,
 ) -> tuple[Any, ...]:
     """Generate on both ``(run, checkpoint)`` `sides` (`generate_samples`), reporting to `progress`;
-    `gr.Error` without a prompt or when a side fails (the app keeps running)."""
+    `gr.Error` without a prompt or when a side fails (the app keeps running), e.g. a config that names code
+    to import without `trust_run_code` (the message names it and the ``--trust-run-code`` flag)."""
     gr = _check_gradio()
     lines = split_prompts(prompts)
     if not lines:
@@ -1134,12 +1507,12 @@ def _generate_both(
     for i, (run, ck) in enumerate(sides):
         progress(i / 2, desc=f"{'left' if i == 0 else 'right'}: loading the model and generating")
         try:
-            label, rows = generate_samples(run, ck, lines, n, seed)
+            label, rows = generate_samples(run, ck, lines, n, seed, trust_run_code=trust_run_code)
         except Exception as e:  # a wrong config / checkpoint: shown (secrets masked), the app keeps running
             raise gr.Error(_scrub(f"{run_label(run)} ({ck}): {type(e).__name__}: {e}", run)) from e
         progress((i + 0.5) / 2, desc=f"{'left' if i == 0 else 'right'}: scoring with the run's rewards")
-        names, notes = score_generated(run, rows)
-        out += _generated_side(label, rows, n, names, notes)
+        names, notes = score_generated(run, rows, trust_run_code=trust_run_code)
+        out += _generated_side(run, label, rows, n, names, notes)
     progress(1.0, desc="done")
     return tuple(out)
 
@@ -1299,9 +1672,26 @@ def _compare_tab(
 # ----------------------------------------------------------------------------- events
 
 
-def _wire_samples(demo: Any, ui: SimpleNamespace) -> None:
+def _known_run(run: Any, runs: Sequence[str]) -> str:
+    """`run` when it is one of the app's run directories; else `gr.Error` (a request naming another folder)."""
+    if run not in runs:
+        raise _check_gradio().Error(f"{run!r} is not one of the runs this demo serves")
+    return str(run)
+
+
+def _wire_samples(
+    demo: Any, ui: SimpleNamespace, runs: list[str], data_roots: Sequence[str | Path] = ()
+) -> None:
     """Events of the Samples tab: run -> steps -> groups -> the group shown, sample -> boxes / video,
-    the navigation buttons, and the group shown when the page loads."""
+    the navigation buttons, and the group shown when the page loads. The handlers that read a group serve
+    only `runs` (and input images of `data_roots`)."""
+
+    def show_group(run: str, step: Any, group: Any) -> tuple[Any, ...]:  # (its name: the API endpoint's)
+        return _show_group(_known_run(run, runs), step, group, data_roots=data_roots)
+
+    def show_sample(run: str, step: Any, group: Any, k: Any) -> tuple[Any, Any]:
+        return _show_sample(_known_run(run, runs), step, group, k, data_roots=data_roots)
+
     group_outputs = [
         ui.header,
         ui.table,
@@ -1338,9 +1728,10 @@ def _wire_curves(runs: list[str], ui: SimpleNamespace) -> Callable[[list[str], l
     return curves
 
 
-def _wire_compare(gr: Any, ui: SimpleNamespace) -> None:
+def _wire_compare(gr: Any, ui: SimpleNamespace, runs: list[str], trust_run_code: bool = False) -> None:
     """Events of the Compare tab: follow the Samples tab's group, refresh the checkpoint pickers, show the
-    logged samples, generate both sides (one generation at a time)."""
+    logged samples, generate both sides (one generation at a time, on `runs` only; importing code the runs'
+    configs name only with `trust_run_code`)."""
     ui.group_dd.change(sync_prompt, [ui.run_dd, ui.step_dd, ui.group_dd], [ui.prompts_box, ui.cmp_step])
     ui.run_a.change(lambda r: gr.update(choices=checkpoint_choices(r), value="latest"), ui.run_a, ui.ckpt_a)
     ui.run_b.change(lambda r: gr.update(choices=checkpoint_choices(r), value="latest"), ui.run_b, ui.ckpt_b)
@@ -1357,7 +1748,8 @@ def _wire_compare(gr: Any, ui: SimpleNamespace) -> None:
         seed: Any,
         progress: Any = gr.Progress(track_tqdm=True),
     ) -> tuple[Any, ...]:
-        return _generate_both(((ra, ca), (rb, cb)), prompts, n, seed, progress)
+        sides = ((_known_run(ra, runs), ca), (_known_run(rb, runs), cb))
+        return _generate_both(sides, prompts, n, seed, progress, trust_run_code=trust_run_code)
 
     inputs = [ui.run_a, ui.ckpt_a, ui.run_b, ui.ckpt_b, ui.prompts_box, ui.n_box, ui.seed_box]
     ui.gen.click(generate_both, inputs, sides, concurrency_limit=1)
@@ -1387,13 +1779,22 @@ def _wire_timer(
     )
 
 
-def build_app(run_dirs: Sequence[str | Path], refresh_s: float = 5.0) -> Any:
+def build_app(
+    run_dirs: Sequence[str | Path],
+    refresh_s: float = 5.0,
+    *,
+    trust_run_code: bool = False,
+    data_roots: Sequence[str | Path] = (),
+) -> Any:
     """The `gr.Blocks` of the demo on `run_dirs` (tabs "Samples", "Curves", "Compare"; ``.run_dirs``: the
-    resolved run directories); with `refresh_s` > 0 a timer re-reads the runs every `refresh_s` seconds."""
+    resolved run directories); with `refresh_s` > 0 a timer re-reads the runs every `refresh_s` seconds.
+    `trust_run_code`: live generation may import the code the runs' configs name (`run_code_problems`);
+    `data_roots`: folders outside the runs whose images a grounding row may name as its input image."""
     gr = _check_gradio()
     runs = [str(Path(r).resolve()) for r in run_dirs]
     if not runs:
         raise ValueError("no run directory given")
+    roots = [str(Path(r).resolve()) for r in data_roots]
     labels = [(run_label(r), r) for r in runs]
     steps0 = list_steps(runs[0])
     groups0 = list_groups(runs[0], steps0[-1]) if steps0 else []
@@ -1404,9 +1805,16 @@ def build_app(run_dirs: Sequence[str | Path], refresh_s: float = 5.0) -> Any:
         _samples_tab(gr, ui, labels, steps0, groups0)
         _curves_tab(gr, ui, runs)
         _compare_tab(gr, ui, runs, labels, steps0, groups0)
-        _wire_samples(demo, ui)
+        gr.Markdown(
+            "*Live generation imports the code the runs' configs name (`--trust-run-code`).*"
+            if trust_run_code
+            else "*Live generation imports no code a run's config names (a `package.module:attr`, "
+            "`trust_remote_code`); start the demo with `--trust-run-code` to allow it.*",
+            elem_id="trust-note",
+        )
+        _wire_samples(demo, ui, runs, roots)
         curves = _wire_curves(runs, ui)
-        _wire_compare(gr, ui)
+        _wire_compare(gr, ui, runs, trust_run_code)
         if refresh_s and refresh_s > 0:
             _wire_timer(gr, runs, ui, curves, refresh_s)
     demo.run_dirs = runs
@@ -1421,13 +1829,15 @@ def launch_app(
     refresh_s: float = 5.0,
     block: bool = True,
     quiet: bool = False,
+    trust_run_code: bool = False,
+    data_roots: Sequence[str | Path] = (),
 ) -> Any:
-    """Build and serve the demo on `host`:`port`; only what the app shows is served (`served_paths`: each
-    run's ``samples/``, ``demo_samples/`` and ``metrics.jsonl``, and Gradio's own cache of files the app
-    returned); ``config.yaml``, checkpoints and the rest of the run directories are blocked. With `block`
-    False the server runs in a thread: call ``.close()`` on the returned `gr.Blocks` (its ``.local_url`` is
-    the address)."""
-    demo = build_app(run_dirs, refresh_s=refresh_s)
+    """Build (`build_app`) and serve the demo on `host`:`port`, never through a Gradio share link. Gradio is
+    handed copies of the checked media only and every run directory is blocked (`served_paths`), so its file
+    route serves no file of a run. Prints one line with the address (unless `quiet`; Gradio's own launch
+    lines, its "set share=True" hint included, are silenced). With `block` False the server runs in a thread:
+    call ``.close()`` on the returned `gr.Blocks` (its ``.local_url`` is the address)."""
+    demo = build_app(run_dirs, refresh_s=refresh_s, trust_run_code=trust_run_code, data_roots=data_roots)
     demo.queue(default_concurrency_limit=4)
     allowed, blocked = served_paths(demo.run_dirs)
     demo.launch(
@@ -1435,11 +1845,16 @@ def launch_app(
         server_port=port,
         allowed_paths=allowed,
         blocked_paths=blocked,
-        prevent_thread_lock=not block,
-        quiet=quiet,
+        prevent_thread_lock=True,
+        quiet=True,  # Gradio's lines: its local URL and the "set share=True" hint; ours follows
         inbrowser=False,
         share=False,
     )
+    if not quiet:
+        runs = ", ".join(run_label(r) for r in demo.run_dirs)
+        print(f"mmalign demo: serving {runs} on {demo.local_url} (Ctrl+C stops it)", flush=True)
+    if block:
+        demo.block_thread()
     return demo
 
 
@@ -1461,12 +1876,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds between re-reads of the runs (default 5; 0: never)",
     )
+    p.add_argument(
+        "--trust-run-code",
+        action="store_true",
+        help="let live generation import the code the runs' config.yaml names (a reward or environment "
+        "'package.module:attr', trust_remote_code); without it such a generation is refused. Only for runs "
+        "you trust: a config is code when it is imported",
+    )
+    p.add_argument(
+        "--data-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder outside the runs whose image files a grounding row may name as its input image "
+        "(read and shown as pixels; repeatable). Without it the demo reads only files inside the runs",
+    )
     return p
 
 
 def demo_main(argv: list[str]) -> int:
-    """`mmalign demo RUN_DIR [RUN_DIR ...] [--host H] [--port P] [--refresh S]`; returns the exit status."""
+    """`mmalign demo RUN_DIR [RUN_DIR ...] [--host H] [--port P] [--refresh S] [--trust-run-code]
+    [--data-root DIR]`; returns the exit status."""
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for r in args.run_dirs:
         path = Path(r)
         if not path.is_dir():
@@ -1491,5 +1923,21 @@ def demo_main(argv: list[str]) -> int:
             f"mmalign demo: warning: serving on {args.host}: anyone who can reach it sees these runs",
             file=sys.stderr,
         )
-    launch_app(args.run_dirs, args.host, args.port, refresh_s=args.refresh)
+    for root in args.data_root:
+        if not Path(root).is_dir():
+            print(f"mmalign demo: error: --data-root {root} is not a directory", file=sys.stderr)
+            return 2
+    if args.trust_run_code:
+        print(
+            "mmalign demo: --trust-run-code: live generation imports the code the runs' configs name",
+            file=sys.stderr,
+        )
+    launch_app(
+        args.run_dirs,
+        args.host,
+        args.port,
+        refresh_s=args.refresh,
+        trust_run_code=args.trust_run_code,
+        data_roots=args.data_root,
+    )
     return 0

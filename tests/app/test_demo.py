@@ -307,9 +307,13 @@ def test_only_files_inside_the_run_directories_are_served(image_run: Path, tmp_p
         major = int(gradio.__version__.split(".")[0])
         route = app.local_url + ("gradio_api/file=" if major >= 5 else "file=")
         inside = demo.media_items(demo.load_group(image_run, 1, 0))[0][0][0]
-        status, body = http_get(route + inside)
+        event, data = call_api(app, "show_group", [str(image_run.resolve()), 2, 0])
+        assert event == "complete", data
+        url = json.loads(data)[2]["value"][0]["image"]["url"]  # Gradio's copy of a sample image
+        status, body = http_get(url if url.startswith("http") else app.local_url + url.lstrip("/"))
         assert status == 200 and body[:8] == b"\x89PNG\r\n\x1a\n"
         refused = [
+            str(inside),  # a file of the run by its path: Gradio is handed copies of the checked files only
             str(outside),
             "/etc/passwd",
             str(sibling),
@@ -393,13 +397,9 @@ def call_api(app: object, name: str, data: list) -> tuple[str, str]:
     return event, payload
 
 
-def test_served_paths_allow_what_is_shown_and_block_the_rest(full_run: Path) -> None:
-    allowed, blocked = demo.served_paths([full_run])
-    run = full_run.resolve()
-    assert allowed == [str(run / "samples"), str(run / demo.DEMO_SAMPLES_DIR), str(run / "metrics.jsonl")]
-    for name in ("config.yaml", "checkpoints", "final", "distributed.json", "notes.txt"):
-        assert str(run / name) in blocked
-    assert not set(allowed) & set(blocked)
+def test_served_paths_allow_nothing_and_block_the_runs(full_run: Path) -> None:
+    """Gradio is handed copies of the checked media only: no path is allowed, every run is blocked."""
+    assert demo.served_paths([full_run]) == ([], [str(full_run.resolve())])
 
 
 def test_secrets_of_the_config_are_masked() -> None:
@@ -461,8 +461,9 @@ def test_the_demo_folder_is_pruned_to_its_caps(full_run: Path) -> None:
 
 
 def test_only_what_the_app_shows_is_served(full_run: Path) -> None:
-    """Over HTTP: the samples (media, JSONL) and metrics.jsonl are served; config.yaml (a bearer token),
-    checkpoints, final/, every other file of the run, and links or encoded paths to them are refused."""
+    """Over HTTP: the copies of the sample images the app shows are served; no file of the run by its path
+    (the samples, metrics.jsonl, config.yaml with a bearer token, checkpoints, final/, the rest), nor links or
+    encoded paths to them."""
     pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
     run = full_run
     ck = rundir.checkpoint_dir(run, 2)
@@ -472,13 +473,16 @@ def test_only_what_the_app_shows_is_served(full_run: Path) -> None:
     try:
         route = file_route(app)
         image = demo.media_items(demo.load_group(run, 1, 0))[0][0][0]
-        status, body = http_get(route + image)
+        event, data = call_api(app, "show_group", [str(run.resolve()), 1, 0])
+        assert event == "complete", data
+        url = json.loads(data)[2]["value"][0]["image"]["url"]
+        status, body = http_get(url if url.startswith("http") else app.local_url + url.lstrip("/"))
         assert status == 200 and body[:8] == b"\x89PNG\r\n\x1a\n"
-        for served in (rundir.samples_file(run, 1), run / rundir.METRICS_FILE):
-            status, body = http_get(route + str(served))
-            assert status == 200 and body.startswith(b'{"'), served
         (run / "late.txt").write_text("TOP SECRET written after the launch")
         refused = [
+            image,
+            rundir.samples_file(run, 1),
+            run / rundir.METRICS_FILE,
             run / rundir.CONFIG_FILE,
             ck / rundir.TRAINABLE_FILE,
             ck / rundir.COMPLETE_MARK,
@@ -630,19 +634,24 @@ def test_grounding_rows_are_drawn_on_their_input_image(tmp_path: Path) -> None:
     ]
     write_step(run, 1, rows)
     samples = demo.load_group(run, 1, 0)
-    base, labels = demo.box_annotations(samples[0])
+    # the input image lies outside the run: read only from a folder the operator names (--data-root)
+    canvas, _ = demo.box_annotations(samples[0], run_dir=run)
+    assert isinstance(canvas, np.ndarray) and canvas[0, 0].tolist() == [48, 48, 48]  # refused: a grey canvas
+    roots = [data.parent]
+    base, labels = demo.box_annotations(samples[0], run_dir=run, data_roots=roots)
     assert isinstance(base, np.ndarray) and base.shape == (256, 256, 3)  # 64 px drawn 4x larger
     assert base[30 * 4, 30 * 4].tolist() == [200, 200, 200] and base[4, 4].tolist() == [30, 30, 30]
     assert labels == [((96, 80, 176, 160), "reference"), ((88, 72, 168, 152), "predicted")]
     layout = demo.sample_layout(samples)
     assert layout["boxes"] and layout["picker"] and not layout["gallery"]
-    assert demo.input_image({"images": [str(tmp_path / "missing.png")]}) is None
-    assert demo.input_image({"images": [str(run / rundir.METRICS_FILE)]}) is None  # images only
+    assert demo.input_image({"images": [str(tmp_path / "missing.png")]}, run, roots) is None
+    assert demo.input_image({"images": [str(run / rundir.METRICS_FILE)]}, run) is None  # images only
     # coords "norm1000": converted with the input image's size when the row carries none
-    _, labels = demo.box_annotations({**samples[0], "text": "<answer>[375,312,687,625]</answer>"}, "norm1000")
+    norm = {**samples[0], "text": "<answer>[375,312,687,625]</answer>"}
+    _, labels = demo.box_annotations(norm, "norm1000", run_dir=run, data_roots=roots)
     assert labels[1] == ((96, 80, 176, 160), "predicted")
     gr = pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
-    boxes, _ = demo.show_sample(str(run), 1, 0, 1)
+    boxes, _ = demo.show_sample(str(run), 1, 0, 1, data_roots=roots)
     assert boxes["visible"] is True and isinstance(boxes["value"][0], np.ndarray)
     (mask, label), _ = boxes["value"][1]
     assert label == "reference" and mask[80, 120] == 1.0 and mask[120, 120] < 0.5  # a frame, see-through
