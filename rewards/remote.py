@@ -23,15 +23,33 @@ Wire format (nothing is ever pickled):
 - authentication: ``Authorization: Bearer <token>`` when the server has a token (``token_env`` /
   ``token_file`` on both sides; the token itself is never in a config, a log line or an error message).
 
-Server limits (each a `serve_reward` keyword and a ``--flag`` of ``python -m rewards.remote``): a body over
-``max_body_mb`` is 413 (from Content-Length, before reading, or while streaming a chunked body); a
-``batch_size`` over ``max_batch_size`` is 422, checked before anything of that size is allocated; at most
-``max_concurrency`` requests are read, decoded and scored at once, a request waits at most
-``queue_timeout_s`` for a slot, else 503; past ``max_connections`` open connections uvicorn answers 503;
-the request line and headers must arrive within ``read_timeout_s`` of the connection opening (or of the
-previous answer on a kept-alive connection) and the body within ``read_timeout_s`` once admitted (else the
-connection is closed, or 408); idle kept-alive connections close after ``keep_alive_s``. A wrong or
-missing token is 401. Binding an address that is not loopback is logged and printed as a warning.
+Server limits (each a `serve_reward` keyword and a ``--flag`` of ``python -m rewards.remote``), in the order
+a request meets them:
+
+- connections: past ``max_connections`` open connections, a new one closes the connection that has waited
+  longest for a request's headers (a slow or idle client; one with a request in progress is never closed
+  for this); when all have a request in progress, uvicorn answers 503. A connection must deliver a
+  request's line and headers within ``read_timeout_s`` of opening (or of the previous answer when kept
+  alive), else it is closed; idle kept-alive connections close after ``keep_alive_s``.
+- headers: more than 100 header fields or 16 KiB of them is 431.
+- token, then Content-Type (415) and Content-Length (413 over ``max_body_mb``), all from the headers:
+  a wrong or missing token is 401 as soon as the headers are in, before a slot is taken or the body is
+  read (uvicorn buffers at most 64 KiB of it), and the connection is closed. So without the token a client
+  can hold neither a slot nor more than a connection waiting for its headers.
+- slot: at most ``max_concurrency`` requests are read, decoded and scored at once; a request waits at
+  most ``queue_timeout_s`` for a slot, else 503. The body must then arrive within ``read_timeout_s``
+  (else 408) and stay within ``max_body_mb`` while it streams (else 413).
+- parsing: every JSON text (the body; a safetensors header and its metadata) is refused with 413 before it
+  is parsed when it holds more than ``max_json_values`` values (numbers, strings, lists, objects, keys;
+  counted without building them). Parsing a body of B bytes then allocates at most 8 B (its text, 1 to 4
+  bytes a character, and the strings parsed from it) + 100 bytes per value: ASCII text about 2 B, 20
+  million ``{}`` in 60 MB (1.4 GB once parsed) are refused with under 1 MB allocated. A ``batch_size`` over
+  ``max_batch_size`` is 422, checked before anything of that size is allocated.
+
+Memory: an admitted request holds its body (twice for a moment, while its pieces are joined) and what
+parsing it allocates, so the requests in progress hold at most ``max_concurrency`` x (9 x ``max_body_mb`` +
+100 B x ``max_json_values``): with the defaults 8 x (576 + 100) MB in the worst case, about 8 x (3 x 64 +
+100) MB for ASCII bodies. Binding an address that is not loopback is logged and printed as a warning.
 
 Client (`RemoteReward`): ``timeout_s`` is a total deadline per HTTP attempt (connect, send, wait, read:
 a server dripping bytes cannot hold it longer); the response is capped at ``max_response_mb``; a refused
@@ -53,6 +71,7 @@ import logging
 import math
 import os
 import random
+import re
 import socket
 import struct
 import sys
@@ -60,7 +79,7 @@ import threading
 import time
 import urllib.parse
 import warnings
-from collections.abc import Mapping, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import Any
 
 import torch
@@ -80,6 +99,7 @@ __all__ = [
     "JSON_TYPE",
     "SAFETENSORS_TYPE",
     "BatchTooLarge",
+    "JsonTooLarge",
     "RemoteReward",
     "RewardServer",
     "decode_request",
@@ -97,10 +117,16 @@ _META_KEY = "mmalign"
 _DEFAULT_FIELDS = ("prompts", "texts")
 _MB = 1 << 20
 _MAX_BACKOFF_S = 30.0
+_MAX_HEADERS = 100  # header fields of a request (a client sends about 6); more is 431
+_MAX_HEADER_BYTES = 16 * 1024  # their names and values together; more is 431
 
 
 class BatchTooLarge(ValueError):
     """A request's ``batch_size`` is over the server's ``max_batch_size`` (HTTP 422)."""
+
+
+class JsonTooLarge(ValueError):
+    """A request's JSON holds more values than the server's ``max_json_values`` (HTTP 413)."""
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -140,14 +166,59 @@ def _check_number(who: str, name: str, value: Any, *, integer: bool = False, min
 
 
 # ----------------------------------------------------------------------------- encoding
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
+# A JSON value outside a string is announced by one of ",", ":", "[", "{" (or is the whole text), so counting
+# those outside strings, plus 1, bounds the values a text holds. A token is a run of text outside strings, a
+# whole string (possessive: no backtracking, so linear time and constant memory), or a quote that starts no
+# whole string.
+_JSON_TOKENS = re.compile(rb'([^"]+)|"(?:[^"\\]++|\\.)*+"|(")', re.DOTALL)
+_JSON_TOKENS_STR = re.compile(_JSON_TOKENS.pattern.decode("ascii"), re.DOTALL)
+
+
+def _json_values(data: bytes | str, limit: int) -> int:
+    """How many JSON values (scalars, arrays, objects, object keys) `data` holds, counted without building
+    them, in linear time and constant memory: 1 + the ``,`` ``:`` ``[`` ``{`` outside strings (an empty
+    array or object counts 2), or any larger number up to `limit`; the count stops past `limit`. Exact for
+    valid JSON. For invalid JSON it counts up to the first point where ``json.loads`` raises, at the latest
+    (an unterminated string ends it), and ``json.loads`` builds nothing past that point."""
+    if isinstance(data, str):
+        tokens, marks, one = _JSON_TOKENS_STR, (",", ":", "[", "{"), {",", ":", "[", "{"}
+    else:
+        tokens, marks, one = _JSON_TOKENS, (b",", b":", b"[", b"{"), {ord(c) for c in ",:[{"}
+    n = 1 + sum(data.count(m) for m in marks)  # those inside strings too: an upper bound
+    if n <= limit:
+        return n
+    n = 1
+    for token in tokens.finditer(data):
+        if token.lastindex == 1:  # text outside strings
+            start, end = token.span()
+            n += data[start] in one if end - start == 1 else sum(data.count(m, start, end) for m in marks)
+            if n > limit:
+                break
+        elif token.lastindex == 2:  # an unterminated string: json.loads raises there
+            break
+    return n
+
+
+def _loads(data: bytes | str, max_json_values: int | None, what: str) -> Any:
+    """``json.loads(data)``, refused (`JsonTooLarge`) before parsing when `data` holds more than
+    `max_json_values` values. `what` names the text in the error."""
+    if max_json_values is not None and _json_values(data, max_json_values) > max_json_values:
+        raise JsonTooLarge(
+            f"{what} holds more than max_json_values = {max_json_values} JSON values (numbers, strings, "
+            f"lists, objects); send smaller batches (the reward entry's batch_size), tensors as "
+            f"payload: safetensors, or start the server with a larger --max-json-values"
+        )
+    return json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+
+
+def _safetensors_metadata(data: bytes, max_json_values: int | None = None) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors blob (8-byte little-endian header size, then a JSON header)."""
     if len(data) < 8:
         raise ValueError("not a safetensors blob: shorter than its 8-byte header size")
     (size,) = struct.unpack("<Q", data[:8])
     if size > len(data) - 8:
         raise ValueError("not a safetensors blob: header size larger than the data")
-    header = json.loads(data[8 : 8 + size].decode("utf-8"))
+    header = _loads(data[8 : 8 + size], max_json_values, "the safetensors header")
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     return dict(meta) if isinstance(meta, dict) else {}
 
@@ -176,12 +247,18 @@ def _batch_size(info: dict[str, Any], max_batch_size: int | None) -> int:
 
 
 def _decode(
-    body: bytes, content_type: str, max_batch_size: int | None = None, *, request: bool = False
+    body: bytes,
+    content_type: str,
+    max_batch_size: int | None = None,
+    *,
+    request: bool = False,
+    max_json_values: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """(JSON part, tensors) of a JSON or safetensors body; ValueError for anything else. With `request`,
-    the ``batch_size`` is checked (against `max_batch_size` too) before the tensors are loaded."""
+    the ``batch_size`` is checked (against `max_batch_size` too) before the tensors are loaded; every JSON
+    text is checked against `max_json_values` before it is parsed (`JsonTooLarge`)."""
     if content_type == JSON_TYPE:
-        info = json.loads(body.decode("utf-8"))
+        info = _loads(body, max_json_values, "the JSON body")
         if not isinstance(info, dict):
             raise ValueError(f"expected a JSON object, got {type(info).__name__}")
         if request:
@@ -190,8 +267,8 @@ def _decode(
     if content_type in _SAFETENSORS_TYPES:
         from safetensors.torch import load
 
-        raw = _safetensors_metadata(body).get(_META_KEY)
-        info = json.loads(raw) if raw else {}
+        raw = _safetensors_metadata(body, max_json_values).get(_META_KEY)
+        info = _loads(raw, max_json_values, f"the metadata {_META_KEY!r}") if raw else {}
         if not isinstance(info, dict):
             raise ValueError(f"metadata {_META_KEY!r} must hold a JSON object, got {type(info).__name__}")
         if request:
@@ -231,10 +308,19 @@ def encode_batch(batch: RewardBatch, fields: Sequence[str], payload: str) -> tup
     return _encode(info, tensors, payload)
 
 
-def decode_request(body: bytes, content_type: str, max_batch_size: int | None = None) -> RewardBatch:
+def decode_request(
+    body: bytes,
+    content_type: str,
+    max_batch_size: int | None = None,
+    *,
+    max_json_values: int | None = None,
+) -> RewardBatch:
     """The `RewardBatch` a request carries (JSON or safetensors); ValueError for a bad body, `BatchTooLarge`
-    (a ValueError) for a ``batch_size`` over `max_batch_size`, raised before anything that size exists."""
-    info, tensors = _decode(body, content_type, max_batch_size, request=True)
+    (a ValueError) for a ``batch_size`` over `max_batch_size`, raised before anything that size exists, and
+    `JsonTooLarge` (a ValueError) for a JSON text (body, safetensors header or metadata) of more than
+    `max_json_values` values, raised before it is parsed: that bounds what parsing allocates (see the module
+    docstring)."""
+    info, tensors = _decode(body, content_type, max_batch_size, request=True, max_json_values=max_json_values)
     n = _batch_size(info, max_batch_size)
     prompts = info["prompts"] if "prompts" in info else [""] * n
     outputs = info.get("outputs", {})
@@ -563,23 +649,35 @@ def _import_server_stack() -> tuple[Any, Any]:
     return fastapi, uvicorn
 
 
-def _protocol_class(request_timeout_s: float) -> type:
-    """uvicorn's h11 protocol, plus a deadline for the request line and headers.
+def _protocol_class(request_timeout_s: float, max_connections: int) -> type:
+    """uvicorn's h11 protocol, plus a deadline for each request's headers and a connection cap that slow
+    clients cannot fill.
 
-    uvicorn closes a kept-alive connection that stays idle, but a fresh connection that sends nothing, or
-    drips its headers, would stay open for ever. Here each connection must deliver a request's headers
-    within `request_timeout_s` of opening, and of each answer; else it is closed."""
+    Deadline: uvicorn closes a kept-alive connection that stays idle, but a fresh connection that sends
+    nothing, or drips its headers, would stay open for ever. Here each connection must deliver a request's
+    headers within `request_timeout_s` of opening, and of each answer; else it is closed.
+
+    Cap: past `max_connections` open connections, a new connection closes the one that has waited longest
+    for a request's headers (a slow-loris client, an idle kept-alive one); connections with a request in
+    progress are never closed for this. So clients dripping their headers, with or without the token, can
+    hold connections only until newer clients need them, and a client that sends its request at once is
+    served. When every connection has a request in progress, uvicorn answers the new one 503
+    (``limit_concurrency`` is ``max_connections + 1``)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class _DeadlineProtocol(H11Protocol):
+    class _GuardedProtocol(H11Protocol):
         _request_deadline: asyncio.TimerHandle | None = None
+        _cycle_then: Any = None  # the request cycle when it began waiting: a new one = a request began
+        _waiting_since = 0.0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._arm_request_deadline()
+            self._await_request()
+            while len(self.connections) > max_connections and self._close_longest_waiting():
+                pass
 
         def on_response_complete(self) -> None:
-            self._arm_request_deadline()  # before: a pipelined request may start inside
+            self._await_request()  # before: a pipelined request may start inside
             super().on_response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -588,17 +686,57 @@ def _protocol_class(request_timeout_s: float) -> type:
                 self._request_deadline = None
             super().connection_lost(exc)
 
-        def _arm_request_deadline(self) -> None:
+        def _await_request(self) -> None:
+            """From now on the connection waits for a request's headers: arm the deadline."""
+            self._cycle_then = self.cycle
+            self._waiting_since = self.loop.time()
             if self._request_deadline is not None:
                 self._request_deadline.cancel()
-            self._request_deadline = self.loop.call_later(request_timeout_s, self._on_deadline, self.cycle)
+            self._request_deadline = self.loop.call_later(request_timeout_s, self._on_deadline)
 
-        def _on_deadline(self, cycle_then: Any) -> None:
+        def _waiting(self) -> bool:
+            return self.cycle is self._cycle_then and not self.transport.is_closing()
+
+        def _on_deadline(self) -> None:
             self._request_deadline = None
-            if self.cycle is cycle_then and not self.transport.is_closing():  # no new request began
+            if self._waiting():  # no new request began
                 self.transport.close()
 
-    return _DeadlineProtocol
+        def _close_longest_waiting(self) -> bool:
+            """Close the other connection waiting longest for a request's headers; False if there is none."""
+            waiting = [
+                c
+                for c in self.connections
+                if c is not self and isinstance(c, _GuardedProtocol) and c._waiting()
+            ]
+            if not waiting:
+                return False
+            oldest = min(waiting, key=lambda c: c._waiting_since)
+            oldest.transport.close()
+            self.connections.discard(oldest)  # now, not when the loop reports it lost
+            return True
+
+    return _GuardedProtocol
+
+
+def _header_guard(app: Any, refuse: Callable[[int, str], Any]) -> Any:
+    """An ASGI app that answers 431 (``refuse(431, message)``) to a request with more than `_MAX_HEADERS`
+    header fields or `_MAX_HEADER_BYTES` of them, before `app` (and so before the token) sees it."""
+
+    async def guarded(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = scope.get("headers", ())
+        if scope.get("type") == "http" and (
+            len(headers) > _MAX_HEADERS or sum(len(k) + len(v) for k, v in headers) > _MAX_HEADER_BYTES
+        ):
+            message = (
+                f"request headers too large: {len(headers)} fields, at most {_MAX_HEADERS} fields and "
+                f"{_MAX_HEADER_BYTES} bytes are read"
+            )
+            await refuse(431, message)(scope, receive, send)
+            return
+        await app(scope, receive, send)
+
+    return guarded
 
 
 class _App:
@@ -611,6 +749,7 @@ class _App:
         token: str | None,
         max_body_bytes: int,
         max_batch_size: int,
+        max_json_values: int,
         max_concurrency: int,
         queue_timeout_s: float,
         read_timeout_s: float,
@@ -623,6 +762,7 @@ class _App:
         self.token = token.encode("utf-8") if token is not None else None
         self.max_body_bytes = max_body_bytes
         self.max_batch_size = max_batch_size
+        self.max_json_values = max_json_values
         self.max_concurrency = max_concurrency
         self.queue_timeout_s = queue_timeout_s
         self.read_timeout_s = read_timeout_s
@@ -649,7 +789,7 @@ class _App:
             return response
 
         app.add_route("/{path:path}", handle, methods=["GET", "POST"])
-        return app
+        return _header_guard(app, lambda status, message: self._error(status, message, True))
 
     @staticmethod
     def _answer(status: int, body: bytes, content_type: str, close: bool = False, **headers: str) -> Any:
@@ -747,9 +887,13 @@ class _App:
 
     def _score(self, body: bytes, content_type: str) -> Any:
         try:
-            batch = decode_request(body, content_type, self.max_batch_size)
+            batch = decode_request(
+                body, content_type, self.max_batch_size, max_json_values=self.max_json_values
+            )
         except BatchTooLarge as e:
             return self._error(422, str(e))
+        except JsonTooLarge as e:
+            return self._error(413, str(e))
         except Exception as e:
             return self._error(400, f"bad request: {type(e).__name__}: {e}")
         del body
@@ -801,6 +945,7 @@ class RewardServer:
         token_file: str | None = None,
         max_body_mb: float = 64.0,
         max_batch_size: int = 4096,
+        max_json_values: int = 1_000_000,
         max_concurrency: int = 8,
         max_connections: int = 256,
         queue_timeout_s: float = 30.0,
@@ -813,6 +958,7 @@ class RewardServer:
         for name, value, integer in (
             ("max_body_mb", max_body_mb, False),
             ("max_batch_size", max_batch_size, True),
+            ("max_json_values", max_json_values, True),
             ("max_concurrency", max_concurrency, True),
             ("max_connections", max_connections, True),
             ("queue_timeout_s", queue_timeout_s, False),
@@ -831,6 +977,7 @@ class RewardServer:
             token=token,
             max_body_bytes=int(max_body_mb * _MB),
             max_batch_size=int(max_batch_size),
+            max_json_values=int(max_json_values),
             max_concurrency=int(max_concurrency),
             queue_timeout_s=float(queue_timeout_s),
             read_timeout_s=float(read_timeout_s),
@@ -839,12 +986,13 @@ class RewardServer:
         _, uvicorn = _import_server_stack()
         self._config = uvicorn.Config(
             self._app.build(),
-            http=_protocol_class(float(read_timeout_s)),
+            http=_protocol_class(float(read_timeout_s), int(max_connections)),
             ws="none",
             lifespan="off",
             log_config=None,  # leave the process's logging alone
             access_log=False,  # requests are logged by the app itself (log_requests)
-            limit_concurrency=int(max_connections),
+            limit_concurrency=int(max_connections) + 1,  # reached only with every connection busy
+            h11_max_incomplete_event_size=_MAX_HEADER_BYTES,  # headers arriving in pieces
             backlog=2048,
             timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]
             timeout_graceful_shutdown=5,
@@ -945,7 +1093,7 @@ def serve_reward(
     ``server.shutdown()`` and ``server.server_close()``); else call ``server.serve_forever()``. Calls to the
     reward are serialized; each runs under ``torch.no_grad()``. `options` are the `RewardServer` limits
     and token: ``token_env`` / ``token_file``, ``max_body_mb`` (64), ``max_batch_size`` (4096),
-    ``max_concurrency`` (8), ``max_connections`` (256), ``queue_timeout_s`` (30), ``read_timeout_s`` (30),
+    ``max_json_values`` (1,000,000), ``max_concurrency`` (8), ``max_connections`` (256), ``queue_timeout_s`` (30), ``read_timeout_s`` (30),
     ``keep_alive_s`` (5); see the module docstring. A failing reward answers HTTP 500 with the error, a
     body that is not JSON or safetensors HTTP 415. A per-step reward is refused (ValueError).
     """
@@ -989,10 +1137,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-batch-size", type=int, default=4096, help="largest batch_size of a request (422; default 4096)"
     )
     limits.add_argument(
+        "--max-json-values",
+        type=int,
+        default=1_000_000,
+        help="most JSON values (numbers, strings, lists, objects) in a request, counted before parsing "
+        "(413; default 1000000)",
+    )
+    limits.add_argument(
         "--max-concurrency", type=int, default=8, help="requests read, decoded and scored at once (default 8)"
     )
     limits.add_argument(
-        "--max-connections", type=int, default=256, help="open connections before uvicorn answers 503 (256)"
+        "--max-connections",
+        type=int,
+        default=256,
+        help="open connections; past it the one waiting longest for its request's headers is closed (256)",
     )
     limits.add_argument(
         "--queue-timeout-s", type=float, default=30.0, help="longest wait for a free slot before 503 (30)"
@@ -1027,6 +1185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "token_file": args.token_file,
         "max_body_mb": args.max_body_mb,
         "max_batch_size": args.max_batch_size,
+        "max_json_values": args.max_json_values,
         "max_concurrency": args.max_concurrency,
         "max_connections": args.max_connections,
         "queue_timeout_s": args.queue_timeout_s,
