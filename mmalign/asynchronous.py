@@ -26,7 +26,8 @@ it): the run is the synchronous trainer's, sample for sample and update for upda
 update draws random numbers.
 
 Backends: ``process`` (`ProcessWorker`: a forked process on this machine; a sender thread feeds it jobs and
-weights, a receiver thread collects its results and scores them) and ``ray`` (`mmalign.ray_workers`: Ray
+weights, a receiver thread collects its results and scores them; it ends within about a second when its
+trainer is gone, killed included, `exit_with_parent`) and ``ray`` (`mmalign.ray_workers`: Ray
 actors, weights through the object store). A worker that dies or stops answering fails the step within about
 ``trainer.async.timeout_s`` (a dead process within a second) with `AsyncWorkerError`.
 """
@@ -34,8 +35,12 @@ actors, weights through the object store). A worker that dies or stops answering
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
+import os
 import queue
+import signal
+import sys
 import threading
 import time
 import traceback
@@ -196,11 +201,62 @@ def _recv(conn: Any) -> Any:
     return conn.recv()
 
 
-def _serve(worker: RolloutWorker, jobs: Any, results: Any) -> None:
+ORPHAN_POLL_S = 1.0
+"""How often a forked rollout worker checks that its trainer is still its parent (`exit_with_parent`)."""
+
+
+def _set_parent_death_signal() -> bool:
+    """Ask Linux to SIGKILL this process when the thread that forked it ends (``prctl(PR_SET_PDEATHSIG)``);
+    False where that is not available (not Linux, no libc symbol)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        return libc.prctl(pr_set_pdeathsig, ctypes.c_ulong(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int, interval_s: float) -> None:
+    while True:
+        time.sleep(interval_s)
+        if os.getppid() != parent_pid:  # reparented (to init or a subreaper): the trainer is gone
+            os._exit(1)  # nothing to flush: no one is left to read a result
+
+
+def exit_with_parent(parent_pid: int, interval_s: float = ORPHAN_POLL_S) -> None:
+    """Make this forked process end when its trainer `parent_pid` is gone, however the trainer ended (SIGKILL
+    and SIGTERM included), even in the middle of a job: on Linux the kernel SIGKILLs it when the trainer
+    thread that forked it ends (``PR_SET_PDEATHSIG``); everywhere a daemon thread checks every `interval_s`
+    seconds that `parent_pid` is still its parent and ends the process (``os._exit``) otherwise. Called in the
+    child right after the fork; ends it at once when the trainer died before."""
+    _set_parent_death_signal()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(
+        target=_watch_parent, args=(parent_pid, interval_s), daemon=True, name="mmalign-orphan-watch"
+    ).start()
+
+
+def _serve(
+    worker: RolloutWorker,
+    jobs: Any,
+    results: Any,
+    parent_pid: int | None = None,
+    parent_ends: Sequence[Any] = (),
+) -> None:
     """The worker process: weights and jobs in order from `jobs`, results (or the traceback) to `results`.
 
-    It runs torch with one intra-op thread: OpenMP's thread pool does not survive ``fork``, and a forked process
-    that enters a parallel region its parent already used waits forever (one thread keeps torch out of OpenMP)."""
+    It ends with its trainer `parent_pid` (`exit_with_parent`), and closes its copies of the trainer's ends of
+    the pipes (`parent_ends`), so that `jobs` reads EOF once no trainer holds them. It runs torch with one
+    intra-op thread: OpenMP's thread pool does not survive ``fork``, and a forked process that enters a
+    parallel region its parent already used waits forever (one thread keeps torch out of OpenMP)."""
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
+    for conn in parent_ends:
+        with contextlib.suppress(OSError):
+            conn.close()
     torch.set_num_threads(1)
     free_since = time.perf_counter()
     while True:
@@ -243,7 +299,7 @@ class ProcessWorker:
         worker = RolloutWorker(policy, version, index, reward_set)
         self.process = ctx.Process(
             target=_serve,
-            args=(worker, self._jobs_r, self._res_w),
+            args=(worker, self._jobs_r, self._res_w, os.getpid(), (self._jobs_w, self._res_r)),
             daemon=True,
             name=f"mmalign-rollout-{index}",
         )
