@@ -1867,6 +1867,9 @@ def hapo(
     return torch.where(blown[gid], base, adv)
 
 
+ADORA_RULES = ("release", "early")
+
+
 @register("adora")
 def adora(
     rewards: Tensor,
@@ -1874,27 +1877,45 @@ def adora(
     *,
     num_actions: Tensor | None = None,
     weights: Weights = None,
+    rule: str = "release",
     threshold: float = 0.5,
     weight: float = 0.1,
+    max_length_threshold: float = 3900.0,
     eps: float = 1e-6,
 ) -> Tensor:
     """ADORA: GRPO advantages of a group scaled down when its correct answers are not longer than its wrong ones.
 
-    "ADORA: Training Reasoning Models with Dynamic Advantage Estimation on Reinforcement Learning"; facts
-    from the authors' verl code (``compute_grpo_outcome_advantage_length_weight``: lamda 0.1, eps 1e-6).
-    A group is "temporarily advantageous" when the longest of its high-reward answers (r > ``threshold``)
-    is longer than the mean length of its other answers (l = ``num_actions``, which the trainer passes),
-    or when it has no high-reward answer; otherwise its samples' ``grpo`` advantages
-    ((r - mean) / (unbiased std + eps)) are multiplied by ``weight``. Longer successful reasoning keeps
-    full weight, so training steers toward long chains of thought. (our design): ``threshold`` 0.5 for
-    0/1 rewards (the authors use 1.0 on Logic-RL's reward scale, where a correct answer scores above 1);
-    a group without any other answer counts as not advantageous (their mean length is +inf then). NaN
-    rewards stay out of both sets.
+    "ADORA: Training Reasoning Models with Dynamic Advantage Estimation on Reinforcement Learning". Every
+    sample starts from its ``grpo`` advantage ((r - mean) / (unbiased std + eps)); a group that is not
+    "temporarily advantageous" has them multiplied by ``weight`` (lamda 0.1). H: the valid samples with
+    r > ``threshold`` (correct), L: the other valid ones, l = ``num_actions`` (the trainer passes it).
+
+    - ``rule="release"`` (default; the authors' release ShadeCloak/ADORA c518485, README and ADORA.sh,
+      ``compute_grpo_outcome_advantage_ADORA``): wrong answers with l >= ``max_length_threshold`` (3900, the
+      script's value) are left out of L; a group is advantageous when H is not empty and either L is empty
+      or max_H l > mean_L l. So a group with no correct answer is scaled by ``weight`` and an all-correct
+      group keeps full weight.
+    - ``rule="early"`` (the authors' first function, commit 8f046a3,
+      ``compute_grpo_outcome_advantage_length_weight``): no length cut (``max_length_threshold`` is not
+      used); advantageous when H is empty or max_H l > mean_L l, with the mean over an empty L = +inf.
+
+    Longer successful reasoning keeps full weight, so training steers toward long chains of thought.
+    (our design): ``threshold`` 0.5 for 0/1 rewards (the authors use 1.01 / 1.0 on Logic-RL's reward scale,
+    where a correct answer scores above it). NaN rewards stay out of H and L.
     """
+    if rule not in ADORA_RULES:
+        raise ValueError(
+            f"adora: rule must be one of {', '.join(map(repr, ADORA_RULES))} "
+            f"(algorithm.estimator_kwargs.rule), got {rule!r}"
+        )
     if not (math.isfinite(weight) and weight >= 0):
         raise ValueError(f"adora: weight must be a finite number >= 0, got {weight!r}")
     if not math.isfinite(threshold):
         raise ValueError(f"adora: threshold must be finite, got {threshold!r}")
+    if not max_length_threshold > 0:
+        raise ValueError(
+            f"adora: max_length_threshold must be > 0 (inf keeps every wrong answer), got {max_length_threshold!r}"
+        )
     eps = _check_eps("adora", eps)
     if num_actions is None:
         raise ValueError(
@@ -1905,18 +1926,20 @@ def adora(
     length = _num_actions("adora", num_actions, r)
     high = valid & (r > threshold)
     low = valid & ~high
+    if rule == "release":
+        low = low & (length < max_length_threshold)
     neg_inf = torch.full((n_groups,), -math.inf, dtype=r.dtype, device=r.device)
     max_high = neg_inf.scatter_reduce(
         0, gid, torch.where(high, length, torch.full_like(r, -math.inf)), "amax"
     )
     n_high = _seg_sum(high.to(r.dtype), gid, n_groups)
     n_low = _seg_sum(low.to(r.dtype), gid, n_groups)
-    mean_low = torch.where(
-        n_low > 0,
-        _seg_sum(torch.where(low, length, torch.zeros_like(r)), gid, n_groups) / n_low.clamp(min=1),
-        torch.full_like(n_low, math.inf),
-    )
-    advantageous = (n_high == 0) | (max_high > mean_low)
+    sum_low = _seg_sum(torch.where(low, length, torch.zeros_like(r)), gid, n_groups)
+    mean_low = sum_low / n_low.clamp(min=1)
+    if rule == "release":
+        advantageous = (n_high > 0) & ((n_low == 0) | (max_high > mean_low))
+    else:
+        advantageous = (n_high == 0) | ((n_low > 0) & (max_high > mean_low))
     scale = torch.where(advantageous, torch.ones_like(mean_low), torch.full_like(mean_low, float(weight)))
     return base * scale[gid]
 

@@ -188,6 +188,12 @@ class RewardConfig:
     reward's own `timeout_s` truly bounds an HTTP call (null: no limit)."""
 
 
+GUARD_ADV_CLIP = 5.0
+"""The advantage clamp of a run with GRPO-Guard's RatioNorm (``options.guard_ratio_norm``) whose
+``algorithm.adv_clip`` is null: verl-omni's ``GRPOGuardLoss`` clamps advantages to +-``adv_clip_max`` (5 by
+default); `mmalign.trainer.GroupTrainer` applies it and logs a line saying so."""
+
+
 @dataclass
 class AlgorithmConfig:
     estimator: str = "grpo"
@@ -214,7 +220,8 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"
     """KL estimator for the penalty (k1, k2, k3)."""
     adv_clip: float | None = None
-    """Clamp advantages to [-adv_clip, adv_clip] (null: no clamp)."""
+    """Clamp advantages to [-adv_clip, adv_clip] (null: no clamp, except with GRPO-Guard's
+    ``options.guard_ratio_norm``, where null clamps at 5, verl-omni's ``adv_clip_max``)."""
     filter: str = "none"
     """Group filter applied before the update (`mmalign.filters`; `none`: keep every group)."""
     filter_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -876,8 +883,8 @@ def load_config(
 
 def check_names(cfg: Config) -> None:
     """The registry names of the ``algorithm`` section (estimator, loss, loss aggregation, KL estimator,
-    filter) and the prompt sampler (``data.sampler``) are registered: a `ConfigError` naming the key, with
-    close matches, otherwise.
+    filter) and the prompt sampler (``data.sampler``) are registered, and ``adora``'s ``rule`` is one it
+    knows: a `ConfigError` naming the key, with close matches, otherwise.
 
     The one check of these names: the command line's validation pass (`mmalign.app.preflight.validate`)
     makes it before any model is built, `mmalign.trainer.GroupTrainer` for a config built in code."""
@@ -913,6 +920,14 @@ def check_names(cfg: Config) -> None:
             f"{cfg.source}: key 'algorithm.eval_ema': an evaluation EMA belongs to a forward-process objective "
             "(algorithm.objective: diffusion_nft or awm)"
         )
+    if a.estimator == "adora":  # the release's rule is the default; a misspelt one fails here, not at step 1
+        rule = a.estimator_kwargs.get("rule", "release")
+        if rule not in advantages.ADORA_RULES:
+            raise ConfigError(
+                f"{cfg.source}: key 'algorithm.estimator_kwargs.rule': adora's rule must be one of "
+                f"{', '.join(map(repr, advantages.ADORA_RULES))} (release: the authors' released recipe), "
+                f"got {rule!r}"
+            )
     for key, get, name in (
         ("algorithm.estimator", advantages.get, a.estimator),
         ("algorithm.loss", losses.get, a.loss),

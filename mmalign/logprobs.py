@@ -14,7 +14,8 @@ policies' scorer is `mmalign.policies.token_scoring`.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 __all__ = [
     "ChunkedLogprobError",
     "LinearTokenLogprobs",
+    "agreement_tolerance",
     "auto_chunk_tokens",
     "autocast_dtype",
     "check_agreement",
@@ -31,6 +33,7 @@ __all__ = [
     "decoder_of",
     "final_hidden_states",
     "fusable_head",
+    "head_output_dtypes",
     "output_head",
     "selective_log_softmax",
     "token_entropy",
@@ -379,22 +382,59 @@ def chunked_token_logprobs(
     return logp, entropy
 
 
+HALF_PRECISION_TOLERANCE = 5e-2
+"""Nats the chunked and full log-probs may differ by when either path computes in half precision."""
+
+FP32_TOLERANCE = 1e-3
+"""The same when both compute in fp32 (or wider)."""
+
+
+def agreement_tolerance(compute_dtype: torch.dtype) -> float:
+    """`check_agreement`'s limit for a model that computes in `compute_dtype`: `FP32_TOLERANCE` for fp32 and
+    wider, `HALF_PRECISION_TOLERANCE` for bf16 / fp16 (their matmuls keep about 3 significant digits, and the
+    two paths round differently: the chunked head computes in fp32 outside the model's forward, the full
+    path's head inside it, in autocast's dtype)."""
+    return FP32_TOLERANCE if torch.finfo(compute_dtype).bits >= 32 else HALF_PRECISION_TOLERANCE
+
+
+@contextmanager
+def head_output_dtypes(model: torch.nn.Module) -> Iterator[list[torch.dtype]]:
+    """Inside the block, the dtypes of the outputs of the model's output head (`output_head`), in call order:
+    the dtype the full-logits path computes its logits in. It is the model's dtype, or autocast's where the
+    forward runs under it: ``trainer.mixed_precision: bf16`` (accelerate wraps the model's forward in
+    autocast) gives bf16 logits from an fp32 model."""
+    seen: list[torch.dtype] = []
+
+    def record(_module: torch.nn.Module, _args: Any, out: Any) -> None:
+        if isinstance(out, Tensor):
+            seen.append(out.dtype)
+
+    handle = output_head(model).register_forward_hook(record)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
 def check_agreement(
-    chunked: Tensor, full: Tensor, mask: Tensor, *, what: str, model_dtype: torch.dtype
+    chunked: Tensor, full: Tensor, mask: Tensor, *, what: str, compute_dtype: torch.dtype
 ) -> None:
     """Raise `ChunkedLogprobError` unless the chunked log-probs match the full-logits ones where `mask` is
-    set (tolerance: 1e-3 nats for fp32 models, 5e-2 for half-precision ones, whose matmuls round
-    differently when the head sees fewer rows)."""
+    set, within `agreement_tolerance` of `compute_dtype`: the lowest precision the model computes in (its
+    dtype, or autocast's under mixed precision: see `head_output_dtypes`), not just its weights' dtype."""
     m = mask.to(chunked.device)
     if not bool(m.any()):
         return
     diff = (chunked - full.to(chunked.device)).abs()[m].max().item()
-    tol = 1e-3 if model_dtype == torch.float32 else 5e-2
+    tol = agreement_tolerance(compute_dtype)
     if not diff <= tol:
+        name = str(compute_dtype).removeprefix("torch.")
         raise ChunkedLogprobError(
-            f"{what}: chunked log-probs differ from the full-logits path by {diff:.3g} nats (> {tol}); the "
-            f"model's output head does more than get_output_embeddings()(hidden_states[-1]) (logit "
-            f"soft-capping or scaling?). Set model.logprob_chunk_size: null to use the full-logits path."
+            f"{what}: chunked log-probs differ from the full-logits path by {diff:.3g} nats, more than "
+            f"rounding explains for a model computing in {name} (limit {tol}); the model's forward likely "
+            f"changes the logits after get_output_embeddings()(hidden_states[-1]) (logit soft-capping or "
+            f"scaling), which the chunked path does not see. Set model.logprob_chunk_size: null to use the "
+            f"full-logits path."
         )
 
 

@@ -233,20 +233,23 @@ def gspo(
     ratios sit much closer to 1 than token-level ones).
 
     With per-sample advantages (Float[B]) this is GSPO exactly. With per-token advantages
-    (Float[B, T]) it is GSPO-token: s_{i,t} = sg(s_i) * exp(lr_t - sg(lr_t)) has the value s_i but
-    sends each action's gradient with its own advantage; for advantages constant within a sample
-    both forms give the same loss and gradient under every aggregation mode here.
+    (Float[B, T]) it is GSPO-token: s_{i,t} = exp(clamp(sg(log s_i) + logp_t - sg(logp_t), -20, 20))
+    has the value s_i but sends each action's gradient with its own advantage (as verl's
+    ``compute_policy_loss_gspo``). The clamp acts on that whole exponent, whose value is the mean
+    log-ratio, so in both forms a sample whose mean log-ratio lies outside [-20, 20] gets zero
+    gradient. For advantages constant within a sample both forms give the same loss and gradient
+    under every aggregation mode here.
     """
     _check_clip("gspo", eps_low, eps_high)
     per_sample_adv = advantages.dim() == 1
     mask, adv, log_ratio = _prepare(logp, logp_old, advantages, mask)
     n = mask.sum(dim=1).to(logp.dtype)
-    seq_log_ratio = log_ratio.sum(dim=1) / n.clamp(min=1)
-    s = _exp_clamped(seq_log_ratio)[:, None]
+    seq_log_ratio = log_ratio.sum(dim=1, keepdim=True) / n.clamp(min=1)[:, None]
     if per_sample_adv:
-        ratio = s.expand_as(logp)
+        ratio = _exp_clamped(seq_log_ratio).expand_as(logp)
     else:
-        ratio = s.detach() * torch.exp(log_ratio - log_ratio.detach())
+        safe_logp = torch.where(mask, logp, torch.zeros_like(logp))  # padding may be -inf or NaN
+        ratio = _exp_clamped(seq_log_ratio.detach() + (safe_logp - safe_logp.detach()))
     per_token, clipped = _clipped_surrogate(ratio, adv, mask, eps_low, eps_high)
     return PolicyLossOutput(per_token=per_token, clipped=clipped, ratio=ratio)
 

@@ -150,7 +150,9 @@ class SamplerSettings:
     """GRPO-Guard's RatioNorm (flow sde kinds): score each trained step as mean(mu_theta * eps) with eps the
     stored standardised step noise, so the policy loss sees the log-ratio mean((mu_theta - mu_old) * eps) =
     (log-ratio + ||mu_theta - mu_old||^2 / (2 std^2)) * std: centred and on one scale across steps
-    (docs/algorithms.md, "GRPO-Guard"). The clip range then bounds that normalised ratio."""
+    (docs/algorithms.md, "GRPO-Guard"). The clip range then bounds that normalised ratio. As verl-omni's
+    GRPO-Guard loss (``adv_clip_max`` 5), the advantages are then clamped to [-5, 5] when ``algorithm.adv_clip``
+    is null (the trainer logs a line saying so; set ``algorithm.adv_clip`` for another bound)."""
     guard_grad_reweight: bool = False
     """GRPO-Guard's gradient reweighting (flow sde kinds): the policy loss of each trained step times
     1 / (sigma - sigma'), the step's 1 / |dt|, so every step pulls with a similar gradient magnitude."""

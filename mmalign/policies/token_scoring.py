@@ -26,6 +26,7 @@ from mmalign.logprobs import (
     chunked_token_logprobs,
     final_hidden_states,
     fusable_head,
+    head_output_dtypes,
     output_head,
     selective_log_softmax,
     token_entropy,
@@ -404,13 +405,16 @@ class TokenScorer:
     ) -> None:
         """Once: the chunked log-probs of the first sample equal the full-logits ones, or a clear error."""
         first = rollout[[0]]
-        with torch.no_grad():
+        with torch.no_grad(), head_output_dtypes(base_model) as head_dtypes:
             full = self.logprobs(model, first, opts, base_model=base_model, grad=False, chunked=False)
+        # the tolerance follows the lowest precision computed in: the weights' dtype, or autocast's (mixed
+        # precision), which the head's output shows
+        dtypes = [next(base_model.parameters()).dtype, *head_dtypes]
         check_agreement(
             logp[:1].detach(),
             full,
             first.mask,
             what=f"{self.label} ({type(base_model).__name__})",
-            model_dtype=next(base_model.parameters()).dtype,
+            compute_dtype=min(dtypes, key=lambda d: torch.finfo(d).bits),
         )
         self.chunking_checked = True

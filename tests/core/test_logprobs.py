@@ -1,6 +1,7 @@
 """Chunked log-probs (`mmalign.logprobs`): the same numbers and gradients as the full-logits path, on the
 fused linear-head path and the checkpointed one, at most one chunk of logits at a time, the chunk sized
-from a memory budget (``auto``), and a clear error for a model whose head the chunked path cannot see."""
+from a memory budget (``auto``), and a clear error for a model whose head the chunked path cannot see, with a
+tolerance that follows the precision the model computes in (``trainer.mixed_precision: bf16`` trains)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from mmalign.logprobs import (
     CHECKPOINT_BYTES_PER_LOGIT,
     FUSED_BYTES_PER_LOGIT,
     ChunkedLogprobError,
+    agreement_tolerance,
     auto_chunk_tokens,
+    check_agreement,
     chunked_token_logprobs,
     fusable_head,
+    head_output_dtypes,
 )
 from mmalign.policies.text import TextPolicy
 from mmalign.policies.token_scoring import DEFAULT_LOGPROB_MEMORY_MB, ScoringOptions, chunk_tokens
@@ -446,3 +450,102 @@ def test_text_policy_rejects_bad_chunk_settings(random_text_model_dir: Path) -> 
     for bad in ({"logprob_chunk_size": 0}, {"logprob_chunk_size": "big"}, {"logprob_memory_mb": -1}):
         with pytest.raises(ValueError, match="logprob_"):
             TextPolicy.from_pretrained(str(random_text_model_dir), **bad)
+
+
+# ----------------------------------------------------------------------------- the agreement check's precision
+
+
+def test_agreement_tolerance_follows_the_compute_dtype() -> None:
+    assert agreement_tolerance(torch.float32) == 1e-3 and agreement_tolerance(torch.float64) == 1e-3
+    assert agreement_tolerance(torch.bfloat16) == 5e-2 and agreement_tolerance(torch.float16) == 5e-2
+    full = torch.zeros(1, 3)
+    chunked = torch.tensor([[0.0114, 0.0, 0.0]])  # the gap of a bf16-autocast full path, as measured below
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    check_agreement(chunked, full, mask, what="m", compute_dtype=torch.bfloat16)  # within bf16 rounding
+    with pytest.raises(ChunkedLogprobError) as err:
+        check_agreement(chunked, full, mask, what="m", compute_dtype=torch.float32)
+    message = str(err.value)
+    assert "0.0114 nats" in message and "computing in float32 (limit 0.001)" in message
+    assert "model.logprob_chunk_size: null" in message
+
+
+def test_head_output_dtypes_sees_autocast(random_text_model_dir: Path) -> None:
+    """An fp32 model under bf16 autocast (what accelerate's mixed precision wraps the forward in) computes its
+    logits in bf16: the dtype the agreement check must allow for, not the weights' fp32."""
+    pol = TextPolicy.from_pretrained(str(random_text_model_dir), max_new_tokens=4)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad(), head_output_dtypes(pol.model) as plain:
+        pol.model(input_ids=ids)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), head_output_dtypes(pol.model) as mixed:
+        pol.model(input_ids=ids)
+    assert plain == [torch.float32] and mixed == [torch.bfloat16]
+    assert not pol.model.lm_head._forward_hooks  # the hook is gone after the block
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state, whose mixed precision cannot change once set: reset it before
+    and after (as accelerate's own ``AccelerateTestCase``), so that this test's bf16 and the other tests'
+    "no" do not clash whatever the order."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    def reset() -> None:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+    reset()
+    yield
+    reset()
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_bf16_mixed_precision_trains_with_chunked_logprobs(
+    random_text_model_dir: Path, tmp_path: Path
+) -> None:
+    """``trainer.mixed_precision: bf16`` on CPU, chunked log-probs (the default ``auto``): two steps train.
+
+    The check compares the chunked path (fp32 head, outside the autocast region) with the full path (the
+    head inside the model's autocast forward: bf16 logits). The random model's logits are ~0.1, where bf16
+    rounds below 1e-3 nats; with its output head scaled x20 they are a few units, as a trained model's, and
+    the first sample's gap is ~1e-2 nats: above the fp32 limit (1e-3) the check used to apply to any fp32
+    model, within the bf16 one (5e-2)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mmalign.trainer import GroupTrainer
+
+    model_dir = tmp_path / "model"
+    model = AutoModelForCausalLM.from_pretrained(random_text_model_dir)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    model.save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(random_text_model_dir).save_pretrained(model_dir)
+    repo = Path(__file__).resolve().parents[2]
+    cfg = config_from_dict(
+        {
+            "pipeline": "text_reasoning",
+            "output_dir": str(tmp_path / "run"),
+            "seed": 0,
+            "model": {"name_or_path": str(model_dir)},
+            "data": {
+                "train": str(repo / "assets" / "text_reasoning" / "train.jsonl"),
+                "prompt_template": "Q: {question} = ?\nA:",
+            },
+            "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8},
+            "rewards": [{"name": "format", "kwargs": {"tags": ["answer"]}}],
+            "trainer": {
+                "steps": 2,
+                "lr": 1e-4,
+                "cpu": True,
+                "mixed_precision": "bf16",
+                "progress_bar": False,
+                "save_every": 100,
+            },
+        },
+        "test",
+    )
+    import pipelines
+
+    trainer = GroupTrainer(cfg, pipelines.get(cfg.pipeline)(cfg))
+    history = trainer.train()
+    assert [m["step"] for m in history] == [1, 2]
+    assert trainer.policy.scorer.chunking_checked  # the chunked path ran and passed its check

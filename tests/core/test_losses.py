@@ -63,13 +63,16 @@ def ref_dual_clip(logp, old, adv, mask, c, eps_low=0.2, eps_high=0.2, c_dual=3.0
 def ref_gspo(logp, old, adv, mask, c, eps_low=3e-4, eps_high=4e-4):
     """s_i = exp(mean of valid log-ratios). Per-sample advantages: ds_i/dlogp_t = s_i / n_i, so every
     unclipped token's -A c feeds every token of the row. Per-token advantages (GSPO-token,
-    s_it = sg(s_i) exp(lr_t - sg(lr_t))): ds_it/dlogp_t = s_i and ds_it'/dlogp_t = 0 for t' != t."""
+    s_it = sg(s_i) pi_t / sg(pi_t)): ds_it/dlogp_t = s_i and ds_it'/dlogp_t = 0 for t' != t.
+    Both forms: a row whose mean log-ratio lies outside the clamp band [-20, 20] has s_i = exp(+-20)
+    and no gradient (the clamp's derivative is 0 there)."""
     B, T = len(logp), len(logp[0])
     loss, clipped, ratio, grad = empty(B, T, 0.0), empty(B, T, False), empty(B, T, 1.0), empty(B, T, 0.0)
     for b in range(B):
         valid = [t for t in range(T) if mask[b][t]]
         mean_lr = sum(logp[b][t] - old[b][t] for t in valid) / len(valid) if valid else 0.0
         s = math.exp(clamp(mean_lr, -20, 20))
+        ds = s if -20 <= mean_lr <= 20 else 0.0  # d exp(clamp(x))/dx
         for t in range(T):
             ratio[b][t] = s
         row_grad = 0.0  # d(sum_t c_t loss_t)/d s
@@ -81,9 +84,9 @@ def ref_gspo(logp, old, adv, mask, c, eps_low=3e-4, eps_high=4e-4):
                 row_grad += c[b][t] * (-a)
         for t in valid:
             if isinstance(adv[b], list):  # GSPO-token
-                grad[b][t] = 0.0 if clipped[b][t] else c[b][t] * (-adv[b][t]) * s
+                grad[b][t] = 0.0 if clipped[b][t] else c[b][t] * (-adv[b][t]) * ds
             else:
-                grad[b][t] = row_grad * s / len(valid)
+                grad[b][t] = row_grad * ds / len(valid)
     return loss, clipped, ratio, grad
 
 
@@ -229,11 +232,65 @@ def test_loss_gradient_matches_finite_differences(name, per_token_adv):
         torch.testing.assert_close(grad, torch.tensor(fd, dtype=torch.float64), rtol=1e-5, atol=1e-6)
 
 
+def push_out_of_band(rng: random.Random, logp, old, mask):
+    """Shift logp_old of random rows by +-25 or +-60 so their mean log-ratio leaves the clamp band [-20, 20]
+    (a stale or corrupted logp_old), keeping other rows in the band."""
+    old = [row[:] for row in old]
+    for b in range(len(logp)):
+        if any(mask[b]) and rng.random() < 0.5:
+            shift = rng.choice([25.0, -25.0, 60.0, -60.0])
+            old[b] = [x + shift for x in old[b]]
+    return old
+
+
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_gspo_matches_reference_outside_the_clamp_band(per_token_adv):
+    """Rows with a mean log-ratio beyond +-20: value exp(+-20), zero gradient, in both advantage forms."""
+    rng = random.Random(17 + per_token_adv)
+    seen_out = 0
+    for _ in range(25):
+        logp, old, adv, mask, c = random_inputs(rng, per_token_adv)
+        old = push_out_of_band(rng, logp, old, mask)
+        seen_out += sum(
+            abs(sum(logp[b][t] - old[b][t] for t in range(len(mask[b])) if mask[b][t])) > 20 * sum(mask[b])
+            for b in range(len(logp))
+        )
+        for opts, ref_opts in OPTION_SETS["gspo"]:
+            got, grad = run_loss("gspo", logp, old, adv, mask, c, **opts)
+            assert_matches("gspo", got, grad, ref_gspo(logp, old, adv, mask, c, **ref_opts))
+    assert seen_out > 5  # the band edge really was crossed
+
+
+def test_gspo_gradient_is_zero_outside_the_clamp_band_hand_worked():
+    """One row, 4 tokens, logp_old = 0, logp = 25, A = -1, seq_mean_token_mean (issue 33 item 11).
+
+    Mean log-ratio 25 > 20, so s = exp(20) = 485165195.4. A = -1: -min(-s, -(1 + 4e-4)) = s per token
+    (the unclipped term wins), row mean s, one row: loss = 4.8517e8. The clamp is active, so the
+    gradient is 0 for every token, with Float[B] and with the same constant as Float[B, T] advantages.
+    Just inside the band (logp = 19): loss exp(19) and gradient -A * s / n = exp(19) / 4 per token.
+    """
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    for value, want_loss, want_grad in ((25.0, math.exp(20), 0.0), (19.0, math.exp(19), math.exp(19) / 4)):
+        for adv in (torch.tensor([-1.0]), torch.full((1, 4), -1.0)):
+            lp = torch.full((1, 4), value, dtype=torch.float64, requires_grad=True)
+            out = L.gspo(lp, old, adv.to(torch.float64), mask)
+            loss = L.aggregate(out.per_token, mask, "seq_mean_token_mean")
+            assert loss.item() == pytest.approx(want_loss, rel=1e-12), (value, adv.shape)
+            (g,) = torch.autograd.grad(loss, lp)
+            torch.testing.assert_close(
+                g, torch.full((1, 4), want_grad, dtype=torch.float64), rtol=1e-12, atol=0
+            )
+
+
 def test_gspo_token_matches_gspo_for_constant_advantages():
-    """GSPO-token (per-token advantages) and GSPO agree (loss and gradient) when A is constant per sample."""
+    """GSPO-token (per-token advantages) and GSPO agree (loss and gradient) when A is constant per sample,
+    also for rows whose mean log-ratio lies outside the clamp band."""
     rng = random.Random(5)
-    for _ in range(5):
+    for i in range(10):
         logp, old, adv, mask, _c = random_inputs(rng, per_token_adv=False)
+        if i % 2:
+            old = push_out_of_band(rng, logp, old, mask)
         T = len(logp[0])
         for mode in sorted(ALL_AGGREGATIONS):
             results = []
