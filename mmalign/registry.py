@@ -13,7 +13,9 @@ import difflib
 import functools
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from mmalign.errors import MmalignError
@@ -132,26 +134,67 @@ def _entry_point_label(ep: EntryPoint, group: str) -> str:
     return f"entry point {ep.name!r} = {ep.value!r} (group {group}, {_dist_label(ep)})"
 
 
+def refused_module(module_name: str) -> str | None:
+    """Why a config may not name `module_name` in a ``module:attr`` reference, or None: a standard-library
+    module or a builtin (``os``, ``subprocess``, ``builtins``, ``this``; `sys.stdlib_module_names`) and
+    ``__main__`` are never a reward, pipeline, environment or model, and naming one only runs its code."""
+    top = module_name.split(".")[0]
+    if top == "__main__":
+        return "'__main__' is the running program, not a plugin module"
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        return f"{top!r} is a Python standard-library module, not a plugin"
+    return None
+
+
+def _not_found_hint(module_name: str) -> str:
+    """A hint for a module that does not import but lies as a file in the working directory."""
+    top = module_name.split(".")[0]
+    here = [p for p in (Path(f"{top}.py"), Path(top) / "__init__.py") if p.is_file()]
+    if not here:
+        return ""
+    return (
+        f" ({here[0]} is in the working directory, which mmalign does not import from: install it as a package "
+        "or put its folder on PYTHONPATH, if you trust it)"
+    )
+
+
 def import_path(spec: str, what: str, form: str = "package.module:Name") -> Any:
     """The object an explicit ``"package.module:attr"`` path names (``attr`` may be dotted: ``Class.method``).
 
+    Importing the module runs its code: a config that names one is code (train only configs you trust).
     Errors name `what` (``"reward"``, ``"geometry model"``, ...) and `spec`: a ValueError when `spec` is not
-    of the shape `form`, an ImportError when the module cannot be imported (whatever importing it raised,
-    chained), an AttributeError when the module lacks the attribute."""
+    of the shape `form`, names a standard-library module or builtin (`refused_module`, checked before
+    anything is imported) or a dunder attribute, or resolves to a standard-library function or class through
+    another module (``pkg:os.system``); an ImportError when the module cannot be imported (whatever importing
+    it raised, chained); an AttributeError when the module lacks the attribute."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{what} {spec!r}: expected {form!r}")
+    refused = refused_module(module_name)
+    if refused is not None:
+        raise ValueError(f"{what} {spec!r}: {refused}; expected {form!r} of an installed package")
+    if any(part.startswith("__") for part in attr.split(".")):
+        raise ValueError(f"{what} {spec!r}: a dunder attribute cannot be named; expected {form!r}")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
+        hint = _not_found_hint(module_name) if isinstance(e, ModuleNotFoundError) else ""
         raise ImportError(
-            f"{what} {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
+            f"{what} {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}{hint}"
         ) from e
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise AttributeError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    origin = getattr(obj, "__module__", None) if inspect.isroutine(obj) or isinstance(obj, type) else None
+    if inspect.ismodule(obj):
+        origin = obj.__name__
+    refused = refused_module(origin) if isinstance(origin, str) else None
+    if refused is not None:
+        raise ValueError(
+            f"{what} {spec!r} resolves to {origin}.{getattr(obj, '__qualname__', '')}: {refused}"
+        )
     return obj
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from mmalign.config import Config
-from mmalign.data import DataError, add_prompts, load_rows
+from mmalign.data import DataError, add_prompts, line_too_long, load_rows, read_lines
 from mmalign.policies.vlm import VLMPolicy
 from mmalign.rollout_loops import Environment, loop_from_config
 from mmalign.tiny import ensure_model
@@ -87,7 +87,10 @@ class VLMOptions:
     freeze_vision: bool = False
     """Keep the vision tower fixed (full fine-tuning; under LoRA it has no adapters anyway)."""
     on_bad_row: Literal["error", "skip"] = "error"
-    """A malformed row or missing image file: stop with an error naming file:line, or skip it (counted, logged)."""
+    """A malformed row, a missing image file or one that does not decode (truncated, corrupt): stop with an
+    error naming file:line, or skip the row (each logged, then counted). ``error``: the validation pass decodes
+    the images for up to 20 s before any model loads; ``skip``: every image is decoded once when the data is
+    loaded, to find the bad ones."""
 
 
 def vlm_options(cfg: Config) -> VLMOptions:
@@ -135,6 +138,48 @@ def resolve_row(row: dict[str, Any], root: Path) -> dict[str, Any]:
     return out
 
 
+IMAGE_COLUMNS = ("images", "image", "video")
+"""Row columns that may hold image files (a path or a list of paths; ``video``: its frames, or a video file)."""
+
+
+def image_files(
+    row: dict[str, Any], root: Path | None = None, columns: Sequence[str] = IMAGE_COLUMNS
+) -> list[str]:
+    """The image files `row` names in `columns` that exist (relative paths against `root`, default: the working
+    directory), each once: paths ending in one of `mmalign.media.IMAGE_SUFFIXES`. Images in memory, other files
+    (a video, a ``.npz`` frame), folders and missing files (the loader's error) are left out."""
+    from mmalign.media import IMAGE_SUFFIXES
+
+    out: list[str] = []
+    for key in columns:
+        value = row.get(key)
+        for p in value if isinstance(value, list) else [value]:
+            if not isinstance(p, str) or Path(p).suffix.lower() not in IMAGE_SUFFIXES:
+                continue
+            full = Path(p) if Path(p).is_absolute() or root is None else root / p
+            if full.is_file() and str(full) not in out:
+                out.append(str(full))
+    return out
+
+
+def image_problem(path: str | Path) -> str | None:
+    """Why the image file at `path` cannot be decoded (PIL's ``Image.open`` and ``load``: a truncated or corrupt
+    file, not an image), as ``"ErrorType: message"``; None when it decodes."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.load()
+    except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def bad_image_message(where: str, path: str, problem: str) -> str:
+    """The message of a row whose image does not decode: the row's file:line, the image, what PIL said."""
+    return f"{where}: image {path} cannot be decoded ({problem}); replace the file or remove the row"
+
+
 def resolve_path_columns(
     row: dict[str, Any], root: Path, columns: Sequence[str], required: str, what: str
 ) -> dict[str, Any]:
@@ -176,7 +221,8 @@ def load_resolved_rows(
     """Rows of `source` passed through ``resolve(row, root)`` (which resolves a row's file paths against `root`,
     default: the JSONL file's folder, the working directory for ``hf:`` sources, and raises `DataError` for a
     bad row). ``on_bad_row == "error"``: the first bad row raises; ``"skip"``: bad rows (unparsable lines
-    included) are skipped, each logged, with a count at the end. No usable row left is a DataError."""
+    included, and rows whose image files do not decode: `image_problem` on each of `image_files`) are skipped,
+    each logged, with a count at the end. No usable row left is a DataError."""
     if root:
         base = Path(root)
     else:
@@ -190,7 +236,15 @@ def load_resolved_rows(
     out, skipped = [], int(getattr(rows, "skipped", 0))
     for row in rows:
         try:
-            out.append(resolve(row, base))
+            resolved = resolve(row, base)
+            if (
+                on_bad_row == "skip"
+            ):  # find the images that do not decode (the validation pass does, for "error")
+                for path in image_files(resolved):
+                    problem = image_problem(path)
+                    if problem is not None:
+                        raise DataError(bad_image_message(str(row.get("_source", "?")), path, problem))
+            out.append(resolved)
         except DataError as e:
             if on_bad_row == "error":
                 raise
@@ -210,26 +264,29 @@ class _Rows(list):
 
 
 def load_rows_skipping(source: str, template: str, max_rows: int | None) -> list[dict[str, Any]]:
-    """Line by line: a line that is not a JSON object or lacks a prompt column is skipped and logged."""
+    """Line by line (`mmalign.data.read_lines`): a line that is too long, not UTF-8, not a JSON object or lacks
+    a prompt column is skipped and logged (its file:line); the count is the list's ``skipped``."""
     rows = _Rows()
-    with Path(source).open(encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, start=1):
+    for lineno, raw in read_lines(source):
+        where = f"{source}:{lineno}"
+        try:
+            if raw is None:
+                raise line_too_long(source, lineno)
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             if not line.strip():
                 continue
-            where = f"{source}:{lineno}"
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
-                row["_source"] = where
-                add_prompts([row], template)
-            except (json.JSONDecodeError, DataError) as e:
-                rows.skipped += 1
-                log.warning("skipping a bad row: %s: %s", where, e)
-                continue
-            rows.append(row)
-            if max_rows is not None and len(rows) >= max_rows:
-                break
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+            row["_source"] = where
+            add_prompts([row], template)
+        except (UnicodeDecodeError, json.JSONDecodeError, DataError) as e:
+            rows.skipped += 1
+            log.warning("skipping a bad row: %s: %s", where, e)
+            continue
+        rows.append(row)
+        if max_rows is not None and len(rows) >= max_rows:
+            break
     return rows
 
 

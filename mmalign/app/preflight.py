@@ -15,13 +15,19 @@ loads the data files first and the model last). `validate` checks, cheapest firs
   or hub ids that can be loaded (offline: ids already in the Hugging Face cache).
 - `check_data_files(cfg)`: ``data.train`` / ``data.eval`` name files that exist.
 - `rewards.check_reward_specs(specs, source)`: every reward name resolves and its ``kwargs`` fit the reward's
-  constructor, without constructing it (some load a model when constructed).
+  constructor, without constructing it (some load a model when constructed). A ``package.module:attr`` name
+  is imported here: a config that names code is code (see `check_code_references`).
+- `check_code_references(cfg)`: the other ``package.module:attr`` references (``rollout.loop_kwargs.environment``,
+  geometry models) import to an object of the right kind; standard-library modules are refused
+  (`mmalign.registry.refused_module`).
 - `check_output_writable(cfg)` (training): ``output_dir`` can be created and written (a small temp file).
 - `check_prompts(cfg, training)`: the rows of ``data.train`` / ``data.eval`` read as the pipelines read them
-  (`mmalign.data.load_rows`, after ``data.prompt_template``): no empty prompt; for a token policy (the model
-  folder has a tokenizer and a ``config.json`` with a context length) no prompt too long for the context with
-  ``rollout.max_new_tokens`` (``data.too_long``; only the tokenizer and config are loaded); in training, at
-  least ``rollout.prompts_per_step`` distinct prompts (``data.too_few_prompts``).
+  (`mmalign.data.load_rows`, after ``data.prompt_template``; no line over `mmalign.data.MAX_LINE_BYTES`): no
+  empty prompt; the image files the rows name decode (`check_images`, for `IMAGE_CHECK_SECONDS` at most,
+  unless ``options.on_bad_row: skip``); for a token policy (the model folder has a tokenizer and a
+  ``config.json`` with a context length) no prompt too long for the context with ``rollout.max_new_tokens``
+  (``data.too_long``; only the tokenizer and config are loaded); in training, at least
+  ``rollout.prompts_per_step`` distinct prompts, text and images (``data.too_few_prompts``).
 
 `fit_setup(cfg, components)` / `fit_prompts(cfg, rows, policy)` then apply ``data.too_long: skip | truncate``
 to the rows the pipeline built (the CLI calls it after ``build``).
@@ -35,6 +41,7 @@ import difflib
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -226,6 +233,76 @@ def _reward_model_options(spec: Any) -> list[tuple[str, str, str]]:
             local_file = option != "path" or kwargs.get("backend", "hf") != "hf"
             out.append((option, value, "file" if local_file else "model"))
     return out
+
+
+# ----------------------------------------------------------------------------- code a config names
+
+
+def _geometry_spec(value: Any) -> str | None:
+    """`value` when it is a ``package.module:Class`` geometry-model spec (not a folder that exists)."""
+    if not isinstance(value, str) or ":" not in value or Path(value).expanduser().exists():
+        return None
+    return value
+
+
+def _check_geometry_model(spec: str, key: str, source: str) -> None:
+    """A ConfigError naming `key` unless `spec` imports (`mmalign.registry.import_path`) to a
+    `rewards.geometry_model.LatentGeometryModel` subclass or another callable that makes one."""
+    from mmalign.registry import import_path
+    from rewards.geometry_model import LatentGeometryModel
+
+    try:
+        obj = import_path(spec, "geometry model", "package.module:ClassName")
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{source}: key '{key}': {e}") from None
+    if isinstance(obj, type) and not issubclass(obj, LatentGeometryModel):
+        raise ConfigError(
+            f"{source}: key '{key}': geometry model {spec!r} is class {obj.__qualname__}, which does not subclass "
+            "rewards.geometry_model.LatentGeometryModel"
+        )
+    if not callable(obj):
+        raise ConfigError(
+            f"{source}: key '{key}': geometry model {spec!r} is a {type(obj).__name__}, not a class or a function"
+        )
+
+
+def check_code_references(cfg: Config, *, eval_rewards: bool = False) -> None:
+    """Import and check now, before any model loads, the code a config names as ``package.module:attr``
+    besides the reward names (`rewards.check_reward_specs` resolves those): ``rollout.loop_kwargs.environment``
+    (a callable, `mmalign.rollout_loops.resolve_environment`), ``options.geometry_model`` and the
+    ``geometry_model`` option of the built-in rewards (a `LatentGeometryModel` class or a function making one).
+    A module that does not import, a missing attribute, an object of the wrong kind or a standard-library
+    module (`mmalign.registry.refused_module`) is a ConfigError naming the key.
+
+    Importing a module runs its code: a config that names one is code, to be trusted as a script would be."""
+    from mmalign.rollout_loops import resolve_environment
+
+    spec = cfg.rollout.loop_kwargs.get("environment")
+    if spec is not None:
+        try:
+            resolve_environment(str(spec))
+        except ValueError as e:
+            raise ConfigError(f"{cfg.source}: key 'rollout.loop_kwargs.environment': {e}") from None
+    geometry = _geometry_spec(getattr(cfg.options, "geometry_model", None))
+    if geometry is not None:
+        _check_geometry_model(geometry, "options.geometry_model", cfg.source)
+    lists = [("rewards", cfg.rewards)] + ([("eval.rewards", cfg.eval.rewards)] if eval_rewards else [])
+    for list_key, specs in lists:
+        for i, item in enumerate(specs):
+            geometry = _geometry_spec((getattr(item, "kwargs", None) or {}).get("geometry_model"))
+            if geometry is not None and _is_builtin_reward(item.name):
+                _check_geometry_model(geometry, f"{list_key}[{i}].kwargs.geometry_model", cfg.source)
+
+
+def _is_builtin_reward(name: str) -> bool:
+    """Whether the reward `name` is one of this project's (its options mean what our docs say)."""
+    from rewards import resolve
+
+    try:
+        obj = resolve(name)
+    except Exception:  # noqa: BLE001 - an unknown name is `check_reward_specs`' message
+        return False
+    return str(getattr(obj, "__module__", "")).startswith("rewards.")
 
 
 # ----------------------------------------------------------------------------- data files
@@ -596,10 +673,36 @@ def fit_prompts(
     return out
 
 
+def media_columns(cfg: Config) -> tuple[str, ...]:
+    """The row columns that hold a prompt's images or video (`pipelines.common.IMAGE_COLUMNS`, and the
+    pipeline's own ``options.image_column`` where it has one)."""
+    from pipelines.common import IMAGE_COLUMNS
+
+    extra = getattr(cfg.options, "image_column", None)
+    return (*IMAGE_COLUMNS, extra) if isinstance(extra, str) and extra not in IMAGE_COLUMNS else IMAGE_COLUMNS
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable stand-in for a column value (lists -> tuples; an in-memory image -> its identity)."""
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return id(value)
+
+
+def prompt_key(row: dict[str, Any], columns: Sequence[str]) -> tuple[Any, ...]:
+    """What makes a row's prompt distinct: its text and its media `columns` (image paths, frames): the same
+    question about two pictures is two prompts."""
+    return (str(row.get("prompt")), *(_freeze(row.get(c)) for c in columns))
+
+
 def check_distinct_prompts(cfg: Config, rows: Sequence[dict[str, Any]]) -> None:
-    """Fewer distinct training prompts than ``rollout.prompts_per_step``: a warning (a step then trains
-    copies of the same prompts), or a DataError with ``data.too_few_prompts: error``."""
-    distinct = len({str(r.get("prompt")) for r in rows})
+    """Fewer distinct training prompts (`prompt_key`: the text and the images or video, `media_columns`) than
+    ``rollout.prompts_per_step``: a warning (a step then trains copies of the same prompts), or a DataError
+    with ``data.too_few_prompts: error``."""
+    columns = media_columns(cfg)
+    distinct = len({prompt_key(r, columns) for r in rows})
     need = cfg.rollout.prompts_per_step
     if distinct >= need:
         return
@@ -626,15 +729,62 @@ def _read_rows(cfg: Config, source: str, max_rows: int | None) -> list[dict[str,
     return load_rows_skipping(source, cfg.data.prompt_template, max_rows)
 
 
+IMAGE_CHECK_SECONDS = 20.0
+"""How long the validation pass may spend decoding the images of ``data.train`` and ``data.eval`` (in row
+order; all of them when they take less)."""
+
+
+def _image_root(cfg: Config, source: str) -> Path:
+    """The folder a row's relative image paths start at, as the pipelines resolve them: ``options.image_root``
+    (``options.video_root``), else the data file's folder (the working directory for ``hf:`` sources)."""
+    root = getattr(cfg.options, "image_root", None) or getattr(cfg.options, "video_root", None)
+    if root:
+        return Path(root)
+    return Path.cwd() if source.startswith("hf:") else Path(source).resolve().parent
+
+
+def check_images(
+    cfg: Config, key: str, source: str, rows: Sequence[dict[str, Any]], deadline: float
+) -> tuple[int, int]:
+    """Decode (``PIL.Image.open`` + ``load``) the image files that the rows of `source` (config key `key`) name,
+    each once, in row order, until `deadline` (a `time.monotonic` value); (decoded, total) images. An image
+    that does not decode (truncated, corrupt) is a DataError naming the row's file:line and the image, before
+    any model loads, unless ``options.on_bad_row: skip`` (then the pipeline decodes every image when it loads
+    the data and skips those rows: nothing is done here). Missing files are left to the pipeline's loader,
+    which names them."""
+    from pipelines.common import bad_image_message, image_files, image_problem
+
+    if getattr(cfg.options, "on_bad_row", "error") == "skip":
+        return 0, 0
+    columns = media_columns(cfg)
+    root = _image_root(cfg, source)
+    seen: set[str] = set()
+    decoded = 0
+    for row in rows:
+        for path in image_files(row, root, columns):
+            if path in seen:
+                continue
+            seen.add(path)
+            if time.monotonic() > deadline:
+                continue  # counted, not decoded
+            problem = image_problem(path)
+            if problem is not None:
+                fix = ", or set options.on_bad_row: skip" if hasattr(cfg.options, "on_bad_row") else ""
+                raise DataError(bad_image_message(str(row.get("_source", key)), path, problem) + fix)
+            decoded += 1
+    return decoded, len(seen)
+
+
 def check_prompts(cfg: Config, *, training: bool) -> None:
     """The prompts of ``data.train`` and ``data.eval``, before any model is loaded: none empty
-    (`check_empty_prompts`); for a token policy, each fits the context with ``rollout.max_new_tokens``
-    per ``data.too_long`` (`fit_prompts` without changing anything; the CLI applies skip / truncate to the
-    built rows with `fit_setup`); when `training`, enough distinct prompts (`check_distinct_prompts`, counted
-    after a ``skip``)."""
+    (`check_empty_prompts`); their image files decode (`check_images`, for `IMAGE_CHECK_SECONDS` at most); for
+    a token policy, each fits the context with ``rollout.max_new_tokens`` per ``data.too_long`` (`fit_prompts`
+    without changing anything; the CLI applies skip / truncate to the built rows with `fit_setup`); when
+    `training`, enough distinct prompts (`check_distinct_prompts`, counted after a ``skip``)."""
     sources = [("data.train", cfg.data.train, cfg.data.max_rows), ("data.eval", cfg.data.eval, None)]
     lengths: PromptLengths | None = None
     loaded = False
+    deadline = time.monotonic() + IMAGE_CHECK_SECONDS
     for key, source, max_rows in sources:
         if not source:
             continue
@@ -642,6 +792,16 @@ def check_prompts(cfg: Config, *, training: bool) -> None:
         if rows is None:
             continue
         check_empty_prompts(rows, cfg.data.prompt_template)
+        decoded, images = check_images(cfg, key, source, rows, deadline)
+        if decoded < images:
+            log.info(
+                "decoded %d of the %d images of %s in the %g s the validation pass gives them; the others are "
+                "decoded when training reads them (one that does not decode then stops the run, naming its row)",
+                decoded,
+                images,
+                key,
+                IMAGE_CHECK_SECONDS,
+            )
         if not loaded:
             lengths, loaded = prompt_lengths_for(cfg), True
         kept = fit_prompts(cfg, rows, lengths, key=key, apply=False)
@@ -675,20 +835,22 @@ def fit_setup(cfg: Config, components: Any) -> Any:
 
 def preflight(cfg: Config, *, resume: bool | None = None, eval_rewards: bool = False) -> None:
     """Every check of a command that needs no model, cheapest first: the output directory and the trackers'
-    packages (`resume` None: not training, no check), that the data files exist, the reward names and options, the model
-    folders and hub ids; in training that ``output_dir`` is writable (`check_output_writable`); then the prompts
-    (`check_prompts`: empty, too long for the context, too few distinct ones), from the rows and, for a token
-    policy, the tokenizer and config of the model only. The pipeline's ``build`` reads the data files again,
-    before its model."""
+    packages (`resume` None: not training, no check), that the data files exist, the reward names and options
+    and the other ``module:attr`` references (`check_code_references`), the model folders and hub ids; in
+    training that ``output_dir`` is writable (`check_output_writable`); then the prompts (`check_prompts`:
+    empty, images that do not decode, too long for the context, too few distinct ones), from the rows and, for
+    a token policy, the tokenizer and config of the model only. The pipeline's ``build`` reads the data files
+    again, before its model."""
     if resume is not None:
         from mmalign.app.trackers import check_available
 
         check_output_dir(cfg, resume)
         check_available(cfg)  # a tracker in trainer.log_with whose package is missing
     check_data_files(cfg)
-    check_reward_specs(cfg.rewards, cfg.source)
+    check_reward_specs(cfg.rewards, cfg.source)  # the reward names: module:attr ones are imported here
     if eval_rewards:
         check_reward_specs(cfg.eval.rewards, cfg.source, key="eval.rewards")
+    check_code_references(cfg, eval_rewards=eval_rewards)
     check_model_paths(cfg, eval_rewards=eval_rewards)
     if resume is not None:
         check_output_writable(cfg)

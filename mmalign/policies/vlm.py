@@ -69,6 +69,23 @@ def _as_list(x: Any) -> list[Any]:
     return list(x) if isinstance(x, list | tuple) else [x]
 
 
+def _row_images(row: dict[str, Any], value: Any) -> list[Any]:
+    """`load_rgb` of each image in `value` (a column of `row`); one that does not decode (a truncated or
+    corrupt file) is a DataError naming the row's file:line and the image, not PIL's bare message."""
+    from mmalign.data import DataError
+
+    out = []
+    for x in _as_list(value):
+        try:
+            out.append(load_rgb(x))
+        except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError...
+            raise DataError(
+                f"{row.get('_source', '?')}: image {x} cannot be decoded ({type(e).__name__}: {e}); replace "
+                "the file or remove the row (options.on_bad_row: skip skips such rows when the data is loaded)"
+            ) from e
+    return out
+
+
 class VLMPolicy(TextPolicy):
     """An image(+video)-text-to-text model as a GRPO policy. See the module docstring."""
 
@@ -171,8 +188,8 @@ class VLMPolicy(TextPolicy):
 
     def encode_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """Processor outputs for one row (unbatched): ids, token types, vision tensors, image sizes."""
-        images = [load_rgb(x) for x in _as_list(row.get("images", row.get("image")))]
-        frames = [load_rgb(x) for x in _as_list(row.get("video"))]
+        images = _row_images(row, row.get("images", row.get("image")))
+        frames = _row_images(row, row.get("video"))
         text = self.format_vlm_prompt(str(row["prompt"]), len(images), bool(frames))
         kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
         if images:
@@ -283,7 +300,7 @@ class VLMPolicy(TextPolicy):
             raise ValueError(
                 "a video row cannot be sampled with a rollout engine yet; use rollout.engine: hf for video"
             )
-        images = [load_rgb(x) for x in _as_list(row.get("images", row.get("image")))]
+        images = _row_images(row, row.get("images", row.get("image")))
         text = self.format_vlm_prompt(str(row["prompt"]), len(images), False)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return MultimodalPrompt(ids, images) if images else ids

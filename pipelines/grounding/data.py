@@ -39,8 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mmalign.data import DataError, load_rows
-from pipelines.common import VLMOptions, load_rows_skipping, resolve_row
+from mmalign.data import DataError, line_too_long, load_rows, read_lines
+from pipelines.common import (
+    VLMOptions,
+    bad_image_message,
+    image_files,
+    image_problem,
+    load_rows_skipping,
+    resolve_row,
+)
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +266,8 @@ def load_grounding_rows(
     Boxes: 4 finite numbers, x1 < x2, y1 < y2, inside the image up to ``opts.box_tolerance`` pixels (then
     clipped; `VLMOptions` without it: 1 px). A bad row is a `DataError` naming file:line, or with
     ``opts.on_bad_row == "skip"`` a skipped row: one warning each and a summary "skipped N of M rows
-    (reasons: ...)". No usable row left is a DataError.
+    (reasons: ...)"; skipping also decodes each image (`pipelines.common.image_problem`) and skips the rows
+    whose image does not. No usable row left is a DataError.
     """
     if opts.image_root:
         root = Path(opts.image_root)
@@ -281,7 +289,15 @@ def load_grounding_rows(
     out: list[dict[str, Any]] = []
     for row in rows:
         try:
-            out.append(normalize_row(row, root, tolerance, sizes))
+            normal = normalize_row(row, root, tolerance, sizes)
+            if skip:  # find the images that do not decode (the validation pass does, for "error")
+                for path in image_files(normal):
+                    problem = image_problem(path)
+                    if problem is not None:
+                        raise _BadRow(
+                            bad_image_message(normal["_source"], path, problem), "image does not decode"
+                        )
+            out.append(normal)
         except _BadRow as e:
             if not skip:
                 raise DataError(str(e)) from None
@@ -484,13 +500,17 @@ def _read_refs(refs: Any, allow_pickle: bool) -> tuple[list[Any], str]:
         where = str(path)
     elif path.suffix.lower() == ".jsonl":
         data, where = [], str(path)
-        with path.open(encoding="utf-8-sig") as f:
-            for lineno, line in enumerate(f, start=1):
+        for lineno, raw in read_lines(path):  # one line at a time, none longer than MAX_LINE_BYTES
+            if raw is None:
+                raise line_too_long(path, lineno)
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 if line.strip():
-                    try:
-                        data.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                    data.append(json.loads(line))
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8") from None
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
     else:
         data, where = _read_json(path, "refs")
     if not isinstance(data, list):

@@ -1,7 +1,8 @@
 """Issue 23 (prompts, output directory): the tester's probes re-run through the real command. A prompt too long
 for the model's context, an empty prompt, too few distinct prompts and an unwritable ``output_dir`` are found by
 the validation pass (`mmalign.app.preflight`) before any model loads; ``data.too_long: skip | truncate``
-change the rows the trainer gets."""
+change the rows the trainer gets. Issue 33: an over-long line and an image that does not decode are refused
+naming file and line; distinct prompts count their images."""
 
 from __future__ import annotations
 
@@ -286,6 +287,33 @@ def test_one_row_for_many_prompts_per_step_is_an_error_when_asked(
     one_error_line(err, str(train), "1 distinct prompt(s) (2 rows)", "rollout.prompts_per_step (16)")
 
 
+def vlm_tiny_config(tmp_path: Path, train: Path | None = None, **options: Any) -> Path:
+    """configs/vlm_reasoning-tiny.yaml with absolute paths (its own data unless `train`), output_dir in tmp_path."""
+    data = yaml.safe_load((ROOT / "configs" / "vlm_reasoning-tiny.yaml").read_text())
+    data["output_dir"] = str(tmp_path / "run")
+    data["model"]["name_or_path"] = str(ROOT / data["model"]["name_or_path"])
+    data["data"]["train"] = str(train or ROOT / data["data"]["train"])
+    data["options"]["image_root"] = str(train.parent if train else ROOT / data["options"]["image_root"])
+    data["options"].update(options)
+    path = tmp_path / "vlm.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_the_same_question_about_different_images_is_a_distinct_prompt(tmp_path, caplog):
+    """vlm_reasoning-tiny asks one question about 64 pictures: 64 distinct prompts, not 1 (it warned, and
+    ``data.too_few_prompts: error`` refused this valid dataset)."""
+    cfg = load_config(vlm_tiny_config(tmp_path), ["data.too_few_prompts=error"])
+    rows = load_rows(cfg.data.train, cfg.data.prompt_template)
+    assert len({r["prompt"] for r in rows}) == 1 and len(rows) == 64
+    with caplog.at_level(logging.WARNING, logger="mmalign.app.preflight"):
+        preflight.check_distinct_prompts(cfg, rows)
+    assert not caplog.records
+    same_image = [{**r, "images": rows[0]["images"]} for r in rows]  # the same picture every time: 1 prompt
+    with pytest.raises(DataError, match=r"1 distinct prompt\(s\) \(64 rows\)"):
+        preflight.check_distinct_prompts(cfg, same_image)
+
+
 def test_enough_distinct_prompts_say_nothing(tmp_path, caplog, random_text_model_dir):
     train = write_rows(tmp_path / "train.jsonl", ["1 + 2", "3 + 4"])
     cfg = load_config(make_config(tmp_path, random_text_model_dir, train), [])
@@ -329,3 +357,106 @@ def test_missing_output_dir_is_created_and_left_clean(tmp_path):
     cfg = SimpleNamespace(output_dir=str(tmp_path / "a" / "b"), source="x.yaml")
     preflight.check_output_writable(cfg)  # type: ignore[arg-type]
     assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())
+
+
+# ----------------------------------------------------------------------------- images that do not decode
+
+
+def write_scans(folder: Path, n: int = 4, truncated: int | None = 3) -> Path:
+    """A tiny grounding dataset like medloc-tiny's: `n` noisy 64x64 PNG scans, one row each, the image of row
+    `truncated` (1-based) cut to half its bytes (PIL opens it, `load` fails: "image file is truncated")."""
+    import numpy as np
+    from PIL import Image
+
+    (folder / "images").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(1, n + 1):
+        image = folder / "images" / f"scan_{i}.png"
+        Image.fromarray((rng.random((64, 64, 3)) * 255).astype("uint8")).save(image)
+        if i == truncated:
+            image.write_bytes(image.read_bytes()[: image.stat().st_size // 2])
+        row = {"image": f"images/scan_{i}.png", "expression": f"lesion {i}", "boxes": [[10, 10, 30, 30]]}
+        lines.append(json.dumps(row) + "\n")
+    path = folder / "train.jsonl"
+    path.write_text("".join(lines))
+    return path
+
+
+def medloc_config(tmp_path: Path, model: Path, train: Path) -> Path:
+    """configs/medloc-tiny.yaml on `model` (no tiny builder) and `train` (no eval data), output_dir in tmp_path."""
+    data = yaml.safe_load((ROOT / "configs" / "medloc-tiny.yaml").read_text())
+    data["output_dir"] = str(tmp_path / "run")
+    data["model"] = {"name_or_path": str(model), "tiny_builder": None, "dtype": "float32"}
+    data["data"] = {"train": str(train), "prompt_template": data["data"]["prompt_template"]}
+    data["rollout"]["prompts_per_step"] = 2
+    path = tmp_path / "medloc.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_truncated_scan_is_refused_naming_file_row_and_image_before_any_model(
+    capsys, tmp_path, no_model, random_vlm_model_dir
+):
+    train = write_scans(tmp_path / "data")
+    rc, err = run_main(capsys, "train", str(medloc_config(tmp_path, random_vlm_model_dir, train)))
+    assert rc == 1
+    line = one_error_line(err, f"{train}:3:", "scan_3.png", "cannot be decoded", "truncated")
+    assert "options.on_bad_row: skip" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_truncated_picture_of_a_vlm_dataset_is_refused_by_eval_too(capsys, tmp_path, no_model):
+    data = tmp_path / "data"
+    write_scans(data)
+    train = data / "vqa.jsonl"
+    train.write_text(
+        "".join(
+            json.dumps({"images": [f"images/scan_{i}.png"], "question": "Colour?", "answer": "red"}) + "\n"
+            for i in range(1, 5)
+        )
+    )
+    rc, err = run_main(capsys, "eval", str(vlm_tiny_config(tmp_path, train)), "--checkpoint", "base")
+    assert rc == 1
+    one_error_line(err, f"{train}:3:", "scan_3.png", "cannot be decoded")
+
+
+def test_image_check_stops_at_its_time_budget(tmp_path, monkeypatch, caplog, random_vlm_model_dir):
+    """No time left: nothing is decoded (the truncated scan passes) and an info line says how many were not."""
+    train = write_scans(tmp_path / "data")
+    cfg = load_config(medloc_config(tmp_path, random_vlm_model_dir, train), [])
+    monkeypatch.setattr(preflight, "IMAGE_CHECK_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="mmalign.app.preflight"):
+        preflight.check_prompts(cfg, training=True)
+    assert any("decoded 0 of the 4 images of data.train" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(preflight, "IMAGE_CHECK_SECONDS", 60.0)
+    with pytest.raises(DataError, match="scan_3.png cannot be decoded"):
+        preflight.check_prompts(cfg, training=True)
+
+
+def test_skip_leaves_the_truncated_scan_out_naming_it(
+    capsys, caplog, tmp_path, trainer_rows, random_vlm_model_dir
+):
+    train = write_scans(tmp_path / "data")
+    cfg = medloc_config(tmp_path, random_vlm_model_dir, train)
+    with caplog.at_level(logging.WARNING):
+        rc, err = run_main(capsys, "train", str(cfg), "options.on_bad_row=skip")
+    assert rc == 1 and "stopped before training" in err, err
+    assert [r["_source"] for r in trainer_rows["components"].data] == [f"{train}:{i}" for i in (1, 2, 4)]
+    skipped = [r.getMessage() for r in caplog.records if "skipping a bad row" in r.getMessage()]
+    assert len(skipped) == 1 and f"{train}:3:" in skipped[0] and "scan_3.png" in skipped[0], skipped
+
+
+def test_a_scan_that_fails_to_decode_in_training_names_file_and_row(tmp_path, random_vlm_model_dir):
+    """What the validation pass did not decode (its time ran out) still names the row when the policy reads it."""
+    from mmalign.policies.vlm import VLMPolicy
+
+    train = write_scans(tmp_path / "data")
+    policy = VLMPolicy.from_pretrained(str(random_vlm_model_dir))
+    image = str(train.parent / "images" / "scan_3.png")
+    row = {"prompt": "Locate lesion 3.", "images": [image], "_source": f"{train}:3"}
+    with pytest.raises(
+        DataError, match=rf"^{train}:3: image {image} cannot be decoded \(OSError: image file is"
+    ):
+        policy.encode_row(row)
+    assert policy.encode_row({**row, "images": [image.replace("_3", "_1")]})["input_ids"].numel() > 0

@@ -1,4 +1,5 @@
-"""mmalign.data: JSONL loading with file:line errors and prompt templates (the prompt samplers: test_prompt_samplers)."""
+"""mmalign.data: JSONL loading with file:line errors, the line-length bound and prompt templates (the prompt
+samplers: test_prompt_samplers)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mmalign.data import DataError, add_prompts, load_jsonl, load_rows
+from mmalign.data import MAX_LINE_BYTES, DataError, add_prompts, load_jsonl, load_rows, read_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -226,3 +227,62 @@ def test_hf_dataset_saved_to_disk_loads_with_split_and_all_columns(tmp_path):
         load_rows(f"hf:{tmp_path / 'ds'}:validation")
     with pytest.raises(DataError, match="expected hf:"):
         load_rows("hf:")
+
+
+# ----------------------------------------------------------------------------- line length (issue 33, item 7)
+
+BIG = 20 * 2**20
+"""The over-long line of these tests: 20 MB (a 100 MB line killed the trainer; decoding took ~330x its size)."""
+
+
+def write_long_line(path: Path, prefix: bytes, suffix: bytes) -> Path:
+    """Line 1 a good row, line 2 `prefix` + BIG bytes of "x" + `suffix`, line 3 a good row; written in chunks."""
+    with path.open("wb") as f:
+        f.write(GOOD.encode())
+        f.write(prefix)
+        chunk = b"x" * 2**20
+        for _ in range(BIG // len(chunk)):
+            f.write(chunk)
+        f.write(suffix + b"\n" + GOOD.encode())
+    return path
+
+
+def peak_bytes(fn, *args) -> tuple[str, int]:
+    """(the DataError message `fn(*args)` raises, the peak bytes Python allocated meanwhile)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError) as info:
+            fn(*args)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return str(info.value), peak
+
+
+@pytest.mark.parametrize(
+    "name, prefix, suffix",
+    [("d.jsonl", b'{"question": "', b'"}'), ("p.txt", b"", b"")],
+    ids=["jsonl", "txt"],
+)
+def test_a_20mb_line_is_refused_naming_file_and_line_without_reading_it(tmp_path, name, prefix, suffix):
+    path = write_long_line(tmp_path / name, prefix, suffix)
+    msg, peak = peak_bytes(load_rows, str(path), "{question}")
+    assert msg.startswith(f"{path}:2: line longer than {MAX_LINE_BYTES} bytes"), msg
+    assert peak < 8 * 2**20, peak  # about one MAX_LINE_BYTES line held, not the 20 MB (nor 330x it)
+
+
+def test_line_length_bound_is_exact_and_counts_bytes_without_the_line_break(tmp_path):
+    ok = '{"question": "' + "é" * 10 + '"}'  # 14 + 10 x 2 (UTF-8 "é") + 2 = 36 bytes
+    assert len(ok.encode()) == 36
+    path = write(tmp_path, ok + "\r\n" + ok + "\n")
+    assert len(load_jsonl(path, max_line_bytes=36)) == 2  # "\r\n" and "\n" do not count
+    assert data_error(load_jsonl, path, max_line_bytes=35).startswith(f"{path}:1: line longer than 35 bytes")
+    last = write(tmp_path, '{"question": "1"}\n' + ok, "last.jsonl")  # a last line without a line break
+    assert data_error(load_jsonl, last, max_line_bytes=35).startswith(f"{last}:2: line longer than 35 bytes")
+
+
+def test_lines_after_a_long_one_keep_their_numbers(tmp_path):
+    path = write(tmp_path, "x" * 100 + "\n\nsecond prompt\n", "p.txt")
+    assert list(read_lines(path, 20)) == [(1, None), (2, b""), (3, b"second prompt")]
