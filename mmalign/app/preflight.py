@@ -42,7 +42,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 MODEL_FILES = ("config.json", "model_index.json")
 """A hub id counts as cached when one of these is in the Hugging Face cache (transformers / diffusers folders)."""
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "tokenizer_config.json")
+"""A reward's ``processor`` hub id counts as cached when one of these is (a tokenizer / image processor repo)."""
 
 
 # ----------------------------------------------------------------------------- model folders / hub ids
@@ -66,18 +68,11 @@ def _truthy(value: str | None) -> bool:
 
 
 def hub_offline() -> str | None:
-    """The variable that makes this process offline (``HF_HUB_OFFLINE=1``), or None when it may download."""
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if _truthy(os.environ.get(var)):
-            return f"{var}={os.environ[var]}"
-    try:
-        from huggingface_hub import constants
+    """The variable that makes this process offline (``HF_HUB_OFFLINE=1``), or None when it may download
+    (`mmalign.hub.offline_reason`)."""
+    from mmalign.hub import offline_reason
 
-        if constants.HF_HUB_OFFLINE:
-            return "HF_HUB_OFFLINE=1"
-    except ImportError:  # pragma: no cover - a dependency of transformers
-        pass
-    return None
+    return offline_reason()
 
 
 def looks_local(name: str) -> bool:
@@ -88,20 +83,6 @@ def looks_local(name: str) -> bool:
         return True
     parts = name.split("/")
     return len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
-
-
-def _cached(repo_id: str, files: Iterable[str]) -> bool | None:
-    """Whether one of `files` of the hub repo `repo_id` is in the local cache; None: not a valid repo id."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.utils import HFValidationError
-
-    try:
-        for filename in files:
-            if isinstance(try_to_load_from_cache(repo_id, filename), str):
-                return True
-    except HFValidationError:
-        return None
-    return False
 
 
 def _close_siblings(path: Path) -> str:
@@ -123,37 +104,48 @@ def check_model_source(
     files: Sequence[str] = MODEL_FILES,
     local_only: bool = False,
     what: str = "model folder",
-) -> None:
-    """ConfigError (naming `source` and `key`) unless `name` can be loaded: an existing local path, or
-    a hub id (`local_only` False) that is in the Hugging Face cache or may be downloaded (not offline).
+) -> str:
+    """ConfigError (naming `source` and `key`, and how to fetch a missing hub id) unless `name` can be loaded:
+    an existing local path (returns ``"local"``), a hub id in the Hugging Face cache (``"cached"``), or, when
+    not offline, a hub id the hub answers for (``"download"``: one request of `mmalign.hub.reach`, a few
+    seconds at most, no retry).
 
     Nothing is loaded or downloaded: a local path is checked with `Path.exists`, a hub id against the
     cache with `huggingface_hub.try_to_load_from_cache` (one of `files`)."""
+    from mmalign import hub
+
     if not name:
         raise ConfigError(f"{source}: key '{key}' is required (a local {what} or a hub id)")
     path = Path(name).expanduser()
     if path.exists():
-        return
+        return "local"
     if local_only or looks_local(name):
         raise ConfigError(
             f"{source}: key '{key}': no such {what} {name!r} (looked for {path.resolve()}; relative paths "
             f"start at the working directory).{_close_siblings(path)}"
         )
     where = f"no {path.resolve()}"
-    cached = _cached(name, files)
+    cached = hub.cached(name, tuple(files))
     if cached is None:
         raise ConfigError(
             f"{source}: key '{key}': {name!r} is neither a local {what} ({where}) nor a valid hub id "
             "('name' or 'org/name' of letters, digits, '-', '_' and '.')"
         )
+    if cached:
+        return "cached"
     offline = hub_offline()
-    if not cached and offline:
-        from huggingface_hub import constants
-
+    if offline:
         raise ConfigError(
             f"{source}: key '{key}': {name!r} is neither a local {what} ({where}) nor a hub id that can be "
-            f"loaded offline (not in the Hugging Face cache {constants.HF_HUB_CACHE}; {offline})"
+            f"loaded offline (not in the Hugging Face cache; {offline}): {hub.fetch_hint(name, key)}"
         )
+    why = hub.reach(name)
+    if why is not None:
+        raise ConfigError(
+            f"{source}: key '{key}': {name!r} is neither a local {what} ({where}) nor in the Hugging Face "
+            f"cache, and {why}: {hub.fetch_hint(name, key)}"
+        )
+    return "download"
 
 
 def _check_builder(name: str, key: str, source: str) -> None:
@@ -186,31 +178,52 @@ def check_model_paths(cfg: Config, *, eval_rewards: bool = False) -> None:
             raise ConfigError(
                 f"{cfg.source}: key 'model.name_or_path' is required (where model.tiny_builder builds)"
             )
-    else:
-        check_model_source(m.name_or_path, key="model.name_or_path", source=cfg.source)
+    hub_ids: dict[str, str] = {}  # hub id -> "cached" | "download"
+    if not m.tiny_builder:
+        kind = check_model_source(m.name_or_path, key="model.name_or_path", source=cfg.source)
+        if kind != "local":
+            hub_ids[m.name_or_path] = kind
     built = built_paths(cfg)
     for path, builder in built.items():
         _check_builder(builder, f"options.reward_models.{path}", cfg.source)
     lists = [("rewards", cfg.rewards)] + ([("eval.rewards", cfg.eval.rewards)] if eval_rewards else [])
     for list_key, specs in lists:
         for i, spec in enumerate(specs):
-            for option, value, kind in _reward_model_options(spec):
+            for option, value, kind, files in _reward_model_options(spec):
                 if any(_same_path(value, p) for p in built):
                     continue
-                check_model_source(
+                found = check_model_source(
                     value,
                     key=f"{list_key}[{i}].kwargs.{option}",
                     source=cfg.source,
-                    files=("config.json",),
+                    files=files,
                     local_only=kind == "file",
-                    what="model folder" if kind == "model" else "file",
+                    what={"model": "model folder", "processor": "processor folder"}.get(kind, "file"),
                 )
+                if found != "local":
+                    hub_ids[value] = found
+    _cache_only_when_unreachable(hub_ids)
 
 
-def _reward_model_options(spec: Any) -> list[tuple[str, str, str]]:
-    """(option, value, "model" | "file") for the options of a built-in reward that name what it loads:
-    ``path`` (a model folder or hub id; a local checkpoint file with ``backend: open_clip``) and
-    ``mlp_path`` (a local weights file). Plugin rewards are left alone: their ``path`` may mean anything."""
+def _cache_only_when_unreachable(hub_ids: dict[str, str]) -> None:
+    """Every hub id is cached but the hub does not answer: this process loads from the cache only
+    (`mmalign.hub.use_cache_only`), so `from_pretrained` does not retry the hub for every file."""
+    from mmalign import hub
+
+    if not hub_ids or "download" in hub_ids.values() or hub_offline():
+        return
+    first = next(iter(hub_ids))
+    why = hub.reach(first)
+    if why is not None:
+        hub.use_cache_only(f"{', '.join(hub_ids)} are cached and {why}")
+
+
+def _reward_model_options(spec: Any) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """(option, value, "model" | "processor" | "hub_file" | "file", the files that make a hub id count as
+    cached) for the options of a built-in reward that name what it loads: ``path`` (a model folder or hub id;
+    a local checkpoint file with ``backend: open_clip``), ``processor`` (a tokenizer / image processor folder
+    or hub id) and ``mlp_path`` (a local weights file; with ``mlp_file``, a folder or hub id holding that
+    file). Plugin rewards are left alone: their ``path`` may mean anything."""
     import inspect
 
     from rewards import resolve
@@ -227,11 +240,18 @@ def _reward_model_options(spec: Any) -> list[tuple[str, str, str]]:
     except (TypeError, ValueError):  # pragma: no cover
         return []
     out = []
-    for option in ("path", "mlp_path"):
+    for option in ("path", "processor", "mlp_path"):
         value = kwargs.get(option)
-        if option in params and isinstance(value, str):
-            local_file = option != "path" or kwargs.get("backend", "hf") != "hf"
-            out.append((option, value, "file" if local_file else "model"))
+        if option not in params or not isinstance(value, str):
+            continue
+        if option == "processor":
+            out.append((option, value, "processor", PROCESSOR_FILES))
+        elif option == "mlp_path" and isinstance(kwargs.get("mlp_file"), str):
+            out.append((option, value, "hub_file", (kwargs["mlp_file"],)))
+        elif option == "mlp_path" or kwargs.get("backend", "hf") != "hf":
+            out.append((option, value, "file", ("config.json",)))
+        else:
+            out.append((option, value, "model", ("config.json",)))
     return out
 
 

@@ -123,7 +123,9 @@ def test_resume_without_a_complete_checkpoint_is_refused_before_any_model(
 
 def test_resume_with_a_checkpoint_passes_the_output_dir_check(capsys, tmp_path, no_model):
     cfg, out = tiny_config(tmp_path, "text_reasoning")
-    before = old_run(out)
+    old_run(out)
+    (out / "config.yaml").write_text(yaml.safe_dump(load_config(cfg).to_dict(), sort_keys=False))  # as saved
+    before = snapshot(out)
     rc, _, err = run_main(capsys, "train", str(cfg), "--resume")
     assert rc == 1 and "a model was built or loaded" in err  # got as far as the model: nothing refused it
     assert snapshot(out) == before
@@ -281,8 +283,11 @@ def test_hub_id_checks(tmp_path, monkeypatch):
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    from mmalign import hub
+
     check = preflight.check_model_source
-    check("org/online-model", key="model.name_or_path", source="c.yaml")  # may be downloaded
+    monkeypatch.setattr(hub, "reach", lambda repo_id, timeout=5.0: None)  # the hub answers (no request made)
+    assert check("org/online-model", key="model.name_or_path", source="c.yaml") == "download"
     with pytest.raises(
         ConfigError, match=r"c\.yaml: key 'model\.name_or_path': 'bad name!' is neither .* valid hub id"
     ):
@@ -355,6 +360,51 @@ def test_eval_checks_eval_rewards_and_checkpoint_before_any_model(capsys, tmp_pa
     assert rc == 1
     one_error_line(err, f"{tmp_path / 'nope.txt'}")
     assert snapshot(out) == before
+
+
+def test_bad_checkpoint_lists_the_checkpoints_of_the_run(capsys, tmp_path, no_model):
+    """Issue 33 item 19: a --checkpoint that names nothing says which checkpoints the run has."""
+    cfg, out = tiny_config(tmp_path, "text_reasoning")
+    rc, _, err = run_main(capsys, "eval", str(cfg), "--checkpoint", str(tmp_path / "nope"))
+    assert rc == 1
+    one_error_line(
+        err,
+        "neither a checkpoint folder",
+        f"{out / 'checkpoints'} holds no complete checkpoint",
+        "--checkpoint base",
+    )
+    old_run(out)  # checkpoints/step_000002
+    (out / "checkpoints" / "step_000004").mkdir()
+    (out / "checkpoints" / "step_000004" / "COMPLETE").write_text("")
+    (out / "checkpoints" / "step_000005").mkdir()  # incomplete: not offered
+    rc, _, err = run_main(capsys, "sample", str(cfg), "--checkpoint", "step_000004")
+    assert rc == 1
+    ckpts = out / "checkpoints"
+    line = one_error_line(
+        err,
+        "checkpoint 'step_000004': neither a checkpoint folder",
+        f"The checkpoints of {out}: {ckpts / 'step_000002'}, {ckpts / 'step_000004'}; or --checkpoint latest",
+    )
+    assert "step_000005" not in line
+
+
+def test_missing_config_file_suggests_close_names(capsys, monkeypatch, no_model):
+    """Issue 33 item 19: a config path that does not exist gets the closest names of configs/."""
+    monkeypatch.chdir(ROOT)
+    rc, _, err = run_main(capsys, "train", "configs/text_reasoning_tiny.yaml")
+    assert rc == 1
+    one_error_line(
+        err,
+        "config file not found: configs/text_reasoning_tiny.yaml; did you mean configs/text_reasoning-tiny.yaml",
+    )
+    rc, _, err = run_main(capsys, "eval", "text_reasoning-tiny.yaml")  # the folder left out
+    assert rc == 1
+    one_error_line(
+        err, "config file not found: text_reasoning-tiny.yaml; did you mean configs/text_reasoning-tiny.yaml"
+    )
+    rc, _, err = run_main(capsys, "sample", "configs/zzzz.yaml")  # nothing close: no suggestion
+    assert rc == 1
+    assert one_error_line(err).endswith("config file not found: configs/zzzz.yaml")
 
 
 def test_real_command_fails_fast_and_keeps_the_run(tmp_path, run_mmalign):
