@@ -26,11 +26,14 @@ class MetricsError(MmalignError, ValueError):
 
 class RunWriteError(MmalignError, OSError):
     """Writing a file of the run directory failed (a full disk, permissions): names the file and the cause
-    (`cause`; its ``errno``, when it has one, is this error's)."""
+    (`cause`; its ``errno``, when it has one, or `errno`, is ``cause_errno``). `detail` is appended to the
+    message (`mmalign.rundir.writing` adds the free space of a full disk)."""
 
-    def __init__(self, path: object, cause: BaseException) -> None:
+    def __init__(
+        self, path: object, cause: BaseException, *, detail: str = "", errno: int | None = None
+    ) -> None:
         self.path = path
         self.cause = cause
         hint = " (a full disk?)" if "unexpected pos" in str(cause) else ""  # torch.save's words for ENOSPC
-        super().__init__(f"could not write {path}: {cause}{hint}")
-        self.cause_errno = getattr(cause, "errno", None)
+        super().__init__(f"could not write {path}: {cause}{hint}{detail}")
+        self.cause_errno = errno if errno is not None else getattr(cause, "errno", None)

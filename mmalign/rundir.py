@@ -25,20 +25,26 @@ a samples file) is replaced atomically (`write_atomic`: a temp file in the same 
 so a kill leaves the old or the new file, never a part of it. A torn last line of ``metrics.jsonl`` (a kill
 during an append) is dropped with a warning when the file is read. Checkpoint state files hold plain values
 and tensors only (`save_state`; NumPy arrays are stored as tagged tensors) and are read with
-``torch.load(weights_only=True)``: nothing is unpickled. A checkpoint's ``manifest.json`` lets a reader check
-every file (`checkpoint_problem`); `verified_checkpoint` picks the newest that passes, saying which it skipped.
-An I/O error while writing becomes a `RunWriteError` naming the file.
+``torch.load(weights_only=True)``: nothing is unpickled. A checkpoint's ``manifest.json`` lists every file of
+its folder, by "/"-joined path relative to it, and a reader checks them (`checkpoint_problem`: entries stay
+inside the folder, no file is unlisted, sizes before sha256); `verified_checkpoint` picks the newest that
+passes, saying which it skipped and why. Only folders named exactly ``step_XXXXXX`` are checkpoints (a copy
+``step_000004.bak`` is neither loaded nor rotated away). An I/O error while writing (safetensors' included)
+becomes a `RunWriteError` naming the file, and on a full disk the space left (`writing`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import math
 import os
+import re
 import shutil
+import stat
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -184,18 +190,62 @@ def _metrics_line_problem(line: str) -> str | None:
 # ----------------------------------------------------------------------------- safe writes
 
 
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+_OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)")
+"""How safetensors (Rust) names the errno of an I/O error: ``... No space left on device (os error 28)``."""
+
+
 @contextlib.contextmanager
 def writing(path: str | Path, *, runtime: bool = True) -> Iterator[None]:
-    """Turn an error while writing `path` (disk full, permissions; with `runtime` also a ``RuntimeError``, as
-    torch's ``unexpected pos`` of a full disk) into a `RunWriteError` naming it."""
+    """Turn an error while writing `path` into a `RunWriteError` naming it: an ``OSError`` (disk full,
+    permissions), safetensors' I/O error (``SafetensorError``, which is not an ``OSError``) and, with
+    `runtime`, a plain ``RuntimeError`` (torch's ``unexpected pos`` of a full disk). A full disk's error also
+    says how much space is left on the filesystem (`free_space_note`)."""
     try:
         yield
     except RunWriteError:
         raise
-    except (OSError, RuntimeError) as e:
-        if isinstance(e, OSError) or (runtime and type(e) is RuntimeError):
-            raise RunWriteError(path, e) from e
-        raise
+    except Exception as e:
+        if not (isinstance(e, OSError) or (runtime and type(e) is RuntimeError) or _safetensors_io_error(e)):
+            raise
+        code = getattr(e, "errno", None)
+        if not isinstance(code, int):
+            found = _OS_ERROR_TEXT.search(str(e))
+            code = int(found.group(1)) if found else None
+        full = code in _DISK_FULL or "unexpected pos" in str(e)
+        raise RunWriteError(path, e, detail=free_space_note(path) if full else "", errno=code) from e
+
+
+def _safetensors_io_error(e: BaseException) -> bool:
+    """Whether `e` is safetensors' error for a failed write (its type is not an ``OSError``)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors is a dependency
+        return False
+    return isinstance(e, SafetensorError) and ("I/O error" in str(e) or bool(_OS_ERROR_TEXT.search(str(e))))
+
+
+def free_space_note(path: str | Path) -> str:
+    """``"; 1.5 MiB left on the filesystem of FOLDER"`` for the nearest existing folder of `path` (what a
+    disk-full error adds to its message); empty when the filesystem cannot be asked."""
+    folder = Path(path)
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f"; {format_bytes(free)} left on the filesystem of {folder} (free space there to continue)"
+
+
+def format_bytes(n: int) -> str:
+    """`n` bytes for a message: ``"512 B"``, ``"1.5 KiB"``, ``"3.0 GiB"``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
@@ -240,15 +290,38 @@ def pending_checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / CHECKPOINTS_DIR / f".tmp_{step_name(step)}"
 
 
-def checkpoints(output_dir: str | Path) -> list[Path]:
-    """The complete checkpoint folders of a run, oldest first."""
+_STEP_NAME = re.compile(r"step_([0-9]{6,})", re.ASCII)
+
+
+def parse_step_name(name: str) -> int | None:
+    """The step of `name` when it is exactly `step_name` (step), e.g. ``step_000004`` -> 4; None for any other
+    name (``step_000004.bak``, ``step_4``, ``step_0000004``)."""
+    found = _STEP_NAME.fullmatch(name)
+    if found is None:
+        return None
+    step = int(found.group(1))
+    return step if step_name(step) == name else None
+
+
+def _step_folders(output_dir: str | Path) -> list[Path]:
+    """The folders of ``checkpoints/`` named exactly ``step_XXXXXX`` (complete or not), oldest first. Other
+    names (a copy ``step_000004.bak``, ``.tmp_step_000004``) and symlinks are not checkpoints: they are
+    never listed, loaded or rotated away."""
     root = Path(output_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
-    done = [
-        p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / COMPLETE_MARK).exists()
-    ]
-    return sorted(done, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
+    found = []
+    for p in root.iterdir():
+        step = parse_step_name(p.name)
+        if step is not None and not p.is_symlink() and p.is_dir():
+            found.append((step, p))
+    return [p for _, p in sorted(found)]
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoint folders of a run (named exactly ``step_XXXXXX``, holding ``COMPLETE``),
+    oldest first."""
+    return [p for p in _step_folders(output_dir) if (p / COMPLETE_MARK).exists()]
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -268,94 +341,261 @@ def finish_checkpoint(output_dir: str | Path, step: int, keep: int) -> Path:
             shutil.rmtree(final)
         tmp.rename(final)
         _fsync_dir(final.parent)
-    root = Path(output_dir) / CHECKPOINTS_DIR
-    every = sorted(
-        (p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX)),
-        key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]),
-    )
+    every = _step_folders(output_dir)  # (only step_XXXXXX folders: a copy such as step_000004.bak stays)
     for old in every[: max(0, len(every) - keep)]:
         shutil.rmtree(old)
     return final
 
 
 def checkpoint_step(path: str | Path) -> int:
-    """The step of a checkpoint folder (from its name, ``step_XXXXXX``)."""
-    return int(Path(path).name[len(CHECKPOINT_PREFIX) :])
+    """The step of a checkpoint folder (from its name, exactly ``step_XXXXXX``); another name is a
+    `CheckpointError`."""
+    step = parse_step_name(Path(path).name)
+    if step is None:
+        raise CheckpointError(
+            f"{path}: not a checkpoint folder name (checkpoint folders are named {step_name(4)} for step 4)"
+        )
+    return step
 
 
 # -- the manifest: what a reader checks before loading
+#
+# An entry of ``files`` names a file by its path relative to the checkpoint folder, folders joined with "/"
+# (``trainable.safetensors``, ``sharded/__0_0.distcp``): never absolute, no "", "." or ".." part. The
+# manifest lists every file under the folder (every entry that is not a folder, symlinks included, found
+# without following symlinks), except the folder's own ``manifest.json`` and ``COMPLETE`` mark (written
+# after the manifest; its content is never read).
 
-_HASHED: dict[tuple[str, int, int], str] = {}
-"""sha256 of files already hashed by this process, by (path, size, mtime): a checkpoint verified by
-`resolve_checkpoint` is not hashed again by `load_weights`."""
+MANIFEST_MAX_BYTES = 64 << 20
+"""A larger ``manifest.json`` is not read (one of a real checkpoint is a few hundred bytes per file)."""
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}", re.ASCII)
+_HASHED: dict[tuple[int, ...], str] = {}
+"""sha256 of files already hashed by this process, by (device, inode, size, mtime, ctime): a checkpoint
+verified by `resolve_checkpoint` is not hashed again by `load_weights`."""
 
 
-def file_sha256(path: Path, *, sync: bool = False) -> str:
-    """The sha256 of `path` (hex); with `sync`, the file is also fsynced (the writer's last step)."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+def _open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """An fd of `path` (symlinks followed) and its fstat; an ``OSError`` (``EINVAL``) when it is not a regular
+    file. Opened without blocking, so a FIFO put in place of a file cannot hang the reader."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        what = (
+            "a folder, not a file" if stat.S_ISDIR(st.st_mode) else "a special file (FIFO, socket or device)"
+        )
+        raise OSError(errno.EINVAL, f"{what}, not a regular file" if "FIFO" in what else what, str(path))
+    return fd, st
+
+
+def _sha256_fd(fd: int, st: os.stat_result, *, sync: bool = False) -> str:
+    """The sha256 of the first ``st.st_size`` bytes of the open file `fd`: never more, so the time is bounded
+    by the size checked before (a file growing meanwhile is not followed; one shrinking gives another sum)."""
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key in _HASHED and not sync:
         return _HASHED[key]
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-        if sync:
-            os.fsync(f.fileno())
+    left = st.st_size
+    while left > 0:
+        block = os.read(fd, min(left, 1 << 20))
+        if not block:
+            break
+        h.update(block)
+        left -= len(block)
+    if sync:
+        os.fsync(fd)
     _HASHED[key] = h.hexdigest()
     return _HASHED[key]
 
 
+def file_sha256(path: Path, *, sync: bool = False) -> str:
+    """The sha256 of the regular file `path` (hex); with `sync`, the file is also fsynced (the writer's last
+    step). Reads the size the open file has, no more."""
+    return _size_sha256(Path(path), sync=sync)[1]
+
+
+def _size_sha256(path: Path, *, sync: bool = False) -> tuple[int, str]:
+    fd, st = _open_regular(path)
+    try:
+        return st.st_size, _sha256_fd(fd, st, sync=sync)
+    finally:
+        os.close(fd)
+
+
+def manifest_entries(folder: str | Path) -> list[str]:
+    """The names a complete manifest of `folder` lists: every entry under it that is not a folder (regular
+    files, symlinks, anything else; found without following symlinks) as its "/"-joined path relative to
+    `folder`, sorted; the folder's own ``manifest.json`` and ``COMPLETE`` are left out."""
+    folder = Path(folder)
+    names: list[str] = []
+    pending = [("", folder)]
+    while pending:
+        prefix, current = pending.pop()
+        with os.scandir(current) as it:
+            for entry in it:
+                name = prefix + entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((name + "/", Path(entry.path)))
+                elif name not in (MANIFEST_FILE, COMPLETE_MARK):
+                    names.append(name)
+    return sorted(names)
+
+
 def write_manifest(folder: str | Path, step: int) -> Path:
-    """``manifest.json`` of a checkpoint folder: every file under it (other than the manifest and the
-    ``COMPLETE`` mark), by path relative to it, with its size and sha256. Each file is fsynced first."""
+    """``manifest.json`` of a checkpoint folder: every file under it (`manifest_entries`), by path relative to
+    it, with its size and sha256. Each file is fsynced first."""
     folder = Path(folder)
     files = {}
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and p.relative_to(folder).as_posix() not in (MANIFEST_FILE, COMPLETE_MARK):
-            with writing(p):
-                files[p.relative_to(folder).as_posix()] = {
-                    "size": p.stat().st_size,
-                    "sha256": file_sha256(p, sync=True),
-                }
+    for name in manifest_entries(folder):
+        with writing(folder / name):
+            size, sha256 = _size_sha256(folder / name, sync=True)
+        files[name] = {"size": size, "sha256": sha256}
     manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
     return write_atomic(folder / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
 
 
+def entry_name_problem(name: str) -> str | None:
+    """Why `name` cannot be an entry of a manifest (None: it can): it must be a path relative to the
+    checkpoint folder, "/"-joined, without an empty, "." or ".." part, and not the manifest itself."""
+    if not name:
+        return "an empty name"
+    if "\0" in name:
+        return "a name holding a NUL character"
+    if name.startswith("/"):
+        return "an absolute path (entries are paths relative to the checkpoint folder)"
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return "a path with an empty, '.' or '..' part (entries stay inside the checkpoint folder)"
+    if name == MANIFEST_FILE:
+        return "the manifest itself"
+    return None
+
+
+def _shown(name: str) -> str:
+    """`name` (from a manifest) for a message: quoted, at most 80 characters."""
+    return repr(name) if len(name) <= 80 else repr(f"{name[:60]}...{name[-15:]}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {_shown(key)} appears twice")
+        out[key] = value
+    return out
+
+
 def read_manifest(folder: str | Path) -> dict[str, dict[str, Any]] | None:
-    """The files a checkpoint's manifest lists (None: no manifest, a checkpoint of an older version).
-    Raises `CheckpointError` when the manifest itself is unreadable."""
+    """The files a checkpoint's manifest lists: ``{name: {"size": int, "sha256": str}}`` (None: there is no
+    manifest at all, a checkpoint of an older version). Raises `CheckpointError` when the manifest is there but
+    cannot be trusted: not a regular file (a folder, a symlink, dangling or not), over `MANIFEST_MAX_BYTES`,
+    not JSON of the manifest format, or an entry whose name is not a plain relative path
+    (`entry_name_problem`) or whose size or sha256 is not one."""
     path = Path(folder) / MANIFEST_FILE
-    if not path.is_file():
-        return None
     try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
-        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
-            raise ValueError(f"format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-        return {str(k): {"size": int(v["size"]), "sha256": str(v["sha256"])} for k, v in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        why = "a symlink; a checkpoint's manifest is a regular file" if e.errno == errno.ELOOP else e.strerror
+        raise CheckpointError(f"{path}: unreadable manifest ({why})") from None
+    try:
+        try:  # (what it is, checked on the open file before anything is read)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                what = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+                raise ValueError(f"{what}; a checkpoint's manifest is a regular file")
+            if st.st_size > MANIFEST_MAX_BYTES:
+                raise ValueError(f"{st.st_size} bytes, more than a manifest holds ({MANIFEST_MAX_BYTES})")
+            raw = b""
+            while len(raw) < st.st_size:  # (at most its size: a file still growing is not followed)
+                block = os.read(fd, st.st_size - len(raw))
+                if not block:
+                    break
+                raw += block
+        finally:
+            os.close(fd)
+        manifest = json.loads(raw, object_pairs_hook=_unique_keys)
+        if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+            found = manifest.get("format") if isinstance(manifest, dict) else None
+            raise ValueError(f"format {found!r}, expected {MANIFEST_FORMAT!r}")
+        files = manifest.get("files")
+        if not isinstance(files, dict):
+            raise ValueError("'files' is not an object")
+        out: dict[str, dict[str, Any]] = {}
+        for name, entry in files.items():
+            problem = entry_name_problem(name)
+            if problem is not None:
+                raise ValueError(f"entry {_shown(name)} is {problem}")
+            size = entry.get("size") if isinstance(entry, dict) else None
+            sha256 = entry.get("sha256") if isinstance(entry, dict) else None
+            if (
+                type(size) is not int
+                or size < 0
+                or not isinstance(sha256, str)
+                or not _SHA256_HEX.fullmatch(sha256)
+            ):
+                raise ValueError(f"entry {_shown(name)} is not {{'size': bytes, 'sha256': 64 hex digits}}")
+            out[name] = {"size": size, "sha256": sha256}
+        return out
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: unreadable manifest ({type(e).__name__}: {e})") from None
 
 
+def _outside_problem(base: Path, folder: Path, name: str) -> str | None:
+    """Why the entry `name` does not stay inside the checkpoint folder once symlinks are resolved (`base`:
+    the folder resolved); the message says nothing about what lies outside."""
+    try:
+        target = (folder / name).resolve()
+    except (OSError, RuntimeError):
+        return "cannot be resolved (a symlink loop?)"
+    if not target.is_relative_to(base):
+        return "leads outside the checkpoint folder (through a symlink)"
+    return None
+
+
 def file_problem(folder: str | Path, relative: str, entry: dict[str, Any]) -> str | None:
-    """Why the file `relative` of a checkpoint does not match its manifest `entry` (None: it matches)."""
-    path = Path(folder) / relative
-    if not path.is_file():
+    """Why the file `relative` of a checkpoint does not match its manifest `entry` (None: it matches): a name
+    that leaves the folder (nothing outside it is opened), missing, not a regular file, another size (compared
+    on the open file before anything is read: a file of the wrong size is never hashed), another sha256."""
+    folder = Path(folder)
+    manifest = folder / MANIFEST_FILE
+    problem = entry_name_problem(relative)
+    if problem is not None:
+        return f"{manifest}: entry {_shown(relative)} is {problem}"
+    try:
+        base = folder.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return f"{folder}: the checkpoint folder cannot be read"
+    problem = _outside_problem(base, folder, relative)
+    if problem is not None:
+        return f"{manifest}: entry {_shown(relative)} {problem}"
+    path = folder / relative
+    try:
+        fd, st = _open_regular(path)
+    except FileNotFoundError:
         return f"{path}: missing (listed in {MANIFEST_FILE})"
-    size = path.stat().st_size
-    if size != entry["size"]:
-        return f"{path}: {size} bytes, {MANIFEST_FILE} says {entry['size']} (truncated or overwritten)"
-    if file_sha256(path) != entry["sha256"]:
-        return f"{path}: sha256 differs from {MANIFEST_FILE} (the file is corrupted)"
+    except OSError as e:
+        return f"{path}: {e.strerror} (listed in {MANIFEST_FILE} as a file)"
+    try:
+        if st.st_size != entry["size"]:
+            return (
+                f"{path}: {st.st_size} bytes, {MANIFEST_FILE} says {entry['size']} (truncated or overwritten)"
+            )
+        if _sha256_fd(fd, st) != entry["sha256"]:
+            return f"{path}: sha256 differs from {MANIFEST_FILE} (the file is corrupted)"
+    except OSError as e:
+        return f"{path}: unreadable ({e.strerror})"
+    finally:
+        os.close(fd)
     return None
 
 
 def checkpoint_problem(folder: str | Path, *, only: tuple[str, ...] | None = None) -> str | None:
-    """Why the checkpoint `folder` cannot be trusted: the first file that fails its manifest (missing, wrong
-    size, wrong sha256), or an unreadable manifest. None when every file (or every file of `only`) checks
-    out, and for a checkpoint without a manifest (written by an older version), which is accepted with a
-    warning."""
+    """Why the checkpoint `folder` cannot be trusted, naming it and the reason (None: it can). In order, each
+    check cheap before the next: the manifest is readable (`read_manifest`); every entry stays inside the
+    folder, symlinks resolved; every file in the folder is listed (`manifest_entries`: an empty ``files``
+    does not pass); every listed file (of `only`, when given) has its size; then their sha256. A checkpoint
+    without any manifest (written by an older version) is accepted with a warning."""
     folder = Path(folder)
     try:
         files = read_manifest(folder)
@@ -368,11 +608,40 @@ def checkpoint_problem(folder: str | Path, *, only: tuple[str, ...] | None = Non
             MANIFEST_FILE,
         )
         return None
-    for relative, entry in files.items():
-        if only is None or relative in only:
-            problem = file_problem(folder, relative, entry)
-            if problem is not None:
-                return problem
+    manifest = folder / MANIFEST_FILE
+    try:
+        base = folder.resolve(strict=True)
+        present = manifest_entries(folder)
+    except (OSError, RuntimeError) as e:
+        return f"{folder}: the checkpoint folder cannot be read ({type(e).__name__})"
+    for name in files:
+        problem = _outside_problem(base, folder, name)
+        if problem is not None:
+            return f"{manifest}: entry {_shown(name)} {problem}"
+    unlisted = [name for name in present if name not in files]
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        return (
+            f"{folder / unlisted[0]}{more}: not listed in {MANIFEST_FILE}, which lists every file of a checkpoint "
+            "(added after it was written, or the manifest was replaced)"
+        )
+    checked = [(name, entry) for name, entry in files.items() if only is None or name in only]
+    for name, entry in checked:  # sizes first: a file of the wrong size is never hashed
+        path = folder / name
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return f"{path}: missing (listed in {MANIFEST_FILE})"
+        except OSError:
+            continue  # (file_problem says why)
+        if stat.S_ISREG(st.st_mode) and st.st_size != entry["size"]:
+            return (
+                f"{path}: {st.st_size} bytes, {MANIFEST_FILE} says {entry['size']} (truncated or overwritten)"
+            )
+    for name, entry in checked:
+        problem = file_problem(folder, name, entry)
+        if problem is not None:
+            return problem
     return None
 
 

@@ -18,11 +18,15 @@
   are its two halves (per-sample values, then the means).
 - `evaluate_run(cfg, components, ...)`: the before/after report: the base model and the checkpoint,
   side by side; with ``rank`` / ``world`` each process scores its chunks and every process gets the report.
+  A checkpoint rotated away by the run still training (between its resolution and its loading, after the
+  base half) is replaced once by the newest checkpoint that verifies; with ``report_path`` the report is
+  written after each half, so a failure of the trained half keeps the base half (and says why).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import random
@@ -46,11 +50,13 @@ __all__ = [
     "format_report",
     "generate",
     "generate_chunks",
+    "load_trained",
     "load_weights",
     "resolve_checkpoint",
     "score",
     "score_table",
     "summarize",
+    "write_report",
 ]
 
 
@@ -292,6 +298,84 @@ def eval_rows(cfg: Config, components: Any) -> list[dict[str, Any]]:
     return list(rows)
 
 
+def _vanished(checkpoint: Path) -> bool:
+    """Whether `checkpoint`, resolved complete, has since been removed (rotated away by a run still training:
+    its folder, ``COMPLETE`` mark or weights are gone)."""
+    from mmalign.rundir import COMPLETE_MARK, TRAINABLE_FILE
+
+    return not all((checkpoint / name).is_file() for name in (COMPLETE_MARK, TRAINABLE_FILE))
+
+
+def load_trained(policy: Any, checkpoint: Path) -> Path:
+    """`load_weights` of `checkpoint` into `policy`, returning the checkpoint loaded. When `checkpoint` (a
+    folder of a run's ``checkpoints/``) was removed since it was resolved, as a run still training rotates
+    old checkpoints away, the newest checkpoint of that run that verifies is loaded instead, once, with a
+    warning. Any other failure, or none to fall back to, raises (`CheckpointError`, `ConfigError`)."""
+    from mmalign.rundir import CHECKPOINTS_DIR, verified_checkpoint
+
+    checkpoint = Path(checkpoint)
+    try:
+        load_weights(policy, checkpoint)
+        return checkpoint
+    except (ConfigError, CheckpointError):
+        if checkpoint.parent.name != CHECKPOINTS_DIR or not _vanished(checkpoint):
+            raise
+    run_dir = checkpoint.parent.parent
+    newest = verified_checkpoint(run_dir)
+    if newest is None or newest == checkpoint:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was removed before its weights were loaded (rotated away by the run still "
+            f"training?) and {run_dir} has no other checkpoint that verifies; evaluate again, or pass "
+            "--checkpoint with a folder outside checkpoints/"
+        )
+    log.warning(
+        "checkpoint %s was removed before its weights were loaded (rotated away by the run still training?); "
+        "evaluating the newest checkpoint that verifies instead: %s",
+        checkpoint,
+        newest,
+    )
+    load_weights(policy, newest)
+    return newest
+
+
+def _agreed_checkpoint(used: Path | None, error: Exception | None, rank: int, world: int) -> Path:
+    """The checkpoint every process loaded (`used` here, or `error`): on several processes their outcomes
+    are gathered first, so all of them raise, or go on with the same weights."""
+    if world == 1:
+        if error is not None:
+            raise error
+        assert used is not None
+        return used
+    from accelerate.utils import gather_object
+
+    outcomes = gather_object(
+        [(rank, None if used is None else str(used), None if error is None else str(error))]
+    )
+    if error is not None:
+        raise error
+    failed = [f"process {r}: {e}" for r, _, e in outcomes if e is not None]
+    if failed:
+        raise CheckpointError(f"loading the checkpoint failed on another process: {failed[0]}")
+    loaded = sorted({p for _, p, _ in outcomes if p is not None})
+    if len(loaded) > 1:
+        raise CheckpointError(
+            f"the processes loaded different checkpoints ({', '.join(loaded)}): checkpoints were rotated during "
+            "the evaluation; evaluate again, or pass --checkpoint with a folder outside checkpoints/"
+        )
+    assert used is not None
+    return used
+
+
+def write_report(report: dict[str, Any], path: str | Path) -> Path:
+    """Write the report of `evaluate_run` to `path` (JSON, atomically: a kill leaves the old file or this)."""
+    from mmalign.rundir import write_atomic, writing
+
+    path = Path(path)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return write_atomic(path, json.dumps(report, indent=2) + "\n")
+
+
 def evaluate_run(
     cfg: Config,
     components: Any,
@@ -301,12 +385,19 @@ def evaluate_run(
     progress: bool = True,
     rank: int = 0,
     world: int = 1,
+    report_path: str | Path | None = None,
 ) -> dict[str, Any]:
     """Score the base model (if `compare_base` or no checkpoint) and the `checkpoint` on the evaluation
     prompts with the same seeds. `components` must be freshly built (its policy holding the base weights,
-    as `mmalign eval` builds them); the checkpoint's weights are loaded into it afterwards. Returns ``{"base":
-    scores, "trained": scores, "checkpoint": str, ...}``, with ``"sampler"`` (how the samples were drawn, e.g.
-    ``{"sampler": "ode", "num_steps": 10}``) for a policy with an evaluation sampler (`eval_sampling`).
+    as `mmalign eval` builds them); the checkpoint's weights are loaded into it afterwards (`load_trained`:
+    a checkpoint rotated away meanwhile is replaced once by the newest that verifies). Returns ``{"base":
+    scores, "trained": scores, "checkpoint": str, ...}`` (``"checkpoint_requested"`` too when it was
+    replaced), with ``"sampler"`` (how the samples were drawn, e.g. ``{"sampler": "ode", "num_steps": 10}``)
+    for a policy with an evaluation sampler (`eval_sampling`).
+
+    `report_path` (given to one process only): the report is written there after each half (`write_report`);
+    when the trained half fails, the file keeps the base half with ``"trained_error"`` saying why, and the
+    error is raised.
 
     In a multi-process launch (`world` processes, this one `rank`; every process calls this) each process
     generates and scores its chunks (`generate_chunks`) and the score tables are gathered in chunk order, so
@@ -353,9 +444,28 @@ def evaluate_run(
 
     if compare_base or checkpoint is None:
         report["base"] = run()
+        if report_path is not None:
+            write_report(report, report_path)
     if checkpoint is not None:
-        load_weights(policy, checkpoint)
-        report["trained"] = run()
+        try:
+            used, error = None, None
+            try:
+                used = load_trained(policy, checkpoint)
+            except Exception as e:  # noqa: BLE001 - re-raised by _agreed_checkpoint, after the other processes
+                error = e
+            used = _agreed_checkpoint(used, error, rank, world)
+            if used != checkpoint:
+                report["checkpoint_requested"] = report["checkpoint"]
+                report["checkpoint"] = str(used)
+            report["trained"] = run()
+        except Exception as e:
+            if report_path is not None and "base" in report:
+                report["trained_error"] = f"{type(e).__name__}: {e}"
+                write_report(report, report_path)
+                log.error("the trained half of the evaluation failed; the base half is in %s", report_path)
+            raise
+        if report_path is not None:
+            write_report(report, report_path)
     return report
 
 
