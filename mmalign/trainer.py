@@ -16,7 +16,9 @@ Run directory (``output_dir``): ``config.yaml``, ``metrics.jsonl`` (one JSON obj
 ``samples/`` (what `Policy.sample_view` shows of each sample, its rewards and advantage), ``checkpoints/``
 (trainable weights, optimizer, scheduler, RNG of each process -- the global ones and the policy's own
 generators -- sampler and filter state) and ``final/`` (the trained model or adapter); `mmalign.rundir`
-owns that layout.
+owns that layout. The main process holds the run lock (`mmalign.runlock`: one writer per run directory) from
+set-up until `train` ends. A resume compares the config with the run's saved one: the changes listed in
+`RESUME_APPLIES` (learning rate, schedule, clipping, steps, intervals, ...) are applied, any other is refused.
 
 The trainer knows no modality: what is special to a model family sits behind the hooks of
 `mmalign.policies.base.Policy` (sampling, materialising outputs for the rewards, what a sample looks
@@ -29,6 +31,7 @@ logs nothing else.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -58,9 +61,10 @@ from mmalign import is_correction as isc
 from mmalign import losses as loss_lib
 from mmalign import prompt_samplers as sampler_lib
 from mmalign import reward_transforms as rt_lib
-from mmalign import rundir
+from mmalign import rundir, runlock
 from mmalign.batch import Rollout
-from mmalign.config import Config, ConfigError, check_names
+from mmalign.config import GUARD_ADV_CLIP, Config, ConfigError, check_names, yaml_key
+from mmalign.data import DataError
 from mmalign.distributed import is_fsdp2
 from mmalign.errors import CheckpointError, MmalignError, RunWriteError
 from mmalign.policies.base import ActionStats, RunInfo
@@ -122,6 +126,174 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------- resuming with a changed config
+_OPTIMIZER = "set in the optimizer's param groups after the checkpoint is loaded"
+_SCHEDULE = "the learning-rate schedule, recomputed at the current step after the checkpoint is loaded"
+_TRACKERS = "the experiment trackers (built from the config)"
+_MEMORY = "memory and speed only (the model is built with it)"
+_WRITES = "what the run writes from now on"
+
+RESUME_APPLIES: dict[str, str] = {
+    "trainer.steps": "the run trains up to the new step count (and the schedule's length)",
+    "trainer.lr": "the learning rate: the optimizer's param groups (lr, initial_lr) and the scheduler's base_lrs, "
+    "set after the checkpoint is loaded",
+    "trainer.lr_scheduler": _SCHEDULE,
+    "trainer.warmup_steps": _SCHEDULE,
+    "trainer.weight_decay": _OPTIMIZER,
+    "trainer.betas": _OPTIMIZER,
+    "trainer.adam_eps": _OPTIMIZER,
+    "trainer.max_grad_norm": "gradient clipping, from the next optimizer step",
+    "trainer.microbatch_size": "memory only: gradients still accumulate over the same minibatch",
+    "trainer.log_every": _WRITES,
+    "trainer.sample_every": _WRITES,
+    "trainer.save_every": _WRITES,
+    "trainer.keep_checkpoints": _WRITES,
+    "trainer.progress_bar": "the progress bar",
+    "trainer.nan_reward_steps": "the NaN-reward stop, from now on",
+    "trainer.dist_timeout_s": "the process group's timeout and the heartbeat watchdog",
+    "trainer.log_with": _TRACKERS,
+    "trainer.tracker_project": _TRACKERS,
+    "trainer.tracker_kwargs": _TRACKERS,
+    "trainer.tracker_media": _TRACKERS,
+    "model.gradient_checkpointing": _MEMORY,
+    "model.logprob_chunk_size": _MEMORY,
+    "model.logprob_memory_mb": _MEMORY,
+    "eval": "evaluation and the over-optimisation watchdog (no training state depends on them)",
+    "output_dir": "where the run directory is now (it was moved)",
+    "overwrite": "nothing (a resume never removes the run)",
+}
+"""The config keys ``--resume`` may change, each with how the change takes effect: the one list of them (a key
+names itself and every key under it: ``eval`` covers ``eval.group_size``). A resume compares the config it is
+given with the run's saved ``config.yaml`` (`resume_changes`): a changed key listed here is applied and reported;
+a change of any other key (the model, LoRA, the data, the rewards, the group size, the algorithm, the seed,
+...) is refused before the checkpoint is loaded, because the checkpoint's weights, optimizer and sampler state
+were made under the saved value. The optimizer's hyperparameters and the LR schedule are always set from the
+config after a checkpoint is loaded (`GroupTrainer.load_checkpoint`), so an unchanged config resumes exactly."""
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+ABSENT: Any = _Absent()
+"""`ConfigChange.old` of a key the saved config does not have (or `new` of one the current config lacks)."""
+
+
+def resume_rule(key: str) -> str | None:
+    """How a change of config key `key` (dotted, ``rewards[0].weight``) takes effect on a resume
+    (`RESUME_APPLIES`); None when a resume cannot change it."""
+    for prefix, how in RESUME_APPLIES.items():
+        if key == prefix or key.startswith((prefix + ".", prefix + "[")):
+            return how
+    return None
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """A config key whose value differs between a run's saved ``config.yaml`` and the config it resumes with."""
+
+    key: str
+    """Dotted, as in an override (``trainer.lr``, ``rewards[0].weight``)."""
+    old: Any
+    """The saved value (`ABSENT` when the saved config has no such key)."""
+    new: Any
+
+    @property
+    def how(self) -> str | None:
+        """How the change takes effect (`resume_rule`); None: a resume cannot change this key."""
+        return resume_rule(self.key)
+
+    def describe(self) -> str:
+        """``trainer.lr: 0.0003 -> 0.003``."""
+        return f"{self.key}: {_shown(self.old)} -> {_shown(self.new)}"
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if value is ABSENT else json.dumps(value)
+    return text if len(text) <= 80 else text[:70] + " ... " + text[-5:]
+
+
+def config_changes(saved: dict[str, Any], cfg: Config) -> list[ConfigChange]:
+    """Every key whose value differs between `saved` (a run's ``config.yaml``, as read) and `cfg`, compared as
+    ``config.yaml`` stores them. A key the saved config lacks (written by an older mmalign) counts as a change
+    only when `cfg` does not hold its default; a saved key the schema no longer has is ignored."""
+    new = yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    out: list[ConfigChange] = []
+    _diff_section(cfg, saved, new, "", out)
+    return out
+
+
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return ABSENT
+
+
+def _diff_section(
+    obj: Any, old: dict[str, Any], new: dict[str, Any], prefix: str, out: list[ConfigChange]
+) -> None:
+    """The changed keys of one config section (a dataclass `obj`, its plain values `new`, the saved `old`)."""
+    for f in dataclasses.fields(obj):
+        if not f.compare:  # (Config.source: where the config was read from)
+            continue
+        name = yaml_key(f)
+        key = f"{prefix}{name}"
+        value = getattr(obj, f.name)
+        before = old.get(name, ABSENT)
+        after = new.get(name)
+        default = _field_default(f)
+        if dataclasses.is_dataclass(value) and (
+            isinstance(before, dict) or (before is ABSENT and dataclasses.is_dataclass(default))
+        ):
+            _diff_section(value, before if isinstance(before, dict) else {}, after, key + ".", out)
+        elif (
+            isinstance(value, list)
+            and value
+            and all(dataclasses.is_dataclass(v) for v in value)
+            and isinstance(before, list)
+            and len(before) == len(value)
+            and all(isinstance(b, dict) for b in before)
+        ):
+            for i, (v, b, a) in enumerate(zip(value, before, after, strict=True)):
+                _diff_section(v, b, a, f"{key}[{i}].", out)
+        elif before is ABSENT:
+            if default is ABSENT or after != yaml.safe_load(yaml.safe_dump(default)):
+                out.append(ConfigChange(key, ABSENT, after))
+        elif before != after:
+            out.append(ConfigChange(key, before, after))
+
+
+def resume_changes(output_dir: str | Path, cfg: Config) -> list[ConfigChange]:
+    """The changes of `cfg` against the run's saved ``config.yaml`` that a resume applies (`RESUME_APPLIES`);
+    any other change is a `ConfigError` naming each such key with both values. [] when the run has no
+    readable ``config.yaml`` (nothing to compare with; logged)."""
+    path = Path(output_dir) / rundir.CONFIG_FILE
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        log.warning("--resume: cannot compare the config with %s (%s): changed keys are not checked", path, e)
+        return []
+    if not isinstance(saved, dict):
+        log.warning("--resume: %s is not a mapping: changed keys are not checked", path)
+        return []
+    changes = config_changes(saved, cfg)
+    refused = [c for c in changes if c.how is None]
+    if refused:
+        one = len(refused) == 1
+        raise ConfigError(
+            f"--resume: {'; '.join(c.describe() for c in refused)} (the run's {path} -> now): "
+            f"{'this key' if one else 'these keys'} cannot change when a run is resumed (its checkpoint was "
+            f"trained with the saved {'value' if one else 'values'}). Set {'it' if one else 'them'} back, or "
+            "start a new run (another output_dir=..., or overwrite=true). A resume may change the learning rate "
+            "and its schedule, gradient clipping, trainer.steps, the logging and saving intervals and a few more "
+            "(mmalign.trainer.RESUME_APPLIES)"
+        )
+    return changes
 
 
 class GroupTrainer:
@@ -194,6 +366,12 @@ class GroupTrainer:
         """The rollout workers' random states read from the checkpoint resumed from (None: start fresh)."""
         self._async_step: dict[str, float] = defaultdict(float)
         set_seed(cfg.seed + 1000 * self.rank)
+        self._run_lock: runlock.RunLock | None = None
+        """The main process's hold on the run lock (`mmalign.runlock`), from set-up until `train` ends."""
+        self.resumed_from: Path | None = None
+        """The checkpoint a resume loaded (None: a new run)."""
+        self.config_changes: list[ConfigChange] = []
+        """A resume's changed config keys, each applied (`RESUME_APPLIES`)."""
         self._prepare_output_dir(resume)
 
     # ----------------------------------------------------------------- set-up
@@ -240,6 +418,19 @@ class GroupTrainer:
             else None
         )
         """SPO's KL-adaptive decay: each prompt's last response, re-scored at its next visit (policy_shift)."""
+        self.adv_clip = a.adv_clip
+        """The advantage clamp: ``algorithm.adv_clip``, or `GUARD_ADV_CLIP` when it is null and the policy
+        scores with GRPO-Guard's RatioNorm (``options.guard_ratio_norm``), as verl-omni's GRPO-Guard loss."""
+        if self.adv_clip is None and getattr(self.policy, "guard_ratio_norm", False):
+            self.adv_clip = GUARD_ADV_CLIP
+            if self.is_main:
+                log.warning(
+                    "algorithm.adv_clip is null and options.guard_ratio_norm is on: advantages are clamped to "
+                    "[-%g, %g], as verl-omni's GRPO-Guard loss (adv_clip_max); set algorithm.adv_clip to "
+                    "choose another bound",
+                    GUARD_ADV_CLIP,
+                    GUARD_ADV_CLIP,
+                )
         self.loss_fn = loss_lib.get(a.loss)
         loss_options = loss_lib.options(a.loss)
         self.loss_takes_group_std = "group_std" in loss_options
@@ -358,21 +549,82 @@ class GroupTrainer:
         return 0.5 * (1.0 + math.cos(math.pi * frac))
 
     def _prepare_output_dir(self, resume: bool) -> None:
+        """Take the run lock (`mmalign.runlock`; the main process), check the output directory, then, resuming:
+        refuse a config change a resume cannot apply (`resume_changes`, before anything is loaded), load the
+        newest checkpoint that verifies and drop the metrics of later steps; with ``overwrite``: remove the
+        previous run, saying what (a warning). Then write ``config.yaml``. A failure releases the lock."""
+        self._take_run_lock()
+        try:
+            self._set_up_output_dir(resume)
+        except BaseException:
+            self.release_run_lock()
+            raise
+
+    def _set_up_output_dir(self, resume: bool) -> None:
         rundir.check_output_dir(self.cfg, resume)  # (the CLI made the same check before building the model)
         if resume:
+            changes = resume_changes(self.out, self.cfg)
             # the newest checkpoint whose files match its manifest and load; the ones skipped are logged
             ckpt = rundir.verified_checkpoint(self.out, load=self.load_checkpoint)
             assert ckpt is not None
+            self.resumed_from, self.config_changes = ckpt, changes
+            log.info("resuming from step %d (checkpoint %s)", self.step, ckpt)
+            for change in changes:
+                log.info("resume: %s (applied: %s)", change.describe(), change.how)
             if self.is_main:  # drop metrics of steps after the checkpoint (and a torn last line)
                 rundir.truncate_metrics(self.out, self.step)
         elif self.is_main and self.cfg.overwrite:
-            rundir.clear_run(self.out)
+            self._clear_previous_run()
         if self.is_main:
             with rundir.writing(self.out):
                 self.out.mkdir(parents=True, exist_ok=True)
             resolved = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
             rundir.write_atomic(self.out / rundir.CONFIG_FILE, resolved)
         self.accelerator.wait_for_everyone()
+
+    def _clear_previous_run(self) -> None:
+        """``overwrite=true``: remove what the previous run in the output directory wrote (`rundir.clear_run`),
+        with a warning that names it."""
+        found = []
+        for name in rundir.RUN_OUTPUTS:
+            path = self.out / name
+            if not path.exists():
+                continue
+            if name == rundir.METRICS_FILE:
+                with contextlib.suppress(OSError), path.open("rb") as f:
+                    name += f" ({sum(1 for line in f if line.strip())} rows)"
+            elif name == rundir.CHECKPOINTS_DIR:
+                done = [c.name for c in rundir.checkpoints(self.out)]
+                name += f"/ ({', '.join(done) if done else 'no complete checkpoint'})"
+            elif path.is_dir():
+                name += "/"
+            found.append(name)
+        if found:
+            log.warning("overwrite=true: removing the previous run in %s: %s", self.out, ", ".join(found))
+        rundir.clear_run(self.out)
+
+    def _take_run_lock(self) -> None:
+        """The main process takes the run lock (`mmalign.runlock.acquire`, re-entrant: `mmalign train` took it
+        before the model loaded) unless it holds it; a `RunLockedError` is raised on every process."""
+        problem: str | None = None
+        if self.is_main and self._run_lock is None:
+            try:
+                self._run_lock = runlock.acquire(self.out)
+            except runlock.RunLockedError as e:
+                problem = str(e)
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            problem = gather_object([problem])[0]  # the main process's answer, on every process
+        if problem is not None:
+            raise runlock.RunLockedError(problem)
+
+    def release_run_lock(self) -> None:
+        """Give up this trainer's hold on the run lock (`train` does when it ends; it takes it again to train
+        more)."""
+        if self._run_lock is not None:
+            self._run_lock.release()
+            self._run_lock = None
 
     # ----------------------------------------------------------------- rollout
     def _gather(self, x: Tensor) -> Tensor:
@@ -684,7 +936,7 @@ class GroupTrainer:
             keep = adv_lib.loss_sample_mask(a.estimator, rewards, group, **opts)
         except TypeError as e:
             raise ConfigError(f"{self.cfg.source}: key 'algorithm.estimator_kwargs': {e}") from None
-        return adv_lib.clip_advantages(adv, a.adv_clip), keep
+        return adv_lib.clip_advantages(adv, self.adv_clip), keep
 
     def _local_slice(self, x: Tensor, n_local: int) -> Tensor:
         return x[self.rank * n_local : (self.rank + 1) * n_local]
@@ -1171,7 +1423,15 @@ class GroupTrainer:
         self._stop_reason = reason
 
     def train(self) -> list[dict[str, Any]]:
-        """Train until `trainer.steps`; returns the metrics of the steps run now."""
+        """Train until `trainer.steps`; returns the metrics of the steps run now. The run lock is held while it
+        runs (taken again when an earlier `train` released it) and released when it returns or fails."""
+        self._take_run_lock()
+        try:
+            return self._train()
+        finally:
+            self.release_run_lock()
+
+    def _train(self) -> list[dict[str, Any]]:
         t = self.cfg.trainer
         bar = tqdm(
             total=t.steps,
@@ -1223,7 +1483,8 @@ class GroupTrainer:
             bar.close()
             self._async_close()
             if metrics_f is not None:
-                metrics_f.close()
+                with contextlib.suppress(OSError):  # a full disk: the failed append has said which file
+                    metrics_f.close()
             self._emit("on_train_end")
         try:
             with rundir.writing(self.out / rundir.FINAL_DIR, runtime=False):
@@ -1278,6 +1539,11 @@ class GroupTrainer:
                 f"same NaN at step {step}"
             )
         where = f"the last complete checkpoint: {newest}" if newest else "no checkpoint yet"
+        if isinstance(e, DataError):  # --resume alone would meet the same row again
+            return TrainingError(
+                f"{head}\n  kept: {kept}; {where}; fix or remove that row (or set options.on_bad_row: skip), "
+                "then continue with --resume"
+            )
         return TrainingError(
             f"{head}\n  kept: {kept}; {where}" + (" (continue with --resume)" if newest else "")
         )
@@ -1488,6 +1754,27 @@ class GroupTrainer:
         # an asynchronous run's rollout workers continue their random streams (None: a synchronous run's
         # checkpoint; the workers start from this process's restored state)
         self._async_rngs = rng.get("async_workers")
+        self._apply_optimizer_config()
+
+    def _apply_optimizer_config(self) -> None:
+        """After a checkpoint is loaded: the optimizer's and the LR schedule's hyperparameters from the config
+        (their state_dicts restored the values the run was saved with). Every param group's ``initial_lr``,
+        ``weight_decay``, ``betas``, ``eps``, the scheduler's ``base_lrs`` = ``trainer.lr``, and the current
+        ``lr`` = ``trainer.lr`` x the schedule (`_lr_lambda`) at the current step, as ``LambdaLR`` computes it.
+        With the saved config every value is the one restored (the resume stays exact); with a changed
+        ``trainer.lr``, schedule, ``trainer.steps`` or AdamW setting the run trains with the new one."""
+        t = self.cfg.trainer
+        groups = self.optimizer.param_groups
+        for group in groups:
+            group["initial_lr"] = t.lr
+            group["weight_decay"] = t.weight_decay
+            group["betas"] = tuple(t.betas)
+            group["eps"] = t.adam_eps
+        self.scheduler.base_lrs = [t.lr for _ in groups]
+        factor = self._lr_lambda(self.scheduler.last_epoch)
+        for group in groups:
+            group["lr"] = t.lr * factor
+        self.scheduler._last_lr = [group["lr"] for group in groups]  # (what get_last_lr returns)
 
 
 # ----------------------------------------------------------------- update parts

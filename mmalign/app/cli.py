@@ -1,6 +1,6 @@
 """The `mmalign` command.
 
-    mmalign train CONFIG.yaml [key.sub=value ...] [--resume]
+    mmalign train CONFIG.yaml [key.sub=value ...] [--resume [key.sub=value ...]]
     mmalign sample CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--prompt TEXT ...] [-n N]
     mmalign eval CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--no-base]
     mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps|loops]
@@ -18,14 +18,16 @@ Before any model is built or loaded, a command checks everything that needs none
 (`mmalign.app.preflight.validate`: the pipeline and registry names, the output directory, the rewards, the
 model folders; then the pipeline reads its data files), so a wrong command fails in seconds with one
 `mmalign: error: ...` line (any `mmalign.errors.MmalignError`) and leaves an existing run as it was.
+
+`train` holds the run lock of its output directory from before the model loads (`mmalign.runlock`: a second
+writer is refused, naming the first); ``--resume`` applies the changed keys a resume can apply and refuses the
+others (`mmalign.trainer.resume_changes`). `sample` and `eval` only read a run and take no lock.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
-import logging
 import os
 import sys
 import traceback
@@ -57,9 +59,36 @@ def _prepare(
     from mmalign.app.preflight import validate
     from mmalign.config import load_config
 
+    _check_config_file(args.config)
     cfg = load_config(args.config, args.overrides, pipeline_finder=pipelines.find)
     build = validate(cfg, resume=resume, eval_rewards=eval_rewards)
     return cfg, build
+
+
+def _check_config_file(config: str) -> None:
+    """A config path that is not a file is a `ConfigError` that suggests the closest names (difflib) among the
+    YAML files of its folder and of ``configs/`` (in the working directory and in this checkout)."""
+    import difflib
+
+    from mmalign.config import ConfigError
+
+    path = Path(config)
+    if path.is_file():
+        return
+    here = Path.cwd().resolve()
+    found: dict[str, str] = {}  # the path shown (relative to the working directory when inside it) -> name
+    for folder in (path.parent, Path("configs"), Path(__file__).resolve().parents[2] / "configs"):
+        if folder.is_dir():
+            for file in folder.glob("*.y*ml"):
+                real = file.resolve()
+                found.setdefault(
+                    str(real.relative_to(here) if real.is_relative_to(here) else real), file.name
+                )
+    close = difflib.get_close_matches(path.name, sorted(set(found.values())), n=3, cutoff=0.6)
+    suggestions = [shown for name in close for shown, n in sorted(found.items()) if n == name][:3]
+    what = " (it is a directory)" if path.is_dir() else ""
+    hint = f"; did you mean {' or '.join(suggestions)}?" if suggestions else ""
+    raise ConfigError(f"config file not found: {path}{what}{hint}")
 
 
 def _load(
@@ -124,17 +153,54 @@ def _end_processes(args: argparse.Namespace, state: Any) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """Train (or, with ``--resume``, continue) a run. Before any model is built: the one validation pass
+    (`_prepare`), the run lock (`mmalign.runlock`: a second writer into the same output_dir is refused, naming
+    the first), and for a resume the config compared with the run's saved one (`mmalign.trainer.resume_changes`:
+    a change it cannot apply is refused) and a finished run reported as such."""
+    from mmalign import rundir, runlock
+    from mmalign.app.run import build_trainer
+    from mmalign.trainer import set_seed
+
+    cfg, build = _prepare(args, resume=args.resume)
+    args._output_dir = cfg.output_dir  # (for the message of an interrupt: `_interrupted`)
+    lock = runlock.acquire(cfg.output_dir, command=_command_line(args)) if _main_rank() else None
+    try:
+        rundir.check_output_dir(cfg, args.resume)  # again, now that no other writer can change the folder
+        if args.resume:
+            from mmalign.trainer import resume_changes
+
+            resume_changes(cfg.output_dir, cfg)  # a change a resume cannot apply fails here, before the model
+            if _finished(args, cfg):
+                return 0
+        set_seed(cfg.seed)
+        trainer = build_trainer(cfg, build(cfg), resume=args.resume)
+        args._trainer = trainer
+        return _train(args, cfg, trainer)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(args: argparse.Namespace, cfg: Config, trainer: Any) -> int:
+    """`cmd_train` once the trainer is built: what a resume loaded and changed, the training, the summary."""
     import json
 
     from mmalign import rundir
-    from mmalign.app.run import build_trainer
     from mmalign.distributed import check_launch
 
-    cfg, components = _load(args, resume=args.resume)
-    trainer = build_trainer(cfg, components, resume=args.resume)
     acc = trainer.accelerator
     check_launch(acc.distributed_type, acc.num_processes)
     if trainer.is_main:
+        if trainer.resumed_from is not None:
+            print(f"resuming from step {trainer.step} (checkpoint {trainer.resumed_from})", flush=True)
+            for change in trainer.config_changes:
+                print(f"resume: {change.describe()} (applied: {change.how})", flush=True)
+            if trainer.step >= cfg.trainer.steps:
+                print(
+                    f"step {trainer.step} of trainer.steps={cfg.trainer.steps} is trained already: writing "
+                    f"{Path(cfg.output_dir) / rundir.FINAL_DIR} only",
+                    flush=True,
+                )
         info = distributed_info(acc.distributed_type, acc.num_processes)
         record = Path(cfg.output_dir) / rundir.DISTRIBUTED_FILE
         if acc.num_processes > 1:
@@ -154,14 +220,120 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpoint(cfg: Config, spec: str, what: str) -> Path | None:
-    """The checkpoint folder `spec` names (None: the base model), resolved before any model is loaded."""
-    from mmalign.app.evaluation import resolve_checkpoint
+def _main_rank() -> bool:
+    """Whether this is the main process (rank 0) of the launch, read before accelerate exists: ``RANK`` (torchrun,
+    accelerate launch) or an MPI launcher's rank, as accelerate reads it; a plain run is rank 0."""
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(name, "").strip():
+            try:
+                return int(os.environ[name]) == 0
+            except ValueError:
+                return True
+    return True
 
-    ckpt = resolve_checkpoint(cfg.output_dir, spec)
+
+def _command_line(args: argparse.Namespace, *, resume: bool | None = None, extra: Sequence[str] = ()) -> str:
+    """The `mmalign train` command of `args` (shell-quoted), with ``--resume`` when `resume` (default: as
+    given) and `extra` overrides after the given ones."""
+    import shlex
+
+    resume = bool(getattr(args, "resume", False)) if resume is None else resume
+    words = ["mmalign", "train", args.config, *args.overrides, *extra] + (["--resume"] if resume else [])
+    return shlex.join(words)
+
+
+def _finished(args: argparse.Namespace, cfg: Config) -> bool:
+    """A resume of a run that is trained to ``trainer.steps`` (its newest checkpoint, and ``final/``, exist):
+    says so, and how to train further; nothing is loaded."""
+    from mmalign import rundir
+
+    out = Path(cfg.output_dir)
+    latest = rundir.latest_checkpoint(out)
+    if latest is None or not (out / rundir.FINAL_DIR).is_dir():
+        return False
+    step, steps = rundir.checkpoint_step(latest), cfg.trainer.steps
+    if step < steps:
+        return False
+    if _main_rank():
+        print(
+            f"{out} is finished: trained to step {step} (trainer.steps={steps}; checkpoint {latest}, model in "
+            f"{out / rundir.FINAL_DIR}). Nothing to do. To train further, raise trainer.steps on --resume: "
+            f"{_command_line(args, resume=True, extra=[f'trainer.steps={max(step, steps) * 2}'])}"
+        )
+    return True
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """What Ctrl-C prints. For `mmalign train` (its main process): the step it stopped at, the last complete
+    checkpoint and the command that continues from it (or, with none, the one that starts again)."""
+    out = getattr(args, "_output_dir", None)
+    if getattr(args, "command", None) != "train" or out is None or not _main_rank():
+        return "interrupted"
+    from mmalign import rundir
+
+    trainer = getattr(args, "_trainer", None)
+    if trainer is None:
+        where = "interrupted before training"
+    elif trainer.step < trainer.cfg.trainer.steps:
+        where = f"interrupted at step {trainer.step + 1}"
+    else:
+        where = (
+            f"interrupted after the last step ({trainer.step}), while writing {Path(out) / rundir.FINAL_DIR}"
+        )
+    done = rundir.checkpoints(out)
+    if done:
+        return (
+            f"{where}. The last complete checkpoint: {done[-1]} (step {rundir.checkpoint_step(done[-1])}; "
+            f"later steps are not kept). Continue with:\n  {_command_line(args, resume=True)}"
+        )
+    metrics = Path(out) / rundir.METRICS_FILE
+    again = ["overwrite=true"] if metrics.is_file() and metrics.stat().st_size > 0 else []
+    return (
+        f"{where}, before the first checkpoint in {Path(out) / rundir.CHECKPOINTS_DIR}: nothing to resume from. "
+        f"Start again with:\n  {_command_line(args, resume=False, extra=again)}"
+    )
+
+
+def _checkpoint(cfg: Config, spec: str, what: str) -> Path | None:
+    """The checkpoint folder `spec` names (None: the base model), resolved before any model is loaded. A
+    `spec` that names no checkpoint is a `ConfigError` listing the run's checkpoints; ``latest`` with none
+    prints a warning (`_no_checkpoint_warning`) and gives None."""
+    from mmalign.app.evaluation import resolve_checkpoint
+    from mmalign.config import ConfigError
+
+    try:
+        ckpt = resolve_checkpoint(cfg.output_dir, spec)
+    except ConfigError as e:
+        raise ConfigError(f"{e}. {_existing_checkpoints(cfg)}") from None
     if ckpt is None and spec == "latest":
-        print(f"no checkpoint in {cfg.output_dir}/checkpoints: {what}", file=sys.stderr)
+        print(_no_checkpoint_warning(cfg, what), file=sys.stderr, flush=True)
     return ckpt
+
+
+def _existing_checkpoints(cfg: Config) -> str:
+    """The run's complete checkpoints, for a message: what ``--checkpoint`` may name."""
+    from mmalign import rundir
+
+    root = Path(cfg.output_dir) / rundir.CHECKPOINTS_DIR
+    done = rundir.checkpoints(cfg.output_dir)
+    if not done:
+        return f"{root} holds no complete checkpoint: use --checkpoint base (the base model) or another run's folder"
+    return (
+        f"The checkpoints of {cfg.output_dir}: {', '.join(str(c) for c in done)}; or --checkpoint latest "
+        "(the newest) or base (the base model)"
+    )
+
+
+def _no_checkpoint_warning(cfg: Config, what: str) -> str:
+    """The warning of `sample` / `eval` when ``--checkpoint latest`` finds no checkpoint in the run."""
+    from mmalign import rundir
+
+    root = Path(cfg.output_dir) / rundir.CHECKPOINTS_DIR
+    why = "does not exist" if not Path(cfg.output_dir).is_dir() else "holds no complete checkpoint"
+    return (
+        f"mmalign: warning: no checkpoint: {root} {why} (is output_dir right? has the run saved one?): {what}. "
+        "Pass --checkpoint base to use the base model on purpose, or --checkpoint PATH"
+    )
 
 
 def _prompt_rows(args: argparse.Namespace, cfg: Config) -> list[dict] | None:
@@ -273,9 +445,7 @@ def _write_samples(
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Before/after report: the base model and a checkpoint scored on the evaluation prompts."""
-    import json
-
-    from mmalign.app.evaluation import evaluate_run, format_report, resolve_checkpoint
+    from mmalign.app.evaluation import evaluate_run, format_report, resolve_checkpoint, write_report
 
     cfg, build = _prepare(args, eval_rewards=True)
     state = _process_state(cfg)
@@ -284,6 +454,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:  # (the first process says it when there is none)
         ckpt = resolve_checkpoint(cfg.output_dir, args.checkpoint)
     components = build(cfg)
+    out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval.json"
     report = evaluate_run(
         cfg,
         components,
@@ -292,118 +463,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
         progress=state.is_main_process,
         rank=state.process_index,
         world=state.num_processes,
+        report_path=out if state.is_main_process else None,  # (after each half: keeps the base half)
     )
     info = distributed_info(state.distributed_type, state.num_processes)
     report.update(info)
     if state.is_main_process:
         if state.num_processes > 1:
             print(f"distributed: {info['distributed_type']}, {info['num_processes']} processes", flush=True)
-        out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(report, out)
         print(format_report(report))
         print(f"report: {out}")
+        if (
+            ckpt is None and args.checkpoint == "latest"
+        ):  # (said before the model loaded; again under the report)
+            print(_no_checkpoint_warning(cfg, "scored the base model only"), file=sys.stderr)
     _end_processes(args, state)
     return 0
 
 
-def _list_section(title: str, items: list[tuple[str, str]]) -> None:
-    print(f"{title}:")
-    width = max((len(n) for n, _ in items), default=0)
-    for name, desc in items:
-        print(f"  {name:<{width}}  {desc}")
-
-
 def cmd_list(args: argparse.Namespace) -> int:
-    what = args.what
-    if what in ("pipelines", "all"):
-        import pipelines
+    """What the registries hold (`mmalign.app.listing`: from its cache when the code has not changed)."""
+    from mmalign.app.listing import listing
 
-        items = []
-        for n in pipelines.names():  # this package's modules and the mmalign.pipelines entry points
-            origin = pipelines.origin(n)
-            desc = pipelines.describe(n)
-            items.append((n, f"{desc} [{origin}]" if origin and desc else f"[{origin}]" if origin else desc))
-        _list_section("pipelines", items)
-        for err in pipelines.load_errors():
-            print(f"mmalign: warning: {err}", file=sys.stderr)
-    if what in ("rewards", "all"):
-        import rewards
-        from mmalign.registry import PluginError
-
-        items = [(n, rewards.REGISTRY.describe(n)) for n in rewards.names()]
-        errors = []
-        for n in rewards.entry_point_names():
-            if n in rewards.names():
-                continue
-            try:  # an installed plugin: its summary line and the package it comes from
-                obj = rewards.resolve(n)
-            except Exception as e:  # noqa: BLE001 - a broken plugin must not hide the others
-                # (a PluginError names the entry point, its distribution and the failure itself)
-                errors.append(
-                    str(e)
-                    if isinstance(e, PluginError)
-                    else f"reward entry point {n!r} could not be loaded: {e}"
-                )
-                items.append((n, "(entry point, failed to load)"))
-                continue
-            doc = (inspect.getdoc(obj) or "").strip().splitlines()
-            package = (getattr(obj, "__module__", "") or "").split(".")[0]
-            items.append((n, f"{doc[0] if doc else ''} [entry point: {package}]".strip()))
-        _list_section("rewards", items)
-        for err in errors:
-            print(f"mmalign: warning: {err}", file=sys.stderr)
-    if what in ("estimators", "all"):
-        from mmalign import advantages
-
-        _list_section("estimators", [(n, advantages.REGISTRY.describe(n)) for n in advantages.names()])
-        from mmalign import reward_transforms
-
-        _list_section(
-            "reward transforms (algorithm.reward_transforms)",
-            [(n, reward_transforms.TRANSFORMS.describe(n)) for n in reward_transforms.names()],
-        )
-    if what in ("losses", "all"):
-        from mmalign import losses
-
-        _list_section("losses", [(n, losses.REGISTRY.describe(n)) for n in losses.names()])
-        _list_section(
-            "loss aggregations (algorithm.loss_agg)",
-            [(n, losses.AGGREGATIONS.describe(n)) for n in losses.AGGREGATIONS.names()],
-        )
-        _list_section(
-            "KL estimators (algorithm.kl_estimator)",
-            [(n, losses.KL_ESTIMATORS.describe(n)) for n in losses.KL_ESTIMATORS.names()],
-        )
-        from mmalign import flow_objectives
-
-        _list_section(
-            "flow objectives (algorithm.objective)",
-            [(n, flow_objectives.REGISTRY.describe(n)) for n in flow_objectives.names()],
-        )
-    if what in ("samplers", "all"):
-        from mmalign import prompt_samplers as samplers
-
-        _list_section(
-            "prompt samplers (data.sampler)", [(n, samplers.SAMPLERS.describe(n)) for n in samplers.names()]
-        )
-    if what in ("steps", "all"):
-        from mmalign import sde
-
-        _list_section("denoising steps (mmalign.sde.step)", [(n, sde.STEPS.describe(n)) for n in sde.names()])
-    if what in ("filters", "all"):
-        from mmalign import filters
-
-        _list_section(
-            "filters (algorithm.filter)", [(n, filters.FILTERS.describe(n)) for n in filters.names()]
-        )
-    if what in ("loops", "all"):
-        from mmalign import rollout_loops
-
-        _list_section(
-            "rollout loops (rollout.loop)",
-            [(n, rollout_loops.LOOPS.describe(n)) for n in sorted(rollout_loops.LOOPS.names())],
-        )
+    out, err = listing(args.what)
+    sys.stdout.write(out)
+    sys.stderr.write(err)
     return 0
 
 
@@ -560,6 +644,19 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`parser`'s arguments, where `train`, `sample` and `eval` also take ``key=value`` overrides after an
+    option (``mmalign train CFG --resume trainer.lr=1e-4``), appended to those before it in their order."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if getattr(args, "command", None) not in ("train", "sample", "eval") or not all(
+            "=" in a and not a.startswith("-") for a in extra
+        ):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grounding"]:  # its own parser (convert / check), options such as --help included
@@ -575,10 +672,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo_main(argv[1:])
     parser = build_parser(argv[0] if argv else None)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from mmalign.app.console import quiet_third_party_warnings
+    args = _parse(parser, argv)
+    from mmalign.app.console import quiet_third_party_warnings, setup_logging
 
+    setup_logging()  # log lines go above the progress bar, not onto it
     quiet_third_party_warnings()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -593,7 +690,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             os._exit(rc)
         return rc
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        try:
+            message = _interrupted(args)
+        except Exception:  # noqa: BLE001 - reading the run directory must not hide the interrupt
+            message = "interrupted"
+        print(message, file=sys.stderr)
         return 130
     except Exception as e:
         expected = _expected(e)
@@ -608,5 +709,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":  # pragma: no cover
+if __name__ == "__main__":  # pragma: no cover  (accelerate launch / torchrun -m mmalign.app.cli)
+    from mmalign.__main__ import drop_working_directory
+
+    drop_working_directory()
     sys.exit(main())

@@ -451,3 +451,216 @@ def test_help_lists_the_tool_commands_without_importing_them():
     assert all(name in help_text for name in ("plan", "probe", "parity"))
     args = build_parser("plan").parse_args(["plan", str(TINY), "--gpus", "2"])
     assert args.gpus == 2 and callable(args.func)
+
+
+# ----------------------------------------------------------------------------- list: the cache
+
+
+def test_list_is_cached_until_the_code_changes(tmp_path):
+    """The second `mmalign list` prints the same listing from the cache without importing torch (issue 33
+    item 20: the registries' imports were most of its 6.7 s)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from mmalign.app.cli import main; main(['list']); "
+        "print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr)"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, check=True
+        )
+        for _ in range(2)
+    ]
+    assert runs[0].stderr.strip().splitlines()[-1] == "torch imported"
+    assert runs[1].stderr.strip().splitlines()[-1] == "torch not imported"
+    assert runs[1].stdout == runs[0].stdout
+    assert parse_list(runs[1].stdout) == registered()
+    assert (tmp_path / "cache" / "mmalign" / "list-all.json").is_file()
+
+
+def test_list_fingerprint_follows_the_source(tmp_path, monkeypatch):
+    from mmalign.app import listing
+
+    package = tmp_path / "zz_listing_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def key() -> str:
+        return listing.fingerprint("all", packages=["zz_listing_pkg"], groups=[])
+
+    first = key()
+    assert key() == first
+    (package / "__init__.py").write_text("X = 22\n")  # (another size)
+    assert key() != first
+    second = key()
+    (package / "more.py").write_text("")  # a new module
+    assert key() != second
+    assert listing.fingerprint("estimators", packages=["zz_listing_pkg"], groups=[]) != key()
+    import pipelines
+    import rewards
+
+    assert listing.ENTRY_POINT_GROUPS == (pipelines.ENTRY_POINT_GROUP, rewards.ENTRY_POINT_GROUP)
+
+
+def test_list_ignores_the_cache_once_a_registry_is_imported(capsys, tmp_path, monkeypatch):
+    """In a process that imported the registries (and may have changed them) the listing is built afresh."""
+    from mmalign.app import listing
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(listing, "fingerprint", lambda what, **kw: "same")
+    (tmp_path / "mmalign").mkdir()
+    (tmp_path / "mmalign" / "list-all.json").write_text('{"key": "same", "out": "stale:\\n", "err": ""}')
+    rc, out, _ = run_main(capsys, "list")
+    assert rc == 0 and parse_list(out) == registered()
+
+
+# ----------------------------------------------------------------------------- the run lock, resume, messages
+
+FAST = [
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=2",
+    "trainer.progress_bar=false",
+    "trainer.sample_every=100",
+]
+"""Overrides that make the tiny config train a step in about a second."""
+
+
+def holder_of(out: Path):
+    from tests.core.test_runlock import Holder
+
+    return Holder(out)
+
+
+def test_second_train_is_refused_before_the_model(capsys, tmp_path, no_model):
+    """Issue 33 item 3: a second writer into a run's output_dir stops at once, naming the first."""
+    cfg, raw = tiny_config(tmp_path)
+    holder = holder_of(Path(raw["output_dir"]))
+    try:
+        rc, out, err = run_main(capsys, "train", str(cfg))
+    finally:
+        holder.close()
+    assert rc == 1 and out == ""
+    assert_one_error_line(
+        err, f"pid {holder.pid} on host", "mmalign train held.yaml", f"kill {holder.pid}", "is being written"
+    )
+
+
+def test_resume_after_a_killed_holder_with_changed_keys(capsys, tmp_path, monkeypatch):
+    """Issue 33 items 3, 4 and 19: a resume is refused while another run holds the folder and starts once that
+    run is SIGKILLed; it says where it resumes from and which changed keys it applied, trains at the new lr,
+    refuses a model change before the model loads, and says when the run is finished."""
+    import json
+
+    cfg, raw = tiny_config(tmp_path)
+    out = Path(raw["output_dir"])
+    assert main(["train", str(cfg), *FAST, "trainer.steps=2", "trainer.save_every=1"]) == 0
+    capsys.readouterr()
+    resume = [
+        *FAST,
+        "trainer.steps=3",
+        "trainer.save_every=1",
+        "--resume",
+        "trainer.lr=0.003",
+    ]  # (as issue 33)
+    holder = holder_of(out)
+    try:
+        rc, _, err = run_main(capsys, "train", str(cfg), *resume)
+        assert rc == 1
+        assert_one_error_line(err, f"pid {holder.pid} on host")
+        holder.kill()
+        rc, stdout, err = run_main(capsys, "train", str(cfg), *resume)
+    finally:
+        holder.close()
+    assert rc == 0, err
+    lines = stdout.splitlines()
+    assert lines[0] == f"resuming from step 2 (checkpoint {out / 'checkpoints' / 'step_000002'})"
+    assert lines[1].startswith("resume: trainer.steps: 2 -> 3 (applied: the run trains up to the new step")
+    assert lines[2].startswith("resume: trainer.lr: 0.0003 -> 0.003 (applied: the learning rate: ")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["lr"] for r in rows] == [3e-4, 3e-4, 3e-3]
+
+    def refuse(cfg):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(pipelines.text_reasoning, "build_text_policy", refuse)
+    rc, _, err = run_main(capsys, "train", str(cfg), *resume, "model.lora.enabled=true")
+    assert rc == 1
+    assert_one_error_line(err, "--resume: model.lora.enabled: false -> true (the run's ", "cannot change")
+    rc, stdout, _ = run_main(capsys, "train", str(cfg), *resume)
+    assert rc == 0
+    assert f"{out} is finished: trained to step 3 (trainer.steps=3;" in stdout
+    assert "To train further, raise trainer.steps on --resume: " in stdout
+    assert stdout.strip().endswith("trainer.lr=0.003 trainer.steps=6 --resume")
+
+
+def test_interrupt_names_the_checkpoint_and_the_command(capsys, tmp_path, monkeypatch, caplog):
+    """Issue 33 item 19: Ctrl-C says the last complete checkpoint and the command that continues; before any
+    checkpoint, the command that starts again. overwrite=true says what it removes."""
+    import logging
+
+    from mmalign import runlock
+    from mmalign.trainer import GroupTrainer
+
+    real_step = GroupTrainer.train_step
+    stop = {"at": 2}
+
+    def train_step(self):
+        if self.step == stop["at"]:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(GroupTrainer, "train_step", train_step)
+    cfg, raw = tiny_config(tmp_path)
+    out = Path(raw["output_dir"])
+    given = [*FAST, "trainer.steps=4", "trainer.save_every=1"]
+    rc, _, err = run_main(capsys, "train", str(cfg), *given)
+    assert rc == 130
+    assert err.strip().splitlines()[-2:] == [
+        f"interrupted at step 3. The last complete checkpoint: {out / 'checkpoints' / 'step_000002'} (step 2; "
+        "later steps are not kept). Continue with:",
+        f"  mmalign train {cfg} {' '.join(given)} --resume",
+    ]
+    assert not (out / runlock.LOCK_FILE).exists()  # released
+
+    stop["at"] = 0
+    fresh = tmp_path / "fresh"
+    rc, _, err = run_main(capsys, "train", str(cfg), *given, f"output_dir={fresh}")
+    assert rc == 130
+    assert err.strip().splitlines()[-2:] == [
+        f"interrupted at step 1, before the first checkpoint in {fresh / 'checkpoints'}: nothing to resume "
+        "from. Start again with:",
+        f"  mmalign train {cfg} {' '.join(given)} output_dir={fresh}",
+    ]
+
+    stop["at"] = -1
+    with caplog.at_level(logging.WARNING, logger="mmalign.trainer"):
+        assert main(["train", str(cfg), *FAST, "trainer.steps=1", "overwrite=true"]) == 0
+    removed = next(r.getMessage() for r in caplog.records if "overwrite=true" in r.getMessage())
+    assert removed.startswith(f"overwrite=true: removing the previous run in {out}: ")
+    assert "metrics.jsonl (2 rows)" in removed and "checkpoints/ (step_000001, step_000002)" in removed
+
+
+def test_eval_and_sample_take_no_lock_and_warn_without_a_checkpoint(capsys, tmp_path):
+    """Readers do not take the run lock (they run while the run trains); `eval` of a run with no checkpoint
+    scores the base model with a warning before and after the report (issue 33 item 19)."""
+    from mmalign import runlock
+
+    cfg, raw = tiny_config(tmp_path)
+    out = Path(raw["output_dir"])
+    holder = holder_of(out)
+    try:
+        rc, stdout, err = run_main(capsys, "eval", str(cfg), "eval.max_rows=2", "eval.group_size=1")
+        assert rc == 0, err
+        warning = f"mmalign: warning: no checkpoint: {out / 'checkpoints'} holds no complete checkpoint"
+        assert err.count(warning) == 2 and "--checkpoint base" in err
+        rc, _, err = run_main(
+            capsys, "sample", str(cfg), "-n", "1", "--max-prompts", "1", "--out", str(tmp_path / "s")
+        )
+        assert rc == 0 and warning in err
+        assert runlock.read_holder(out).pid == holder.pid
+    finally:
+        holder.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import errno
 import logging
+import math
 import os
 import pickle
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from mmalign import rundir
 from mmalign.app.evaluation import load_weights, resolve_checkpoint
+from mmalign.config import ConfigError
 from mmalign.errors import CheckpointError, MmalignError, RunWriteError
 from mmalign.trainer import NonFiniteError, TrainingError
 from rewards import Reward, RewardBatch
@@ -324,6 +326,32 @@ def test_enospc_in_a_checkpoint_names_the_file_and_the_last_checkpoint(
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
 
 
+def test_a_bad_row_says_fix_the_row_not_resume_blindly(
+    random_text_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row that fails while a step reads it (an image that does not decode) stops the run naming the row;
+    the advice is to fix or skip that row first, since --resume alone would read the same row again."""
+    from mmalign.data import DataError
+
+    out = tmp_path / "run"
+    trainer = make_trainer(make_cfg(random_text_model_dir, out, rewards=VARIED, **STEPS))
+    real = trainer.make_rollout
+
+    def make_rollout():
+        if trainer.step == 2:  # steps 1 and 2 are done: step 3 reads the bad row
+            raise DataError("data.jsonl:5: image 'a.png' does not decode (image file is truncated)")
+        return real()
+
+    monkeypatch.setattr(trainer, "make_rollout", make_rollout)
+    with pytest.raises(TrainingError) as err:
+        trainer.train()
+    msg = str(err.value)
+    assert "training stopped at step 3: data.jsonl:5: image 'a.png' does not decode" in msg
+    assert f"the last complete checkpoint: {out / 'checkpoints' / 'step_000002'}" in msg
+    assert "fix or remove that row (or set options.on_bad_row: skip), then continue with --resume" in msg
+    assert "(continue with --resume)" not in msg
+
+
 def test_enospc_in_samples_and_metrics(
     random_text_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -363,3 +391,81 @@ def test_enospc_in_samples_and_metrics(
     msg = str(err.value)
     assert f"could not write {out2 / rundir.METRICS_FILE}: [Errno 28]" in msg
     assert f"the last complete checkpoint: {out2 / 'checkpoints' / 'step_000002'}" in msg
+
+
+# ----------------------------------------------------------------------------- resume with a changed config
+
+
+def test_resume_trains_at_a_changed_lr_and_schedule(random_text_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 33 item 4: the restored optimizer and scheduler held the saved learning rate, so a changed
+    trainer.lr was written into config.yaml but not trained with. Now the new rate and schedule apply from the
+    step the run resumes at."""
+    out = tmp_path / "run"
+    saved = {"steps": 2, "save_every": 2, "lr": 1e-3, "progress_bar": False}
+    make_trainer(make_cfg(random_text_model_dir, out, rewards=VARIED, trainer=saved)).train()
+    assert [m["lr"] for m in read_metrics(out)] == [1e-3, 1e-3]
+
+    changed = {**saved, "steps": 4, "lr": 3e-3, "lr_scheduler": "cosine"}
+    trainer = make_trainer(make_cfg(random_text_model_dir, out, rewards=VARIED, trainer=changed), resume=True)
+    assert trainer.step == 2 and trainer.resumed_from == out / "checkpoints" / "step_000002"
+    assert [(c.key, c.old, c.new) for c in trainer.config_changes] == [
+        ("trainer.steps", 2, 4),
+        ("trainer.lr", 1e-3, 3e-3),
+        ("trainer.lr_scheduler", "constant", "cosine"),
+    ]
+    assert all(c.how for c in trainer.config_changes)
+    # cosine over 4 steps at step 2: 3e-3 * 0.5 * (1 + cos(pi * 2 / 4)) = 1.5e-3 for step 3 (was 1e-3)
+    group = trainer.optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(1.5e-3) and group["initial_lr"] == 3e-3
+    assert trainer.scheduler.base_lrs == [3e-3]
+    trainer.train()
+    # each row's lr is the rate after its step (the next step's): cos at steps 3 and 4 of 4
+    lrs = [m["lr"] for m in read_metrics(out)]
+    assert lrs[:2] == [1e-3, 1e-3]
+    assert lrs[2] == pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 4)))
+    assert lrs[3] == pytest.approx(0.0, abs=1e-12)
+    assert "lr: 0.003" in (out / rundir.CONFIG_FILE).read_text()
+
+
+def test_resume_refuses_a_change_it_cannot_apply(random_text_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    saved = {"steps": 2, "save_every": 2, "progress_bar": False}
+    make_trainer(make_cfg(random_text_model_dir, out, rewards=VARIED, trainer=saved)).train()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    cfg = make_cfg(
+        random_text_model_dir,
+        out,
+        rewards=VARIED,
+        seed=1,
+        rollout={"group_size": 2},
+        trainer={**saved, "steps": 4},
+    )
+    with pytest.raises(ConfigError) as err:
+        make_trainer(cfg, resume=True)
+    msg = str(err.value)
+    assert msg.startswith("--resume: seed: 0 -> 1; rollout.group_size: 4 -> 2 (the run's ")
+    assert (
+        "these keys cannot change when a run is resumed" in msg and "trainer.steps" not in msg.split("(")[0]
+    )
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # config.yaml kept
+
+
+def test_config_changes_against_an_older_saved_config(tmp_path: Path) -> None:
+    """A key the saved config.yaml lacks (written before the key existed) is no change when it holds its
+    default; a reward list of another length is one change of the whole list."""
+    import yaml
+
+    from mmalign.trainer import ABSENT, config_changes, resume_rule
+
+    cfg = make_cfg(tmp_path / "model", tmp_path / "run", rewards=VARIED)
+    saved = yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    assert config_changes(saved, cfg) == []
+    del saved["trainer"]["tracker_media"], saved["model"]["lora"]
+    assert config_changes(saved, cfg) == []
+    saved["trainer"].pop("lr")
+    saved["rewards"] = saved["rewards"][:1]
+    changes = {c.key: (c.old, c.new) for c in config_changes(saved, cfg)}
+    assert changes.keys() == {"trainer.lr", "rewards"}
+    assert changes["trainer.lr"] == (ABSENT, 3e-4)
+    assert resume_rule("eval.rewards[0].weight") and resume_rule("trainer.tracker_kwargs.wandb.mode")
+    assert resume_rule("rewards") is None and resume_rule("trainer.lr_schedulers") is None
