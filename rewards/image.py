@@ -15,8 +15,12 @@
 - ``preference``: PickScore / HPS style, ``logit_scale * cos(image, prompt)`` with a CLIP model.
 
 Every reward reads ``batch.outputs["images"]``, Float[B,3,H,W] in [0, 1]. Models load once, at
-construction, from a local folder / file; a missing local path is a `FileNotFoundError` naming the
-path that was looked for. Nothing is downloaded unless a hub id (not a path) is given explicitly.
+construction, from a local folder / file or by hub id (``org/name``, from the Hugging Face cache or
+downloaded into it; ``HF_HUB_OFFLINE=1`` loads from the cache only). A missing local path is a
+`FileNotFoundError` naming the path that was looked for. A CLIP model whose repository has no tokenizer /
+image processor (``yuvalkirstain/PickScore_v1``) takes them from ``processor`` (PickScore's:
+``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``); the aesthetic MLP is a local file or ``mlp_path`` (hub id) +
+``mlp_file`` (a file of that repository).
 The helpers `jpeg_size_kb`, `colour_mask`, `connected_components` and `CLIPEmbedder` are
 public so pipelines and tests can use them on their own.
 """
@@ -44,6 +48,8 @@ __all__ = [
     "ClipScore",
     "JpegCompressibility",
     "JpegIncompressibility",
+    "PICKSCORE_MODEL",
+    "PICKSCORE_PROCESSOR",
     "PreferenceScore",
     "Saturation",
     "ShapesCompositional",
@@ -54,6 +60,7 @@ __all__ = [
     "hsv_saturation",
     "jpeg_size_kb",
     "to_pil",
+    "weights_file",
 ]
 
 
@@ -314,6 +321,11 @@ class ShapesLayout(ShapesCompositional):
 _OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 
+PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
+"""PickScore's weights (a `CLIPModel` without tokenizer or image processor in its repository)."""
+PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+"""The repository whose tokenizer and image processor PickScore uses (its base model's)."""
+
 
 def _looks_local(path: str) -> bool:
     """A filesystem path rather than a hub id ("org/name"): absolute, ./, ../, ~ or with a file suffix."""
@@ -333,22 +345,48 @@ def _local_path(path: str | Path, what: str) -> Path:
     return p
 
 
+def _hf_source(name: str | Path, what: str) -> str:
+    """What `from_pretrained` gets for `name`: the resolved local folder when `name` exists or looks like a path
+    (`FileNotFoundError` naming it when it does not exist), else `name` itself, a hub id."""
+    name = str(name)
+    if Path(name).expanduser().exists() or _looks_local(name):
+        return str(_local_path(name, what))
+    return name
+
+
+def _has_vocabulary(tokenizer: Any) -> bool:
+    """Whether `tokenizer` maps plain words to something other than its unknown token (a CLIP tokenizer
+    built from a folder without tokenizer files knows only its special tokens)."""
+    ids = tokenizer("a photo of a cat", add_special_tokens=False)["input_ids"]
+    return bool(ids) and any(i != tokenizer.unk_token_id for i in ids)
+
+
 class CLIPEmbedder:
     """A CLIP model loaded once; `encode_images` / `encode_texts` give L2-normalised embeddings.
 
     Backends:
 
-    - ``"hf"``: `path` is a local folder (or, explicitly, a hub id) holding a `CLIPModel` and its
-      tokenizer; the image mean / std come from the folder's image processor when it has one.
+    - ``"hf"``: `path` is a local folder or a hub id holding a `CLIPModel`. Its tokenizer and image
+      processor come from `processor` (a folder or hub id) when given, else from `path`: PickScore is
+      ``path="yuvalkirstain/PickScore_v1", processor="laion/CLIP-ViT-H-14-laion2B-s32B-b79K"``, as its
+      authors and flow_grpo load it. The image mean / std are the image processor's, the OpenAI CLIP
+      statistics when there is none.
     - ``"open_clip"``: ``open_clip.create_model_and_transforms(arch, pretrained=path)`` with `path`
       a local checkpoint file, and ``open_clip.get_tokenizer(arch)``.
 
     Images (Float[B,3,H,W] in [0,1]) are preprocessed in torch, batched: bicubic resize of the
-    shorter side to the model's input size, centre crop, normalisation.
+    shorter side to the model's input size, centre crop, normalisation. Texts are tokenized as they are
+    (no template), padded and truncated at the text model's context length (77 for CLIP).
     """
 
     def __init__(
-        self, path: str | Path, *, backend: str = "hf", arch: str | None = None, device: str | None = None
+        self,
+        path: str | Path,
+        *,
+        processor: str | Path | None = None,
+        backend: str = "hf",
+        arch: str | None = None,
+        device: str | None = None,
     ) -> None:
         if backend not in ("hf", "open_clip"):
             raise ValueError(f"unknown CLIP backend {backend!r}; 'hf' or 'open_clip'")
@@ -358,14 +396,13 @@ class CLIPEmbedder:
         self.path = path
         mean, std = _OPENAI_MEAN, _OPENAI_STD
         if backend == "hf":
-            from transformers import AutoTokenizer, CLIPModel
+            from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
-            source: str = path
-            if Path(path).expanduser().exists() or _looks_local(path):
-                source = str(_local_path(path, "CLIP model folder"))
+            source = _hf_source(path, "CLIP model folder")
+            proc_source = source if processor is None else _hf_source(processor, "CLIP processor folder")
+            self.processor = None if processor is None else str(processor)
             try:
                 self.model = CLIPModel.from_pretrained(source)
-                self.tokenizer = AutoTokenizer.from_pretrained(source)
             except OSError as e:
                 if source != path:  # a local folder that exists but is not a CLIP model: the error as is
                     raise
@@ -373,10 +410,20 @@ class CLIPEmbedder:
                     f"CLIP model {path!r}: no such local folder ({Path(path).resolve()}) "
                     f"and it could not be loaded as a hub id: {e}"
                 ) from e
+            hint = (
+                f"CLIP model {path!r} has no tokenizer: set `processor` to the folder or hub id that holds its "
+                f"tokenizer and image processor (PickScore: processor: {PICKSCORE_PROCESSOR})"
+                if processor is None
+                else f"CLIP processor {str(processor)!r} holds no tokenizer"
+            )
             try:
-                from transformers import AutoImageProcessor
-
-                proc = AutoImageProcessor.from_pretrained(source)
+                self.tokenizer = AutoTokenizer.from_pretrained(proc_source)
+            except (OSError, ValueError, TypeError) as e:
+                raise FileNotFoundError(f"{hint} ({type(e).__name__}: {e})") from e
+            if not _has_vocabulary(self.tokenizer):  # transformers builds an empty one where no files are
+                raise FileNotFoundError(f"{hint}: no tokenizer files in {proc_source}")
+            try:
+                proc = AutoImageProcessor.from_pretrained(proc_source)
                 mean, std = tuple(proc.image_mean), tuple(proc.image_std)
             except Exception:  # no preprocessor_config.json: the OpenAI CLIP statistics
                 pass
@@ -385,6 +432,10 @@ class CLIPEmbedder:
         else:
             import open_clip
 
+            if processor is not None:
+                raise ValueError(
+                    "`processor` is for the 'hf' backend; open_clip takes its tokenizer from `arch`"
+                )
             if arch is None:
                 raise ValueError("the open_clip backend needs `arch` (e.g. 'ViT-B-32')")
             ckpt = _local_path(path, f"open_clip checkpoint for {arch}")
@@ -466,7 +517,10 @@ def _prompts(reward: Reward, batch: RewardBatch, column: str | None) -> list[str
 
 @register_reward("clip_score")
 class ClipScore(Reward):
-    """CLIP image-text similarity: cosine(image, prompt), times 100 unless ``raw=True`` (CLIPScore: max(0, .))."""
+    """CLIP image-text similarity: cosine(image, prompt), times 100 unless ``raw=True`` (CLIPScore: max(0, .)).
+
+    `path`: a CLIP folder or hub id (``openai/clip-vit-large-patch14``); `processor`: where its tokenizer and
+    image processor come from when not from `path` (see `CLIPEmbedder`)."""
 
     needs = {"images", "prompts"}
 
@@ -474,6 +528,7 @@ class ClipScore(Reward):
         self,
         *,
         path: str,
+        processor: str | None = None,
         backend: str = "hf",
         arch: str | None = None,
         raw: bool = False,
@@ -482,7 +537,7 @@ class ClipScore(Reward):
         batch_size: int = 64,
         device: str | None = None,
     ) -> None:
-        self.clip = CLIPEmbedder(path, backend=backend, arch=arch, device=device)
+        self.clip = CLIPEmbedder(path, processor=processor, backend=backend, arch=arch, device=device)
         self.raw, self.clamp = bool(raw), bool(clamp)
         self.text_column = text_column
         self.batch_size = int(batch_size)
@@ -504,12 +559,19 @@ class ClipScore(Reward):
 
 @register_reward("preference")
 class PreferenceScore(ClipScore):
-    """PickScore / HPS style preference: logit_scale * cosine(image, prompt) with a CLIP model by path."""
+    """PickScore / HPS style preference: logit_scale.exp() * cosine(image, prompt) with a CLIP model.
+
+    PickScore by its two hub ids, as its authors and flow_grpo load it: ``path: yuvalkirstain/PickScore_v1``
+    (the weights) and ``processor: laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (tokenizer and image processor);
+    a local folder holding both still works as `path` alone. The prompt is tokenized as is, padded and
+    truncated at 77 tokens. flow_grpo divides the score by 26 (a constant: no effect on group-normalised
+    advantages)."""
 
     def __init__(
         self,
         *,
         path: str,
+        processor: str | None = None,
         backend: str = "hf",
         arch: str | None = None,
         text_column: str | None = None,
@@ -518,6 +580,7 @@ class PreferenceScore(ClipScore):
     ) -> None:
         super().__init__(
             path=path,
+            processor=processor,
             backend=backend,
             arch=arch,
             raw=True,
@@ -549,9 +612,45 @@ def aesthetic_mlp(
     return torch.nn.Sequential(*layers)
 
 
+def weights_file(path: str, filename: str | None, what: str) -> Path:
+    """The local file of a weights option: `path` itself (a file; `filename` None), ``path/filename`` (`path` a
+    local folder), or `filename` of the hub repository `path` (``org/name``), from the Hugging Face cache or
+    downloaded into it by `huggingface_hub.hf_hub_download` (only the cache with ``HF_HUB_OFFLINE=1``).
+    Raises `FileNotFoundError` naming what was looked for and, for a hub file, the ``hf download`` command."""
+    p = Path(path).expanduser()
+    if filename is None:
+        if not p.exists() and not _looks_local(path):
+            raise FileNotFoundError(
+                f"{what}: no such file {p.resolve()}; for a file of the hub repository {path!r} set the file "
+                "name too (e.g. mlp_path: trl-lib/ddpo-aesthetic-predictor, mlp_file: aesthetic-model.pth)"
+            )
+        return _local_path(path, what)
+    if p.exists() or _looks_local(path):
+        return _local_path(p / filename, what)
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo_id=path, filename=filename))
+    except (OSError, ValueError, EntryNotFoundError) as e:
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise FileNotFoundError(
+            f"{what}: {filename!r} of the hub repository {path!r} is neither a local file nor in the Hugging "
+            f"Face cache, and it could not be downloaded ({type(e).__name__}: {first}). Fetch it where the "
+            f"hub is reachable: `hf download {path} {filename}`"
+        ) from e
+
+
 @register_reward("aesthetic")
 class AestheticScore(Reward):
-    """LAION-aesthetic style score: a Linear MLP on the L2-normalised CLIP image embedding."""
+    """LAION-aesthetic style score: a Linear MLP on the L2-normalised CLIP image embedding.
+
+    `mlp_path`: the MLP's weights (a torch state dict, loaded with ``weights_only=True``, or safetensors),
+    a local file, or with `mlp_file` a file of a local folder or of the hub repository `mlp_path`. LAION's
+    improved-aesthetic-predictor head on CLIP ViT-L/14, as TRL's DDPO loads it from the hub:
+    ``mlp_path: trl-lib/ddpo-aesthetic-predictor, mlp_file: aesthetic-model.pth`` with
+    ``path: openai/clip-vit-large-patch14`` (flow_grpo ships LAION's ``sac+logos+ava1-l14-linearMSE.pth`` in
+    its repository: a local `mlp_path`). Its keys ``layers.0``, ``layers.2`` ... load as they are."""
 
     needs = {"images"}
 
@@ -560,6 +659,8 @@ class AestheticScore(Reward):
         *,
         mlp_path: str,
         path: str,
+        mlp_file: str | None = None,
+        processor: str | None = None,
         backend: str = "hf",
         arch: str | None = None,
         hidden: Sequence[int] = (1024, 128, 64, 16),
@@ -568,8 +669,8 @@ class AestheticScore(Reward):
         batch_size: int = 64,
         device: str | None = None,
     ) -> None:
-        wpath = _local_path(mlp_path, f"reward {self.name!r}: aesthetic MLP weights")
-        self.clip = CLIPEmbedder(path, backend=backend, arch=arch, device=device)
+        wpath = weights_file(mlp_path, mlp_file, f"reward {self.name!r}: aesthetic MLP weights")
+        self.clip = CLIPEmbedder(path, processor=processor, backend=backend, arch=arch, device=device)
         if wpath.suffix == ".safetensors":
             from safetensors.torch import load_file
 

@@ -489,7 +489,8 @@ class VideoPreference(_FramesOption):
 
     Each sampled frame is scored by the ``preference`` reward (`rewards.image.PreferenceScore`, built
     with the same options) against the prompt, or the column `text_column` (e.g. ``target_caption``);
-    the reward is the mean over the sampled frames (frame-count invariant in expectation).
+    the reward is the mean over the sampled frames (frame-count invariant in expectation). PickScore by id:
+    ``path: yuvalkirstain/PickScore_v1, processor: laion/CLIP-ViT-H-14-laion2B-s32B-b79K``.
     """
 
     needs = {"videos", "prompts"}
@@ -498,6 +499,7 @@ class VideoPreference(_FramesOption):
         self,
         *,
         path: str,
+        processor: str | None = None,
         backend: str = "hf",
         arch: str | None = None,
         device: str | None = None,
@@ -507,7 +509,13 @@ class VideoPreference(_FramesOption):
     ) -> None:
         self._set_frames(frames)
         self.scorer = PreferenceScore(
-            path=path, backend=backend, arch=arch, text_column=None, batch_size=batch_size, device=device
+            path=path,
+            processor=processor,
+            backend=backend,
+            arch=arch,
+            text_column=None,
+            batch_size=batch_size,
+            device=device,
         )
         self.scorer.name = self.name  # its errors name this reward; the texts are resolved here
         self.text_column = text_column
@@ -528,7 +536,7 @@ class FrameAesthetic(_FramesOption):
     """Mean over sampled frames of the ``aesthetic`` score (an MLP on the frame's CLIP image embedding).
 
     Each sampled frame is scored by `rewards.image.AestheticScore`, built with the same options
-    (`mlp_path`, `path`, `hidden`, `prefix`, `scale` ...); the reward is the mean over the sampled
+    (`mlp_path`, `mlp_file`, `path`, `hidden`, `prefix`, `scale` ...); the reward is the mean over the sampled
     frames (frame-count invariant in expectation).
     """
 
@@ -539,6 +547,8 @@ class FrameAesthetic(_FramesOption):
         *,
         mlp_path: str,
         path: str,
+        mlp_file: str | None = None,
+        processor: str | None = None,
         backend: str = "hf",
         arch: str | None = None,
         hidden: Sequence[int] = (1024, 128, 64, 16),
@@ -552,6 +562,8 @@ class FrameAesthetic(_FramesOption):
         self.scorer = AestheticScore(
             mlp_path=mlp_path,
             path=path,
+            mlp_file=mlp_file,
+            processor=processor,
             backend=backend,
             arch=arch,
             hidden=hidden,
