@@ -95,7 +95,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str = ""
-    """JSONL file (one JSON object per line), or `hf:<dataset>[:<split>]` for Hugging Face datasets."""
+    """JSONL file (one JSON object per line), a `.txt` file of prompts, or `hf:<dataset id or folder>[:<config>]:<split>`
+    for a Hugging Face dataset (`hf:openai/gsm8k:main:train`; known hub datasets get the pipeline's columns,
+    `mmalign.data.KNOWN_DATASETS`; offline: read from the local caches)."""
     eval: str | None = None
     """Evaluation prompts, same formats as `train` (`mmalign eval` / `sample`; null: the training rows)."""
     prompt_template: str = "{question}"

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from mmalign.config import Config, ConfigError, check_names
-from mmalign.data import DataError, load_rows
+from mmalign.data import DataError, load_rows, missing_data_hint
 from mmalign.registry import RegistryError
 from mmalign.rundir import check_output_dir
 from rewards import check_reward_specs
@@ -330,7 +330,8 @@ def _is_builtin_reward(name: str) -> bool:
 
 def check_data_files(cfg: Config) -> None:
     """``data.train`` and ``data.eval``, where set to a file (not ``hf:...``), exist: a ConfigError naming
-    the key (and a file of a similar name next to it). Reading them is the pipeline's job (`load_rows`
+    the key, a file of a similar name next to it, and the ``hf:`` source or command that gives the file
+    (`mmalign.data.missing_data_hint`). Reading them is the pipeline's job (`load_rows`
     reports malformed lines and missing columns with file:line)."""
     for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
         if not value or value.startswith("hf:"):
@@ -339,9 +340,11 @@ def check_data_files(cfg: Config) -> None:
         if not path.is_file():
             what = " (it is a directory)" if path.is_dir() else ""
             hint = "" if what else _close_siblings(path)
+            source = "" if what else missing_data_hint(value, key=key, pipeline=cfg.pipeline)
             raise ConfigError(
                 f"{cfg.source}: key '{key}': data file not found: {value}{what}"
                 + (f".{hint}" if hint else "")
+                + (f"{'' if hint else '.'} To get it: {source}" if source else "")
             )
 
 

@@ -82,7 +82,7 @@ def test_only_blank_lines_is_empty(tmp_path):
 
 def test_missing_file(tmp_path):
     path = tmp_path / "nope.jsonl"
-    assert data_error(load_jsonl, path) == f"data file not found: {path}"
+    assert data_error(load_jsonl, path).startswith(f"data file not found: {path}; set data.train to a JSONL")
 
 
 def test_directory_is_not_a_data_file(tmp_path):
