@@ -53,6 +53,7 @@ import json
 import logging
 import math
 import re
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -95,6 +96,10 @@ Box = tuple[float, float, float, float]
 Size = tuple[float, float]
 
 log = logging.getLogger(__name__)
+
+_LAST_WARNED: dict[str, weakref.ref[Any]] = {}
+"""The batch each kind of parse failure was last logged for (`_BoxReward._warn`), so that the several box
+rewards of one reward set scoring the same batch log it once."""
 
 
 # ================================================================================ parsing
@@ -444,6 +449,7 @@ class _BoxReward(Reward):
     multi_box = False  # True: score every parsed box (box_f1); False: the last one
     needs_original_size = False  # True: the score needs (W, H) even for coords="absolute"
     unparsed_score = 0.0  # the score of a completion without a box (the worst value of the reward)
+    _warned_unparsed = False  # set by `_warn` on this instance's first completions without a box
 
     def __init__(
         self,
@@ -639,16 +645,29 @@ class _BoxReward(Reward):
         return torch.tensor(out, dtype=torch.float32)
 
     def _warn(self, batch: RewardBatch, texts: list[str], unparsed: list[int], scored: int) -> None:
-        i = unparsed[0]
-        source = batch.get("_source")
-        where = f" ({source[i]})" if isinstance(source, list) and source[i] else ""
+        """Log completions without a box, once per reward instance (a run builds its rewards once): later calls
+        only count them in ``last_metrics["unparsed_frac"]``, which the trainer logs every step. A second box
+        reward that finds the same failure in the same batch (``iou_at`` and ``box_iou`` on one rollout) logs
+        nothing either: the first one's line stands for both."""
+        if self._warned_unparsed:
+            return
+        self._warned_unparsed = True
         what = (
             "no box could be parsed from"
             if self.box_key is None
             else f"env_state has no box {self.box_key!r} for"
         )
+        last = _LAST_WARNED.get(what)
+        if last is not None and last() is batch:
+            return
+        _LAST_WARNED[what] = weakref.ref(batch)
+        i = unparsed[0]
+        source = batch.get("_source")
+        where = f" ({source[i]})" if isinstance(source, list) and source[i] else ""
         log.warning(
-            "reward %r: %s %d of %d completions (scored 0), e.g. sample %d%s: %r",
+            "reward %r: %s %d of %d completions (scored 0), e.g. sample %d%s: %r. Shown once per run (other box "
+            "rewards on the same completions included); each step's share is logged as "
+            "reward/<column>/unparsed_frac",
             self.name,
             what,
             len(unparsed),
@@ -664,7 +683,7 @@ _COMMON_DOC = """
     ("absolute"; a convention or a model family alias), ``width_column`` / ``height_column``,
     ``resized_width_column`` / ``resized_height_column``, ``tag`` ("answer"), ``box_key`` (None; e.g.
     "answer_box" reads ``outputs["env_state"][i]["answer_box"]``). No parsable box -> 0 (counted in
-    ``last_metrics["unparsed_frac"]`` and one warning per call); no reference (None) -> NaN.
+    ``last_metrics["unparsed_frac"]``, logged once per reward per run); no reference (None) -> NaN.
 """
 
 

@@ -1,4 +1,9 @@
-"""What the `mmalign` command prints besides its own output: third-party warnings.
+"""What the `mmalign` command prints besides its own output: log records and third-party warnings.
+
+Log records (``logging``: rewards, the live doctor, ...) go to stderr through `TqdmLoggingHandler`
+(`setup_logging`, called by the command line at startup), which writes each one with ``tqdm.write``: a
+message emitted while the trainer's progress bar is drawn gets its own line above the bar instead of being
+glued to the end of it.
 
 Python shows a warning once per code location, but it forgets what it has shown whenever the warning
 filters change (CPython clears its registries, the one of the ``"once"`` action included), and the trainer
@@ -6,10 +11,14 @@ changes them every step (``warnings.catch_warnings`` around the LR scheduler): a
 during a step is printed again at every step. `quiet_third_party_warnings` names the library warnings that
 a user cannot act on and shows each of them at most once per process (per distinct text), whatever the
 filters do; every other warning, the user's own included, is shown as Python shows it.
+
+`quiet_diffusers_fp32_notice` drops one diffusers log line that says nothing (see its docstring); the
+diffusers component loaders and the planner install it.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import warnings
@@ -80,3 +89,67 @@ def quiet_third_party_warnings() -> None:
             warnings.filterwarnings("ignore", message=message, category=category)
     if not getattr(warnings.showwarning, "_mmalign_quiet", False):
         warnings.showwarning = _once_showwarning(warnings.showwarning)
+
+
+# ----------------------------------------------------------------------------- log records and progress bars
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+"""The format of the command line's log lines (``WARNING rewards.boxes: ...``)."""
+
+
+class TqdmLoggingHandler(logging.StreamHandler):
+    """A ``logging`` handler that writes each record with ``tqdm.write``: tqdm clears its bars on the stream,
+    writes the line and draws the bars again, so a record logged mid-step is a line of its own above the
+    progress bar (a plain ``StreamHandler`` writes it where the bar's cursor is, glued to the bar).
+
+    `stream`: where to write; None (the default) means ``sys.stderr`` as it is when the record is emitted
+    (so a stream swapped in later, e.g. by a test's capture, is used)."""
+
+    def __init__(self, stream: Any = None) -> None:
+        super().__init__(stream)
+        self._follow_stderr = stream is None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm.auto import tqdm
+
+            stream = sys.stderr if self._follow_stderr else self.stream
+            tqdm.write(self.format(record), file=stream)
+            stream.flush()
+        except RecursionError:  # as logging.StreamHandler.emit
+            raise
+        except Exception:
+            self.handleError(record)
+
+
+def setup_logging(level: int = logging.WARNING) -> None:
+    """Log records of `level` and above to stderr through `TqdmLoggingHandler`, in `LOG_FORMAT`.
+
+    Called once by the command line at startup (`mmalign.app.cli.main`); like ``logging.basicConfig`` it does
+    nothing when the root logger already has a handler (an application embedding mmalign keeps its own)."""
+    logging.basicConfig(level=level, format=LOG_FORMAT, handlers=[TqdmLoggingHandler()])
+
+
+# ----------------------------------------------------------------------------- diffusers' empty float32 notice
+_EMPTY_FP32_NOTICE = re.compile(r"There are modules in \w+ that should be kept in float32: \[\]")
+_DIFFUSERS_MODELING_LOGGER = "diffusers.models.modeling_utils"
+
+
+class _EmptyFp32NoticeFilter(logging.Filter):
+    """Drops diffusers' "should be kept in float32: []" notice (an empty list); every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _EMPTY_FP32_NOTICE.match(record.getMessage())
+
+
+def quiet_diffusers_fp32_notice() -> None:
+    """Stop diffusers printing ``There are modules in SD3Transformer2DModel that should be kept in float32: []``.
+
+    diffusers' ``ModelMixin.to`` logs that notice on every call that names a dtype, even ``dtype=None`` and even
+    when the model keeps no module in float32 (the list is empty): ``save_lora_adapter`` calls
+    ``self.to(dtype=None)`` on every LoRA save, and the planner casts its meta models. The notice then names
+    nothing to act on. This adds a filter to diffusers' ``diffusers.models.modeling_utils`` logger that drops
+    the notice when its list is empty; the notice with modules in the list, and every other record of that
+    logger, still print. Calling it again adds nothing."""
+    logger = logging.getLogger(_DIFFUSERS_MODELING_LOGGER)
+    if not any(isinstance(f, _EmptyFp32NoticeFilter) for f in logger.filters):
+        logger.addFilter(_EmptyFp32NoticeFilter())

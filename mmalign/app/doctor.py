@@ -66,6 +66,10 @@ ENTROPY_BASELINE_STEPS = 3
 """The entropy's start is its mean over the first this many logged steps."""
 ENTROPY_COLLAPSE_FRAC = 0.3
 """Entropy below this fraction of its start marks a step (collapse)."""
+ENTROPY_REWARD_RISE = 0.25
+"""A collapse is "as the reward rose" (expected) when ``reward/mean`` over the collapsed steps exceeds its mean over
+the first `ENTROPY_BASELINE_STEPS` steps by more than this many starting ``reward/std`` (the per-sample spread of
+the total reward; 1 when not logged)."""
 
 CONSTANT_EPS = 1e-9
 """Stds at or below this are 0; means whose spread is at or below this are identical."""
@@ -463,8 +467,29 @@ def check_ratio(metrics: list[dict[str, Any]], config: dict[str, Any] | None) ->
     return out
 
 
+def _reward_rise(metrics: list[dict[str, Any]], steps: Sequence[int]) -> tuple[float, float, float] | None:
+    """(before, at, scale): ``reward/mean`` averaged over the first `ENTROPY_BASELINE_STEPS` logged steps and
+    over `steps`, and the starting ``reward/std`` a rise is measured against (1 when not logged or 0); None
+    when ``reward/mean`` is not logged at the start or at `steps`."""
+    rewards = _series(metrics, "reward/mean")
+    head = [v for _, v in rewards[:ENTROPY_BASELINE_STEPS]]
+    wanted = set(steps)
+    at = [v for st, v in rewards if st in wanted]
+    if not head or not at:
+        return None
+    stds = [v for _, v in _series(metrics, "reward/std")[:ENTROPY_BASELINE_STEPS]]
+    scale = sum(stds) / len(stds) if stds else 0.0
+    return sum(head) / len(head), sum(at) / len(at), scale if scale > CONSTANT_EPS else 1.0
+
+
 def check_entropy(metrics: list[dict[str, Any]], config: dict[str, Any] | None) -> list[Finding]:
-    """Entropy collapse: ``entropy`` falling below `ENTROPY_COLLAPSE_FRAC` of its start."""
+    """Entropy collapse: ``entropy`` falling below `ENTROPY_COLLAPSE_FRAC` of its start.
+
+    Whether that is a problem depends on the reward at the collapsed steps (`_reward_rise`): entropy that fell
+    as ``reward/mean`` rose (by more than `ENTROPY_REWARD_RISE` starting reward stds) is the policy committing
+    to what it learned, expected on a task with one right answer (``info``); a collapse while the reward is
+    flat or falling ends exploration without a gain (``warn``, with what to try); without ``reward/mean`` the
+    two cannot be told apart (``warn``, saying so)."""
     name = "entropy"
     s = _series(metrics, "entropy")
     if not s:
@@ -480,7 +505,7 @@ def check_entropy(metrics: list[dict[str, Any]], config: dict[str, Any] | None) 
         ]
     head = [v for _, v in s[:ENTROPY_BASELINE_STEPS]]
     start = sum(head) / len(head)
-    details = {"start": start, "last": s[-1][1]}
+    details: dict[str, Any] = {"start": start, "last": s[-1][1]}
     if start <= 0:
         return [
             Finding(
@@ -491,19 +516,59 @@ def check_entropy(metrics: list[dict[str, Any]], config: dict[str, Any] | None) 
     flagged = [st for st, v in s[ENTROPY_BASELINE_STEPS:] if v < limit]
     if _persistent(flagged, len(s)):
         low = min(v for _, v in s)
+        seen = (
+            f"from {_fmt(start)} (first {len(head)} steps) to below {_pct(ENTROPY_COLLAPSE_FRAC)} of it at "
+            f"{_steps_text(flagged)} (min {_fmt(low)}, last {_fmt(s[-1][1])})"
+        )
+        what_to_try = (
+            "Try a lower trainer.lr, a KL term (algorithm.kl_coef), a higher rollout.temperature, clip-higher "
+            "(loss_kwargs eps_high 0.28) or fewer trainer.num_iterations."
+        )
+        rise = _reward_rise(metrics, flagged)
+        details = {**details, "steps_flagged": flagged}
+        if rise is None:
+            return [
+                Finding(
+                    name,
+                    "warn",
+                    flagged,
+                    f"entropy collapsed {seen}; reward/mean is not logged there, so whether the reward still "
+                    "rose (expected) cannot be told",
+                    "If the reward was flat or falling, the policy became nearly deterministic without a gain: "
+                    "the samples of a group stop differing, groups get zero reward std and exploration ends. "
+                    + what_to_try,
+                    details,
+                )
+            ]
+        before, at, scale = rise
+        details = {**details, "reward_start": before, "reward_at_flagged": at, "reward_std_start": scale}
+        change = f"reward/mean {_fmt(before)} over the first steps, {_fmt(at)} over the collapsed ones"
+        if at - before > ENTROPY_REWARD_RISE * scale:
+            return [
+                Finding(
+                    name,
+                    "info",
+                    flagged,
+                    f"entropy fell as the reward rose: {seen}; {change} -- expected on tasks with one right "
+                    "answer",
+                    "The policy is committing to the answers that earn reward: on a verifiable task with short, "
+                    "single correct answers (arithmetic, multiple choice, a box) that is what learning looks "
+                    "like. It becomes a problem when reward/mean stops rising while zero_std_frac climbs (groups "
+                    "no longer differ), or on an open-ended task where varied outputs are wanted; then: "
+                    + what_to_try,
+                    details,
+                )
+            ]
         return [
             Finding(
                 name,
                 "warn",
                 flagged,
-                f"entropy collapsed: from {_fmt(start)} (first {len(head)} steps) to below "
-                f"{_pct(ENTROPY_COLLAPSE_FRAC)} of it at {_steps_text(flagged)} (min {_fmt(low)}, last "
-                f"{_fmt(s[-1][1])})",
-                "The policy became nearly deterministic: the samples of a group stop differing, groups get zero "
-                "reward std and exploration ends (rewards plateau). Try a lower trainer.lr, a KL term "
-                "(algorithm.kl_coef), a higher rollout.temperature, clip-higher (loss_kwargs eps_high 0.28) or "
-                "fewer trainer.num_iterations.",
-                {**details, "steps_flagged": flagged},
+                f"entropy collapsed while the reward is flat or falling: {seen}; {change} -- a problem",
+                "The policy became nearly deterministic without a gain in reward: the samples of a group stop "
+                "differing, groups get zero reward std and exploration ends (the reward plateaus where it is). "
+                + what_to_try,
+                details,
             )
         ]
     return [

@@ -14,7 +14,10 @@ every operator (`plan_models.Recorder`, with ``torch.utils.flop_counter``'s form
 added from the config (`StepPlan`): the peak per device of the training step and of the rollout, split into
 weights, gradients, optimizer state, activations and caches; the FLOPs per step and the time at a stated
 model-FLOPs utilisation; and, when the peak exceeds the device, the smallest changes that make it fit
-(`suggest_fixes`). docs/plan.md describes the model and what it leaves out.
+(`suggest_fixes`). The bytes of that table are the peak allocated by torch (``torch.cuda.max_memory_allocated`` on
+a GPU); for a CPU run (``--gpu cpu``) the report adds what the process holds (`ProcessMemory`, its RSS increase:
+that peak, the freed heap blocks glibc keeps, the model load, the library pages and interpreter objects of a
+run). docs/plan.md describes the model and what it leaves out.
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ from typing import Any
 import torch
 
 from mmalign.app.plan_models import (
+    HEAP_LIMIT,
+    ComponentSpec,
     ModelSpec,
     Recorder,
     block_param_bytes,
     buffer_bytes,
     build_meta,
+    heap_bytes,
     largest_param_bytes,
     param_bytes,
     param_numel,
@@ -124,15 +130,59 @@ class Memory:
 
 
 @dataclass
+class Moment:
+    """One candidate peak of a step, for what a CPU process holds (`process_memory`): the bytes allocated by
+    torch then (``total``), how many of them are in heap blocks (below `plan_models.HEAP_LIMIT`: ``heap``), and
+    the most heap-block bytes live at any time of the work around it (``heap_high``, at least ``heap``)."""
+
+    name: str
+    total: int
+    heap: int
+    heap_high: int = 0
+
+
+@dataclass
 class Phase:
     """The peak of one phase (``train``: one step's forwards, backwards and optimizer step; ``rollout``:
-    sampling), where in the phase it happens, and the FLOPs and time of the phase."""
+    sampling), where in the phase it happens, the FLOPs and time of the phase, and its candidate peaks
+    (`Moment`) for the process-memory estimate."""
 
     name: str
     memory: Memory
     where: str
     flops: float = 0.0
     seconds: float = 0.0
+    moments: list[Moment] = field(default_factory=list)
+
+
+@dataclass
+class ProcessMemory:
+    """What a one-process CPU run holds at its peak (the RSS increase over the process with its libraries
+    imported), by part; `process_memory` computes it, docs/plan.md ("What a CPU process holds") derives it.
+
+    ``allocated``: the step's peak of bytes allocated by torch (what the table shows). ``heap_kept``: freed heap
+    blocks (below `plan_models.HEAP_LIMIT`) that glibc still holds at the step's worst moment: the heap keeps the
+    high-water of heap blocks reached earlier in the step (small activations, small gradients), while blocks of
+    `HEAP_LIMIT` and more go back to the system when freed. ``load``: the model load's peak (weights, plus the
+    checkpoint's pages mapped while from_pretrained converts them to ``model.dtype``). ``libraries`` and
+    ``objects``: what every run of the family adds (library pages it touches, interpreter objects: modules,
+    tokenizers, data rows), measured (`RUN_OVERHEAD`)."""
+
+    allocated: int
+    heap_kept: int
+    load: int
+    libraries: int
+    objects: int
+
+    @property
+    def step(self) -> int:
+        """The training step's worst moment: torch's bytes plus the heap blocks glibc keeps then."""
+        return self.allocated + self.heap_kept
+
+    @property
+    def rss(self) -> int:
+        """The process's peak RSS increase: the larger of the step and the load, plus the run's overhead."""
+        return max(self.step, self.load) + self.libraries + self.objects
 
 
 @dataclass
@@ -149,6 +199,8 @@ class StepPlan:
     train: Phase
     rollout: Phase
     notes: list[str] = field(default_factory=list)
+    process: ProcessMemory | None = None
+    """What the process holds (CPU, one process only); None on a GPU."""
 
     @property
     def peak(self) -> int:
@@ -263,6 +315,23 @@ class Static:
     block: int = 0
     block_grad: int = 0
     grad_divisor: int = 1
+    heap_grads: int = 0
+    """Gradient bytes of the trained parameters below `plan_models.HEAP_LIMIT` (heap blocks on a CPU) ..."""
+    heap_optimizer: int = 0
+    """... their AdamW moments ..."""
+    heap_step_temp: int = 0
+    """... and the single-tensor AdamW step's temporaries while it updates the largest of them."""
+
+
+def _heap_parts(model: torch.nn.Module) -> dict[str, int]:
+    """`Static`'s heap fields of `model`: its trained parameters below `HEAP_LIMIT` bytes (each tensor once)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        n = p.numel() * p.element_size()
+        if p.requires_grad and n < HEAP_LIMIT:
+            seen[id(p)] = n
+    small = sum(seen.values())
+    return dict(heap_grads=small, heap_optimizer=2 * small, heap_step_temp=2 * max(seen.values(), default=0))
 
 
 def _static(model: torch.nn.Module, frozen_bytes: int, hw: Hardware) -> Static:
@@ -283,19 +352,41 @@ def _static(model: torch.nn.Module, frozen_bytes: int, hw: Hardware) -> Static:
             weights // n, frozen_bytes, grads // n, opt // n, step_temp // n, 0, 2 * block, block_grad, n
         )
     buckets = train_b if hw.gpus > 1 else 0
-    return Static(weights, frozen_bytes, grads, opt, step_temp, buckets)
+    return Static(weights, frozen_bytes, grads, opt, step_temp, buckets, **_heap_parts(model))
 
 
-def _train_memory(st: Static, peak: int, grads_at_peak: int) -> tuple[Memory, str]:
-    """The training step's peak (`Memory`, where): the larger of the steady-state microbatch's recorded
-    forward/backward (``peak`` bytes allocated, ``grads_at_peak`` of them parameter gradients, recorded
-    unsharded) and the optimizer step."""
+def _train_candidates(st: Static, peak: int, grads_at_peak: int) -> tuple[Memory, Memory]:
+    """The training step's two candidate peaks: the steady-state microbatch's recorded forward/backward (``peak``
+    bytes allocated, ``grads_at_peak`` of them parameter gradients, recorded unsharded) and the optimizer step."""
     grads = grads_at_peak // st.grad_divisor + st.block_grad + st.buckets
     fb = Memory(st.weights + st.block, st.frozen, grads, st.optimizer, peak - grads_at_peak)
     step = Memory(st.weights, st.frozen, st.gradients + st.buckets, st.optimizer, st.step_temp)
+    return fb, step
+
+
+def _train_memory(st: Static, peak: int, grads_at_peak: int) -> tuple[Memory, str]:
+    """The training step's peak (`Memory`, where): the larger of `_train_candidates`."""
+    fb, step = _train_candidates(st, peak, grads_at_peak)
     if step.total > fb.total:
         return step, "optimizer step (AdamW temporaries)"
     return fb, "forward/backward of a microbatch"
+
+
+def _train_moments(st: Static, fb: Memory, step: Memory, fb_heap: int, fb_heap_high: int) -> list[Moment]:
+    """The training step's `Moment` s: the forward/backward (`fb`, with `fb_heap` / `fb_heap_high` heap bytes of
+    what was recorded) and the optimizer step (`step`: the small parameters' gradients, moments and the
+    single-tensor step's temporaries are heap blocks); AdamW's moments are live in both."""
+    return [
+        Moment("forward/backward", fb.total, st.heap_optimizer + fb_heap, st.heap_optimizer + fb_heap_high),
+        Moment("optimizer step", step.total, st.heap_grads + st.heap_optimizer + st.heap_step_temp),
+    ]
+
+
+def _rollout_moment(name: str, mem: Memory, st: Static) -> Moment:
+    """A rollout `Moment`: its temporaries and caches taken as heap blocks (on a CPU a rollout's tensors are rarely
+    32 MiB each), besides the small parameters' AdamW moments."""
+    heap = st.heap_optimizer + mem.activations + mem.caches
+    return Moment(name, mem.total, heap, heap)
 
 
 # ----------------------------------------------------------------------------- token policies
@@ -539,8 +630,8 @@ def _vision_bytes(
 
 def plan_token(
     cfg: Config, spec: ModelSpec, hw: Hardware, prompt_tokens: int
-) -> tuple[Phase, Phase, dict[str, Any], int, int, list[str]]:
-    """The training and rollout phases of a text or VLM policy."""
+) -> tuple[Phase, Phase, dict[str, Any], int, int, list[str], int]:
+    """The training and rollout phases of a text or VLM policy (and the load's `_conversion_bytes`)."""
     notes: list[str] = []
     b = batching(cfg, hw.gpus)
     sh = token_shapes(cfg, spec, b, prompt_tokens)
@@ -621,6 +712,10 @@ def plan_token(
         total += vb + embeds
         train_flops_micro += vf
     train_mem, where = _train_memory(st, total, grads_at_peak)
+    vision = total - peak.total  # a VLM's vision tower and merged embeddings: taken as heap blocks
+    train_moments = _train_moments(
+        st, *_train_candidates(st, total, grads_at_peak), peak.heap + vision, peak.heap_high + vision
+    )
     # -- no-grad scoring (logp_old, reference log-probs) of the whole local batch
     nograd_flops = 0.0
     nograd_peak = 0
@@ -693,6 +788,7 @@ def plan_token(
     if nograd_peak:
         candidates.append((score_mem, f"log-probs of the {scoring_batch} rollout samples (no grad)"))
     roll_mem, roll_where = max(candidates, key=lambda x: x[0].total)
+    roll_moments = [_rollout_moment(w, m, st) for m, w in candidates]
 
     # -- FLOPs and time
     non_embed = param_numel(model) - vocab * int(tc["hidden_size"]) * (
@@ -729,9 +825,10 @@ def plan_token(
         shared_prefix=shared,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
     )
-    train = Phase("train", train_mem, where, train_flops, t_train)
-    roll = Phase("rollout", roll_mem, roll_where, gen_flops, t_gen)
-    return train, roll, shapes, param_numel(model), param_numel(model, trainable=True), notes
+    train = Phase("train", train_mem, where, train_flops, t_train, train_moments)
+    roll = Phase("rollout", roll_mem, roll_where, gen_flops, t_gen, roll_moments)
+    converted = _conversion_bytes(spec.components["model"], model, dtype)
+    return train, roll, shapes, param_numel(model), param_numel(model, trainable=True), notes, converted
 
 
 # ----------------------------------------------------------------------------- diffusion policies
@@ -999,10 +1096,11 @@ def vae_decode_rows(cfg: Config, spec: ModelSpec, local_batch: int) -> int:
 
 def _frozen_components(
     cfg: Config, spec: ModelSpec, dtype: torch.dtype
-) -> tuple[int, torch.nn.Module | None]:
-    """Bytes of the frozen components (text encoders, VAE; SD3's T5 only with ``options.load_t5``), and the VAE
-    on the meta device. The Wan and Qwen-Image VAEs load in fp32, as their component loaders do."""
-    total, vae = 0, None
+) -> tuple[int, torch.nn.Module | None, int]:
+    """Bytes of the frozen components (text encoders, VAE; SD3's T5 only with ``options.load_t5``), the VAE
+    on the meta device, and the largest `_conversion_bytes` among them. The Wan and Qwen-Image VAEs load in
+    fp32, as their component loaders do."""
+    total, vae, converted = 0, None, 0
     den_cls = spec.components[spec.denoiser].cls
     for name, comp in spec.components.items():
         if name == spec.denoiser or name in ("scheduler", "tokenizer", "geometry"):
@@ -1015,9 +1113,10 @@ def _frozen_components(
         except Exception:  # an auxiliary folder that is not a model class we can build: not counted
             continue
         total += param_bytes(module) + buffer_bytes(module)
+        converted = max(converted, _conversion_bytes(comp, module, torch.float32 if fp32 else dtype))
         if name == "vae":
             vae = module
-    return total, vae
+    return total, vae, converted
 
 
 def _vae_decode_bytes(
@@ -1080,7 +1179,7 @@ def _denoiser_pass(
 
 def plan_diffusion(
     cfg: Config, spec: ModelSpec, hw: Hardware
-) -> tuple[Phase, Phase, dict[str, Any], int, int, list[str]]:
+) -> tuple[Phase, Phase, dict[str, Any], int, int, list[str], int]:
     """The training and rollout phases of a diffusion policy: every trained step of every sample of a
     microbatch keeps its denoiser activations until the microbatch's one backward
     (`mmalign.policies.denoising.DenoisingPolicy._score`); the rollout runs all local samples at once."""
@@ -1093,7 +1192,7 @@ def plan_diffusion(
     lora_key = (lora.enabled, lora.r, lora.alpha, str(lora.target_modules)) if lora.enabled else (False,)
     base_key = (cfg.model.name_or_path, spec.origin, lora_key, bool(cfg.model.gradient_checkpointing))
     model = _memo(("model", *base_key, str(dtype)), lambda: diffusion_model(cfg, spec, dtype))
-    frozen, vae = _memo(
+    frozen, vae, converted = _memo(
         ("frozen", cfg.model.name_or_path, str(dtype), bool(_opt(cfg, "load_t5", True))),
         lambda: _frozen_components(cfg, spec, dtype),
     )
@@ -1136,6 +1235,10 @@ def plan_diffusion(
     grads = peak.grads if b.micro_per_minibatch == 1 else param_bytes(model, trainable=True)
     train_mem, where = _train_memory(st, act + grads, grads)
     where += f"; {kept_steps} of {steps} trained step(s) x {rows} rows kept for one backward"
+    # heap blocks of the activations: the recorded row's blocks, each `rows` times larger in the batched run
+    share = heap_bytes(peak.buckets, rows) / (rows * peak.total) if peak.total else 1.0
+    fb_heap = int(act * share) + min(grads, st.heap_grads)
+    train_moments = _train_moments(st, *_train_candidates(st, act + grads, grads), fb_heap, fb_heap)
     f1 = f2 / 2
     train_flops = f1 * rows * steps * b.forwards_with_grad
     # rollout: the local samples in chunks of whole groups (rollout.batch_size), every denoising step, no grad
@@ -1171,6 +1274,10 @@ def plan_diffusion(
         ],
         key=lambda x: x[0].total,
     )
+    roll_moments = [
+        _rollout_moment("denoiser forward", denoise, st),
+        _rollout_moment("VAE decode", decode, st),
+    ]
     roll_flops = f_r * b.local_batch * sh.rollout_branches * sh.num_steps + vae_flops * b.local_batch
     s = torch.finfo(cdtype).bits // 8
     peak_flops = hw.device.flops_bf16 if s == 2 else hw.device.flops_fp32
@@ -1192,9 +1299,70 @@ def plan_diffusion(
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         vae_decode_batch=decode_rows,
     )
-    train = Phase("train", train_mem, where, train_flops, t_train)
-    roll = Phase("rollout", roll_mem, roll_where, roll_flops, t_roll)
-    return train, roll, shapes, param_numel(model), param_numel(model, trainable=True), notes
+    train = Phase("train", train_mem, where, train_flops, t_train, train_moments)
+    roll = Phase("rollout", roll_mem, roll_where, roll_flops, t_roll, roll_moments)
+    converted = max(converted, _conversion_bytes(spec.components[spec.denoiser], model, dtype))
+    return train, roll, shapes, param_numel(model), param_numel(model, trainable=True), notes, converted
+
+
+# ----------------------------------------------------------------------------- what a CPU process holds
+MiB = 2**20
+RUN_OVERHEAD: dict[str, tuple[int, int]] = {
+    # (library pages, interpreter objects) a run adds over the process with its libraries imported, measured on
+    # the tiny configs (torch 2.14.1 CPU, transformers 5.25, diffusers 0.42, glibc 2.36; docs/plan.md, "What a
+    # CPU process holds"): library pages = the growth of RssFile (file-backed pages: the code and data of the
+    # libraries' functions the run calls for the first time) less the model files still mapped; interpreter
+    # objects = the growth of RssAnon while the trainer is built, less the weights (modules, tokenizers, data
+    # rows, the reward's state). Text: the same on the four text settings measured (25.7-26.2 MiB of pages,
+    # 2.5-5.6 MiB of objects); VLM (vlm_reasoning-tiny: the image processor's and the vision tower's code too):
+    # 35.3 and 4.0 MiB; diffusion (text_to_image-tiny): 40.5 and 38.1 MiB.
+    "token": (26 * MiB, 4 * MiB),
+    "vlm": (35 * MiB, 4 * MiB),
+    "diffusion": (40 * MiB, 38 * MiB),
+}
+"""Per policy family: (library pages, interpreter objects) a CPU run holds besides its tensors."""
+LIBRARIES_IMPORTED = 796 * MiB
+"""RSS of a Python process once torch, transformers, diffusers, peft, accelerate and mmalign's trainer, pipelines,
+rewards and policies are imported (measured as `RUN_OVERHEAD`): the base the process RSS increase adds to."""
+
+
+def _checkpoint_dtype(comp: ComponentSpec) -> torch.dtype | None:
+    """The dtype `comp`'s weights are stored in, as its config.json says (transformers writes ``dtype``, older
+    releases ``torch_dtype``; diffusers writes neither): None when it does not say."""
+    name = comp.config.get("dtype") or comp.config.get("torch_dtype")
+    return _DTYPES.get(name) if isinstance(name, str) else None
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _conversion_bytes(comp: ComponentSpec, module: torch.nn.Module, loaded: torch.dtype) -> int:
+    """Bytes of `comp`'s checkpoint that ``from_pretrained`` has mapped while it converts the weights to
+    `loaded` (`module`: the component on the meta device; LoRA parameters are not in the checkpoint): the
+    whole file when the stored dtype differs, else 0 (the weights are then the file's pages themselves,
+    already counted as weights). 0 when the stored dtype is unknown."""
+    stored = _checkpoint_dtype(comp)
+    if stored is None or stored == loaded:
+        return 0
+    numel = sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
+    return numel * torch.finfo(stored).bits // 8
+
+
+def process_memory(moments: list[Moment], load: int, family: str) -> ProcessMemory:
+    """`ProcessMemory` of a one-process CPU run from the candidate peaks of its step (`moments`), the model
+    load's peak (`load`: weights, frozen parts and `_conversion_bytes`) and its family (``token``, ``vlm`` or
+    ``diffusion``, for `RUN_OVERHEAD`).
+
+    glibc gives a tensor of `HEAP_LIMIT` bytes or more its own mapping and unmaps it when it is freed; a
+    smaller one comes from the heap, which keeps a freed block for later allocations but rarely returns it
+    to the system. In the steady state (every step does the same work) the heap therefore holds, at every
+    moment, at least the most heap-block bytes any moment of the step needs (``heap_high``), so a moment m
+    holds ``m.total + max(0, max_heap_high - m.heap)``; the step's RSS is the largest of these."""
+    high = max((max(m.heap, m.heap_high) for m in moments), default=0)
+    allocated = max((m.total for m in moments), default=0)
+    step = max((m.total + max(0, high - m.heap) for m in moments), default=0)
+    libraries, objects = RUN_OVERHEAD[family]
+    return ProcessMemory(allocated, step - allocated, load, libraries, objects)
 
 
 # ----------------------------------------------------------------------------- plan and fixes
@@ -1215,14 +1383,38 @@ def plan(cfg: Config, hw: Hardware, *, prompt_tokens: int | None = None) -> Step
             prompt_tokens, source = estimate_prompt_tokens(cfg), "the longest of the first 256 training rows"
             if prompt_tokens is None:
                 prompt_tokens, source = DEFAULT_PROMPT_TOKENS, "the default (no data file or tokenizer here)"
-        train, roll, shapes, total, trainable, notes = plan_token(cfg, spec, hw, prompt_tokens)
+        train, roll, shapes, total, trainable, notes, converted = plan_token(cfg, spec, hw, prompt_tokens)
         notes.insert(0, f"text tokens per prompt: {prompt_tokens}, from {source}")
     else:
-        train, roll, shapes, total, trainable, notes = plan_diffusion(cfg, spec, hw)
+        train, roll, shapes, total, trainable, notes, converted = plan_diffusion(cfg, spec, hw)
     if cfg.rollout.engine == "vllm":
         notes.append("rollout.engine vllm: the engine's own memory (gpu_memory_utilization) is not included")
+    process = None
+    if hw.device.kind == "cpu" and hw.gpus == 1 and not hw.offload:
+        family = {"diffusers": "diffusion", "vlm": "vlm"}.get(spec.kind, "token")
+        load = train.memory.weights + train.memory.frozen + converted
+        process = process_memory(train.moments + roll.moments, load, family)
+        notes.append(
+            f"process RSS: on top of the interpreter with its libraries imported ({gib(LIBRARIES_IMPORTED)} "
+            "measured with torch, transformers, diffusers, peft and mmalign; docs/plan.md)"
+        )
+        if spec.origin == "table":
+            notes.append(
+                "the checkpoint's dtype is not in the architecture table: a dtype conversion at load is "
+                "not counted in the process RSS"
+            )
     return StepPlan(
-        cfg.source, cfg.model.name_or_path, spec.origin, hw, total, trainable, shapes, train, roll, notes
+        cfg.source,
+        cfg.model.name_or_path,
+        spec.origin,
+        hw,
+        total,
+        trainable,
+        shapes,
+        train,
+        roll,
+        notes,
+        process,
     )
 
 
@@ -1459,8 +1651,19 @@ def _seconds(s: float) -> str:
     return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
+def _measure(hw: Hardware) -> str:
+    """What the table's bytes are on `hw`: the peak of the bytes torch's allocator has handed out."""
+    if hw.device.kind == "cpu":
+        return (
+            "peak allocated by torch (the CPU allocator's live tensor bytes, as torch's profiler counts them)"
+        )
+    return "peak allocated by torch (`torch.cuda.max_memory_allocated`; the CUDA context and the caching allocator's reserve come on top)"
+
+
 def render(p: StepPlan, fixes: list[Fix] | None = None) -> str:
-    """A Markdown report of `p` (and the fixes, when it does not fit)."""
+    """A Markdown report of `p` (and the fixes, when it does not fit). Every number says what it is: the table's
+    bytes are the peak allocated by torch per device; on a CPU a second table gives what the process holds
+    (its RSS increase, `ProcessMemory`)."""
     hw = p.hardware
     strat = f"{hw.strategy}{' + CPU offload' if hw.offload else ''}"
     lines = [
@@ -1471,7 +1674,9 @@ def render(p: StepPlan, fixes: list[Fix] | None = None) -> str:
         "",
         "shapes: " + ", ".join(f"{k} {v}" for k, v in p.shapes.items()),
         "",
-        "| per device | train step | rollout |",
+        f"bytes per device: {_measure(hw)}",
+        "",
+        "| allocated by torch, per device | train step | rollout |",
         "|---|---:|---:|",
     ]
     rows = [
@@ -1486,16 +1691,34 @@ def render(p: StepPlan, fixes: list[Fix] | None = None) -> str:
         lines.append(
             f"| {label} | {gib(getattr(p.train.memory, key))} | {gib(getattr(p.rollout.memory, key))} |"
         )
-    lines.append(f"| **peak** | **{gib(p.train.memory.total)}** | **{gib(p.rollout.memory.total)}** |")
+    lines.append(
+        f"| **peak allocated by torch** | **{gib(p.train.memory.total)}** | **{gib(p.rollout.memory.total)}** |"
+    )
     lines.append(f"| where | {p.train.where} | {p.rollout.where} |")
     lines.append(f"| FLOPs per step | {_count(p.train.flops)} | {_count(p.rollout.flops)} |")
     lines.append(
         f"| time at {hw.mfu:.0%} MFU | {_seconds(p.train.seconds)} | {_seconds(p.rollout.seconds)} |"
     )
     lines.append("")
+    if p.process is not None:
+        pm = p.process
+        lines += [
+            "| process RSS increase (CPU): what the process holds beyond its imported libraries | |",
+            "|---|---:|",
+            f"| peak allocated by torch (step) | {gib(pm.allocated)} |",
+            f"| + freed heap blocks glibc keeps at the step's worst moment | {gib(pm.heap_kept)} |",
+            f"| model load: weights (+ the checkpoint's pages while converting its dtype) | {gib(pm.load)} |",
+            f"| the larger of step and load | {gib(max(pm.step, pm.load))} |",
+            f"| + library pages a run touches (measured) | {gib(pm.libraries)} |",
+            f"| + interpreter objects: modules, tokenizers, data (measured) | {gib(pm.objects)} |",
+            f"| **process RSS increase** | **{gib(pm.rss)}** |",
+            "",
+        ]
     verdict = "fits" if p.fits else "does NOT fit"
+    rss = f"; process RSS increase {gib(p.process.rss)}" if p.process is not None else ""
     lines.append(
-        f"**{verdict}**: peak {gib(p.peak)} of {gib(hw.device.memory)}; step about {_seconds(p.seconds)}"
+        f"**{verdict}**: peak allocated by torch {gib(p.peak)} of {gib(hw.device.memory)}{rss}; step about "
+        f"{_seconds(p.seconds)}"
     )
     if not p.fits:
         lines.append("")
@@ -1504,7 +1727,9 @@ def render(p: StepPlan, fixes: list[Fix] | None = None) -> str:
                 "changes that make it fit (each line on its own; `+` joins changes needed together):"
             )
             for f in fixes:
-                lines.append(f"- {f.description}: peak {gib(f.peak)} (`{' '.join(f.overrides)}`)")
+                lines.append(
+                    f"- {f.description}: peak allocated by torch {gib(f.peak)} (`{' '.join(f.overrides)}`)"
+                )
         else:
             lines.append("no single change tried makes it fit (see docs/plan.md)")
     for n in p.notes:

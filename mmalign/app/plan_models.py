@@ -10,7 +10,7 @@ component on the ``meta`` device (shapes and dtypes only).
 ``TorchDispatchMode`` that counts the bytes of every tensor storage an operator creates and frees it when
 the storage is garbage-collected (the meta tensors live exactly as long as the real ones would, held by
 the same autograd graph), with the peak, split by what is live at the peak (gradients of parameters are
-tracked by a post-accumulate hook), and the FLOPs of every operator by ``torch.utils.flop_counter``'s
+tracked by a post-accumulate hook; heap blocks, below `HEAP_LIMIT`, for what a CPU process holds), and the FLOPs of every operator by ``torch.utils.flop_counter``'s
 formulas (those ``FlopCounterMode`` uses). Attention runs through `FusedAttention`: meta tensors would pick the
 math kernel of ``scaled_dot_product_attention`` (which keeps the full attention matrix), while a GPU (and
 the CPU) run the fused flash / memory-efficient kernels, which keep only q, k, v, the output, a
@@ -177,6 +177,9 @@ def build_meta(comp: ComponentSpec, dtype: torch.dtype) -> torch.nn.Module:
     if comp.library == "diffusers":
         import diffusers
 
+        from mmalign.app.console import quiet_diffusers_fp32_notice
+
+        quiet_diffusers_fp32_notice()  # `.to(dtype)` below would log "should be kept in float32: []"
         cls = getattr(diffusers, comp.cls, None)
         if cls is None:
             raise ConfigError(f"{comp.source}: diffusers has no model class {comp.cls!r}")
@@ -336,12 +339,36 @@ def _all_nonzero(t: torch.Tensor, as_tuple: bool = False) -> Any:
 
 
 # ----------------------------------------------------------------------------- memory recorder
+HEAP_LIMIT = 32 * 2**20
+"""glibc's largest mmap threshold on 64-bit Linux (``DEFAULT_MMAP_THRESHOLD_MAX``, 4 MiB x sizeof(long)): a CPU
+tensor of at least this many bytes is mmapped and its pages go back to the system when it is freed; a smaller
+one comes from the heap, which keeps the freed block for later allocations (the threshold starts at 128 KiB and
+rises to the largest block freed, up to this limit, so after the first frees every smaller tensor is heap)."""
+
+
+def size_bucket(n: int) -> int:
+    """The power-of-two bucket of an `n`-byte block: blocks of [2**(k-1), 2**k) bytes are bucket k."""
+    return int(n).bit_length()
+
+
+def heap_bytes(buckets: list[int], scale: int = 1) -> int:
+    """Bytes of the blocks counted in `buckets` (per `size_bucket`) that are heap blocks (below `HEAP_LIMIT`) once
+    each is `scale` times larger (a recording of one row standing for `scale` rows), times `scale`; a bucket is
+    classed by its smallest size."""
+    return sum(b * scale for k, b in enumerate(buckets) if b and (1 << max(0, k - 1)) * scale < HEAP_LIMIT)
+
+
 @dataclass
 class Peak:
-    """Live bytes at a peak: ``total`` and how much of it were parameter gradients."""
+    """Live bytes at a peak: ``total``, how much of it were parameter gradients, how much was in heap blocks
+    (below `HEAP_LIMIT`: ``heap``), their bytes by size bucket (``buckets``, `size_bucket`), and the largest
+    heap-block bytes live at any moment of the phase (``heap_high``)."""
 
     total: int = 0
     grads: int = 0
+    heap: int = 0
+    heap_high: int = 0
+    buckets: list[int] = field(default_factory=list)
 
 
 def _flop_formulas() -> dict[Any, Any]:
@@ -368,7 +395,9 @@ class Recorder(TorchDispatchMode):
     """Live tensor bytes of the operators run inside it (see the module docstring). Tensors that exist
     before (parameters, inputs) are passed to `ignore`, so what is counted is what the code allocates.
     `phase(name)` records the peak of a named phase separately (`peaks`), with the gradient bytes live at
-    that moment (`watch_grads` registers the parameters whose gradients count as such).
+    that moment (`watch_grads` registers the parameters whose gradients count as such), the bytes in blocks
+    below `HEAP_LIMIT` (what a CPU run takes from glibc's heap) then and at their own high-water, and the live
+    bytes by size bucket (for a recording of one row that stands for many).
 
     One correction: with any dispatch mode active, autograd accumulates a parameter's new gradient into the
     existing one out of place (``grad + new``, then the old one is freed) where a plain run adds in place;
@@ -376,6 +405,8 @@ class Recorder(TorchDispatchMode):
 
     current: int = 0
     grads: int = 0
+    heap: int = 0
+    """Live bytes in blocks below `HEAP_LIMIT` (what the CPU allocator takes from glibc's heap)."""
     flops: int = 0
     """FLOPs of the operators run inside it (``torch.utils.flop_counter``'s formulas: matmuls, convolutions)."""
     nongrad_peak: int = 0
@@ -383,6 +414,7 @@ class Recorder(TorchDispatchMode):
     peaks: dict[str, Peak] = field(default_factory=dict)
     _phase: str = "main"
     _known: Any = None
+    _buckets: list[int] = field(default_factory=lambda: [0] * 64)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -406,6 +438,9 @@ class Recorder(TorchDispatchMode):
     def _release(self, block: _Block, ref: Any) -> None:
         if block.owner is ref:
             self.current -= block.n
+            self._buckets[size_bucket(block.n)] -= block.n
+            if block.n < HEAP_LIMIT:
+                self.heap -= block.n
             if block.grad:
                 self.grads -= block.n
 
@@ -427,15 +462,21 @@ class Recorder(TorchDispatchMode):
     def _bump(self) -> None:
         self.nongrad_peak = max(self.nongrad_peak, self.current - self.grads)
         peak = self.peaks.setdefault(self._phase, Peak())
+        peak.heap_high = max(peak.heap_high, self.heap)
         if self.current > peak.total:
-            peak.total, peak.grads = self.current, self.grads
+            peak.total, peak.grads, peak.heap = self.current, self.grads, self.heap
+            peak.buckets = list(self._buckets)
 
     def _add(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         if st in self._known:
             return
-        self._track(st, _Block(st.nbytes()))
-        self.current += st.nbytes()
+        n = st.nbytes()
+        self._track(st, _Block(n))
+        self.current += n
+        self._buckets[size_bucket(n)] += n
+        if n < HEAP_LIMIT:
+            self.heap += n
         self._bump()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

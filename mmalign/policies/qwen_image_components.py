@@ -45,6 +45,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from mmalign.app.console import quiet_diffusers_fp32_notice
+
+quiet_diffusers_fp32_notice()  # diffusers' empty "should be kept in float32: []" notice (LoRA saves)
+
 __all__ = [
     "EDIT_PROMPT_DROP",
     "EDIT_PROMPT_TEMPLATE",
@@ -297,7 +301,7 @@ def load_qwen_image_components(
     VAE in fp32 (its decode is sensitive to bf16, as Wan's), the rest in `dtype`. A guidance-distilled
     transformer (``guidance_embeds``) is refused: the policy applies true CFG."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
     path = str(path)
     transformer = QwenImageTransformer2DModel.from_pretrained(
@@ -315,7 +319,9 @@ def load_qwen_image_components(
         text_encoder=Qwen2_5_VLForConditionalGeneration.from_pretrained(
             path, subfolder="text_encoder", dtype=dtype
         ),
-        tokenizer=AutoTokenizer.from_pretrained(path, subfolder="tokenizer"),
+        # QwenImagePipeline's tokenizer class: AutoTokenizer would also look for tokenizer/config.json, which a
+        # downloaded hub snapshot lacks, and fail offline (HF_HUB_OFFLINE=1) although the tokenizer is cached
+        tokenizer=Qwen2Tokenizer.from_pretrained(path, subfolder="tokenizer"),
     )
 
 
@@ -347,7 +353,7 @@ def load_qwen_image_edit_components(
     """`load_qwen_image_components` plus the folder's ``processor/`` (``Qwen2VLProcessor``). A folder whose
     ``model_index.json`` names another pipeline than `EDIT_PIPELINES` (``QwenImageEditPlusPipeline``) is refused."""
     from diffusers import DiffusionPipeline
-    from transformers import Qwen2VLProcessor
+    from transformers import Qwen2Tokenizer, Qwen2VLProcessor
 
     index = DiffusionPipeline.load_config(str(path))
     if index.get("_class_name") not in EDIT_PIPELINES:
@@ -357,8 +363,11 @@ def load_qwen_image_edit_components(
         )
     base = load_qwen_image_components(path, dtype=dtype)
     local = Path(path).is_dir()
-    processor = Qwen2VLProcessor.from_pretrained(
-        str(Path(path) / "processor") if local else str(path), **({} if local else {"subfolder": "processor"})
-    )
+    source = str(Path(path) / "processor") if local else str(path)
+    where = {} if local else {"subfolder": "processor"}
+    # the tokenizer by its class, handed in: the processor would load it with AutoTokenizer, which also looks for
+    # processor/config.json (absent from a downloaded hub snapshot) and fails offline although everything is cached
+    tokenizer = Qwen2Tokenizer.from_pretrained(source, **where)
+    processor = Qwen2VLProcessor.from_pretrained(source, tokenizer=tokenizer, **where)
     parts = {name: getattr(base, name) for name in PARTS}
     return QwenImageEditComponents(**parts, processor=processor)

@@ -30,6 +30,10 @@ from typing import Any
 
 import torch
 
+from mmalign.app.console import quiet_diffusers_fp32_notice
+
+quiet_diffusers_fp32_notice()  # diffusers' empty "should be kept in float32: []" notice (LoRA saves)
+
 __all__ = [
     "SD3Components",
     "encode_prompt",

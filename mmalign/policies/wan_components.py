@@ -61,6 +61,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mmalign.app.console import quiet_diffusers_fp32_notice
+
+quiet_diffusers_fp32_notice()  # diffusers' empty "should be kept in float32: []" notice (LoRA saves)
+
 __all__ = [
     "WAN_MAX_SEQUENCE_LENGTH",
     "WanComponents",
@@ -271,6 +275,7 @@ def load_wan_components(path: str | Path, *, dtype: torch.dtype = torch.float32)
     `ode_scheduler`), ``image_encoder/`` and ``image_processor/`` when ``model_index.json`` names them. The VAE
     and the image encoder are loaded in fp32 (as diffusers' Wan examples do; the VAE's decode is sensitive to
     bf16)."""
+    import transformers
     from diffusers import AutoencoderKLWan
     from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
@@ -292,6 +297,12 @@ def load_wan_components(path: str | Path, *, dtype: torch.dtype = torch.float32)
     if has_image_encoder:
         image_encoder = CLIPVisionModel.from_pretrained(path, subfolder="image_encoder", dtype=torch.float32)
         image_processor = CLIPImageProcessor.from_pretrained(path, subfolder="image_processor")
+    # the tokenizer class model_index.json names: AutoTokenizer would also look for tokenizer/config.json, which a
+    # downloaded hub snapshot lacks, and fail offline (HF_HUB_OFFLINE=1) although the tokenizer is cached
+    tokenizer_entry = index.get("tokenizer")
+    tokenizer_class = AutoTokenizer
+    if isinstance(tokenizer_entry, list | tuple) and tokenizer_entry[0] == "transformers":
+        tokenizer_class = getattr(transformers, str(tokenizer_entry[1]), AutoTokenizer)
     return WanComponents(
         transformer=_transformer_class(path, "transformer").from_pretrained(
             path, subfolder="transformer", torch_dtype=dtype
@@ -299,7 +310,7 @@ def load_wan_components(path: str | Path, *, dtype: torch.dtype = torch.float32)
         vae=AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32),
         scheduler=flow_scheduler(path),
         text_encoder=UMT5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=dtype),
-        tokenizer=AutoTokenizer.from_pretrained(path, subfolder="tokenizer"),
+        tokenizer=tokenizer_class.from_pretrained(path, subfolder="tokenizer"),
         transformer_2=transformer_2,
         boundary_ratio=float(boundary) if has_t2 else None,
         ode_scheduler=ode_scheduler(path),

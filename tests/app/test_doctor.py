@@ -191,14 +191,75 @@ def test_ratio_not_one_in_an_on_policy_config_warns() -> None:
     assert f.level == "warn" and f.steps == list(range(1, N + 1))
 
 
-def test_entropy_collapse_warns_and_missing_entropy_is_not_logged() -> None:
-    rows = with_values(healthy(), "entropy", {s: 2.0 for s in range(1, 6)})
-    rows = with_values(rows, "entropy", {s: 0.2 for s in range(12, N + 1)})
+def collapsed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows` with the entropy at 2.0 for steps 1-5 and 0.2 (a tenth, below `ENTROPY_COLLAPSE_FRAC`) from step 12."""
+    rows = with_values(rows, "entropy", {s: 2.0 for s in range(1, 6)})
+    return with_values(rows, "entropy", {s: 0.2 for s in range(12, N + 1)})
+
+
+def test_entropy_collapse_with_a_flat_reward_warns() -> None:
+    """Entropy collapsed while reward/mean stayed at its start: a problem (warn), with what to try."""
+    rows = with_values(
+        collapsed(healthy()), "reward/mean", {s: 0.5 + 0.01 * (-1) ** s for s in range(1, N + 1)}
+    )
     (f,) = by(run_all(rows, config()), "entropy")
-    assert f.level == "warn" and f.steps == list(range(12, N + 1)) and "collapsed" in f.message
+    assert f.level == "warn" and f.steps == list(range(12, N + 1))
+    assert "entropy collapsed while the reward is flat or falling" in f.message and "a problem" in f.message
+    assert "trainer.lr" in f.advice and "algorithm.kl_coef" in f.advice
+    # hand-worked: the first 3 steps average (0.49 + 0.51 + 0.49) / 3 = 0.4967; steps 12-20 alternate
+    # 0.51 / 0.49 starting with 0.51 (5 x 0.51 + 4 x 0.49) / 9 = 0.50111
+    assert f.details["reward_start"] == pytest.approx(1.49 / 3)
+    assert f.details["reward_at_flagged"] == pytest.approx(4.51 / 9)
+    falling = with_values(collapsed(healthy()), "reward/mean", {s: 0.9 - 0.02 * s for s in range(1, N + 1)})
+    (f,) = by(run_all(falling, config()), "entropy")
+    assert f.level == "warn" and "flat or falling" in f.message
+
+
+def test_entropy_falling_as_the_reward_rises_is_expected() -> None:
+    """The same collapse while reward/mean rises (0.3 + 0.02 s: 0.34 over steps 1-3, 0.62 over steps 12-20, a rise
+    of 0.28 > 0.25 x reward/std 0.4) is what learning a task with one right answer looks like: info, not warn."""
+    (f,) = by(run_all(collapsed(healthy()), config()), "entropy")
+    assert f.level == "info" and f.steps == list(range(12, N + 1))
+    assert (
+        "entropy fell as the reward rose" in f.message
+        and "expected on tasks with one right answer" in f.message
+    )
+    assert f.details["reward_start"] == pytest.approx(0.34)
+    assert f.details["reward_at_flagged"] == pytest.approx(0.62)
+    # a rise below ENTROPY_REWARD_RISE reward stds counts as flat: 0.004 per step gives 0.364 - 0.308 = 0.056 < 0.1
+    slow = with_values(collapsed(healthy()), "reward/mean", {s: 0.3 + 0.004 * s for s in range(1, N + 1)})
+    (f,) = by(run_all(slow, config()), "entropy")
+    assert f.level == "warn" and "flat or falling" in f.message
+
+
+def test_entropy_collapse_without_reward_says_it_cannot_tell() -> None:
+    rows = [{k: v for k, v in r.items() if k != "reward/mean"} for r in collapsed(healthy())]
+    (f,) = by(run_all(rows, config()), "entropy")
+    assert f.level == "warn" and "cannot be told" in f.message
+
+
+def test_missing_entropy_is_not_logged() -> None:
     missing = [{k: v for k, v in r.items() if k != "entropy"} for r in healthy()]
     (f,) = by(run_all(missing, config()), "entropy")
     assert f.level == "info" and "not logged" in f.message
+
+
+def test_live_doctor_entropy_warns_only_when_the_reward_does_not_rise(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Mid-run (the quickstart's case): a collapse while the reward rises is not warned about; a collapse with a flat
+    reward is, and the warning says so."""
+    caplog.set_level(logging.WARNING, logger="mmalign.app.doctor")
+    rising = LiveDoctor(config(), checks=["entropy"])
+    for r in collapsed(healthy()):
+        assert rising.observe(r) == []
+    assert not live_warnings(caplog)
+    flat = LiveDoctor(config(), checks=["entropy"])
+    rows = with_values(collapsed(healthy()), "reward/mean", {s: 0.5 for s in range(1, N + 1)})
+    warned = [r["step"] for r in rows if flat.observe(r)]
+    assert warned == [14]  # collapsed from step 12, persistent (3 steps) at 14, then rate-limited
+    (record,) = live_warnings(caplog)
+    assert "[doctor/entropy] entropy collapsed while the reward is flat or falling" in record.getMessage()
 
 
 def test_constant_reward_component_warns() -> None:
@@ -479,6 +540,7 @@ def test_trainer_feeds_every_step_to_the_live_doctor(
         [],
     )
     trainer.is_main, trainer._last_batch = True, None
+    trainer.world, trainer._run_lock = 1, None  # one process; train() takes the run lock in tmp_path
     trainer._async = None  # synchronous rollouts (trainer.async unset), as `GroupTrainer.__init__` sets it
     trainer.monitors = [DoctorMonitor()]  # as `mmalign.app.run.build_trainer` gives it
     trainer.policy = SimpleNamespace(save=lambda path: None)

@@ -400,6 +400,35 @@ class TestRewards:
         assert r.last_metrics == {"unparsed_frac": 0.0}
         assert not caplog.records
 
+    def test_unparsed_warning_once_per_run(self, caplog: Any) -> None:
+        """Completions without a box are logged once per reward instance, however many steps have them (the
+        share stays in ``last_metrics`` every call), and box rewards of one reward set scoring the same batch
+        (medloc's ``iou_at`` and ``box_iou``) log one line between them."""
+        rs = RewardSet([{"name": "iou_at", "kwargs": {"threshold": 0.5}}, {"name": "box_iou"}])
+        with caplog.at_level(logging.WARNING, logger="rewards.boxes"):
+            for step in range(3):
+                rs(make_batch(["[0,0,10,10]", f"no box at step {step}"], boxes=[[0, 0, 10, 10]] * 2))
+                assert rs.last_metrics == {
+                    "reward/iou_at/unparsed_frac": 0.5,
+                    "reward/box_iou/unparsed_frac": 0.5,
+                }
+        (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+        msg = record.getMessage()
+        assert "'iou_at'" in msg and "1 of 2 completions" in msg and "no box at step 0" in msg
+        assert "once per run" in msg and "unparsed_frac" in msg
+        # another run (new reward instances) is told again
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rewards.boxes"):
+            load_reward("box_iou")(make_batch(["none"], boxes=[[0, 0, 10, 10]]))
+        assert len(caplog.records) == 1
+        # a box reward reading env_state fails differently on the same batch: its own line
+        caplog.clear()
+        batch = make_batch(["none"], boxes=[[0, 0, 10, 10]], env_state=[{"views": []}])
+        with caplog.at_level(logging.WARNING, logger="rewards.boxes"):
+            load_reward("box_iou")(batch)
+            load_reward("box_iou", box_key="answer_box")(batch)
+        assert len(caplog.records) == 2 and "'answer_box'" in caplog.records[1].getMessage()
+
     def test_metrics_reach_the_reward_set(self) -> None:
         rs = RewardSet([{"name": "box_iou"}, {"name": "iou_at", "kwargs": {"threshold": 0.4}}])
         out = rs(make_batch(["[0,0,10,10]", "no box"], boxes=[[0, 0, 10, 5], [0, 0, 1, 1]]))
