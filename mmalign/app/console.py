@@ -126,7 +126,25 @@ def setup_logging(level: int = logging.WARNING) -> None:
 
     Called once by the command line at startup (`mmalign.app.cli.main`); like ``logging.basicConfig`` it does
     nothing when the root logger already has a handler (an application embedding mmalign keeps its own)."""
-    logging.basicConfig(level=level, format=LOG_FORMAT, handlers=[TqdmLoggingHandler()])
+    handler = TqdmLoggingHandler()
+    handler.addFilter(PrintedByTheirOwnHandler())
+    logging.basicConfig(level=level, format=LOG_FORMAT, handlers=[handler])
+
+
+class PrintedByTheirOwnHandler(logging.Filter):
+    """Drops a record that a logger between its own and the root already handled: huggingface_hub gives its
+    library logger a stderr handler and lets records propagate, so each of its lines (the hub retries) printed
+    twice, once plain and once as ``WARNING huggingface_hub...`` through the root's handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None and logger is not logging.root:
+            if logger.handlers:
+                return False
+            if not logger.propagate:
+                break
+            logger = logger.parent  # type: ignore[assignment]
+        return True
 
 
 # ----------------------------------------------------------------------------- diffusers' empty float32 notice

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import uuid
 import warnings
@@ -170,3 +171,32 @@ def test_fp32_notice_filter_keeps_every_other_record() -> None:
         logger.warning(named)
         logger.warning("some other diffusers warning")
     assert messages == [named, "some other diffusers warning"]
+
+
+def test_a_library_record_its_own_handler_printed_is_not_printed_again(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """huggingface_hub's logger has its own stderr handler and propagates: its retry warnings printed twice
+    (plain, then as `WARNING huggingface_hub...` through the root's handler). Now once; a record of a logger
+    with no handler of its own still reaches the root's handler."""
+    import io
+
+    from mmalign.app import console
+
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers.clear()
+    own = io.StringIO()
+    lib = logging.getLogger("fakehub_lib")
+    lib_handler = logging.StreamHandler(own)
+    lib.addHandler(lib_handler)
+    try:
+        console.setup_logging()
+        logging.getLogger("fakehub_lib.utils._http").warning("retrying in 1s [Retry 1/5]")
+        logging.getLogger("mmalign.somewhere").warning("a line of ours")
+        err = capsys.readouterr().err
+    finally:
+        lib.removeHandler(lib_handler)
+        root.handlers[:] = saved
+    assert own.getvalue().count("retrying in 1s") == 1
+    assert "retrying in 1s" not in err and "a line of ours" in err
