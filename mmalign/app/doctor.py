@@ -1019,7 +1019,33 @@ def check_overoptimisation(metrics: list[dict[str, Any]], config: dict[str, Any]
     return [Finding(name, "ok", [], curve + extra, "", details)]
 
 
+def check_step_order(metrics: list[dict[str, Any]], config: dict[str, Any] | None) -> list[Finding]:
+    """The logged steps increase one row at a time. A step logged twice or going back (1, 1, 2, 2, ...) means
+    two runs wrote into one ``output_dir`` (the run lock refuses that since it exists) or a hand-edited file:
+    every other check then reads a mix of two runs."""
+    name = "step_order"
+    steps = [_step_of(row, i) for i, row in enumerate(metrics)]
+    bad = sorted({b for a, b in zip(steps, steps[1:]) if b <= a})
+    if not bad:
+        return [Finding(name, "ok", [], f"{len(steps)} logged steps, each after the one before")]
+    repeated = sorted({s for s in steps if steps.count(s) > 1})
+    return [
+        Finding(
+            name,
+            "error",
+            bad,
+            f"metrics.jsonl logs steps out of order: step {_steps_text(bad)} comes after a step as late or later "
+            f"({len(repeated)} step(s) logged more than once: {format_steps(repeated)})",
+            "Two runs wrote into this output_dir at once (or the file was edited): the curves mix two runs, so the "
+            "other findings do not describe one run. Train again into a fresh output_dir; a second writer is "
+            "refused now (the run lock).",
+            {"out_of_order": bad, "repeated": repeated},
+        )
+    ]
+
+
 CHECKS: dict[str, Check] = {
+    "step_order": check_step_order,
     "zero_std": check_zero_std,
     "ratio": check_ratio,
     "entropy": check_entropy,

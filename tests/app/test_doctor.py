@@ -567,3 +567,16 @@ def test_trainer_feeds_every_step_to_the_live_doctor(
     trainer.step, trainer.history = 0, []
     (tmp_path / "run" / "metrics.jsonl").unlink()
     assert len(trainer.train()) == steps  # training goes on
+
+
+def test_interleaved_writers_are_an_error_naming_the_steps() -> None:
+    """Two runs appending to one metrics.jsonl log 1, 1, 2, 2, 3, 3: the doctor says so (it said nothing)."""
+    from mmalign.app.doctor import check_step_order
+
+    rows = [{"step": s, "reward/mean": 0.5} for s in (1, 1, 2, 2, 3, 3)]
+    (f,) = check_step_order(rows, None)
+    assert f.level == "error" and f.steps == [1, 2, 3]
+    assert f.details == {"out_of_order": [1, 2, 3], "repeated": [1, 2, 3]}
+    assert "Two runs wrote into this output_dir" in f.advice
+    (ok,) = check_step_order([{"step": s} for s in (1, 2, 3, 5)], None)  # a gap (log_every) is fine
+    assert ok.level == "ok"
