@@ -227,8 +227,8 @@ def _math_answer_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _math_boxed_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
     r"""A MATH set without an answer column (MATH-lighteval): ``question`` = ``problem``, ``answer`` = the
-    content of the solution's last ``\boxed{}`` (`rewards.text.extract_boxed`)."""
-    from rewards.text import extract_boxed
+    content of the solution's last ``\boxed{}`` (`mmalign.answers.extract_boxed`)."""
+    from mmalign.answers import extract_boxed
 
     answer = extract_boxed(row["solution"]) if isinstance(row["solution"], str) else None
     if answer is None:

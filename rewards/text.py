@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mmalign.answers import extract_boxed  # (shared with the data loader: MATH's solutions)
+
 from .base import Reward, RewardBatch, register_reward
 
 __all__ = [
@@ -33,28 +35,8 @@ __all__ = [
 EXTRACT_MODES = ("auto", "boxed", "last_number", "tag", "none")
 COMPARE_MODES = ("exact", "numeric", "auto")
 
+
 # ----------------------------------------------------------------------------- extraction
-_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
-
-def extract_boxed(text: str) -> str | None:
-    r"""Content of the last complete ``\boxed{...}`` (or ``\fbox{...}``), nested braces allowed; else None.
-
-    ``"so \boxed{\frac{1}{2}}."`` -> ``"\frac{1}{2}"``. An unclosed (truncated) box is skipped.
-    """
-    for m in reversed(list(_BOXED_RE.finditer(text))):
-        depth = 1
-        for j in range(m.end(), len(text)):
-            c = text[j]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[m.end() : j].strip()
-    return None
-
-
 def extract_tag(text: str, tag: str = "answer") -> str | None:
     """Content of the last ``<tag>...</tag>`` (stripped); else None."""
     matches = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.app.console import quiet_diffusers_fp32_notice
+from mmalign.policies.diffusers_notices import quiet_diffusers_fp32_notice
 
 quiet_diffusers_fp32_notice()  # diffusers' empty "should be kept in float32: []" notice (LoRA saves)
 
