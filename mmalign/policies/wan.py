@@ -736,7 +736,10 @@ class WanPolicy(FlowMatchingPolicy):
         sample's step expert. The timestep is sigma * num_train_timesteps (fp32), or the folder scheduler's
         integer timestep while `uses_ode_scheduler`. An ``expand_timesteps`` folder (TI2V-5B) gets one timestep
         per sample (text to video; its image conditioning is not supported)."""
-        dtype = next(model.parameters()).dtype
+        # the patch embedding's dtype, not the first parameter's: that one (scale_shift_table) diffusers keeps in
+        # fp32 (_keep_in_fp32_modules), and fp32 inputs fail in the bf16 patch convolution outside autocast
+        # (`mmalign eval` / `sample` of a bf16 model)
+        dtype = next(m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Conv3d))
         if "timesteps" in sched:
             t = sched["timesteps"]
         else:
