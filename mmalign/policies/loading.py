@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, TypeVar
 
 from mmalign.config import LoraConfig
 from mmalign.policies.base import torch_dtype
+from mmalign.policies.token_sampling import neutralize_shaping_settings
+
+log = logging.getLogger(__name__)
 
 P = TypeVar("P")
 
@@ -30,6 +34,14 @@ def load_token_policy(
         tokenizer, model = cls._load_pretrained(name_or_path, load_kwargs)  # type: ignore[attr-defined]
     except OSError as e:
         raise OSError(f"cannot load the model {name_or_path!r} (config key model.name_or_path): {e}") from e
+    reset = neutralize_shaping_settings(getattr(model, "generation_config", None))
+    if reset:
+        log.warning(
+            "%s: its generation_config reshapes sampling (%s); reset to neutral so the rollouts are sampled from "
+            "the distribution the loss scores (softmax(logits / rollout.temperature), rollout.top_k / top_p)",
+            name_or_path,
+            ", ".join(reset),
+        )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False

@@ -95,6 +95,38 @@ _NEUTRAL_GENERATION_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
+SHAPING_GENERATION_KEYS = (
+    "repetition_penalty",
+    "encoder_repetition_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "min_p",
+)
+"""Settings of a checkpoint's ``generation_config`` that reshape the sampling distribution away from
+``softmax(logits / T)`` (Qwen2.5's published configs carry ``repetition_penalty`` 1.05-1.1)."""
+
+
+def neutralize_shaping_settings(generation_config: Any) -> list[str]:
+    """Set the `SHAPING_GENERATION_KEYS` of a model's ``generation_config`` to their neutral values; returns
+    the ``key=old`` strings it changed. RL samples must come from the policy the loss scores: the trainer's
+    log-probs are of ``softmax(logits / T)`` (with the rollout's top-k / top-p), so a repetition penalty applied
+    by ``generate`` would make every rollout silently off-policy. TRL's GRPO and verl's vLLM rollouts likewise
+    sample with a repetition penalty of 1.0 unless told otherwise."""
+    if generation_config is None:
+        return []
+    changed = []
+    for key in SHAPING_GENERATION_KEYS:
+        value = getattr(generation_config, key, None)
+        neutral = _NEUTRAL_GENERATION_VALUES[key]
+        if value not in neutral:
+            setattr(generation_config, key, neutral[1])
+            changed.append(f"{key}={value!r}")
+    return changed
+
+
 def unsupported_generation_settings(generation_config: Any) -> list[str]:
     """The settings of a model's ``generation_config`` that `generate` would apply and the own decode loop
     does not (repetition penalties, bad words, min length, typical / min-p / epsilon sampling, a stop string

@@ -545,3 +545,26 @@ def test_sampled_logprobs_fall_back_to_the_scoring_pass(random_text_model_dir: P
         torch.set_float32_matmul_precision("highest")
     calls = _count_scoring(pol)
     assert pol.rollout(_rows(PROMPTS), 2, compute_logp=False).logp_old is None and calls[0] == 0
+
+
+def test_a_checkpoints_repetition_penalty_is_reset_so_rollouts_stay_on_policy(
+    random_text_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Qwen2.5's published generation_config carries repetition_penalty 1.1: `generate` would sample from a
+    penalised distribution the loss never scores. Loading resets it (and says so), and the own decode loop,
+    which samples softmax(logits / T), is then no longer blocked."""
+    import logging
+    import shutil
+
+    from transformers import GenerationConfig
+
+    folder = tmp_path / "qwen-like"
+    shutil.copytree(random_text_model_dir, folder)
+    GenerationConfig(
+        repetition_penalty=1.1, temperature=0.7, top_k=20, top_p=0.8, do_sample=True
+    ).save_pretrained(folder)
+    with caplog.at_level(logging.WARNING, logger="mmalign.policies.loading"):
+        pol = TextPolicy.from_pretrained(str(folder))
+    assert pol.model.generation_config.repetition_penalty == 1.0
+    assert "repetition_penalty=1.1" in caplog.text and "reset to neutral" in caplog.text
+    assert pol.own_loop_blockers() == []
