@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import sys
 from collections import Counter
@@ -450,24 +449,11 @@ def _datasets_offline(datasets: Any) -> Iterator[None]:
 
 @cache
 def _hub_problem(repo_id: str) -> str | None:
-    """None when the hub answers for the dataset `repo_id` (one request, `mmalign.hub.HUB_TIMEOUT_S` seconds,
-    no retry; ``datasets`` itself retries for about 25 s); else why not, in a few words. Asked once per
-    process and id."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    """None when the hub answers for the dataset `repo_id` (`mmalign.hub.reach`: one request, no retry;
+    ``datasets`` itself retries for about 25 s); else why not, in a few words. Asked once per process and id."""
+    from mmalign.hub import reach
 
-    from mmalign.hub import HUB_TIMEOUT_S
-
-    try:
-        HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None).dataset_info(repo_id, timeout=HUB_TIMEOUT_S)
-        return None
-    except GatedRepoError:
-        return "the dataset is gated: accept its terms on the hub and log in (`hf auth login`)"
-    except RepositoryNotFoundError:
-        return "the hub has no such dataset (or it is private: log in with `hf auth login`)"
-    except Exception as e:  # refused, DNS, timeout, proxy: the hub is not reachable
-        first = (str(e).splitlines() or [""])[0][:160]
-        return f"the hub is not reachable ({type(e).__name__}: {first})"
+    return reach(repo_id, repo_type="dataset")
 
 
 def hf_fetch_hint(src: HFSource) -> str:

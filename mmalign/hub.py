@@ -55,19 +55,21 @@ def cached(repo_id: str, files: tuple[str, ...] | list[str]) -> bool | None:
         return None
 
 
-def reach(repo_id: str, timeout: float = HUB_TIMEOUT_S) -> str | None:
-    """None when the hub answers for the model repo `repo_id` (one request, `timeout` seconds, no retry; the
-    endpoint is ``HF_ENDPOINT`` when set); else why not, in a few words."""
+def reach(repo_id: str, timeout: float = HUB_TIMEOUT_S, *, repo_type: str = "model") -> str | None:
+    """None when the hub answers for the `repo_type` ("model" or "dataset") repo `repo_id` (one request,
+    `timeout` seconds, no retry; the endpoint is ``HF_ENDPOINT`` when set); else why not, in a few words."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
+    api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+    info = api.dataset_info if repo_type == "dataset" else api.model_info
     try:
-        HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None).model_info(repo_id, timeout=timeout)
+        info(repo_id, timeout=timeout)
         return None
     except GatedRepoError:
-        return "the repository is gated: accept its licence on the hub and log in (`hf auth login`)"
+        return f"the {repo_type} is gated: accept its terms on the hub and log in (`hf auth login`)"
     except RepositoryNotFoundError:
-        return "the hub has no such repository (or it is private: log in with `hf auth login`)"
+        return f"the hub has no such {repo_type} (or it is private: log in with `hf auth login`)"
     except Exception as e:  # refused, DNS, timeout, proxy: the hub is not reachable
         first = (str(e).splitlines() or [""])[0][:160]
         return f"the hub is not reachable ({type(e).__name__}: {first})"
