@@ -265,7 +265,6 @@ def test_demo_main_rejects_what_is_not_a_run(tmp_path: Path, capsys: pytest.Capt
 
 def test_only_files_inside_the_run_directories_are_served(image_run: Path, tmp_path: Path) -> None:
     pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
-    import gradio
 
     outside = tmp_path / "outside_secret.txt"
     outside.write_text("TOP SECRET outside the runs")
@@ -274,8 +273,7 @@ def test_only_files_inside_the_run_directories_are_served(image_run: Path, tmp_p
     app = demo.launch_app([image_run], "127.0.0.1", free_port(), refresh_s=0, block=False, quiet=True)
     try:
         assert app.local_url.startswith("http://127.0.0.1:")
-        major = int(gradio.__version__.split(".")[0])
-        route = app.local_url + ("gradio_api/file=" if major >= 5 else "file=")
+        route = file_route(app)
         inside = demo.media_items(demo.load_group(image_run, 1, 0))[0][0][0]
         event, data = call_api(app, "show_group", [str(image_run.resolve()), 2, 0])
         assert event == "complete", data
