@@ -561,6 +561,7 @@ def test_an_unreachable_hub_fails_fast_or_reads_the_cache(hf_home: Path, monkeyp
     from huggingface_hub import constants
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)  # (.ci/run sets both)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
