@@ -115,9 +115,8 @@ def _held_bytes(policy: Any, optimizer: torch.optim.Optimizer) -> int:
 def measured_step_peak(cfg: Any) -> int:
     """Bytes at the peak of the second `GroupTrainer.update` of one recorded rollout (AdamW's state exists from
     the first): the weights and optimizer state held, plus the peak of the profiler's running allocation sum."""
-    from torch.profiler import ProfilerActivity, profile
-
     import pipelines
+    from mmalign.app.plan import profiled_alloc_peak
     from mmalign.policies.base import RunInfo
     from mmalign.trainer import GroupTrainer
 
@@ -133,16 +132,7 @@ def measured_step_peak(cfg: Any) -> int:
     trainer.update(batch)
     gc.collect()
     base = _held_bytes(policy, trainer.optimizer)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trainer.update(batch)
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    running = peak = 0
-    for e in events:
-        running += e.nbytes()
-        peak = max(peak, running)
+    peak = profiled_alloc_peak(lambda: trainer.update(batch))
     return base + peak
 
 

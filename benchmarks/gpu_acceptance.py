@@ -863,7 +863,8 @@ def cpu_step_peak(trainer: Any, batch: Any) -> int:
     import gc
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
+
+    from mmalign.app.plan import profiled_alloc_peak
 
     gc.collect()
     params = {id(p): p for p in trainer.policy.model.parameters()}.values()
@@ -874,16 +875,7 @@ def cpu_step_peak(trainer: Any, batch: Any) -> int:
         for v in s.values()
         if torch.is_tensor(v)
     )
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trainer.update(batch)
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    running = peak = 0
-    for e in events:
-        running += e.nbytes()
-        peak = max(peak, running)
+    peak = profiled_alloc_peak(lambda: trainer.update(batch))
     return base + peak
 
 

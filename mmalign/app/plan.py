@@ -216,6 +216,25 @@ class StepPlan:
 
 
 # ----------------------------------------------------------------------------- the workload
+def profiled_alloc_peak(fn: Any) -> int:
+    """Bytes at the peak of what `fn()` allocates on the CPU beyond what was live before it: the running sum of
+    torch's profiler memory events, in time order. What the planner's CPU predictions are checked against
+    (tests/app/test_plan.py, benchmarks/bench_denoiser_memory.py, benchmarks/gpu_acceptance.py)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    running = peak = 0
+    for e in events:
+        running += e.nbytes()
+        peak = max(peak, running)
+    return peak
+
+
 def _opt(cfg: Config, name: str, default: Any = None) -> Any:
     opts = cfg.options
     if opts is None:

@@ -96,9 +96,8 @@ def _rollout(b: int, prompt: int, completion: int) -> Rollout:
 def _measured_step_peak(cfg: object, prompt: int, completion: int) -> int:
     """Bytes at the peak of the second `GroupTrainer.update` (AdamW's state exists from the first): the live
     parameters and optimizer state plus the running sum of the profiler's allocation events."""
-    from torch.profiler import ProfilerActivity, profile
-
     import pipelines
+    from mmalign.app.plan import profiled_alloc_peak
     from mmalign.trainer import GroupTrainer
 
     trainer = GroupTrainer(cfg, pipelines.get("text_reasoning")(cfg))
@@ -114,16 +113,7 @@ def _measured_step_peak(cfg: object, prompt: int, completion: int) -> int:
         for v in s.values()
         if torch.is_tensor(v)
     )
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trainer.update(batch)
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    running = peak = 0
-    for e in events:
-        running += e.nbytes()
-        peak = max(peak, running)
+    peak = profiled_alloc_peak(lambda: trainer.update(batch))
     return base + peak
 
 
