@@ -556,7 +556,7 @@ def _cpu_fp32(device: str) -> list[str]:
 def _build(cfg: Any, accelerator: Any = None) -> Any:
     import pipelines
     from mmalign.app.run import build_trainer
-    from mmalign.trainer import set_seed
+    from mmalign.training.seeding import set_seed
 
     set_seed(cfg.seed)
     return build_trainer(cfg, pipelines.get(cfg.pipeline)(cfg), accelerator=accelerator)
@@ -709,7 +709,7 @@ def worker_fsdp2(root: Path, device: str) -> None:
     from mmalign import rundir
     from mmalign.app.run import build_trainer
     from mmalign.distributed import SHARDED_DIR, apply_fsdp2, is_fsdp2
-    from mmalign.trainer import set_seed
+    from mmalign.training.seeding import set_seed
 
     cuda = device == "cuda"
     if not cuda:

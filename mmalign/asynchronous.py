@@ -53,6 +53,7 @@ from torch import Tensor
 
 from mmalign.batch import Rollout
 from mmalign.errors import MmalignError
+from mmalign.training.seeding import seeded_worker_rng_state, set_worker_rng_state, worker_rng_state
 
 Key = tuple[int, int]
 """(step, round): the trainer's ``step`` (finished training steps) when the rollout is trained, and the
@@ -119,20 +120,6 @@ def score_rollout(reward_set: Any, rollout: Rollout) -> dict[str, Any]:
         "reward_metrics": dict(getattr(reward_set, "last_metrics", {}) or {}),
         "reward_s": time.perf_counter() - t0,
     }
-
-
-def worker_rng_state(policy: Any) -> dict[str, Any]:
-    """The random state a worker samples from: the global generators of its process and the policy's own."""
-    from mmalign.trainer import rng_state
-
-    return {"global": rng_state(), "policy": policy.rng_state()}
-
-
-def set_worker_rng_state(policy: Any, state: dict[str, Any]) -> None:
-    from mmalign.trainer import set_rng_state
-
-    set_rng_state(state["global"])
-    policy.load_rng_state(state.get("policy", {}))
 
 
 class RolloutWorker:
@@ -407,7 +394,7 @@ class AsyncRollouts:
                 r = (
                     worker_rng_state(policy)
                     if i == 0
-                    else _seeded_rng_state(policy, seed * 1_000_003 + 7919 * i)
+                    else seeded_worker_rng_state(policy, seed * 1_000_003 + 7919 * i)
                 )
             self._start_rng.append(r)
         self.last_rng: list[dict[str, Any]] = [r for r in self._start_rng if r is not None]
@@ -566,32 +553,6 @@ class AsyncRollouts:
         if self.reward_actors is not None:
             with contextlib.suppress(Exception):
                 self.reward_actors.close()
-
-
-def _seeded_rng_state(policy: Any, seed: int) -> dict[str, Any]:
-    """A random state for worker i > 0: this process's generators seeded with `seed` (restored after)."""
-    from mmalign.trainer import rng_state, set_rng_state, set_seed
-
-    keep = rng_state()
-    keep_policy = policy.rng_state()
-    try:
-        set_seed(seed)
-        state = {"global": rng_state(), "policy": _reseeded(keep_policy, seed)}
-    finally:
-        set_rng_state(keep)
-    return state
-
-
-def _reseeded(state: dict[str, Any], seed: int) -> dict[str, Any]:
-    """The policy's private generator states (`Policy.rng_state`) replaced by those of generators seeded from
-    `seed`, so two workers do not draw the same noise."""
-    out: dict[str, Any] = {}
-    for k, (name, value) in enumerate(sorted(state.items())):
-        if isinstance(value, Tensor) and value.dtype == torch.uint8:
-            out[name] = torch.Generator().manual_seed((seed + 104729 * k) % 2**63).get_state()
-        else:
-            out[name] = value
-    return out
 
 
 # ----------------------------------------------------------------------------- what the loss sees

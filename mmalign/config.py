@@ -33,12 +33,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from mmalign import registry as _registry
-from mmalign.errors import MmalignError
-
-
-class ConfigError(MmalignError, ValueError):
-    """A config file or override is invalid; the message names the key and the source (a ValueError too)."""
-
+from mmalign.errors import ConfigError
 
 # ----------------------------------------------------------------------------- sections
 

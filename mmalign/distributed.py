@@ -314,11 +314,3 @@ def check_launch(distributed_type: Any, num_processes: int) -> None:
             f"(distributed type {getattr(distributed_type, 'value', distributed_type)}): each would run alone. "
             "Set trainer.cpu=true (or ACCELERATE_USE_CPU=true) for CPU processes"
         )
-
-
-def process_seed(seed: int | None) -> int | None:
-    """`seed` + this process's rank (``RANK``, set by torchrun / accelerate launch; 0 alone), so that every
-    process draws different noise from the same configured seed; None stays None (unseeded)."""
-    import os
-
-    return None if seed is None else seed + int(os.environ.get("RANK", "0"))

@@ -14,6 +14,10 @@ class MmalignError(Exception):
     """A problem the user can fix, described by the message (which names the file, key or plugin)."""
 
 
+class ConfigError(MmalignError, ValueError):
+    """A config file or override is invalid; the message names the key and the source (a ValueError too)."""
+
+
 class CheckpointError(MmalignError, ValueError):
     """A checkpoint that cannot be used: a file fails its manifest (missing, truncated, corrupted) or cannot be
     read. The message names the file and why."""

@@ -18,7 +18,7 @@ Run directory (``output_dir``): ``config.yaml``, ``metrics.jsonl`` (one JSON obj
 generators -- sampler and filter state) and ``final/`` (the trained model or adapter); `mmalign.rundir`
 owns that layout. The main process holds the run lock (`mmalign.runlock`: one writer per run directory) from
 set-up until `train` ends. A resume compares the config with the run's saved one: the changes listed in
-`RESUME_APPLIES` (learning rate, schedule, clipping, steps, intervals, ...) are applied, any other is refused.
+`mmalign.training.resume.RESUME_APPLIES` (learning rate, schedule, clipping, steps, intervals, ...) are applied, any other is refused.
 
 The trainer knows no modality: what is special to a model family sits behind the hooks of
 `mmalign.policies.base.Policy` (sampling, materialising outputs for the rewards, what a sample looks
@@ -31,23 +31,19 @@ logs nothing else.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
 import os
-import random
 import shutil
 import sys
 import time
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import yaml
 from torch import Tensor
@@ -57,17 +53,25 @@ from mmalign import advantages as adv_lib
 from mmalign import distributed as dist_lib
 from mmalign import filters as filter_lib
 from mmalign import group_refill as refill_lib
-from mmalign import is_correction as isc
 from mmalign import losses as loss_lib
 from mmalign import prompt_samplers as sampler_lib
 from mmalign import reward_transforms as rt_lib
 from mmalign import rundir, runlock
+from mmalign.algorithms.composition import LossComposer, MicroLoss, Tally
 from mmalign.batch import Rollout
-from mmalign.config import GUARD_ADV_CLIP, Config, ConfigError, check_names, yaml_key
+from mmalign.config import GUARD_ADV_CLIP, Config, ConfigError, check_names
 from mmalign.data import DataError
 from mmalign.distributed import is_fsdp2
 from mmalign.errors import CheckpointError, MmalignError, RunWriteError
-from mmalign.policies.base import ActionStats, RunInfo
+from mmalign.policies.base import RunInfo
+from mmalign.training.resume import ConfigChange, resume_changes
+from mmalign.training.seeding import (
+    rng_state,
+    set_rng_state,
+    set_seed,
+    set_worker_rng_state,
+    worker_rng_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,197 +107,6 @@ class TrainerCallback(Protocol):
 
     (Every hook being optional, the protocol declares none; it names the contract.)
     """
-
-
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """The global RNGs of this process: Python, NumPy, torch's CPU generator and (when CUDA is in use) every
-    CUDA device's generator."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ----------------------------------------------------------------- resuming with a changed config
-_OPTIMIZER = "set in the optimizer's param groups after the checkpoint is loaded"
-_SCHEDULE = "the learning-rate schedule, recomputed at the current step after the checkpoint is loaded"
-_TRACKERS = "the experiment trackers (built from the config)"
-_MEMORY = "memory and speed only (the model is built with it)"
-_WRITES = "what the run writes from now on"
-
-RESUME_APPLIES: dict[str, str] = {
-    "trainer.steps": "the run trains up to the new step count (and the schedule's length)",
-    "trainer.lr": "the learning rate: the optimizer's param groups (lr, initial_lr) and the scheduler's base_lrs, "
-    "set after the checkpoint is loaded",
-    "trainer.lr_scheduler": _SCHEDULE,
-    "trainer.warmup_steps": _SCHEDULE,
-    "trainer.weight_decay": _OPTIMIZER,
-    "trainer.betas": _OPTIMIZER,
-    "trainer.adam_eps": _OPTIMIZER,
-    "trainer.max_grad_norm": "gradient clipping, from the next optimizer step",
-    "trainer.microbatch_size": "memory only: gradients still accumulate over the same minibatch",
-    "trainer.log_every": _WRITES,
-    "trainer.sample_every": _WRITES,
-    "trainer.save_every": _WRITES,
-    "trainer.keep_checkpoints": _WRITES,
-    "trainer.progress_bar": "the progress bar",
-    "trainer.nan_reward_steps": "the NaN-reward stop, from now on",
-    "trainer.dist_timeout_s": "the process group's timeout and the heartbeat watchdog",
-    "trainer.log_with": _TRACKERS,
-    "trainer.tracker_project": _TRACKERS,
-    "trainer.tracker_kwargs": _TRACKERS,
-    "trainer.tracker_media": _TRACKERS,
-    "model.gradient_checkpointing": _MEMORY,
-    "model.logprob_chunk_size": _MEMORY,
-    "model.logprob_memory_mb": _MEMORY,
-    "eval": "evaluation and the over-optimisation watchdog (no training state depends on them)",
-    "output_dir": "where the run directory is now (it was moved)",
-    "overwrite": "nothing (a resume never removes the run)",
-}
-"""The config keys ``--resume`` may change, each with how the change takes effect: the one list of them (a key
-names itself and every key under it: ``eval`` covers ``eval.group_size``). A resume compares the config it is
-given with the run's saved ``config.yaml`` (`resume_changes`): a changed key listed here is applied and reported;
-a change of any other key (the model, LoRA, the data, the rewards, the group size, the algorithm, the seed,
-...) is refused before the checkpoint is loaded, because the checkpoint's weights, optimizer and sampler state
-were made under the saved value. The optimizer's hyperparameters and the LR schedule are always set from the
-config after a checkpoint is loaded (`GroupTrainer.load_checkpoint`), so an unchanged config resumes exactly."""
-
-
-class _Absent:
-    def __repr__(self) -> str:
-        return "(absent)"
-
-
-ABSENT: Any = _Absent()
-"""`ConfigChange.old` of a key the saved config does not have (or `new` of one the current config lacks)."""
-
-
-def resume_rule(key: str) -> str | None:
-    """How a change of config key `key` (dotted, ``rewards[0].weight``) takes effect on a resume
-    (`RESUME_APPLIES`); None when a resume cannot change it."""
-    for prefix, how in RESUME_APPLIES.items():
-        if key == prefix or key.startswith((prefix + ".", prefix + "[")):
-            return how
-    return None
-
-
-@dataclass(frozen=True)
-class ConfigChange:
-    """A config key whose value differs between a run's saved ``config.yaml`` and the config it resumes with."""
-
-    key: str
-    """Dotted, as in an override (``trainer.lr``, ``rewards[0].weight``)."""
-    old: Any
-    """The saved value (`ABSENT` when the saved config has no such key)."""
-    new: Any
-
-    @property
-    def how(self) -> str | None:
-        """How the change takes effect (`resume_rule`); None: a resume cannot change this key."""
-        return resume_rule(self.key)
-
-    def describe(self) -> str:
-        """``trainer.lr: 0.0003 -> 0.003``."""
-        return f"{self.key}: {_shown(self.old)} -> {_shown(self.new)}"
-
-
-def _shown(value: Any) -> str:
-    text = repr(value) if value is ABSENT else json.dumps(value)
-    return text if len(text) <= 80 else text[:70] + " ... " + text[-5:]
-
-
-def config_changes(saved: dict[str, Any], cfg: Config) -> list[ConfigChange]:
-    """Every key whose value differs between `saved` (a run's ``config.yaml``, as read) and `cfg`, compared as
-    ``config.yaml`` stores them. A key the saved config lacks (written by an older mmalign) counts as a change
-    only when `cfg` does not hold its default; a saved key the schema no longer has is ignored."""
-    new = yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    out: list[ConfigChange] = []
-    _diff_section(cfg, saved, new, "", out)
-    return out
-
-
-def _field_default(f: dataclasses.Field[Any]) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return ABSENT
-
-
-def _diff_section(
-    obj: Any, old: dict[str, Any], new: dict[str, Any], prefix: str, out: list[ConfigChange]
-) -> None:
-    """The changed keys of one config section (a dataclass `obj`, its plain values `new`, the saved `old`)."""
-    for f in dataclasses.fields(obj):
-        if not f.compare:  # (Config.source: where the config was read from)
-            continue
-        name = yaml_key(f)
-        key = f"{prefix}{name}"
-        value = getattr(obj, f.name)
-        before = old.get(name, ABSENT)
-        after = new.get(name)
-        default = _field_default(f)
-        if dataclasses.is_dataclass(value) and (
-            isinstance(before, dict) or (before is ABSENT and dataclasses.is_dataclass(default))
-        ):
-            _diff_section(value, before if isinstance(before, dict) else {}, after, key + ".", out)
-        elif (
-            isinstance(value, list)
-            and value
-            and all(dataclasses.is_dataclass(v) for v in value)
-            and isinstance(before, list)
-            and len(before) == len(value)
-            and all(isinstance(b, dict) for b in before)
-        ):
-            for i, (v, b, a) in enumerate(zip(value, before, after, strict=True)):
-                _diff_section(v, b, a, f"{key}[{i}].", out)
-        elif before is ABSENT:
-            if default is ABSENT or after != yaml.safe_load(yaml.safe_dump(default)):
-                out.append(ConfigChange(key, ABSENT, after))
-        elif before != after:
-            out.append(ConfigChange(key, before, after))
-
-
-def resume_changes(output_dir: str | Path, cfg: Config) -> list[ConfigChange]:
-    """The changes of `cfg` against the run's saved ``config.yaml`` that a resume applies (`RESUME_APPLIES`);
-    any other change is a `ConfigError` naming each such key with both values. [] when the run has no
-    readable ``config.yaml`` (nothing to compare with; logged)."""
-    path = Path(output_dir) / rundir.CONFIG_FILE
-    try:
-        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        log.warning("--resume: cannot compare the config with %s (%s): changed keys are not checked", path, e)
-        return []
-    if not isinstance(saved, dict):
-        log.warning("--resume: %s is not a mapping: changed keys are not checked", path)
-        return []
-    changes = config_changes(saved, cfg)
-    refused = [c for c in changes if c.how is None]
-    if refused:
-        one = len(refused) == 1
-        raise ConfigError(
-            f"--resume: {'; '.join(c.describe() for c in refused)} (the run's {path} -> now): "
-            f"{'this key' if one else 'these keys'} cannot change when a run is resumed (its checkpoint was "
-            f"trained with the saved {'value' if one else 'values'}). Set {'it' if one else 'them'} back, or "
-            "start a new run (another output_dir=..., or overwrite=true). A resume may change the learning rate "
-            "and its schedule, gradient clipping, trainer.steps, the logging and saving intervals and a few more "
-            "(mmalign.trainer.RESUME_APPLIES)"
-        )
-    return changes
 
 
 class GroupTrainer:
@@ -371,7 +184,7 @@ class GroupTrainer:
         self.resumed_from: Path | None = None
         """The checkpoint a resume loaded (None: a new run)."""
         self.config_changes: list[ConfigChange] = []
-        """A resume's changed config keys, each applied (`RESUME_APPLIES`)."""
+        """A resume's changed config keys, each applied (`mmalign.training.resume.RESUME_APPLIES`)."""
         self._prepare_output_dir(resume)
 
     # ----------------------------------------------------------------- set-up
@@ -383,8 +196,6 @@ class GroupTrainer:
         """The estimator weighs samples by their number of actions (e.g. reinforce_pp over tokens)."""
         self.estimator_takes_steps = adv_lib.accepts_step_rewards(a.estimator)
         """The estimator turns per-step process rewards into Float[B,T] advantages (e.g. grpo_process)."""
-        self.aux_coefs = dict(a.aux_coefs)
-        """Coefficients of the policy's auxiliary loss terms (`ActionStats.aux_losses`), by name."""
         per_step = list(getattr(self.reward_set, "per_step_names", []))
         if per_step and not self.estimator_takes_steps:
             raise ConfigError(
@@ -431,13 +242,8 @@ class GroupTrainer:
                     GUARD_ADV_CLIP,
                     GUARD_ADV_CLIP,
                 )
-        self.loss_fn = loss_lib.get(a.loss)
-        loss_options = loss_lib.options(a.loss)
-        self.loss_takes_group_std = "group_std" in loss_options
-        self.loss_takes_entropy = "entropy" in loss_options
-        """The loss reads the per-action entropy (`ActionStats.entropy`; d3s's token selection)."""
-        self.loss_takes_progress = "total_steps" in loss_options
-        """The loss reads the training step and trainer.steps (d3s's relaxing keep fraction)."""
+        self.composer = LossComposer(cfg, world=self.world, policy_name=type(self.policy).__name__)
+        """The microbatch loss (`mmalign.algorithms.composition`)."""
         try:
             self.group_refill = (
                 refill_lib.GroupRefill(
@@ -452,9 +258,7 @@ class GroupTrainer:
             raise ConfigError(f"{cfg.source}: key 'algorithm.group_refill': {e}") from None
         """Hints / R³ replay for all-fail groups (`mmalign.group_refill`); None when off."""
         self._refill_stats: dict[str, float] = {}
-        self.policy_loss = a.objective is not None
-        """The policy computes each action's loss itself (`ActionStats.loss`; a forward-process objective)."""
-        self.chunkable_loss = self.policy_loss or not loss_lib.couples_actions(a.loss)
+        self.chunkable_loss = a.objective is not None or not loss_lib.couples_actions(a.loss)
         """The loss can be evaluated on a part of a sample's actions (`Policy.action_chunks` is honoured)."""
         try:
             self.group_filter = filter_lib.build_filter(a.filter, **a.filter_kwargs)
@@ -726,8 +530,6 @@ class GroupTrainer:
     ) -> None:
         """Submit the round `key` with the prompts `idx` (this process's dataset rows of them, or `rows`: e.g. rows
         rewritten for a re-roll), sampled with the current weights (version ``step``)."""
-        from mmalign.asynchronous import worker_rng_state
-
         self._async.submit(
             key,
             idx,
@@ -759,7 +561,7 @@ class GroupTrainer:
     def _async_take(self, key: tuple[int, int]) -> tuple[Rollout, Tensor]:
         """The worker's rollout of round `key` with its behaviour / pi_old log-probs set for the loss
         (`mmalign.asynchronous.behaviour_fields`) and its rewards; records staleness and idle times."""
-        from mmalign.asynchronous import behaviour_fields, set_worker_rng_state
+        from mmalign.asynchronous import behaviour_fields
 
         result, waited = self._async.take(key)
         if self.async_cfg.max_staleness == 0:  # continue the stream where the worker's sampling left it
@@ -969,7 +771,9 @@ class GroupTrainer:
                     rollout.logp_old[first],
                     rollout.mask[first],
                 )
-            if self.loss_takes_group_std:  # etr: each sample's group reward std, for its macro trust region
+            if (
+                "group_std" in self.composer.needs
+            ):  # etr: each sample's group reward std, for its macro trust region
                 total = adv_lib.combine_rewards(g_rewards, self.reward_set.weights.tolist())
                 ids, stds = filter_lib.group_std(total, g_group)
                 pos = {int(g): k for k, g in enumerate(ids.tolist())}
@@ -1088,7 +892,7 @@ class GroupTrainer:
         accumulated over microbatches; returns the update's metrics."""
         if self.cfg.algorithm.kl_coef > 0 and not self.policy.kl_in_action_stats:
             batch.logp_ref = self.policy.reference_logprobs(batch).detach()
-        tally = _Tally()
+        tally = Tally()
         for _epoch in range(self.cfg.trainer.num_iterations):
             for mb in self._minibatches(batch):
                 n_tok, n_seq = self._global_sum(float(mb.mask.sum())), self._global_sum(float(len(mb)))
@@ -1100,7 +904,7 @@ class GroupTrainer:
         return self._update_metrics(tally)
 
     def _microbatch_backward(
-        self, mu: Rollout, n_tok: float, n_seq: float, tally: _Tally, *, last: bool
+        self, mu: Rollout, n_tok: float, n_seq: float, tally: Tally, *, last: bool
     ) -> None:
         """Forward and backward of microbatch `mu`: in one piece, or in the chunks of its actions the policy
         names (`Policy.action_chunks`), one `action_stats` and one backward per chunk, each chunk's loss
@@ -1147,187 +951,22 @@ class GroupTrainer:
         *,
         actions: Tensor | None = None,
         measure_is: bool = True,
-    ) -> _MicroLoss:
-        """The loss of microbatch `mu` whose gradient is its part of the minibatch's gradient: the per-action
-        loss (times the policy's `ActionStats.loss_weights`, importance-weighted, plus the KL penalty)
-        aggregated with the minibatch's global normalisers `n_tok` / `n_seq`, plus the auxiliary terms; and what
-        its metrics need (docs/algorithms.md). With `actions` (one chunk of `Policy.action_chunks`: column
-        indices) only those actions are scored, with the whole rows' action counts and width as normalisers and
-        the importance weights of the whole rows, so the chunks' losses add up to the whole microbatch's;
-        `measure_is`: report the IS metrics (once per microbatch)."""
-        a, r = self.cfg.algorithm, self.cfg.rollout
-        if actions is None:
-            stats = self.policy.action_stats(mu)
-        else:
-            stats = self.policy.action_stats(mu, actions=actions)
-        if stats.loss is not None:
-            return self._policy_loss(mu, stats, n_tok, n_seq, actions)
-        if stats.logp is None:
-            raise TypeError(f"{type(self.policy).__name__}.action_stats returned neither logp nor loss")
-        logp = stats.logp
-        dev = logp.device
-        idx = None if actions is None else actions.to(dev)
-
-        def cols(x: Tensor) -> Tensor:  # this chunk's columns of a per-action [B, T] tensor
-            x = x.to(dev)
-            return x if idx is None else x.index_select(1, idx)
-
-        full_mask = mu.mask.to(dev)
-        mask = cols(full_mask)
-        logp_old = cols(mu.logp_old) if mu.logp_old is not None else logp.detach()
-        adv = mu.advantages.to(dev)
-        loss_kwargs = dict(a.loss_kwargs)
-        if self.loss_takes_group_std:
-            loss_kwargs["group_std"] = mu.outputs["group_std"].to(logp.device)
-        if self.loss_takes_entropy:  # this chunk's entropies (action_stats scored the same columns)
-            loss_kwargs["entropy"] = None if stats.entropy is None else stats.entropy.to(dev)
-        if self.loss_takes_progress:
-            loss_kwargs["step"], loss_kwargs["total_steps"] = self.step, self.cfg.trainer.steps
-        out = self.loss_fn(logp, logp_old, adv if adv.dim() == 1 else cols(adv), mask, **loss_kwargs)
-        per_token, is_stats = out.per_token, {}
-        if stats.loss_weights is not None:
-            per_token = per_token * stats.loss_weights.to(dev).detach()
-        if mu.logp_sampler is not None and r.is_correction != "none":
-            level, cap = r.is_correction, r.is_cap
-            if idx is None or mu.logp_old is None:
-                per_token, is_stats = is_weighted(
-                    per_token, logp_old, cols(mu.logp_sampler), mask, level=level, cap=cap
-                )
-            else:  # the weights of the whole rows: a sequence-level weight needs all of a sample's actions
-                old_full, sampler_full = mu.logp_old.to(dev), mu.logp_sampler.to(dev)
-                w = isc.tis_weights(old_full, sampler_full, full_mask, level=level, cap=cap)
-                per_token = isc.apply_is_weights(per_token, w.index_select(1, idx))
-                is_stats = isc.is_metrics(old_full, sampler_full, full_mask, level=level, cap=cap, weights=w)
-            if not measure_is:
-                is_stats = {}
-        kl_tok = None
-        if a.kl_coef > 0:
-            kl_tok = (
-                stats.kl if stats.kl is not None else loss_lib.kl(logp, cols(mu.logp_ref), a.kl_estimator)
-            )
-            per_token = per_token + a.kl_coef * kl_tok
-        if idx is None:
-            loss = self._aggregate(per_token, mask, n_tok, n_seq)
-        else:
-            loss = self._aggregate(
-                per_token,
-                mask,
-                n_tok,
-                n_seq,
-                lengths=full_mask.sum(dim=1),
-                width=int(full_mask.shape[1]),
-            )
-        aux_total, aux_values = self._aux_loss(stats.aux_losses, len(mu) / n_seq)
-        return _MicroLoss(
-            total=loss if aux_total is None else loss + aux_total * self.world,
-            loss=loss,
-            logp=logp,
-            logp_old=logp_old,
-            mask=mask,
-            clipped=out.clipped,
-            kl=kl_tok,
-            entropy=stats.entropy,
-            is_stats=is_stats,
-            aux=aux_values,
+    ) -> MicroLoss:
+        """The policy's `action_stats` of microbatch `mu` (of its chunk `actions`) turned into its loss by the
+        `LossComposer`."""
+        stats = (
+            self.policy.action_stats(mu) if actions is None else self.policy.action_stats(mu, actions=actions)
         )
-
-    def _policy_loss(
-        self, mu: Rollout, stats: ActionStats, n_tok: float, n_seq: float, actions: Tensor | None
-    ) -> _MicroLoss:
-        """`_microbatch_loss` when the policy computed the per-action loss (`ActionStats.loss`): its loss
-        (times ``loss_weights``) plus the KL penalty, aggregated like the policy-gradient loss (chunk-aware),
-        plus the auxiliary terms. There is no log-prob: no importance-sampling correction, no ``approx_kl``;
-        `ActionStats.metrics` are logged instead."""
-        a = self.cfg.algorithm
-        per_token = stats.loss
-        assert per_token is not None
-        dev = per_token.device
-        full_mask = mu.mask.to(dev)
-        mask = full_mask if actions is None else full_mask.index_select(1, actions.to(dev))
-        if stats.loss_weights is not None:
-            per_token = per_token * stats.loss_weights.to(dev).detach()
-        kl_tok = None
-        if a.kl_coef > 0:
-            if stats.kl is None:
-                raise TypeError(
-                    f"{type(self.policy).__name__}.action_stats returned a loss but no kl while "
-                    "algorithm.kl_coef > 0"
-                )
-            kl_tok = stats.kl
-            per_token = per_token + a.kl_coef * kl_tok
-        if actions is None:
-            loss = self._aggregate(per_token, mask, n_tok, n_seq)
-        else:
-            loss = self._aggregate(
-                per_token, mask, n_tok, n_seq, lengths=full_mask.sum(dim=1), width=int(full_mask.shape[1])
-            )
-        aux_total, aux_values = self._aux_loss(stats.aux_losses, len(mu) / n_seq)
-        clipped = stats.clipped.to(dev) if stats.clipped is not None else torch.zeros_like(mask)
-        return _MicroLoss(
-            total=loss if aux_total is None else loss + aux_total * self.world,
-            loss=loss,
-            logp=None,
-            logp_old=None,
-            mask=mask,
-            clipped=clipped,
-            kl=kl_tok,
-            entropy=stats.entropy,
-            is_stats={},
-            aux=aux_values,
-            metrics={k: v.detach() for k, v in stats.metrics.items()},
+        return self.composer(
+            stats,
+            mu,
+            n_tok,
+            n_seq,
+            actions=actions,
+            measure_is=measure_is,
+            step=self.step,
+            max_actions=self.policy.max_actions,
         )
-
-    def _aggregate(
-        self,
-        per_token: Tensor,
-        mask: Tensor,
-        n_tok: float,
-        n_seq: float,
-        *,
-        lengths: Tensor | None = None,
-        width: int | None = None,
-    ) -> Tensor:
-        """`algorithm.loss_agg` of the per-action loss with the minibatch's global normalisers, times the number
-        of processes: DDP (and FSDP2's reduce-scatter) average gradients over processes. A chunk of a
-        microbatch's actions passes its whole rows' action counts (`lengths`) and width (`width`: the
-        ``seq_sum_norm`` length when the policy has no `max_actions`)."""
-        a = self.cfg.algorithm
-        max_len = self.policy.max_actions
-        if max_len is None and width is not None:
-            max_len = width
-        return (
-            loss_lib.aggregate(
-                per_token,
-                mask,
-                a.loss_agg,
-                num_tokens=n_tok,
-                num_seqs=n_seq,
-                max_len=max_len,
-                lengths=lengths,
-            )
-            * self.world
-        )
-
-    def _aux_loss(self, terms: dict[str, Tensor], share: float) -> tuple[Tensor | None, dict[str, float]]:
-        """The policy's auxiliary loss terms (`ActionStats.aux_losses`, microbatch means) weighted by their
-        ``algorithm.aux_coefs`` and by the microbatch's `share` of the minibatch's samples (all processes), so
-        the update sees the minibatch mean; and each term's share of its logged ``aux/<name>`` value."""
-        total, values = None, {}
-        for name, term in terms.items():
-            if name not in self.aux_coefs:
-                raise ConfigError(
-                    f"{self.cfg.source}: key 'algorithm.aux_coefs': the policy returns the auxiliary loss "
-                    f"{name!r} but the config gives it no coefficient (set algorithm.aux_coefs.{name}; 0 turns "
-                    f"it off)"
-                )
-            if term.dim() != 0:
-                raise ValueError(
-                    f"auxiliary loss {name!r} must be a scalar (the microbatch mean), got {tuple(term.shape)}"
-                )
-            weighted = self.aux_coefs[name] * term * share
-            total = weighted if total is None else total + weighted
-            values[f"aux/{name}"] = float(term.detach()) * share * self.world
-        return total, values
 
     def _optimizer_step(self) -> float | None:
         """Clip the accumulated gradients (`trainer.max_grad_norm`), step the optimizer, clear the gradients;
@@ -1345,8 +984,8 @@ class GroupTrainer:
         self.policy.after_optimizer_step()
         return grad_norm
 
-    def _update_metrics(self, tally: _Tally) -> dict[str, float]:
-        """The update's metrics: this process's (`_Tally.metrics`), averaged over processes; the loss, of which
+    def _update_metrics(self, tally: Tally) -> dict[str, float]:
+        """The update's metrics: this process's (`Tally.metrics`), averaged over processes; the loss, of which
         each process holds its share, summed."""
         m = tally.metrics(kl=self.cfg.algorithm.kl_coef > 0)
         if self.world > 1:
@@ -1775,110 +1414,6 @@ class GroupTrainer:
         for group in groups:
             group["lr"] = t.lr * factor
         self.scheduler._last_lr = [group["lr"] for group in groups]  # (what get_last_lr returns)
-
-
-# ----------------------------------------------------------------- update parts
-def is_weighted(
-    per_token: Tensor, logp_old: Tensor, logp_sampler: Tensor, mask: Tensor, *, level: str, cap: float
-) -> tuple[Tensor, dict[str, Any]]:
-    """The per-action loss weighted by the truncated importance weights of the trainer's over the sampler's
-    log-probs (`rollout.is_correction` = `level`, `rollout.is_cap` = `cap`; `mmalign.is_correction`), and the
-    weights' metrics (``is/...``)."""
-    w = isc.tis_weights(logp_old, logp_sampler, mask, level=level, cap=cap)
-    weighted = isc.apply_is_weights(per_token, w)
-    return weighted, isc.is_metrics(logp_old, logp_sampler, mask, level=level, cap=cap, weights=w)
-
-
-@dataclass
-class _MicroLoss:
-    """One microbatch's loss (`GroupTrainer._microbatch_loss`) and what its metrics need."""
-
-    total: Tensor
-    """What the backward runs on: the policy loss plus the weighted auxiliary terms (times the processes)."""
-    loss: Tensor
-    """The policy loss (aggregated, times the processes)."""
-    logp: Tensor | None
-    logp_old: Tensor | None
-    mask: Tensor
-    clipped: Tensor
-    kl: Tensor | None
-    entropy: Tensor | None
-    is_stats: dict[str, Any]
-    aux: dict[str, float]
-    metrics: dict[str, Tensor] = field(default_factory=dict)
-    """Per-action diagnostics of a policy-computed loss (`ActionStats.metrics`), logged as masked means."""
-
-
-def microbatch_sums(micro: _MicroLoss, world: int) -> dict[str, float]:
-    """One microbatch's contributions to the update's sums: the loss (this process's share), clipped actions,
-    ``approx_kl``, KL and entropy (summed over actions), and ``tokens``, its number of actions."""
-    with torch.no_grad():
-        mask = micro.mask
-        k = float(mask.sum())
-        sums = {
-            "loss": float(micro.loss) / world,
-            "clip_frac": float((micro.clipped & mask).sum()),
-        }
-        if micro.logp is not None and micro.logp_old is not None:
-            sums["approx_kl"] = float(loss_lib.approx_kl(micro.logp, micro.logp_old, mask)) * k
-        for key, value in micro.metrics.items():
-            sums["policy_metric:" + key] = float(torch.where(mask, value.to(mask.device).double(), 0.0).sum())
-        if micro.kl is not None:
-            sums["kl"] = float((micro.kl * mask).sum())
-        if micro.entropy is not None:
-            sums["entropy"] = float((micro.entropy * mask).sum())
-        sums["tokens"] = k
-        return sums
-
-
-class _Tally:
-    """Sums and counts of one update's metrics, added microbatch by microbatch and step by step."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.counts: dict[str, float] = defaultdict(float)
-
-    def add_microbatch(self, micro: _MicroLoss, world: int) -> None:
-        for key, value in micro.is_stats.items():
-            self.sums[key] += float(value)
-            self.counts[key] += 1
-        for key, value in micro.aux.items():
-            self.sums[key] += value
-        values = microbatch_sums(micro, world)
-        self.counts["tokens"] += values.pop("tokens")
-        for key, value in values.items():
-            self.sums[key] += value
-
-    def add_optimizer_step(self, grad_norm: float | None) -> None:
-        if grad_norm is not None:
-            self.sums["grad_norm"] += grad_norm
-            self.counts["opt_steps"] += 1
-        self.counts["updates"] += 1
-
-    def metrics(self, *, kl: bool) -> dict[str, float]:
-        """Per action: clip_frac, approx_kl, kl (`kl`: logged), entropy; per update: loss, ``aux/*``; per IS
-        measurement: ``is/*``; per clipped step: grad_norm."""
-        sums, counts = self.sums, self.counts
-        tok = max(counts["tokens"], 1.0)
-        m = {
-            "loss": sums["loss"] / max(counts["updates"], 1),
-            "clip_frac": sums["clip_frac"] / tok,
-        }
-        if "approx_kl" in sums:
-            m["approx_kl"] = sums["approx_kl"] / tok
-        for key in [k for k in sums if k.startswith("policy_metric:")]:
-            m[key.removeprefix("policy_metric:")] = sums[key] / tok
-        if kl:
-            m["kl"] = sums["kl"] / tok
-        if "entropy" in sums:
-            m["entropy"] = sums["entropy"] / tok
-        for key in [k for k in sums if k.startswith("is/")]:
-            m[key] = sums[key] / max(counts[key], 1.0)
-        for key in [k for k in sums if k.startswith("aux/")]:
-            m[key] = sums[key] / max(counts["updates"], 1)
-        if counts["opt_steps"]:
-            m["grad_norm"] = sums["grad_norm"] / counts["opt_steps"]
-        return m
 
 
 def _per_sample(adv: Tensor, mask: Tensor) -> Tensor:

@@ -95,7 +95,7 @@ def get(name: str) -> Callable[..., Any]:
 
     @functools.wraps(build)
     def seeded_build(cfg: Any, *args: Any, **kwargs: Any) -> Any:
-        from mmalign.trainer import set_seed
+        from mmalign.training.seeding import set_seed
 
         set_seed(int(getattr(cfg, "seed", 0)))
         return build(cfg, *args, **kwargs)

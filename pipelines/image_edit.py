@@ -44,8 +44,8 @@ from mmalign.config import Config
 from mmalign.data import DataError
 from mmalign.distributed import process_seed
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
+from mmalign.policies.families import policy_class_for
 from mmalign.policies.flux_kontext import FluxKontextPolicy
-from mmalign.policies.qwen_image_components import is_qwen_image_edit_folder
 from mmalign.policies.qwen_image_edit import QwenImageEditPolicy
 from mmalign.tiny import ensure_model
 from pipelines import TrainingSetup, register_pipeline
@@ -144,9 +144,9 @@ def load_edit_rows(
 
 
 def edit_policy_class(name_or_path: str | Path) -> type[FluxKontextPolicy] | type[QwenImageEditPolicy]:
-    """`QwenImageEditPolicy` for a Qwen-Image-Edit folder or hub id (`is_qwen_image_edit_folder`: its
-    ``model_index.json`` names a ``QwenImageEdit*`` pipeline), else `FluxKontextPolicy`."""
-    return QwenImageEditPolicy if is_qwen_image_edit_folder(name_or_path) else FluxKontextPolicy
+    """The editing policy class of the model at `name_or_path`: its ``image_edit`` family in
+    `mmalign.policies.families` (FLUX.1 Kontext by default, Qwen-Image-Edit by pipeline class or hub id)."""
+    return policy_class_for(name_or_path, "image_edit")
 
 
 def build_edit_policy(cfg: Config) -> FluxKontextPolicy | QwenImageEditPolicy:

@@ -141,9 +141,9 @@ def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
         from mmalign.policies.ddim import DDIMPolicy
 
         return DDIMPolicy.from_pretrained(path, **common)
-    from mmalign.policies.flux import flow_policy_class
+    from mmalign.policies.families import policy_class_for
 
-    return flow_policy_class(path).from_pretrained(path, **common)
+    return policy_class_for(path, "text_to_image").from_pretrained(path, **common)
 
 
 @register_pipeline("safe_diffusion", options=SafeDiffusionOptions)

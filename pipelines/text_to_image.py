@@ -29,9 +29,9 @@ schnell, which has no guidance embedding), so ``train_guidance`` has no effect; 
 512, as diffusers; FLUX.1-schnell was trained with 256);
 ``resolution`` must give an even latent side (resolution / the VAE's factor; 2x2 packing).
 
-Qwen-Image is served by `mmalign.policies.qwen_image.QwenImagePolicy`: `build_flow_policy` picks it before the
-SD3 / FLUX choice when the folder's ``transformer/config.json`` names ``QwenImageTransformer2DModel``, or, for a
-hub id, when the name contains "qwen-image" / "qwen_image" (`is_qwen_image_folder`). Its differences:
+Qwen-Image is served by `mmalign.policies.qwen_image.QwenImagePolicy`. Which class a folder or hub id gets is
+its family's (`mmalign.policies.families`: the ``model_index.json`` pipeline class, else the transformer class,
+else the hub id's name). Qwen-Image's differences:
 ``guidance_scale`` is true CFG with ``negative_prompt`` and the pipeline's per-token norm rescaling;
 ``max_sequence_length`` is the Qwen2.5-VL prompt length every prompt is padded to (default 512, at most 1024;
 shorter is cheaper: the padding is masked but still computed); ``load_t5`` is ignored; ``resolution`` (default
@@ -46,9 +46,10 @@ from typing import Any
 
 import torch
 
-from mmalign.config import Config, ConfigError
+from mmalign.config import Config
 from mmalign.distributed import process_seed
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
+from mmalign.policies.families import policy_class_for
 from mmalign.policies.flow_matching import FlowMatchingPolicy
 from mmalign.tiny import ensure_model
 from pipelines import TrainingSetup, register_pipeline
@@ -127,23 +128,9 @@ def build_flow_policy(cfg: Config) -> FlowMatchingPolicy:
 
 
 def flow_policy_for(path: str | Path) -> type[FlowMatchingPolicy]:
-    """The policy class of the model at `path`: `QwenImagePolicy` for a Qwen-Image folder or hub id
-    (`is_qwen_image_folder`), else `mmalign.policies.flux.flow_policy_class` (FLUX.1 or SD3); a Qwen-Image-Edit
-    model is a `ConfigError` (it belongs to `image_edit`)."""
-    from mmalign.policies.qwen_image_components import is_qwen_image_edit_folder, is_qwen_image_folder
-
-    if is_qwen_image_edit_folder(path):  # an editing model samples from a source image: not text to image
-        raise ConfigError(
-            f"key 'model.name_or_path': {path} is a Qwen-Image-Edit model; train it with the image_edit pipeline "
-            "(rows with a source image and an instruction, e.g. configs/image_edit-qwen.yaml)"
-        )
-    if is_qwen_image_folder(path):
-        from mmalign.policies.qwen_image import QwenImagePolicy
-
-        return QwenImagePolicy
-    from mmalign.policies.flux import flow_policy_class
-
-    return flow_policy_class(path)
+    """The policy class of the model at `path` for text to image: its family in
+    `mmalign.policies.families` (a model of another task, e.g. an editing model, is a `ConfigError`)."""
+    return policy_class_for(path, "text_to_image")
 
 
 def vae_factor(vae: torch.nn.Module) -> int:

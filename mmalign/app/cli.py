@@ -21,7 +21,7 @@ model folders; then the pipeline reads its data files), so a wrong command fails
 
 `train` holds the run lock of its output directory from before the model loads (`mmalign.runlock`: a second
 writer is refused, naming the first); ``--resume`` applies the changed keys a resume can apply and refuses the
-others (`mmalign.trainer.resume_changes`). `sample` and `eval` only read a run and take no lock.
+others (`mmalign.training.resume.resume_changes`). `sample` and `eval` only read a run and take no lock.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _load(
     with ``seed`` first: torch seeds its default generator randomly in every new process, so without this
     the random parts of model construction (a LoRA adapter's initial A matrices) would differ between two
     runs of the same config, and a resumed run would not repeat an uninterrupted one."""
-    from mmalign.trainer import set_seed
+    from mmalign.training.seeding import set_seed
 
     cfg, build = _prepare(args, resume=resume, eval_rewards=eval_rewards)
     set_seed(cfg.seed)
@@ -155,11 +155,11 @@ def _end_processes(args: argparse.Namespace, state: Any) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     """Train (or, with ``--resume``, continue) a run. Before any model is built: the one validation pass
     (`_prepare`), the run lock (`mmalign.runlock`: a second writer into the same output_dir is refused, naming
-    the first), and for a resume the config compared with the run's saved one (`mmalign.trainer.resume_changes`:
+    the first), and for a resume the config compared with the run's saved one (`mmalign.training.resume.resume_changes`:
     a change it cannot apply is refused) and a finished run reported as such."""
     from mmalign import rundir, runlock
     from mmalign.app.run import build_trainer
-    from mmalign.trainer import set_seed
+    from mmalign.training.seeding import set_seed
 
     cfg, build = _prepare(args, resume=args.resume)
     args._output_dir = cfg.output_dir  # (for the message of an interrupt: `_interrupted`)
@@ -167,7 +167,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         rundir.check_output_dir(cfg, args.resume)  # again, now that no other writer can change the folder
         if args.resume:
-            from mmalign.trainer import resume_changes
+            from mmalign.training.resume import resume_changes
 
             resume_changes(cfg.output_dir, cfg)  # a change a resume cannot apply fails here, before the model
             if _finished(args, cfg):

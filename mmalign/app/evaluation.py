@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import math
-import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from torch import Tensor
 from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError
 from mmalign.errors import CheckpointError
+from mmalign.training.seeding import seed_policy
 
 log = logging.getLogger(__name__)
 
@@ -137,19 +137,6 @@ def chunk_seed(seed: int, chunk: int) -> int:
     return int(seed) + CHUNK_SEED_STRIDE * int(chunk)
 
 
-def _reseed(policy: Any, seed: int) -> None:
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    gen = getattr(policy, "generator", None)
-    if isinstance(gen, torch.Generator):
-        gen.manual_seed(seed)
-    if hasattr(policy, "engine_seed"):
-        policy.engine_seed = seed
-
-
 def eval_sampling(policy: Any) -> contextlib.AbstractContextManager[dict[str, Any]]:
     """The sampler `mmalign sample` / `mmalign eval` use, as a context: the policy's ``evaluation_sampler()``
     (a diffusion policy: ``eval_noise_level``, the deterministic ODE by default), yielding its description
@@ -199,7 +186,7 @@ def generate_chunks(
             mine = [c for c in range(math.ceil(len(rows) / prompts_per_batch)) if c % world == rank]
             for c in tqdm(mine, desc="generate", disable=not progress, leave=False):
                 start = c * prompts_per_batch
-                _reseed(policy, chunk_seed(seed, c))
+                seed_policy(policy, chunk_seed(seed, c))
                 part = policy.rollout(rows[start : start + prompts_per_batch], n, compute_logp=False)
                 part.group = part.group + start
                 if decode:

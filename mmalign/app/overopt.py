@@ -48,7 +48,8 @@ from torch import Tensor
 
 from mmalign import rundir
 from mmalign.config import Config, WatchdogConfig
-from mmalign.trainer import TrainingError, rng_state, set_rng_state
+from mmalign.trainer import TrainingError
+from mmalign.training.seeding import rng_state, set_rng_state
 
 log = logging.getLogger("mmalign.app.overopt")
 
@@ -180,7 +181,7 @@ def image_statistics(pixels: Tensor) -> dict[str, Tensor]:
 @contextlib.contextmanager
 def preserved_rng(policy: Any) -> Iterator[None]:
     """Restore on exit every generator a watchdog evaluation touches: the process's global RNGs (Python,
-    NumPy, torch CPU and CUDA: `mmalign.trainer.rng_state`), the policy's own (`Policy.rng_state`) and a
+    NumPy, torch CPU and CUDA: `mmalign.training.seeding.rng_state`), the policy's own (`Policy.rng_state`) and a
     token policy's ``engine_seed``."""
     saved = rng_state()
     own = policy.rng_state() if hasattr(policy, "rng_state") else {}

@@ -4,7 +4,7 @@ With unchanged weights the trainer's re-scoring of a fresh rollout must give bac
 ``ratio = exp(logp_new - logp_old) = 1`` at the first update, or the clipped loss clips (and the importance
 correction weights) samples for reasons that have nothing to do with learning. This command draws one rollout
 from the base model (``compute_logp=True``: ``logp_old`` as the trainer stores it) and re-scores it the way the
-trainer's update does (`GroupTrainer._microbatch_loss`): the model in train mode, ``policy.action_stats`` on
+trainer's update does (`mmalign.algorithms.composition.LossComposer`): the model in train mode, ``policy.action_stats`` on
 microbatches (``rollout[idx]``), in the chunks of actions `Policy.action_chunks` names when the loss allows it,
 with grad enabled; under each setting:
 
@@ -211,8 +211,9 @@ def parity(
     rollout's ``logp_old`` (`compare`); the engine's log-probs too when ``rollout.engine`` is not ``hf``.
     `progress` receives one line as each phase starts and ends (the CLI prints them to stderr)."""
     from mmalign import losses
-    from mmalign.app.probe import pick_rows, seed_policy
+    from mmalign.app.probe import pick_rows
     from mmalign.policies.base import RunInfo
+    from mmalign.training.seeding import seed_policy
 
     policy = components.policy
     seed = cfg.seed if seed is None else seed

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from mmalign.config import Config, ConfigError
+from mmalign.training.seeding import seed_policy
 
 __all__ = [
     "DEFAULT_GROUP_SIZES",
@@ -81,7 +82,7 @@ def load_setup(
     import pipelines
     from mmalign.app.preflight import validate
     from mmalign.config import load_config
-    from mmalign.trainer import set_seed
+    from mmalign.training.seeding import set_seed
 
     cfg = load_config(config, list(overrides), pipeline_finder=pipelines.find)
     if need_rewards and not cfg.rewards:
@@ -96,18 +97,6 @@ def load_setup(
     components = build(cfg)
     say(f"built in {time.perf_counter() - t0:.1f} s")
     return cfg, components
-
-
-def seed_policy(policy: Any, seed: int) -> None:
-    """Seed the global RNGs and the policy's own generators (a diffusion policy's noise, an engine's seed)."""
-    from mmalign.trainer import set_seed
-
-    set_seed(seed)
-    gen = getattr(policy, "generator", None)
-    if isinstance(gen, torch.Generator):
-        gen.manual_seed(seed)
-    if hasattr(policy, "engine_seed"):
-        policy.engine_seed = seed
 
 
 def pick_rows(rows: Sequence[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:

@@ -211,6 +211,10 @@ class Policy(abc.ABC):
         all processes under the given name, e.g. ``completion_len/mean``)."""
         return {}
 
+    def seed(self, seed: int) -> None:
+        """Seed the policy's private random generators (`mmalign.training.seeding.seed_policy`; none by default)."""
+        return None
+
     def rng_state(self) -> dict[str, Any]:
         """The policy's private random generators, saved in checkpoints for exact resume."""
         return {}

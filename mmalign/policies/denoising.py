@@ -507,6 +507,11 @@ class DenoisingPolicy(Policy):
             self.sampler = before
 
     # ------------------------------------------------------------------ checkpointed randomness
+    def seed(self, seed: int) -> None:
+        """Re-seed the sampler's private generator (``sampler.seed``), when the policy has one."""
+        if self.generator is not None:
+            self.generator.manual_seed(seed)
+
     def rng_state(self) -> dict[str, Tensor]:
         """The state of the policy's private generator (``seed``), which the trainer writes into every
         checkpoint (per process) so that a resumed run draws the same noise as an uninterrupted one."""

@@ -22,13 +22,11 @@ from torch import Tensor
 
 from mmalign.policies.denoising import SamplerSettings
 from mmalign.policies.flow_matching import FlowMatchingPolicy, calculate_mu
-from mmalign.policies.flux_components import FluxComponents, is_flux_folder, load_flux_components
-from mmalign.policies.sd3 import SD3Policy
+from mmalign.policies.flux_components import FluxComponents, load_flux_components
 
 __all__ = [
     "FLUX_LORA_TARGETS",
     "FluxPolicy",
-    "flow_policy_class",
     "calculate_mu",
     "latent_image_ids",
     "pack_latents",
@@ -177,8 +175,3 @@ class FluxPolicy(FlowMatchingPolicy):
             return_dict=False,
         )[0]
         return unpack_latents(out.float(), h, w)
-
-
-def flow_policy_class(name_or_path: str | Path) -> type[FlowMatchingPolicy]:
-    """`FluxPolicy` for a FLUX.1 folder or a hub id naming Flux (`is_flux_folder`), else `SD3Policy`."""
-    return FluxPolicy if is_flux_folder(name_or_path) else SD3Policy

@@ -186,6 +186,10 @@ class TextPolicy(TokenSampling, TurnProtocol, Policy):
     def engine_seed(self, seed: int) -> None:
         self.engine_client.seed = seed
 
+    def seed(self, seed: int) -> None:
+        """Seed the rollout engine's sampling (`engine_seed`)."""
+        self.engine_seed = seed
+
     def setup(self, run: RunInfo) -> None:
         """Build the rollout engine named by ``rollout.engine`` (none for ``hf``: sampling uses `generate`)."""
         self.engine_client.setup(run, loop=self.loop, fill_defaults=self._engine_defaults)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mmalign.config import Config
-from mmalign.distributed import process_seed
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.tiny import ensure_model
+from mmalign.training.seeding import process_seed
 
 __all__ = ["WanVideoOptions", "build_wan_policy"]
 

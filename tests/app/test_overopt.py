@@ -193,7 +193,7 @@ def tiny_cfg(out: Path, *extra: str) -> Any:
 
 def train(cfg: Any, *, resume: bool = False) -> list[dict[str, Any]]:
     import pipelines
-    from mmalign.trainer import set_seed
+    from mmalign.training.seeding import set_seed
 
     set_seed(cfg.seed)
     trainer = build_trainer(cfg, pipelines.get(cfg.pipeline)(cfg), resume=resume)

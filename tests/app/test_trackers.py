@@ -59,7 +59,7 @@ def tiny_cfg(model: Path, tmp_path: Path, *extra: str):
 
 def train(cfg) -> list[dict[str, Any]]:
     import pipelines
-    from mmalign.trainer import set_seed
+    from mmalign.training.seeding import set_seed
 
     set_seed(cfg.seed)
     trainer = build_trainer(cfg, pipelines.get(cfg.pipeline)(cfg))

@@ -455,7 +455,7 @@ def test_config_changes_against_an_older_saved_config(tmp_path: Path) -> None:
     default; a reward list of another length is one change of the whole list."""
     import yaml
 
-    from mmalign.trainer import ABSENT, config_changes, resume_rule
+    from mmalign.training.resume import ABSENT, config_changes, resume_rule
 
     cfg = make_cfg(tmp_path / "model", tmp_path / "run", rewards=VARIED)
     saved = yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -81,13 +81,13 @@ def test_d3s_loss_gets_entropy_and_progress(random_text_model_dir, tmp_path):
         cfg(random_text_model_dir, tmp_path / "run", rows_file(tmp_path, 8), VARIED, steps=2, loss="d3s")
     )
     seen = []
-    fn = t.loss_fn
+    fn = t.composer.loss_fn
 
     def spy(logp, logp_old, a, mask, **kw):
         seen.append((kw["entropy"].shape == logp.shape, kw["step"], kw["total_steps"]))
         return fn(logp, logp_old, a, mask, **kw)
 
-    t.loss_fn = spy
+    t.composer.loss_fn = spy
     h = t.train()
     assert len(h) == 2 and seen and all(ok for ok, _, _ in seen)
     assert {s for _, s, _ in seen} == {0, 1} and {n for _, _, n in seen} == {2}

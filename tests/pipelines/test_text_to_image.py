@@ -271,7 +271,7 @@ def test_qwen_image_is_picked_by_folder_or_hub_id(qwen_random: Path, quick_model
         flow_policy_for(quick_model) is SD3Policy
         and flow_policy_for("black-forest-labs/FLUX.1-dev") is FluxPolicy
     )
-    with pytest.raises(ConfigError, match="Qwen-Image-Edit model; train it with the image_edit pipeline"):
+    with pytest.raises(ConfigError, match="trained by the image_edit task"):
         flow_policy_for("Qwen/Qwen-Image-Edit")
     real = load_config(QWEN_REAL)
     assert real.model.name_or_path == "Qwen/Qwen-Image" and real.options.resolution == 512

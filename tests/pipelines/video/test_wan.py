@@ -1,5 +1,5 @@
 """What the Wan video pipelines share (`pipelines.video.wan`): the checks of `WanVideoOptions`, the per-process
-sampler seed (`mmalign.distributed.process_seed`) and `build_wan_policy` on a tiny random Wan folder."""
+sampler seed (`mmalign.training.seeding.process_seed`) and `build_wan_policy` on a tiny random Wan folder."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mmalign.config import load_config
-from mmalign.distributed import process_seed
+from mmalign.training.seeding import process_seed
 from pipelines.video.video_edit import VideoEditOptions
 from pipelines.video.wan import WanVideoOptions, build_wan_policy
 
