@@ -6,7 +6,10 @@ names; ``load_reward(spec, **options)`` builds one from a name, an entry point o
 ``RewardSet`` evaluates a config's list, ``check_reward_specs`` checks one without building it.
 """
 
+from . import geneval as geneval  # registers geneval and geneval_local, GenEval's checks (rewards/geneval.py)
 from . import geometry as geometry  # registers the latent geometry rewards (rewards/geometry.py)
+from . import judge as judge  # registers openai_judge and editscore, judges over HTTP (rewards/judge.py)
+from . import preference as preference  # registers hpsv2, image_reward, hpsv3 (rewards/preference.py)
 from . import process as process  # registers sampler_process_reward (rewards/process.py)
 from . import remote as remote  # registers remote, a reward served over HTTP (rewards/remote.py)
 from . import video as video  # registers the video rewards (rewards/video.py)
