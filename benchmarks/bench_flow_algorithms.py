@@ -66,7 +66,7 @@ def run(name: str, budget_s: float, out_dir: Path) -> dict[str, Any]:
     start = time.perf_counter()
     while time.perf_counter() - start < budget_s:
         m = trainer.train_step()
-        trainer._emit("on_step_end", trainer.step, m)  # what train() does after a step (the old-policy EMA)
+        trainer.emit("on_step_end", trainer.step, m)  # what train() does after a step (the old-policy EMA)
         rewards.append(float(m["reward/mean"]))
         times.append(float(m["time/step_s"]))
         print(f"{name} step {trainer.step}: reward {rewards[-1]:.3f} ({times[-1]:.1f} s)", flush=True)

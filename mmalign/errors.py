@@ -41,3 +41,12 @@ class RunWriteError(MmalignError, OSError):
         hint = " (a full disk?)" if "unexpected pos" in str(cause) else ""  # torch.save's words for ENOSPC
         super().__init__(f"could not write {path}: {cause}{hint}{detail}")
         self.cause_errno = errno if errno is not None else getattr(cause, "errno", None)
+
+
+class TrainingError(MmalignError, RuntimeError):
+    """Training stopped; the message says at which step and what was kept."""
+
+
+class NonFiniteError(TrainingError):
+    """A NaN or infinity in the loss, the gradient norm or the weights: the run stops rather than train on
+    garbage, and no checkpoint with non-finite weights is written."""

@@ -1319,7 +1319,7 @@ class LiveDoctor:
 
 
 class DoctorMonitor:
-    """`LiveDoctor` as a `GroupTrainer` monitor (`mmalign.trainer.TrainerCallback`): every `GroupTrainer.train`
+    """`LiveDoctor` as a `GroupTrainer` monitor (`mmalign.training.callbacks.TrainerCallback`): every `GroupTrainer.train`
     call starts a fresh doctor on the main process (the run's resolved config), which observes every step's
     metrics. Never raises into training."""
 

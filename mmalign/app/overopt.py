@@ -390,7 +390,7 @@ def _nanmean(x: Tensor) -> float:
 
 
 class OverOptMonitor:
-    """The watchdog as a `GroupTrainer` monitor (`mmalign.trainer.TrainerCallback`); see the module docstring.
+    """The watchdog as a `GroupTrainer` monitor (`mmalign.training.callbacks.TrainerCallback`); see the module docstring.
     `rows` are the held-out rows it samples (the first ``eval.watchdog.prompts`` of them are used). Every
     process evaluates its chunks of the prompts and the scores are gathered, so every process reaches the
     same decisions; the main process writes the log and ``best/``."""

@@ -317,7 +317,7 @@ class RunTrackers:
 
 
 class TrackerMonitor:
-    """`RunTrackers` as a `GroupTrainer` monitor (`mmalign.trainer.TrainerCallback`): the trainer builds its
+    """`RunTrackers` as a `GroupTrainer` monitor (`mmalign.training.callbacks.TrainerCallback`): the trainer builds its
     ``Accelerator`` with `accelerator_kwargs`, and the trackers start with `GroupTrainer.train`, log every
     logged step's metrics and every sample step's media, and finish when training ends.
 

@@ -174,7 +174,7 @@ class Policy(abc.ABC):
         return None
 
     def callbacks(self) -> list[Any]:
-        """Trainer callbacks (`mmalign.trainer.TrainerCallback`) the policy contributes, asked once after
+        """Trainer callbacks (`mmalign.training.callbacks.TrainerCallback`) the policy contributes, asked once after
         `setup`: the trainer appends them to the pipeline's callbacks, calls their hooks and checkpoints their
         ``state_dict`` (e.g. a forward-process objective's old-policy EMA). Default: none."""
         return []

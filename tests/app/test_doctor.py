@@ -23,6 +23,7 @@ from mmalign.app.doctor import (
     format_report,
     format_steps,
 )
+from mmalign.training.rounds import SyncRounds
 
 N = 20
 
@@ -540,8 +541,10 @@ def test_trainer_feeds_every_step_to_the_live_doctor(
         [],
     )
     trainer.is_main, trainer._last_batch = True, None
-    trainer.world, trainer._run_lock = 1, None  # one process; train() takes the run lock in tmp_path
-    trainer._async = None  # synchronous rollouts (trainer.async unset), as `GroupTrainer.__init__` sets it
+    trainer.world, trainer.run_lock = 1, None  # one process; train() takes the run lock in tmp_path
+    trainer.rounds = SyncRounds(
+        trainer
+    )  # synchronous rollouts (trainer.async unset), as `GroupTrainer.__init__`
     trainer.monitors = [DoctorMonitor()]  # as `mmalign.app.run.build_trainer` gives it
     trainer.policy = SimpleNamespace(save=lambda path: None)
     trainer.accelerator = SimpleNamespace(wait_for_everyone=lambda: None)

@@ -237,7 +237,7 @@ class Killer:
 
     def on_step_end(self, trainer: GroupTrainer, step: int, metrics: dict[str, Any]) -> None:
         if step == 2:
-            os.kill(trainer._async.workers[0].pid, signal.SIGKILL)
+            os.kill(trainer.rounds.source.workers[0].pid, signal.SIGKILL)
             self.killed_at = time.perf_counter()
 
 

@@ -75,7 +75,7 @@ class KillActor:
 
     def on_step_end(self, trainer: GroupTrainer, step: int, metrics: dict[str, Any]) -> None:
         if step == 2:
-            os.kill(trainer._async.workers[1].pid, signal.SIGKILL)
+            os.kill(trainer.rounds.source.workers[1].pid, signal.SIGKILL)
             self.killed_at = time.perf_counter()
 
 
@@ -115,7 +115,7 @@ def _rewarded_run(
     on_step_end = rec.on_step_end
 
     def record(trainer: GroupTrainer, step: int, metrics: dict[str, Any]) -> None:
-        actors = trainer._async.reward_actors if trainer._async is not None else None
+        actors = trainer.rounds.source.reward_actors if trainer.rounds.source is not None else None
         rec.scored_by.append(None if actors is None else (len(actors.actors), actors._next))
         on_step_end(trainer, step, metrics)
 
@@ -205,7 +205,7 @@ class KillRewardActor:
 
     def on_step_end(self, trainer: GroupTrainer, step: int, metrics: dict[str, Any]) -> None:
         if step == 2:
-            os.kill(trainer._async.reward_actors.pids()[1], signal.SIGKILL)
+            os.kill(trainer.rounds.source.reward_actors.pids()[1], signal.SIGKILL)
             self.killed_at = time.perf_counter()
 
 

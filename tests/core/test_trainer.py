@@ -238,7 +238,7 @@ def test_microbatches_accumulate_to_the_same_gradient(random_text_model_dir: Pat
         random_text_model_dir, tmp_path / "a", trainer={"lr": 0.0, "progress_bar": False}, rewards=VARIED
     )
     trainer = make_trainer(cfg)
-    trainer._timers = defaultdict(float)
+    trainer.timers = defaultdict(float)
     torch.manual_seed(3)
     batch, _ = trainer.make_rollout()
     batch.advantages = torch.randn(len(batch))  # make every sample count

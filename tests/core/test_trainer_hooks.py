@@ -1,6 +1,6 @@
 """Trainer hooks the grounding pipelines stand on: numbers a reward reports (``last_metrics``), callbacks
 that see the gathered rewards (``on_rewards``) and add to the step's metrics (``on_step_end``), the run
-monitors' hooks (`mmalign.trainer.TrainerCallback`), the multi-turn environment's per-sample state
+monitors' hooks (`mmalign.training.callbacks.TrainerCallback`), the multi-turn environment's per-sample state
 (``outputs["env_state"]``) and over-turn masking (``outputs["exclude_from_loss"]``)."""
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def main() -> None:
         assert acc.distributed_type == DistributedType.MULTI_CPU, acc.distributed_type
     records = []
     for step in range(3):
-        trainer._timers = {"rollout": 0.0, "reward": 0.0}
+        trainer.timers = {"rollout": 0.0, "reward": 0.0}
         batch, _ = trainer.make_rollout()
         for i in range(len(batch)):
             records.append(
