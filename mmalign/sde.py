@@ -62,6 +62,7 @@ __all__ = [
     "dance",
     "ddim",
     "flow_sde",
+    "flow_sde_noise",
     "get",
     "gaussian_log_prob",
     "names",
@@ -222,6 +223,31 @@ def _flow_sigmas(sigma: Scalar, sigma_next: Scalar, x: torch.Tensor) -> tuple[to
 
 
 @STEPS.register("flow_sde")
+def flow_sde_noise(
+    x: torch.Tensor,
+    sigma: Scalar,
+    sigma_next: Scalar,
+    noise_level: Scalar,
+    sigma_max_fallback: Scalar | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sigma, sigma_next, s_t) of `flow_sde` as tensors broadcastable against the fp32 latent `x`, validated:
+    s_t = a sqrt(sigma / (1 - sigma~)), a = `noise_level` > 0, sigma~ = `sigma_max_fallback` (in (0, 1)) where
+    sigma == 1 (required there). For code that needs the step's coefficients without taking the step."""
+    s, sn = _flow_sigmas(sigma, sigma_next, x)
+    a = _coef(noise_level, x, "noise_level")
+    _check(a > 0, f"noise_level must be > 0, got {noise_level}")
+    at_one = s == 1
+    if bool(torch.any(at_one)):
+        if sigma_max_fallback is None:
+            raise ValueError("sigma == 1 needs sigma_max_fallback (sigmas[1]) for the 1 - sigma denominator")
+        fb = _coef(sigma_max_fallback, x, "sigma_max_fallback")
+        _check((fb > 0) & (fb < 1), f"sigma_max_fallback must be in (0, 1), got {sigma_max_fallback}")
+        s_den = torch.where(at_one, fb, s)
+    else:
+        s_den = s
+    return s, sn, a * torch.sqrt(s / (1 - s_den))
+
+
 def flow_sde(
     v: torch.Tensor,
     x: torch.Tensor,
@@ -243,19 +269,7 @@ def flow_sde(
     whenever some sigma equals 1; ignored otherwise).
     """
     v32, x32 = _latent(v, "v"), _latent(x, "x")
-    s, sn = _flow_sigmas(sigma, sigma_next, x32)
-    a = _coef(noise_level, x32, "noise_level")
-    _check(a > 0, f"noise_level must be > 0, got {noise_level}")
-    at_one = s == 1
-    if bool(torch.any(at_one)):
-        if sigma_max_fallback is None:
-            raise ValueError("sigma == 1 needs sigma_max_fallback (sigmas[1]) for the 1 - sigma denominator")
-        fb = _coef(sigma_max_fallback, x32, "sigma_max_fallback")
-        _check((fb > 0) & (fb < 1), f"sigma_max_fallback must be in (0, 1), got {sigma_max_fallback}")
-        s_den = torch.where(at_one, fb, s)
-    else:
-        s_den = s
-    std_t = a * torch.sqrt(s / (1 - s_den))
+    s, sn, std_t = flow_sde_noise(x32, sigma, sigma_next, noise_level, sigma_max_fallback)
     dt = sn - s
     mean = x32 + (v32 + std_t**2 / (2 * s) * (x32 + (1 - s) * v32)) * dt
     std = std_t * torch.sqrt(-dt)

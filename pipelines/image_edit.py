@@ -42,12 +42,12 @@ from typing import Any, Literal
 import rewards.edit  # noqa: F401  (registers the editing rewards this pipeline's configs name)
 from mmalign.config import Config
 from mmalign.data import DataError
-from mmalign.distributed import process_seed
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.policies.families import policy_class_for
 from mmalign.policies.flux_kontext import FluxKontextPolicy
 from mmalign.policies.qwen_image_edit import QwenImageEditPolicy
 from mmalign.tiny import ensure_model
+from mmalign.training.seeding import process_seed
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_resolved_rows, options
 from pipelines.text_to_image import latent_size_for

@@ -25,9 +25,9 @@ from typing import Any, Literal
 
 from mmalign.config import Config, ConfigError
 from mmalign.data import load_rows
-from mmalign.distributed import process_seed
 from mmalign.policies.denoising import SamplerSettings
 from mmalign.tiny import ensure_model
+from mmalign.training.seeding import process_seed
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import options
 from rewards import RewardSet, check_reward_specs

@@ -47,11 +47,11 @@ from typing import Any
 import torch
 
 from mmalign.config import Config
-from mmalign.distributed import process_seed
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.policies.families import policy_class_for
 from mmalign.policies.flow_matching import FlowMatchingPolicy
 from mmalign.tiny import ensure_model
+from mmalign.training.seeding import process_seed
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_prompts, options
 from rewards import RewardSet

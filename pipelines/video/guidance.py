@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from mmalign.sde import _check, _coef, _flow_sigmas
+from mmalign.sde import flow_sde_noise
 
 __all__ = [
     "SPSA_DISTRIBUTIONS",
@@ -133,7 +133,8 @@ def guidance_scale(std: Tensor | float, *, scale: float | None = None, beta: flo
     assert beta is not None
     if not (beta > 0 and beta < float("inf")):
         raise ValueError(f"beta must be a finite number > 0 (the KL temperature), got {beta}")
-    _check(torch.isfinite(eta) & (eta >= 0), f"std must be finite and >= 0 for beta=, got {std}")
+    if not bool(torch.all(torch.isfinite(eta) & (eta >= 0))):
+        raise ValueError(f"std must be finite and >= 0 for beta=, got {std}")
     return eta**2 / (2 * float(beta))
 
 
@@ -262,19 +263,7 @@ def _flow_sde_coefficients(
     """(k, dt, 1 + k (1 - sigma)) of ``mmalign.sde.flow_sde`` in fp32, validated and computed as it does:
     s_t = a sqrt(sigma / (1 - sigma~)) with sigma~ = ``sigma_max_fallback`` where sigma == 1, k = s_t^2 /
     (2 sigma), dt = sigma_next - sigma."""
-    s, sn = _flow_sigmas(sigma, sigma_next, x)
-    a = _coef(noise_level, x, "noise_level")
-    _check(a > 0, f"noise_level must be > 0, got {noise_level}")
-    at_one = s == 1
-    if bool(torch.any(at_one)):
-        if sigma_max_fallback is None:
-            raise ValueError("sigma == 1 needs sigma_max_fallback (sigmas[1]) for the 1 - sigma denominator")
-        fb = _coef(sigma_max_fallback, x, "sigma_max_fallback")
-        _check((fb > 0) & (fb < 1), f"sigma_max_fallback must be in (0, 1), got {sigma_max_fallback}")
-        s_den = torch.where(at_one, fb, s)
-    else:
-        s_den = s
-    std_t = a * torch.sqrt(s / (1 - s_den))
+    s, sn, std_t = flow_sde_noise(x, sigma, sigma_next, noise_level, sigma_max_fallback)
     k = std_t**2 / (2 * s)
     return k, sn - s, 1 + k * (1 - s)
 
@@ -354,6 +343,7 @@ def drift_distillation_loss(v_pred: Tensor, v_target: Tensor, weight: Tensor | N
     w = torch.as_tensor(weight, device=per.device).to(torch.float32).detach()
     if w.shape != per.shape:
         raise ValueError(f"weight must be Float[{per.shape[0]}] (one per sample), got {tuple(w.shape)}")
-    _check(torch.isfinite(w) & (w >= 0), "weight must be finite and >= 0")
+    if not bool(torch.all(torch.isfinite(w) & (w >= 0))):
+        raise ValueError("weight must be finite and >= 0")
     total = w.sum()
     return (w * per).sum() / total.clamp_min(torch.finfo(torch.float32).tiny)
