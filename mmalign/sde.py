@@ -222,7 +222,6 @@ def _flow_sigmas(sigma: Scalar, sigma_next: Scalar, x: torch.Tensor) -> tuple[to
 # ------------------------------------------------------------------------------------------------ steps
 
 
-@STEPS.register("flow_sde")
 def flow_sde_noise(
     x: torch.Tensor,
     sigma: Scalar,
@@ -248,6 +247,7 @@ def flow_sde_noise(
     return s, sn, a * torch.sqrt(s / (1 - s_den))
 
 
+@STEPS.register("flow_sde")
 def flow_sde(
     v: torch.Tensor,
     x: torch.Tensor,
