@@ -51,7 +51,7 @@ VARIANTS: dict[str, list[str]] = {
 
 
 def run_variant(name: str, steps: int, config: Path, out_root: Path, seed: int) -> dict[str, Any]:
-    from mmalign.app.cli import _load
+    from mmalign.app.cli import load_components
     from mmalign.app.run import build_trainer
 
     rollout = yaml.safe_load(config.read_text())["rollout"]
@@ -67,7 +67,7 @@ def run_variant(name: str, steps: int, config: Path, out_root: Path, seed: int) 
         f"trainer.save_every={steps}",
         f"trainer.sample_every={steps}",
     ]
-    cfg, components = _load(Namespace(config=str(config), overrides=overrides), resume=False)
+    cfg, components = load_components(Namespace(config=str(config), overrides=overrides), resume=False)
     trainer = build_trainer(cfg, components)
     t0 = time.perf_counter()
     history = trainer.train()

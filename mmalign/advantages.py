@@ -273,9 +273,10 @@ class EstimatorContext:
             raise ContextError(f"context step {self.step} is past total_steps {self.total_steps}")
 
 
-def _check_context(
+def check_context_fields(
     name: str, context: EstimatorContext | None, needed: Sequence[str], batch_size: int | None
 ) -> None:
+    """`ContextError` when `context` lacks one of the fields `needed` by `name`, or one is malformed."""
     if context is None:
         if needed:
             raise ContextError(
@@ -296,7 +297,7 @@ def _check_context(
     context.validate(batch_size)
 
 
-def _require(name: str, context: EstimatorContext | None, field_name: str, why: str = "") -> Tensor:
+def require_field(name: str, context: EstimatorContext | None, field_name: str, why: str = "") -> Tensor:
     """The context field ``field_name`` as a tensor, or :class:`ContextError` (for option-dependent needs)."""
     value = None if context is None else getattr(context, field_name)
     if value is None:
@@ -596,7 +597,7 @@ def register(
             r = torch.as_tensor(rewards)
             out_dtype = torch.float64 if r.dtype == torch.float64 else torch.float32
             if "context" in takes:
-                _check_context(name, options.get("context"), needed, r.shape[0] if r.dim() else None)
+                check_context_fields(name, options.get("context"), needed, r.shape[0] if r.dim() else None)
             if state is not None:
                 _check_state(name, options.get("state"), state)
             return checked(r.to(torch.float64), group, **options).to(out_dtype)
@@ -698,7 +699,7 @@ def check_context(name: str, context: EstimatorContext | None, batch_size: int |
     The registered estimator runs this on every call; the trainer may call it once up front to fail
     before the first rollout.
     """
-    _check_context(name, context, required_context_fields(name), batch_size)
+    check_context_fields(name, context, required_context_fields(name), batch_size)
 
 
 def loss_sample_mask(name: str, rewards: Tensor, group: Tensor, **options: Any) -> Tensor:
@@ -784,7 +785,7 @@ def _weights(weights: Weights, k: int, like: Tensor) -> Tensor:
     return w
 
 
-def _group_index(group: Tensor, batch: int, device: torch.device) -> tuple[Tensor, int]:
+def group_index(group: Tensor, batch: int, device: torch.device) -> tuple[Tensor, int]:
     """Map arbitrary group ids to 0..G-1 (ordered by id); returns (gid Long[B], G)."""
     g = torch.as_tensor(group, device=device)
     if g.dim() != 1 or g.shape[0] != batch:
@@ -798,7 +799,7 @@ def _group_index(group: Tensor, batch: int, device: torch.device) -> tuple[Tenso
 def _prepare(rewards: Tensor, group: Tensor, weights: Weights) -> tuple[Tensor, Tensor, Tensor, int]:
     """Combined reward r Float[B], valid Bool[B], gid Long[B], number of groups G."""
     r = combine_rewards(rewards, weights)
-    gid, n_groups = _group_index(group, r.shape[0], r.device)
+    gid, n_groups = group_index(group, r.shape[0], r.device)
     return r, torch.isfinite(r), gid, n_groups
 
 
@@ -1299,7 +1300,7 @@ def grpo_process(
     r = _as_float(rewards)
     s, m = _step_inputs("grpo_process", step_rewards, step_mask, r)
     outcome = grpo(r, group, weights=weights, std=std, eps=eps).to(s.dtype)
-    gid, n_groups = _group_index(group, r.shape[0], r.device)
+    gid, n_groups = group_index(group, r.shape[0], r.device)
     valid = m & torch.isfinite(s)
     zero = torch.zeros_like(s)
     s0 = torch.where(valid, s, zero)
@@ -1381,10 +1382,10 @@ def spo(
     eps = _check_eps("spo", eps)
     assert state is not None  # checked by the registry wrapper
     r, valid, _, _ = _prepare(rewards, group, weights)
-    pid = _require("spo", context, "prompt_ids").to(r.device).long()
+    pid = require_field("spo", context, "prompt_ids").to(r.device).long()
     shift = None
     if rho_mode == "kl":
-        shift = _require("spo", context, "policy_shift", " with rho_mode='kl'").to(r.device, r.dtype)
+        shift = require_field("spo", context, "policy_shift", " with rho_mode='kl'").to(r.device, r.dtype)
         bad = valid & ~(torch.isfinite(shift) & (shift >= 0))
         if bool(bad.any()):
             raise ContextError("spo: context field 'policy_shift' must be finite and >= 0 for valid samples")
@@ -1748,7 +1749,7 @@ def canon(
     eps = _check_eps("canon", eps)
     r, valid, gid, n_groups = _prepare(rewards, group, weights)
     if metric == "entropy":
-        m = _require("canon", context, "entropy_mean", " with metric='entropy'").to(r.device, r.dtype)
+        m = require_field("canon", context, "entropy_mean", " with metric='entropy'").to(r.device, r.dtype)
     else:
         if num_actions is None:
             raise ValueError("canon with metric='length' needs num_actions (each sample's number of actions)")

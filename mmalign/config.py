@@ -352,7 +352,7 @@ class TrainerConfig:
     """Show a progress bar (main process only)."""
     dist_timeout_s: float = 300.0
     """Multi-process runs: the bound on waiting for another process, in seconds. It is the process group's
-    collective timeout and the heartbeat watchdog's limit: when a peer is frozen or dead, every process stops
+    collective timeout and the heartbeat monitor's limit: when a peer is frozen or dead, every process stops
     within about this long with an error naming the rank and the last complete checkpoint."""
     nan_reward_steps: int = 3
     """Stop the run when one reward is NaN for every sample this many steps in a row (0: never)."""

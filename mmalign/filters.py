@@ -553,7 +553,7 @@ class D3SFilter(GroupFilter):
     (our design): per-group selection with the same k for every group of the same size (so processes
     keep equal sample counts), start_frac 0.5, end_frac 1.0, schedule_steps 200, min_keep 2. The
     token-level half of D³S (top |A_t|·H_t tokens) belongs to the loss: see
-    `mmalign.losses_extra.d3s_token_mask`.
+    `mmalign.losses.d3s_token_mask`.
     """
 
     def __init__(

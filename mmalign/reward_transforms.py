@@ -39,9 +39,9 @@ from mmalign.advantages import (
     CONTEXT_FIELDS,
     ContextError,
     EstimatorContext,
-    _check_context,
-    _group_index,
-    _require,
+    check_context_fields,
+    group_index,
+    require_field,
 )
 from mmalign.registry import Registry, option_checked
 
@@ -85,9 +85,9 @@ def register(
             r = torch.as_tensor(rewards)
             if r.dim() != 1:
                 raise ValueError(f"reward transform {name!r}: rewards must be Float[B], got {tuple(r.shape)}")
-            _group_index(group, r.shape[0], r.device)
+            group_index(group, r.shape[0], r.device)
             if takes:
-                _check_context(name, opts.get("context"), needed, r.shape[0])
+                check_context_fields(name, opts.get("context"), needed, r.shape[0])
             out_dtype = r.dtype if r.is_floating_point() else torch.float32
             return checked(r.to(torch.float64), group, **opts).to(out_dtype)
 
@@ -219,7 +219,7 @@ def _valid(r: Tensor) -> Tensor:
 
 
 def _gids(group: Tensor, r: Tensor) -> Tensor:
-    gid, _ = _group_index(group, r.shape[0], r.device)
+    gid, _ = group_index(group, r.shape[0], r.device)
     return gid
 
 
@@ -261,7 +261,7 @@ def unlikeliness(
     """
     if not (math.isfinite(beta) and 0.0 <= beta <= 1.0):
         raise ValueError(f"unlikeliness: beta must be in [0, 1], got {beta!r}")
-    lp = _require("unlikeliness", context, "logp_old_mean").to(rewards)
+    lp = require_field("unlikeliness", context, "logp_old_mean").to(rewards)
     valid = _valid(rewards)
     if bool((valid & ~torch.isfinite(lp)).any()):
         raise ContextError(
@@ -308,7 +308,7 @@ def set_diversity(
         raise ValueError(f"set_diversity: metric must be 'cosine' or 'euclidean', got {metric!r}")
     if not math.isfinite(weight):
         raise ValueError(f"set_diversity: weight must be finite, got {weight!r}")
-    feats = _require("set_diversity", context, "features").to(rewards)
+    feats = require_field("set_diversity", context, "features").to(rewards)
     if not bool(torch.isfinite(feats).all()):
         raise ContextError("set_diversity: context field 'features' must be finite")
     gid = _gids(group, rewards)
@@ -351,8 +351,8 @@ def self_aligned(
     """
     if not math.isfinite(weight):
         raise ValueError(f"self_aligned: weight must be finite, got {weight!r}")
-    lp_c = _require("self_aligned", context, "logp_old_mean").to(rewards)
-    lp_u = _require("self_aligned", context, "logp_uncond_mean").to(rewards)
+    lp_c = require_field("self_aligned", context, "logp_old_mean").to(rewards)
+    lp_u = require_field("self_aligned", context, "logp_uncond_mean").to(rewards)
     valid = _valid(rewards)
     if bool((valid & ~(torch.isfinite(lp_c) & torch.isfinite(lp_u))).any()):
         raise ContextError("self_aligned: log-probs must be finite for samples with a reward")

@@ -83,6 +83,7 @@ from mmalign.errors import MmalignError
 from mmalign.registry import Discovery, Registry
 
 __all__ = [
+    "check_options",
     "ENTRY_POINT_GROUP",
     "REGISTRY",
     "FunctionReward",
@@ -242,7 +243,7 @@ def _accepted_options(fn: Callable[..., Any], skip: int) -> tuple[set[str], bool
     return named, var_kw
 
 
-def _check_options(
+def check_options(
     name: str, fn: Callable[..., Any], skip: int, options: Mapping[str, Any], check_missing: bool = True
 ) -> None:
     """TypeError naming the reward for options `fn` does not take, or required ones that are missing."""
@@ -282,7 +283,7 @@ class FunctionReward(Reward):
         self.per_step = bool(getattr(fn, "per_step", False))
         self.options = dict(options)
         batch_style = self.style == "batch"
-        _check_options(self.name, fn, 1 if batch_style else 0, self.options, check_missing=batch_style)
+        check_options(self.name, fn, 1 if batch_style else 0, self.options, check_missing=batch_style)
         if self.style == "trl":
             try:
                 self._accepted, self._var_kw = _accepted_options(fn, 0)
@@ -359,7 +360,7 @@ def load_reward(spec: str, **kwargs: Any) -> Reward:
                 f"reward {spec!r} resolves to class {obj.__qualname__}, which does not subclass rewards.Reward "
                 f"(a reward is a Reward subclass or a function)"
             )
-        _check_options(spec, obj.__init__, 1, kwargs)
+        check_options(spec, obj.__init__, 1, kwargs)
         reward = obj(**kwargs)
     elif isinstance(obj, Reward):
         if kwargs:
@@ -967,7 +968,7 @@ def check_reward_specs(specs: Sequence[Any], source: str, key: str = "rewards") 
                         f"reward {s.name!r} resolves to class {obj.__qualname__}, which does not subclass "
                         f"rewards.Reward (a reward is a Reward subclass or a function)"
                     )
-                _check_options(s.name, obj.__init__, 1, options)
+                check_options(s.name, obj.__init__, 1, options)
             elif isinstance(obj, Reward):
                 if options:
                     raise TypeError(
@@ -975,7 +976,7 @@ def check_reward_specs(specs: Sequence[Any], source: str, key: str = "rewards") 
                     )
             elif callable(obj):
                 batch_style = FunctionReward.detect_style(obj) == "batch"
-                _check_options(s.name, obj, 1 if batch_style else 0, options, check_missing=batch_style)
+                check_options(s.name, obj, 1 if batch_style else 0, options, check_missing=batch_style)
             else:
                 raise TypeError(
                     f"reward {s.name!r} resolves to {type(obj).__name__}, not a Reward class or a function"

@@ -64,6 +64,7 @@ from .base import Reward, RewardBatch, register_reward
 from .text import extract_tag, parse_number
 
 __all__ = [
+    "batch_column",
     "CONVENTIONS",
     "COORDS",
     "FAMILY_CONVENTIONS",
@@ -402,7 +403,8 @@ def iou_sweep_accuracy(iou_value: float, thresholds: Sequence[float] = IOU_SWEEP
 
 
 # ================================================================================ rewards
-def _column(reward: Reward, batch: RewardBatch, column: str, what: str) -> list[Any]:
+def batch_column(reward: Reward, batch: RewardBatch, column: str, what: str) -> list[Any]:
+    """The dataset `column` of `batch` (`what` it holds, for the KeyError naming the reward and the columns)."""
     if column not in batch.columns:
         raise KeyError(
             f"reward {reward.name!r}: {what} column {column!r} is not in the dataset; "
@@ -514,7 +516,7 @@ class _BoxReward(Reward):
         if self.box_column not in batch.columns and self.box_column == "boxes" and "box" in batch.columns:
             return batch.columns["box"]
         what = "reference box" + (" (nor 'box')" if self.box_column == "boxes" else "")
-        return _column(self, batch, self.box_column, what)
+        return batch_column(self, batch, self.box_column, what)
 
     def _reference(self, ref: Any) -> list[Box]:
         """The reference boxes of one row ([] for None / an empty list); ValueError for a malformed one."""
@@ -610,11 +612,11 @@ class _BoxReward(Reward):
         widths = heights = rws = rhs = [None] * n
         if convert or self.needs_original_size:
             why = f"coords={self.coords!r}" if convert else "the image diagonal"
-            widths = _column(self, batch, self.width_column, f"image width ({why})")
-            heights = _column(self, batch, self.height_column, f"image height ({why})")
+            widths = batch_column(self, batch, self.width_column, f"image width ({why})")
+            heights = batch_column(self, batch, self.height_column, f"image height ({why})")
         if convert and self.coords == "resized":
-            rws = _column(self, batch, self.resized_width_column, "resized width (coords='resized')")
-            rhs = _column(self, batch, self.resized_height_column, "resized height (coords='resized')")
+            rws = batch_column(self, batch, self.resized_width_column, "resized width (coords='resized')")
+            rhs = batch_column(self, batch, self.resized_height_column, "resized height (coords='resized')")
         out: list[float] = []
         unparsed: list[int] = []
         scored = 0

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .base import Reward, RewardBatch, register_reward
-from .image import CLIPEmbedder, _images, colour_mask
+from .image import CLIPEmbedder, batch_images, colour_mask
 from .video import REGIONS, VideoPSNR, VideoSSIM, VlmJudge
 
 __all__ = [
@@ -239,7 +239,7 @@ class ClipDirectional(Reward):
         return torch.cat(parts).cpu().double()
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch)
+        images = batch_images(self, batch)
         src, found = source_images(self, batch, images, self.source_column)
         for col in (self.target_column, self.caption_column):
             if col not in batch.columns:
@@ -323,7 +323,7 @@ class ImageVlmJudge(Reward):
         self.judge.name = self.name  # its errors at call time name this reward
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch).float()
+        images = batch_images(self, batch).float()
         found = torch.ones(images.shape[0], dtype=torch.bool)
         shown = [images]
         if self.show_source:
@@ -349,7 +349,7 @@ class _OneFrame(Reward):
         self.metric.name = self.name  # its errors name this reward
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch).float()
+        images = batch_images(self, batch).float()
         src, found = source_images(self, batch, images, self.source_column)
         outputs: dict[str, Any] = {"videos": images[:, None], "source_videos": src.to(images.device)[:, None]}
         if self.region != "all":
@@ -478,7 +478,7 @@ class ShapesEditAccuracy(Reward):
     def __call__(self, batch: RewardBatch) -> Tensor:
         from mmalign.tiny.world import check_colour
 
-        images = _images(self, batch).detach().float()
+        images = batch_images(self, batch).detach().float()
         if self.device is not None:
             images = images.to(self.device)
         if self.objects_column not in batch.columns:

@@ -43,6 +43,10 @@ from mmalign.tiny.world import POSITIONS, check_colour
 from .base import Reward, RewardBatch, register_reward
 
 __all__ = [
+    "batch_images",
+    "batch_prompts",
+    "local_path",
+    "looks_local",
     "AestheticScore",
     "CLIPEmbedder",
     "ClipScore",
@@ -64,7 +68,8 @@ __all__ = [
 ]
 
 
-def _images(reward: Reward, batch: RewardBatch) -> Tensor:
+def batch_images(reward: Reward, batch: RewardBatch) -> Tensor:
+    """``outputs["images"]`` of `batch`, checked to be Float[B,3,H,W]; errors name `reward`."""
     if "images" not in batch.outputs:
         raise KeyError(
             f"reward {reward.name!r} needs outputs['images'] (Float[B,3,H,W] in [0,1]); "
@@ -103,7 +108,7 @@ class _JpegSize(Reward):
         self.device = device  # JPEG encoding runs on the CPU; kept for a uniform option set
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch)
+        images = batch_images(self, batch)
         with torch.no_grad():
             sizes = [jpeg_size_kb(img, self.quality) for img in images.detach().cpu()]
         return self.sign * self.scale * torch.tensor(sizes, dtype=torch.float32)
@@ -149,7 +154,7 @@ class Saturation(Reward):
 
     def __call__(self, batch: RewardBatch) -> Tensor:
         with torch.no_grad():
-            return self.scale * hsv_saturation(_images(self, batch)).cpu()
+            return self.scale * hsv_saturation(batch_images(self, batch)).cpu()
 
 
 # =========================================================================== shapes world
@@ -253,7 +258,7 @@ class ShapesCompositional(Reward):
         return [None] * len(batch)
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch).detach().float()
+        images = batch_images(self, batch).detach().float()
         if self.device is not None:
             images = images.to(self.device)
         colours = self._col(batch, "colour", True)
@@ -327,7 +332,7 @@ PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 """The repository whose tokenizer and image processor PickScore uses (its base model's)."""
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     """A filesystem path rather than a hub id ("org/name"): absolute, ./, ../, ~ or with a file suffix."""
     return (
         Path(path).is_absolute()
@@ -338,7 +343,8 @@ def _looks_local(path: str) -> bool:
     )
 
 
-def _local_path(path: str | Path, what: str) -> Path:
+def local_path(path: str | Path, what: str) -> Path:
+    """`path` expanded, which must exist (a FileNotFoundError naming `what` otherwise)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"{what}: no such file or folder: {p.resolve()}")
@@ -349,8 +355,8 @@ def _hf_source(name: str | Path, what: str) -> str:
     """What `from_pretrained` gets for `name`: the resolved local folder when `name` exists or looks like a path
     (`FileNotFoundError` naming it when it does not exist), else `name` itself, a hub id."""
     name = str(name)
-    if Path(name).expanduser().exists() or _looks_local(name):
-        return str(_local_path(name, what))
+    if Path(name).expanduser().exists() or looks_local(name):
+        return str(local_path(name, what))
     return name
 
 
@@ -438,7 +444,7 @@ class CLIPEmbedder:
                 )
             if arch is None:
                 raise ValueError("the open_clip backend needs `arch` (e.g. 'ViT-B-32')")
-            ckpt = _local_path(path, f"open_clip checkpoint for {arch}")
+            ckpt = local_path(path, f"open_clip checkpoint for {arch}")
             self.model, _, _ = open_clip.create_model_and_transforms(arch, pretrained=str(ckpt))
             self.tokenizer = open_clip.get_tokenizer(arch)
             cfg = getattr(self.model.visual, "preprocess_cfg", None) or {}
@@ -504,7 +510,8 @@ class CLIPEmbedder:
             return torch.nn.functional.normalize(f.float(), dim=-1)
 
 
-def _prompts(reward: Reward, batch: RewardBatch, column: str | None) -> list[str]:
+def batch_prompts(reward: Reward, batch: RewardBatch, column: str | None) -> list[str]:
+    """The prompts of `batch`, or its dataset `column` (a KeyError naming the reward and the columns)."""
     if column is None:
         return [str(p) for p in batch.prompts]
     if column not in batch.columns:
@@ -551,7 +558,7 @@ class ClipScore(Reward):
         return torch.cat(outs).cpu() if outs else torch.zeros(0)
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        cos = self.cosine(_images(self, batch), _prompts(self, batch, self.text_column))
+        cos = self.cosine(batch_images(self, batch), batch_prompts(self, batch, self.text_column))
         if self.clamp:
             cos = cos.clamp_min(0)
         return cos if self.raw else 100.0 * cos
@@ -591,7 +598,7 @@ class PreferenceScore(ClipScore):
 
     def __call__(self, batch: RewardBatch) -> Tensor:
         return self.clip.logit_scale * self.cosine(
-            _images(self, batch), _prompts(self, batch, self.text_column)
+            batch_images(self, batch), batch_prompts(self, batch, self.text_column)
         )
 
 
@@ -619,14 +626,14 @@ def weights_file(path: str, filename: str | None, what: str) -> Path:
     Raises `FileNotFoundError` naming what was looked for and, for a hub file, the ``hf download`` command."""
     p = Path(path).expanduser()
     if filename is None:
-        if not p.exists() and not _looks_local(path):
+        if not p.exists() and not looks_local(path):
             raise FileNotFoundError(
                 f"{what}: no such file {p.resolve()}; for a file of the hub repository {path!r} set the file "
                 "name too (e.g. mlp_path: trl-lib/ddpo-aesthetic-predictor, mlp_file: aesthetic-model.pth)"
             )
-        return _local_path(path, what)
-    if p.exists() or _looks_local(path):
-        return _local_path(p / filename, what)
+        return local_path(path, what)
+    if p.exists() or looks_local(path):
+        return local_path(p / filename, what)
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
@@ -701,7 +708,7 @@ class AestheticScore(Reward):
         self.batch_size = int(batch_size)
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch)
+        images = batch_images(self, batch)
         outs = []
         with torch.no_grad():
             for s in range(0, images.shape[0], self.batch_size):

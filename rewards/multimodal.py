@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import Reward, RewardBatch, _check_options, register_reward
-from .boxes import COORDS, Box, BoxIoU, _column, box_area, iou, order_box, parse_box, rescale_box
+from .base import Reward, RewardBatch, check_options, register_reward
+from .boxes import COORDS, Box, BoxIoU, batch_column, box_area, iou, order_box, parse_box, rescale_box
 from .text import EXTRACT_MODES, AnswerAccuracy, extract_answer, extract_boxed, extract_tag
 
 __all__ = [
@@ -190,7 +190,7 @@ class MultipleChoice(Reward):
         return self.correct if hit else self.incorrect
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        refs = _column(self, batch, self.answer_column, "answer")
+        refs = batch_column(self, batch, self.answer_column, "answer")
         return torch.tensor(
             [self.score(t, r) for t, r in zip(batch.texts, refs, strict=True)], dtype=torch.float32
         )
@@ -399,7 +399,7 @@ class BMAS(Reward):
         return out
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        refs = _column(self, batch, self.answer_column, "answer")
+        refs = batch_column(self, batch, self.answer_column, "answer")
         responses = [extract_answer(t, self.extract, self.tag) for t in batch.texts]
         return torch.tensor(self.scores(responses, refs), dtype=torch.float32)
 
@@ -486,7 +486,7 @@ class MixedAccuracy(Reward):
                 clash = sorted(set(fixed) & set(opts))
                 if clash:
                     raise TypeError(f"option(s) {clash} are fixed for type {kind!r}: {fixed}")
-                _check_options(kind, cls.__init__, 1, opts)
+                check_options(kind, cls.__init__, 1, opts)
                 reward = cls(**fixed, **opts)
             except TypeError as e:
                 raise TypeError(f"reward {self.name!r}, option {kind!r}: {e}") from e
@@ -515,7 +515,7 @@ class MixedAccuracy(Reward):
         )
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        kinds = _column(self, batch, self.type_column, "reward type")
+        kinds = batch_column(self, batch, self.type_column, "reward type")
         rows: dict[str, list[int]] = {}
         for i, value in enumerate(kinds):
             kind = self.resolve(value, i, batch)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .base import Reward, RewardBatch, register_reward
-from .image import _images
+from .image import batch_images
 
 __all__ = ["OCRReward", "levenshtein", "normalize_ocr_text", "ocr_score", "packaged_model_dir"]
 
@@ -252,7 +252,7 @@ class OCRReward(Reward):
         )
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch)
+        images = batch_images(self, batch)
         if self.text_column not in batch.columns:
             raise KeyError(
                 f"reward {self.name!r}: text column {self.text_column!r} is not in the dataset; "

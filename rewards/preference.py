@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .base import Reward, RewardBatch, register_reward
-from .image import aesthetic_mlp, to_pil, weights_file
+from .image import aesthetic_mlp, batch_images, batch_prompts, to_pil, weights_file
 
 __all__ = [
     "HPSV2_FILES",
@@ -115,28 +115,6 @@ HPSV3_INSTRUCTION = (
 
 
 # =========================================================================== shared plumbing
-def _images(reward: Reward, batch: RewardBatch) -> Tensor:
-    images = batch.outputs.get("images")
-    if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] != 3:
-        got = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
-        raise ValueError(
-            f"reward {reward.name!r} needs outputs['images'], Float[B,3,H,W] in [0,1]; got {got} "
-            f"(outputs: {sorted(batch.outputs) or 'none'})"
-        )
-    return images
-
-
-def _prompts(reward: Reward, batch: RewardBatch, column: str | None) -> list[str]:
-    if column is None:
-        return [str(p) for p in batch.prompts]
-    if column not in batch.columns:
-        raise KeyError(
-            f"reward {reward.name!r}: text_column {column!r} is not in the dataset; "
-            f"available columns: {sorted(batch.columns) or 'none'}"
-        )
-    return [str(p) for p in batch.columns[column]]
-
-
 def _uint8(images: Tensor) -> Tensor:
     """Float[B,3,H,W] rounded to the 8-bit values a PIL image of it holds, back in [0, 1] (float32)."""
     return (images.detach().float().clamp(0, 1) * 255).round() / 255
@@ -249,8 +227,8 @@ class HPSv2(Reward):
         return (x - self.mean) / self.std
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch)
-        prompts = _prompts(self, batch, self.text_column)
+        images = batch_images(self, batch)
+        prompts = batch_prompts(self, batch, self.text_column)
         out = []
         with torch.no_grad():
             for s in _batched(len(prompts), self.batch_size):
@@ -424,8 +402,8 @@ class ImageRewardScore(Reward):
         return torch.stack([tf(to_pil(x)) for x in images.detach().cpu()])
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch)
-        prompts = _prompts(self, batch, self.text_column)
+        images = batch_images(self, batch)
+        prompts = batch_prompts(self, batch, self.text_column)
         out = []
         with torch.no_grad():
             for s in _batched(len(prompts), self.batch_size):
@@ -570,8 +548,8 @@ class HPSv3(Reward):
         return self.processor.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch)
-        prompts = _prompts(self, batch, self.text_column)
+        images = batch_images(self, batch)
+        prompts = batch_prompts(self, batch, self.text_column)
         out = []
         with torch.no_grad():
             for s in _batched(len(prompts), self.batch_size):

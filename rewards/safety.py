@@ -41,12 +41,12 @@ from mmalign.tiny.world import PALETTE
 from .base import Reward, RewardBatch, register_reward
 from .image import (
     CLIPEmbedder,
-    _images,
-    _local_path,
-    _looks_local,
-    _prompts,
+    batch_images,
+    batch_prompts,
     colour_mask,
     connected_components,
+    local_path,
+    looks_local,
     to_pil,
 )
 
@@ -134,8 +134,8 @@ class ClipSteering(Reward):
         return t[torch.tensor([where[p] for p in prompts], dtype=torch.long, device=t.device)]
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch)
-        prompts = _prompts(self, batch, self.prompt_column)
+        images = batch_images(self, batch)
+        prompts = batch_prompts(self, batch, self.prompt_column)
         if not prompts:
             return torch.zeros(0)
         zi = _batched(self.clip.encode_images, images, self.batch_size)
@@ -188,7 +188,7 @@ class ClipConceptFlag(Reward):
         return s.float().cpu()
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        s = self.scores(_images(self, batch))
+        s = self.scores(batch_images(self, batch))
         cut = self.margin if self.threshold is None else self.threshold
         return (s > cut).float()
 
@@ -217,7 +217,7 @@ class ColourPresent(Reward):
         self.device = device
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch).detach().float()
+        images = batch_images(self, batch).detach().float()
         if self.device is not None:
             images = images.to(self.device)
         if images.shape[0] == 0:
@@ -249,8 +249,8 @@ class ClassifierFlag(Reward):
 
         labels = _texts(self, "flag_labels", flag_labels)
         source = str(path)
-        if Path(source).expanduser().exists() or _looks_local(source):
-            source = str(_local_path(source, f"reward {self.name!r}: image classifier folder"))
+        if Path(source).expanduser().exists() or looks_local(source):
+            source = str(local_path(source, f"reward {self.name!r}: image classifier folder"))
         try:
             self.model = AutoModelForImageClassification.from_pretrained(source)
             self.processor = AutoImageProcessor.from_pretrained(source)
@@ -290,7 +290,7 @@ class ClassifierFlag(Reward):
         return _batched(run, images.detach(), self.batch_size)
 
     def __call__(self, batch: RewardBatch) -> Tensor:
-        images = _images(self, batch)
+        images = batch_images(self, batch)
         if images.shape[0] == 0:
             return torch.zeros(0)
         p = self.probabilities(images)[:, self.flag_ids]

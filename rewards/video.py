@@ -52,7 +52,15 @@ import torch
 from torch import Tensor
 
 from .base import Reward, RewardBatch, register_reward
-from .image import AestheticScore, CLIPEmbedder, PreferenceScore, _local_path, _looks_local, _prompts, to_pil
+from .image import (
+    AestheticScore,
+    CLIPEmbedder,
+    PreferenceScore,
+    batch_prompts,
+    local_path,
+    looks_local,
+    to_pil,
+)
 
 __all__ = [
     "REGIONS",
@@ -522,7 +530,7 @@ class VideoPreference(_FramesOption):
 
     def __call__(self, batch: RewardBatch) -> Tensor:
         videos = _videos(self, batch)
-        texts = _prompts(self, batch, self.text_column)
+        texts = batch_prompts(self, batch, self.text_column)
         idx = self._select(videos)
         b, k = videos.shape[0], len(idx)
         flat = videos[:, idx].reshape(b * k, *videos.shape[2:])
@@ -880,8 +888,8 @@ class VlmJudge(_FramesOption):
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         source = path
-        if Path(path).expanduser().exists() or _looks_local(path):
-            source = str(_local_path(path, f"reward {self.name!r}: VLM folder"))
+        if Path(path).expanduser().exists() or looks_local(path):
+            source = str(local_path(path, f"reward {self.name!r}: VLM folder"))
         self.processor = AutoProcessor.from_pretrained(source)
         if min_pixels is not None or max_pixels is not None:
             from mmalign.policies.vlm import set_pixel_range

@@ -91,7 +91,7 @@ def _check_config_file(config: str) -> None:
     raise ConfigError(f"config file not found: {path}{what}{hint}")
 
 
-def _load(
+def load_components(
     args: argparse.Namespace, *, resume: bool | None = None, eval_rewards: bool = False
 ) -> tuple[Config, Any]:
     """The checked config (`_prepare`) and the components its pipeline builds. The global RNGs are seeded

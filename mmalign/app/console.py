@@ -150,6 +150,6 @@ class PrintedByTheirOwnHandler(logging.Filter):
 # ----------------------------------------------------------------------------- diffusers' empty float32 notice
 # (in the policies layer, whose diffusers loaders install it; re-exported here for the planner and the tests)
 from mmalign.policies.diffusers_notices import (  # noqa: E402
-    _EmptyFp32NoticeFilter,  # noqa: F401
+    EmptyFp32NoticeFilter,  # noqa: F401
     quiet_diffusers_fp32_notice,  # noqa: F401
 )

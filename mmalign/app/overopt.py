@@ -25,8 +25,8 @@ What it tracks (docs/overoptimisation.md):
 
 Its own log, ``RUN_DIR/overopt.jsonl`` (one line per evaluation), is the state: a resumed run drops the
 lines after its checkpoint and replays the rest (`WatchdogState.replay`), so it continues exactly.
-`read_log` / `findings_text` are what ``mmalign doctor`` reads. Not to be confused with `mmalign.watchdog`,
-the multi-process heartbeat watchdog.
+`read_log` / `findings_text` are what ``mmalign doctor`` reads. Not to be confused with `mmalign.training.heartbeat`,
+the multi-process heartbeat monitor.
 """
 
 from __future__ import annotations

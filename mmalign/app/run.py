@@ -3,7 +3,7 @@
 The core trainer imports no tool; `build_trainer` hands it the live learning diagnostics
 (`mmalign.app.doctor.DoctorMonitor`), the experiment trackers of ``trainer.log_with``
 (`mmalign.app.trackers.TrackerMonitor`) and, in a multi-process run, the bound on waiting for a peer
-(`WatchdogMonitor`: the process group's timeout and the heartbeat watchdog of `mmalign.watchdog`) and, with
+(`HeartbeatMonitor`: the process group's timeout and the heartbeat monitor of `mmalign.training.heartbeat`) and, with
 ``eval.watchdog.every`` > 0, the over-optimisation watchdog (`mmalign.app.overopt.OverOptMonitor`: held-out gold
 rewards during training), which `mmalign train` and scripts that want the same run use.
 """
@@ -22,16 +22,16 @@ from mmalign.distributed import launched_processes
 from mmalign.trainer import GroupTrainer
 
 
-class WatchdogMonitor:
+class HeartbeatMonitor:
     """``trainer.dist_timeout_s`` for a multi-process run: the process group's timeout (every collective gives up
     after it; accelerate's ``InitProcessGroupKwargs``) and, while `GroupTrainer.train` runs, a heartbeat
-    watchdog (`mmalign.watchdog.start_watchdog`): when a peer has been silent that long (frozen, stopped,
+    heartbeat (`mmalign.training.heartbeat.start_heartbeat`): when a peer has been silent that long (frozen, stopped,
     unreachable), this process reports the silent rank and the last complete checkpoint and exits."""
 
     def __init__(self, cfg: Config) -> None:
         self.timeout_s = float(cfg.trainer.dist_timeout_s)
         self.output_dir = cfg.output_dir
-        self.watchdog: Any = None
+        self.heartbeat: Any = None
 
     def accelerator_kwargs(self) -> dict[str, Any]:
         from accelerate.utils import InitProcessGroupKwargs
@@ -39,27 +39,27 @@ class WatchdogMonitor:
         return {"kwargs_handlers": [InitProcessGroupKwargs(timeout=timedelta(seconds=self.timeout_s))]}
 
     def on_train_start(self, trainer: Any, step: int) -> None:
-        from mmalign.watchdog import start_watchdog
+        from mmalign.training.heartbeat import start_heartbeat
 
         self.on_train_end(trainer)  # a previous train() that did not end its watch
-        self.watchdog = start_watchdog(
+        self.heartbeat = start_heartbeat(
             trainer.rank, trainer.world, self.timeout_s, output_dir=self.output_dir
         )
 
     def on_train_end(self, trainer: Any) -> None:
-        if self.watchdog is not None:
-            self.watchdog.stop()
-            self.watchdog = None
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
 
 
 def standard_monitors(cfg: Config, *, resume: bool = False, components: Any = None) -> list[Any]:
     """The trackers of ``trainer.log_with`` (a missing tracker package is a `ConfigError` now), the live
-    doctor, when the launcher started several processes (``WORLD_SIZE`` > 1) the `WatchdogMonitor` and, given
+    doctor, when the launcher started several processes (``WORLD_SIZE`` > 1) the `HeartbeatMonitor` and, given
     the pipeline's `components` and ``eval.watchdog.every`` > 0, the over-optimisation watchdog
     (`OverOptMonitor`, last: it samples the held-out rows of `components`)."""
     monitors: list[Any] = [TrackerMonitor(cfg, resume=resume), DoctorMonitor()]
     if launched_processes() > 1:
-        monitors.append(WatchdogMonitor(cfg))
+        monitors.append(HeartbeatMonitor(cfg))
     if components is not None:
         monitors.extend(watchdog_monitors(cfg, components))
     return monitors

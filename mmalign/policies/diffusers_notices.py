@@ -12,7 +12,7 @@ _EMPTY_FP32_NOTICE = re.compile(r"There are modules in \w+ that should be kept i
 _DIFFUSERS_MODELING_LOGGER = "diffusers.models.modeling_utils"
 
 
-class _EmptyFp32NoticeFilter(logging.Filter):
+class EmptyFp32NoticeFilter(logging.Filter):
     """Drops diffusers' "should be kept in float32: []" notice (an empty list); every other record passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -29,5 +29,5 @@ def quiet_diffusers_fp32_notice() -> None:
     the notice when its list is empty; the notice with modules in the list, and every other record of that
     logger, still print. Calling it again adds nothing."""
     logger = logging.getLogger(_DIFFUSERS_MODELING_LOGGER)
-    if not any(isinstance(f, _EmptyFp32NoticeFilter) for f in logger.filters):
-        logger.addFilter(_EmptyFp32NoticeFilter())
+    if not any(isinstance(f, EmptyFp32NoticeFilter) for f in logger.filters):
+        logger.addFilter(EmptyFp32NoticeFilter())

@@ -1,8 +1,8 @@
-"""A heartbeat watchdog for multi-process runs: a frozen or unreachable peer stops every process in bounded time.
+"""A heartbeat monitor for multi-process runs: a frozen or unreachable peer stops every process in bounded time.
 
 A collective waits for every rank: when one process is frozen (SIGSTOP, a hung driver, a stalled file system) the
 others wait for the process group's timeout, and a rank that is not in a collective (a long rollout) waits for
-nothing at all. `Watchdog` bounds that wait independently of what the main thread is doing:
+nothing at all. `Heartbeat` bounds that wait independently of what the main thread is doing:
 
 - every process runs one daemon thread that adds 1 to its own counter in a key-value store (`beat`) every
   `interval_s` and reads its peers' counters (`check`). A thread beats even while the main thread is inside a
@@ -19,9 +19,9 @@ nothing at all. `Watchdog` bounds that wait independently of what the main threa
 
 The store is the rendezvous store of the launch (a `torch.distributed.TCPStore` at ``MASTER_ADDR:MASTER_PORT``;
 under torchrun it is hosted by the launcher's agent, so it outlives any worker), reached through a client
-connection of the watchdog's own (`connect_store`), so that the beat never waits behind the main thread's store
+connection of the heartbeat's own (`connect_store`), so that the beat never waits behind the main thread's store
 operations. Counters are read and written with ``store.add`` (``add(key, 0)`` reads without blocking, creating a
-missing key). Unit tests use a `torch.distributed.HashStore` and a fake clock (`Watchdog.poll`).
+missing key). Unit tests use a `torch.distributed.HashStore` and a fake clock (`Heartbeat.poll`).
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import Any
 
 EXIT_CODE = 3
-"""The exit status of a process that the watchdog stops."""
+"""The exit status of a process that the heartbeat monitor stops."""
 
 KEY_PREFIX = "mmalign/heartbeat"
 """The store keys of the heartbeats: ``{KEY_PREFIX}/{namespace}/beat/{rank}``, ``.../done/{rank}``,
 ``.../where/{rank}``."""
 
-_starts = 0  # watchdogs started by this process: every rank starts as many, so it is part of the namespace
+_starts = 0  # heartbeats started by this process: every rank starts as many, so it is part of the namespace
 
 
 def default_interval(timeout_s: float) -> float:
@@ -64,13 +64,13 @@ def machine_id() -> str:
 
 @dataclass(frozen=True)
 class Silence:
-    """What `Watchdog.check` found: `rank` (None: the store itself) has been silent for `seconds`."""
+    """What `Heartbeat.check` found: `rank` (None: the store itself) has been silent for `seconds`."""
 
     rank: int | None
     seconds: float
 
 
-class Watchdog:
+class Heartbeat:
     """The heartbeat of rank `rank` of `world_size` and the watch over its peers (see the module docstring).
 
     `store`: a `torch.distributed.Store` (``add``, ``set``, ``check``, ``get``), used by this object only.
@@ -92,7 +92,7 @@ class Watchdog:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if timeout_s <= 0:
-            raise ValueError(f"Watchdog: timeout_s must be > 0, got {timeout_s}")
+            raise ValueError(f"Heartbeat: timeout_s must be > 0, got {timeout_s}")
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -151,13 +151,13 @@ class Watchdog:
         return silent
 
     # ------------------------------------------------------------------ thread
-    def start(self) -> Watchdog:
+    def start(self) -> Heartbeat:
         """Beat once, record where this process runs, and start the daemon thread."""
         self.beat()
         self.store.set(
             self._key("where", self.rank), json.dumps({"machine": machine_id(), "pid": os.getpid()})
         )
-        self._thread = threading.Thread(target=self._run, name=f"mmalign-watchdog-{self.rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"mmalign-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
         return self
 
@@ -206,7 +206,7 @@ class Watchdog:
             else "no complete checkpoint yet"
         )
         return (
-            f"mmalign watchdog (rank {self.rank}): {'; '.join(who)} (trainer.dist_timeout_s = {self.timeout_s:g}): "
+            f"mmalign heartbeat (rank {self.rank}): {'; '.join(who)} (trainer.dist_timeout_s = {self.timeout_s:g}): "
             f"frozen, stopped or unreachable. Stopping this process (exit code {EXIT_CODE}); {where}\n"
         )
 
@@ -261,10 +261,10 @@ def connect_store(timeout_s: float) -> Any | None:
     )
 
 
-def start_watchdog(
+def start_heartbeat(
     rank: int, world_size: int, timeout_s: float, *, output_dir: str | Path | None = None
-) -> Watchdog | None:
-    """Start a `Watchdog` for this process of a launched multi-process run (torchrun / accelerate launch);
+) -> Heartbeat | None:
+    """Start a `Heartbeat` for this process of a launched multi-process run (torchrun / accelerate launch);
     None for one process, or when the launch gives no rendezvous store (``MASTER_ADDR`` / ``MASTER_PORT``).
     Every rank must start one, as often as the others (the count is part of the keys)."""
     global _starts
@@ -276,6 +276,6 @@ def start_watchdog(
         return None
     _starts += 1
     namespace = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_starts}"
-    return Watchdog(
+    return Heartbeat(
         store, rank, world_size, timeout_s, interval_s=interval, namespace=namespace, output_dir=output_dir
     ).start()

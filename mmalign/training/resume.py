@@ -43,7 +43,7 @@ RESUME_APPLIES: dict[str, str] = {
     "trainer.keep_checkpoints": _WRITES,
     "trainer.progress_bar": "the progress bar",
     "trainer.nan_reward_steps": "the NaN-reward stop, from now on",
-    "trainer.dist_timeout_s": "the process group's timeout and the heartbeat watchdog",
+    "trainer.dist_timeout_s": "the process group's timeout and the heartbeat monitor",
     "trainer.log_with": _TRACKERS,
     "trainer.tracker_project": _TRACKERS,
     "trainer.tracker_kwargs": _TRACKERS,

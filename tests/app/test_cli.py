@@ -411,7 +411,7 @@ def test_components_are_built_from_the_seed(tmp_path, random_text_model_dir):
     built = []
     for rng in (1, 2):
         torch.manual_seed(rng)
-        _, components = cli._load(argparse.Namespace(config=str(cfg), overrides=overrides), resume=False)
+        _, components = cli.load_components(argparse.Namespace(config=str(cfg), overrides=overrides), resume=False)
         built.append({k: v.clone() for k, v in components.policy.trainable_state_dict().items()})
     assert built[0].keys() == built[1].keys() and any("lora_A" in k for k in built[0])
     assert all(torch.equal(built[0][k], built[1][k]) for k in built[0])

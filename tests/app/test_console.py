@@ -161,7 +161,7 @@ def test_fp32_notice_filter_keeps_every_other_record() -> None:
     console.quiet_diffusers_fp32_notice()
     console.quiet_diffusers_fp32_notice()  # once
     logger = logging.getLogger("diffusers.models.modeling_utils")
-    assert sum(isinstance(f, console._EmptyFp32NoticeFilter) for f in logger.filters) == 1
+    assert sum(isinstance(f, console.EmptyFp32NoticeFilter) for f in logger.filters) == 1
     empty = (
         "There are modules in SD3Transformer2DModel that should be kept in float32: []. Casting directly ..."
     )

@@ -11,7 +11,7 @@ import torch
 
 from mmalign import advantages as adv
 from mmalign import losses as L
-from mmalign import losses_extra as X
+from mmalign import losses as X
 
 NAN = float("nan")
 

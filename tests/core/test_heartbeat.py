@@ -1,6 +1,6 @@
-"""The heartbeat watchdog (`mmalign.watchdog`) on fake heartbeats: an in-memory store (`torch.distributed.HashStore`)
+"""The heartbeat monitor (`mmalign.training.heartbeat`) on fake heartbeats: an in-memory store (`torch.distributed.HashStore`)
 and a fake clock, no launched processes; its thread and its exit in a child interpreter; the app's
-`WatchdogMonitor` (process-group timeout, only in multi-process runs). The frozen worker of a real two-process
+`HeartbeatMonitor` (process-group timeout, only in multi-process runs). The frozen worker of a real two-process
 run is tests/e2e/test_frozen_worker.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from mmalign import rundir
-from mmalign.watchdog import EXIT_CODE, Silence, Watchdog, default_interval, machine_id
+from mmalign.training.heartbeat import EXIT_CODE, Heartbeat, Silence, default_interval, machine_id
 
 
 class Clock:
@@ -32,7 +32,7 @@ class Clock:
 def _pair(timeout_s: float = 10.0, **kw):
     store, clock, seen = dist.HashStore(), Clock(), []
     dogs = [
-        Watchdog(store, r, 2, timeout_s, interval_s=1.0, clock=clock, on_silent=seen.append, **kw)
+        Heartbeat(store, r, 2, timeout_s, interval_s=1.0, clock=clock, on_silent=seen.append, **kw)
         for r in (0, 1)
     ]
     return store, clock, dogs, seen
@@ -74,7 +74,7 @@ def test_a_peer_that_is_done_is_ignored() -> None:
 
 
 def test_stop_reports_a_peer_silent_for_half_the_timeout() -> None:
-    """The collective timed out before the watchdog fired: `stop` (the end of `train`) still names the rank."""
+    """The collective timed out before the heartbeat monitor fired: `stop` (the end of `train`) still names the rank."""
     _, clock, (a, b), seen = _pair(timeout_s=10.0)
     b.poll(), a.poll()
     clock.now += 6.0
@@ -98,7 +98,7 @@ def test_a_store_that_does_not_answer_is_silent_after_the_timeout() -> None:
             raise RuntimeError("Socket Timeout")
 
     clock = Clock()
-    dog = Watchdog(Broken(), 0, 2, 10.0, interval_s=1.0, clock=clock, on_silent=lambda s: None)
+    dog = Heartbeat(Broken(), 0, 2, 10.0, interval_s=1.0, clock=clock, on_silent=lambda s: None)
     clock.now += 10.0
     assert dog.poll() == []
     clock.now += 1.0
@@ -144,7 +144,7 @@ def test_the_thread_fires_on_a_silent_peer_and_stops_cleanly() -> None:
         found.append(silent)
         fired.set()
 
-    alive = [Watchdog(store, r, 3, 0.6, interval_s=0.05, on_silent=on_silent) for r in (0, 1)]
+    alive = [Heartbeat(store, r, 3, 0.6, interval_s=0.05, on_silent=on_silent) for r in (0, 1)]
     for dog in alive:
         dog.start()
     time.sleep(1.5)  # rank 2 never beats; ranks 0 and 1 beat from their threads
@@ -157,12 +157,12 @@ def test_the_thread_fires_on_a_silent_peer_and_stops_cleanly() -> None:
 
 def test_healthy_threads_do_not_fire_and_stop_cleanly() -> None:
     store, found = dist.HashStore(), []
-    dogs = [Watchdog(store, r, 2, 0.5, interval_s=0.05, on_silent=found.append).start() for r in (0, 1)]
+    dogs = [Heartbeat(store, r, 2, 0.5, interval_s=0.05, on_silent=found.append).start() for r in (0, 1)]
     time.sleep(1.5)  # three timeouts
     for dog in dogs:
         dog.stop()
     assert found == []
-    assert not any(t.name.startswith("mmalign-watchdog") for t in threading.enumerate())
+    assert not any(t.name.startswith("mmalign-heartbeat") for t in threading.enumerate())
 
 
 def test_abort_exits_the_process_with_the_report(tmp_path: Path) -> None:
@@ -171,15 +171,15 @@ def test_abort_exits_the_process_with_the_report(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import time, torch.distributed as dist
-        from mmalign.watchdog import Watchdog
-        Watchdog(dist.HashStore(), 0, 2, 1.0, output_dir={str(tmp_path)!r}).start()
+        from mmalign.training.heartbeat import Heartbeat
+        Heartbeat(dist.HashStore(), 0, 2, 1.0, output_dir={str(tmp_path)!r}).start()
         time.sleep(60)
         """
     )
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == EXIT_CODE, proc.stderr[-2000:]
-    assert "mmalign watchdog (rank 0): rank 1 has sent no heartbeat" in proc.stderr
+    assert "mmalign heartbeat (rank 0): rank 1 has sent no heartbeat" in proc.stderr
     assert time.monotonic() - t0 < 50  # the interpreter's start (torch) and 1 s
 
 
@@ -196,10 +196,10 @@ def _config(tmp_path: Path, *overrides: str):
 def test_the_monitor_sets_the_process_group_timeout(tmp_path: Path) -> None:
     from accelerate.utils import InitProcessGroupKwargs
 
-    from mmalign.app.run import WatchdogMonitor
+    from mmalign.app.run import HeartbeatMonitor
 
     cfg = _config(tmp_path, "trainer.dist_timeout_s=42")
-    (handler,) = WatchdogMonitor(cfg).accelerator_kwargs()["kwargs_handlers"]
+    (handler,) = HeartbeatMonitor(cfg).accelerator_kwargs()["kwargs_handlers"]
     assert isinstance(handler, InitProcessGroupKwargs) and handler.timeout == timedelta(seconds=42)
 
 
@@ -207,20 +207,20 @@ def test_the_monitor_sets_the_process_group_timeout(tmp_path: Path) -> None:
 def test_standard_monitors_watch_multi_process_runs_only(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, world: str, watched: bool
 ) -> None:
-    from mmalign.app.run import WatchdogMonitor, standard_monitors
+    from mmalign.app.run import HeartbeatMonitor, standard_monitors
 
     monkeypatch.setenv("WORLD_SIZE", world)
     cfg = _config(tmp_path)
-    assert any(isinstance(m, WatchdogMonitor) for m in standard_monitors(cfg)) is watched
+    assert any(isinstance(m, HeartbeatMonitor) for m in standard_monitors(cfg)) is watched
 
 
 def test_the_monitor_starts_nothing_in_one_process(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from mmalign.app.run import WatchdogMonitor
+    from mmalign.app.run import HeartbeatMonitor
 
-    monitor = WatchdogMonitor(_config(tmp_path))
+    monitor = HeartbeatMonitor(_config(tmp_path))
     trainer = SimpleNamespace(rank=0, world=1)
     monitor.on_train_start(trainer, 0)
-    assert monitor.watchdog is None
+    assert monitor.heartbeat is None
     monitor.on_train_end(trainer)

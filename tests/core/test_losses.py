@@ -569,7 +569,7 @@ def test_registry_names():
         "etr",
         "hapo",
         "reg_grpo",
-    }  # mmalign/losses_extra.py (tests/core/test_losses_extra.py)
+    }  # the seed-paper losses (tests/core/test_losses_extra.py)
     assert set(L.aggregation_names()) == ALL_AGGREGATIONS
     assert set(L.kl_names()) == ALL_KL
     for name in L.names():

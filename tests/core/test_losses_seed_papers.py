@@ -1,4 +1,4 @@
-"""Tests of mmalign.losses_extra (ETR, Reg-GRPO, the D³S token mask) against plain-loop references."""
+"""Tests of the seed-paper losses of mmalign.losses (ETR, Reg-GRPO, the D³S token mask) against plain-loop references."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmalign import losses as L
-from mmalign import losses_extra as X
+from mmalign import losses as X
 
 
 def random_inputs(seed: int, b: int = 4, t: int = 5, token_adv: bool = False):

@@ -23,14 +23,12 @@ def registries() -> dict[str, list[str]]:
         advantages,
         filters,
         losses,
-        losses_extra,
         prompt_samplers,
         reward_transforms,
         rollout_loops,
         sde,
     )
 
-    assert losses_extra.etr  # registers the extra losses (mmalign.losses imports it once integrated)
     return {
         "estimator": advantages.names(),
         "loss": losses.names(),

@@ -34,7 +34,7 @@ def test_config_is_valid(path: Path) -> None:
             cls = rewards_base.resolve(spec.name)
             if _needs_model_files(spec.kwargs):
                 # models named by hub id or built by a tiny builder at run time: check the options only
-                rewards_base._check_options(spec.name, cls.__init__, 1, dict(spec.kwargs))
+                rewards_base.check_options(spec.name, cls.__init__, 1, dict(spec.kwargs))
             else:
                 RewardSet([spec], source=cfg.source, key=key)  # builds it: every option resolves
 

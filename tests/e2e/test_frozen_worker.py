@@ -2,10 +2,10 @@
 
 ``torchrun --standalone --nproc_per_node 2 -m mmalign.app.cli train text_reasoning-tiny.yaml`` on CPU (gloo) with
 ``trainer.dist_timeout_s=20``; once step 1 and its checkpoint are written, rank 1 gets SIGSTOP (its threads stop
-too, the heartbeat's included). Rank 0's watchdog (`mmalign.watchdog`) must notice within about the bound, name
+too, the heartbeat's included). Rank 0's heartbeat monitor (`mmalign.training.heartbeat`) must notice within about the bound, name
 rank 1 and the last complete checkpoint, SIGKILL the stopped rank 1 (same machine) and exit, so that torchrun
-exits non-zero well within 60 s (before the watchdog, the run hung for the process group's default timeout, about
-30 minutes). The watchdog's logic on fake heartbeats is tests/core/test_watchdog.py.
+exits non-zero well within 60 s (before the heartbeat monitor, the run hung for the process group's default timeout, about
+30 minutes). The heartbeat monitor's logic on fake heartbeats is tests/core/test_heartbeat.py.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_a_stopped_worker_ends_the_run_within_the_bound(tmp_path: Path, random_t
         )
         assert rc != 0
         assert took < BOUND_S, f"torchrun exited {took:.0f} s after rank 1 was stopped:\n{text[-4000:]}"
-        assert "mmalign watchdog (rank 0): rank 1 has sent no heartbeat" in text, text[-4000:]
+        assert "mmalign heartbeat (rank 0): rank 1 has sent no heartbeat" in text, text[-4000:]
         assert "the last complete checkpoint is" in text and str(out / "checkpoints") in text
         assert not stopped.is_running() or stopped.status() == "zombie"  # killed by rank 0, not left stopped
     finally:
