@@ -1,4 +1,5 @@
-"""Forward-process objectives of flow-matching policies: DiffusionNFT and Advantage Weighted Matching.
+"""Forward-process objectives of flow-matching policies: DiffusionNFT, Advantage Weighted Matching and
+Flow-DPO (Diffusion-DPO on best-vs-worst pairs of each group).
 
 These train on the *forward* (noising) process of clean samples, so a rollout may use any solver (an ODE
 included) and stores neither a trajectory nor per-step log-probs. For a clean sample x0, noise eps and a
@@ -17,6 +18,10 @@ The registry ``REGISTRY`` (``get`` / ``names`` / ``register`` act on it) holds::
   expanded view of Float[B, 1, *latent]);
 - ``advantages`` Float[B] (broadcast over the sample's K actions) or Float[*L];
 - ``mask`` Bool[*L] or None (all valid). The per-action loss is exactly 0 where the mask is False.
+
+``flow_dpo`` couples the two samples of each preference pair: its ``pairs`` input Long[P, 2] (winner row,
+loser row; `best_worst_pairs` picks them from a group) must share t and eps, and ``v_ref`` is the reference's
+velocity at the same x_t.
 
 Also the forward-process helpers: `noised` (x_t), `sample_timesteps` (the timestep strategies of the
 authors' code), `nft_optimality` (rewards -> r in [0, 1]) and `velocity_kl` (the v-space KL both
@@ -46,7 +51,9 @@ __all__ = [
     "TimestepDraw",
     "awm",
     "awm_log_prob",
+    "best_worst_pairs",
     "diffusion_nft",
+    "flow_dpo",
     "get",
     "inputs",
     "names",
@@ -405,6 +412,134 @@ def awm(
         clipped=clipped,
         ratio=ratio,
         stats=stats,
+    )
+
+
+# --------------------------------------------------------------------------- Flow-DPO
+
+
+def best_worst_pairs(scores: Tensor, group: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Long[P, 2]: one (winner row, loser row) pair per group, as D3PO and Flow-Factory's online DPO choose them:
+    among the group's rows that are `valid` (Bool[B], default all) and whose score is not NaN, the row with the
+    highest `scores` (Float[B]: rewards, or advantages that keep their order within a group) against the row
+    with the lowest (ties: the first such row). A group with fewer than two such rows, or whose scores are all
+    equal, gives no pair. Pairs follow the groups' order of first appearance in `group` (Long[B])."""
+    s = scores.detach().reshape(-1).to("cpu", torch.float64)
+    g = group.detach().reshape(-1).to("cpu")
+    if s.shape != g.shape:
+        raise ValueError(
+            f"best_worst_pairs: scores {tuple(scores.shape)} and group {tuple(group.shape)} must be [B]"
+        )
+    ok = ~torch.isnan(s)
+    if valid is not None:
+        v = valid.detach().reshape(-1).to("cpu", torch.bool)
+        if v.shape != g.shape:
+            raise ValueError(f"best_worst_pairs: valid {tuple(valid.shape)} must be Bool[{len(g)}]")
+        ok &= v
+    pairs: list[tuple[int, int]] = []
+    for gid in dict.fromkeys(g.tolist()):
+        rows = torch.nonzero((g == gid) & ok).flatten()
+        if len(rows) < 2:
+            continue
+        vals = s[rows]
+        hi, lo = int(torch.argmax(vals)), int(torch.argmin(vals))
+        if vals[hi] > vals[lo]:
+            pairs.append((int(rows[hi]), int(rows[lo])))
+    return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+
+
+def _check_pairs(pairs: Tensor, b: int) -> tuple[Tensor, Tensor]:
+    """(winner, loser) Long[P] rows of `pairs` Long[P, 2], checked: in [0, b), winner != loser, each row in at
+    most one pair."""
+    if pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"flow_dpo: pairs must be Long[P, 2] (winner row, loser row), got {tuple(pairs.shape)}"
+        )
+    flat = pairs.reshape(-1).tolist()
+    if any(not 0 <= r < b for r in flat):
+        raise ValueError(f"flow_dpo: pair rows must index the {b} samples, got {flat}")
+    if len(set(flat)) != len(flat):
+        raise ValueError(
+            f"flow_dpo: a sample may be in at most one pair (and never paired with itself), got {flat}"
+        )
+    return pairs[:, 0].long(), pairs[:, 1].long()
+
+
+@register(
+    "flow_dpo",
+    timesteps={"strategy": "logit_normal", "timestep_range": 0.99, "time_shift": 1.0, "num_timesteps": 1},
+    inputs=("v_ref", "pairs"),
+)
+def flow_dpo(
+    v: Tensor,
+    v_old: Tensor,
+    noise: Tensor,
+    x0: Tensor,
+    t: Tensor,
+    advantages: Tensor,
+    mask: Tensor | None = None,
+    *,
+    beta: float = 2000.0,
+    v_ref: Tensor | None = None,
+    pairs: Tensor | None = None,
+) -> FlowObjectiveOutput:
+    """Flow-DPO: Diffusion-DPO (Wallace et al. 2023, "Diffusion Model Alignment Using Direct Preference
+    Optimization") on the flow-matching velocity, online on each group's best-vs-worst pair (D3PO's choice).
+
+    For a pair (w, l) (input `pairs` Long[P, 2]) sharing t and eps at an action column, with target
+    v* = eps - x0 and e(u) = mean over the latent dims of (u - v*)^2: logit = -beta/2 [(e_w(v) - e_w(v_ref))
+    - (e_l(v) - e_l(v_ref))] and the pair's loss -log sigmoid(logit) (the authors' train.py and flow_grpo's /
+    Flow-Factory's flow version: a latent *mean*, beta/2). Half of it is put on each member's action, so the
+    per-action losses sum to the pairs' losses; unpaired samples carry 0. `v_ref` (input, required) is the
+    reference's velocity (detached); `advantages` are unused (they chose the pairs). A pair's action is
+    dropped where either member's is masked. Default beta 2000 (Flow-Factory's; the authors' SD1.5 script
+    5000); ``v_old`` is unused (the objective is on-policy against a fixed reference)."""
+    if not (math.isfinite(beta) and beta > 0):
+        raise ValueError(f"flow_dpo: beta must be a finite number > 0, got {beta!r}")
+    if v_ref is None:
+        raise ValueError("flow_dpo: needs v_ref, the reference's velocity at the same x_t")
+    if pairs is None:
+        raise ValueError("flow_dpo: needs pairs Long[P, 2] (e.g. best_worst_pairs of the rewards and groups)")
+    if v_ref.shape != v.shape:
+        raise ValueError(f"flow_dpo: v_ref {tuple(v_ref.shape)} must match v {tuple(v.shape)}")
+    v, _, noise, x0, _, mask, t = _prepare(v, v_old, noise, x0, t, advantages, mask)
+    n = t.ndim
+    zero = torch.zeros((), dtype=v.dtype, device=v.device)
+    ref = torch.where(_broadcast(mask, v), v_ref.detach().to(v.device, v.dtype), zero)
+    win, lose = (x.to(v.device) for x in _check_pairs(pairs, v.shape[0]))
+    target = noise - x0
+    err = _latent_mean((v - target) ** 2, n)
+    ref_err = _latent_mean((ref - target) ** 2, n)
+    pm = mask[win] & mask[lose]
+    pmv = _broadcast(pm, v)
+    if not (
+        torch.equal(torch.where(pm, t[win], zero), torch.where(pm, t[lose], zero))
+        and torch.equal(torch.where(pmv, noise[win], zero), torch.where(pmv, noise[lose], zero))
+    ):
+        raise ValueError("flow_dpo: the two samples of a pair must share t and the noise eps")
+    logit = -0.5 * beta * ((err[win] - ref_err[win]) - (err[lose] - ref_err[lose]))
+    pair_loss = torch.where(pm, -torch.nn.functional.logsigmoid(logit), torch.zeros_like(logit))
+
+    def spread(x: Tensor, half: bool) -> Tensor:  # a per-pair value onto both members' rows
+        x = x * 0.5 if half else x
+        out = torch.zeros_like(err)
+        return out.index_add(0, win, x).index_add(0, lose, x)
+
+    # 0 * err keeps the graph (and a zero gradient) when no pair is left
+    per_action = spread(pair_loss, True) + 0.0 * err
+    with torch.no_grad():
+        stats = {
+            "paired": spread(pm.to(v.dtype), False),
+            "logit": spread(torch.where(pm, logit.detach(), torch.zeros_like(logit)), False),
+            "implicit_acc": spread((pm & (logit.detach() > 0)).to(v.dtype), False),
+            "policy_err": err.detach(),
+            "ref_err": ref_err,
+        }
+    return FlowObjectiveOutput(
+        per_action=_zero_masked(per_action, mask),
+        clipped=torch.zeros_like(mask),
+        ratio=None,
+        stats={k: _zero_masked(s, mask) for k, s in stats.items()},
     )
 
 

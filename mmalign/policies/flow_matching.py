@@ -10,7 +10,9 @@ docs/algorithms.md ("Denoising steps with log-prob").
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Protocol, Self
 
@@ -383,6 +385,37 @@ class FlowMatchingPolicy(DenoisingPolicy):
         self.sample_with_old = bool(a.sample_with_old)
         self.solver = a.solver
         self.kl_in_action_stats = True  # the v-space KL comes from `action_stats` (when a reference is kept)
+        if "pairs" in fo.inputs(objective):
+            self._check_whole_groups(run)
+        if "v_ref" in fo.inputs(objective) and not self.lora and self.ref_model is None:
+            # the objective reads the reference (Flow-DPO): full fine-tuning needs the frozen copy
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    def _check_whole_groups(self, run: RunInfo) -> None:
+        """A pairwise objective (``flow_dpo``) pairs samples of one group inside a microbatch: every microbatch
+        must hold whole groups (``trainer.minibatch_size`` and ``trainer.microbatch_size`` multiples of the
+        group's samples) and the rows must not be shuffled across microbatches."""
+        from mmalign import advantages as adv_lib
+
+        cfg, t = run.cfg, run.cfg.trainer
+        g = cfg.rollout.group_size + adv_lib.extra_samples(cfg.algorithm.estimator)
+        local = (cfg.rollout.prompts_per_step // max(run.world, 1)) * g
+        mini = t.minibatch_size // max(run.world, 1) if t.minibatch_size else local
+        micro = t.microbatch_size or mini
+        for key, size in (("trainer.minibatch_size", mini), ("trainer.microbatch_size", micro)):
+            if size % g:
+                raise ConfigError(
+                    f"{cfg.source}: key '{key}': algorithm.objective {self.objective!r} pairs the "
+                    f"samples of a group, so each process's share ({size}) must be a multiple of the {g} "
+                    "samples of a group"
+                )
+        shuffled = t.shuffle_minibatches and t.num_iterations * math.ceil(local / mini) > 1
+        if shuffled and micro < local:
+            raise ConfigError(
+                f"{cfg.source}: key 'trainer.shuffle_minibatches': algorithm.objective "
+                f"{self.objective!r} pairs the samples of a group inside a microbatch; shuffling "
+                "splits groups: set it to false"
+            )
 
     def _build_eval_ema(self, run: RunInfo, objective: str, *, needed: bool) -> fp.WeightEMA | None:
         """``algorithm.eval_ema`` as a `WeightEMA` over the objective's preset (None when unset), or, when the
@@ -441,27 +474,47 @@ class FlowMatchingPolicy(DenoisingPolicy):
         v-space KL to the reference when one is kept."""
         if self.objective is None:
             return super().action_stats(rollout, actions=actions)
+        takes = fo.inputs(self.objective)
         draw = rollout.payload.get(_DRAW_KEY)
         if draw is None:
             draw = fp.draw_forward(
                 self, rollout, timesteps=self.objective_timesteps, generator=self.generator
             )
+            if "pairs" in takes:  # each group's best vs worst sample, noised alike
+                pairs = fo.best_worst_pairs(rollout.advantages, rollout.group, valid=rollout.mask.any(dim=1))
+                draw = fp.share_pair_draw(draw, pairs)
             rollout.payload[_DRAW_KEY] = draw
+        rows, scored = None, rollout
+        if "pairs" in takes:  # only the paired samples are scored; the others' loss is 0
+            rows, draw = fp.pair_rows(draw)
+            scored = rollout[rows.tolist()]
         p = fp.flow_predictions(
             self,
-            rollout,
+            scored,
             draw=draw,
             actions=actions,
             old=self.old_policy,
-            reference=self.need_reference,
+            reference=self.need_reference or "v_ref" in takes,
             ema=self.eval_ema if self.ema_in_loss else None,
         )
-        out = p.objective(self.objective, rollout.advantages.to(p.v.device), **self.objective_kwargs)
+        inputs = {"pairs": draw.pairs} if "pairs" in takes else {}
+        out = p.objective(self.objective, scored.advantages.to(p.v.device), **self.objective_kwargs, **inputs)
         kl = fo.velocity_kl(p.v, p.v_ref, 2) if p.v_ref is not None else None
         metrics = {f"objective/{k}": v for k, v in out.stats.items()}
         if out.ratio is not None:
             metrics["objective/ratio"] = out.ratio.detach()
-        return ActionStats(logp=None, loss=out.per_action, clipped=out.clipped, kl=kl, metrics=metrics)
+        loss, clipped = out.per_action, out.clipped
+        if rows is not None:  # back onto every sample of the microbatch (0 where unscored)
+            b, dev = len(rollout), loss.device
+            idx = rows.to(dev)
+
+            def full(x: Tensor) -> Tensor:
+                return torch.zeros((b, *x.shape[1:]), dtype=x.dtype, device=dev).index_copy(0, idx, x)
+
+            loss, clipped = full(loss), full(clipped)
+            kl = full(kl) if kl is not None else None
+            metrics = {k: full(v) for k, v in metrics.items()}
+        return ActionStats(logp=None, loss=loss, clipped=clipped, kl=kl, metrics=metrics)
 
     def action_chunks(self, rollout: Rollout) -> list[Tensor] | None:
         """The SDE path's chunks (`DenoisingPolicy.action_chunks`); with an objective, one training sigma per

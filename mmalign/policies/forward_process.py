@@ -1,4 +1,5 @@
-"""The policy side of the forward-process objectives (`mmalign.flow_objectives`: ``diffusion_nft``, ``awm``).
+"""The policy side of the forward-process objectives (`mmalign.flow_objectives`: ``diffusion_nft``, ``awm``,
+``flow_dpo``).
 
 Written against the public API of `mmalign.policies.flow_matching.FlowMatchingPolicy` (every family: SD3,
 FLUX.1, Wan), without changing it:
@@ -11,6 +12,8 @@ FLUX.1, Wan), without changing it:
 - `draw_forward` / `flow_predictions`: for a rollout (or a microbatch of it), draw K training sigmas and the
   noise (seeded), build x_t = (1 - t) x0 + t eps and return the current policy's velocity (with grad), the
   old policy's and optionally the reference's (no grad), for all K sigmas or a chunk of them;
+- `share_pair_draw` / `pair_rows`: a pairwise objective's draw (``flow_dpo``: each pair's loser noised like its
+  winner) and the paired rows it scores;
 - `OldPolicy`: DiffusionNFT's old policy, a copy of the trainable parameters pulled towards the current ones
   after every training step (``old <- d old + (1 - d) current``, d from the authors' decay presets), swapped
   into the model for the old velocity (and, as in the authors' script, for sampling);
@@ -51,6 +54,8 @@ __all__ = [
     "flow_predictions",
     "sample_clean",
     "schedule_at",
+    "pair_rows",
+    "share_pair_draw",
     "training_steps",
 ]
 
@@ -537,8 +542,10 @@ class FlowPredictions:
     """Float[B, K, *latent] the `WeightEMA` weights' velocity, when asked for (no grad)."""
 
     def objective(self, name: str, advantages: Tensor, **options: Any) -> fo.FlowObjectiveOutput:
-        """The registered objective `name` on these predictions (with ``v_ema`` when it takes that input)."""
-        extra = {"v_ema": self.v_ema} if "v_ema" in fo.inputs(name) else {}
+        """The registered objective `name` on these predictions (with ``v_ema`` / ``v_ref`` when it takes those
+        inputs; other inputs, e.g. ``flow_dpo``'s ``pairs``, come in `options`)."""
+        takes = fo.inputs(name)
+        extra = {k: getattr(self, k) for k in ("v_ema", "v_ref") if k in takes}
         return fo.get(name)(
             self.v, self.v_old, self.noise, self.x0, self.t, advantages, self.mask, **options, **extra
         )
@@ -554,6 +561,41 @@ class ForwardDraw:
     """Long[B, K] their schedule steps (None for continuous strategies)."""
     noise: Tensor
     """Float[B, K, *latent] eps (CPU)."""
+    pairs: Tensor | None = None
+    """Long[P, 2] (winner row, loser row) of a pairwise objective (``flow_dpo``), whose loser rows carry their
+    winner's sigmas and noise (`share_pair_draw`); None otherwise."""
+
+
+def share_pair_draw(draw: ForwardDraw, pairs: Tensor) -> ForwardDraw:
+    """A copy of `draw` in which each pair's loser row (``pairs[:, 1]``) takes its winner's (``pairs[:, 0]``)
+    sigmas, schedule steps and noise, as Diffusion-DPO noises both images of a pair alike; ``pairs`` is kept
+    on the result."""
+    pairs = pairs.to("cpu", torch.long).reshape(-1, 2)
+    win, lose = pairs[:, 0], pairs[:, 1]
+    t, noise = draw.t.clone(), draw.noise.clone()
+    t[lose], noise[lose] = t[win], noise[win]
+    index = None
+    if draw.index is not None:
+        index = draw.index.clone()
+        index[lose] = index[win]
+    return ForwardDraw(t=t, index=index, noise=noise, pairs=pairs)
+
+
+def pair_rows(draw: ForwardDraw) -> tuple[Tensor, ForwardDraw]:
+    """The rows of `draw`'s pairs (Long[R], ascending; a pairwise objective scores only these) and the draw of
+    those rows alone, its ``pairs`` renumbered to positions among them. Without pairs: row 0 alone and no pair
+    (the loss is then 0 with a graph, so a backward still runs)."""
+    pairs = draw.pairs if draw.pairs is not None else torch.zeros(0, 2, dtype=torch.long)
+    rows = torch.unique(pairs.reshape(-1)) if pairs.numel() else torch.zeros(1, dtype=torch.long)
+    where = {int(r): i for i, r in enumerate(rows.tolist())}
+    local = torch.tensor([[where[int(a)], where[int(b)]] for a, b in pairs.tolist()], dtype=torch.long)
+    sub = ForwardDraw(
+        t=draw.t[rows],
+        index=None if draw.index is None else draw.index[rows],
+        noise=draw.noise[rows],
+        pairs=local.reshape(-1, 2),
+    )
+    return rows, sub
 
 
 def draw_forward(
