@@ -1,7 +1,7 @@
 """Rollout and reward workers as Ray actors (``trainer.async.backend: ray``; ``pip install "mmalign[ray]"``).
 
 Each rollout actor holds a copy of the policy (sent once through Ray's object store, so it may be built on
-another node) and runs `mmalign.asynchronous.RolloutWorker`; ``trainer.async.worker_resources`` (``num_cpus``,
+another node) and runs `mmalign.training.rollout_worker.RolloutWorker`; ``trainer.async.worker_resources`` (``num_cpus``,
 ``num_gpus``, custom resources) places it on its own device or node. Weights go to the actors through the
 object store (``ray.put`` once per version, one reference per actor).
 
@@ -31,8 +31,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mmalign.asynchronous import AsyncWorkerError, RolloutJob, RolloutResult, RolloutWorker, score_rollout
 from mmalign.config import ConfigError
+from mmalign.training.rollout_worker import (
+    AsyncWorkerError,
+    RolloutJob,
+    RolloutResult,
+    RolloutWorker,
+    score_rollout,
+)
 
 
 def import_ray() -> Any:
@@ -76,7 +82,7 @@ class RolloutActor:
 
 class RewardActor:
     """The body of a reward actor (wrapped by ``ray.remote``): a copy of the reward set that scores sampled
-    rounds (`mmalign.asynchronous.score_rollout`)."""
+    rounds (`mmalign.training.rollout_worker.score_rollout`)."""
 
     def __init__(self, reward_set: Any, index: int, threads: int | None) -> None:
         import torch

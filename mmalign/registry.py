@@ -394,8 +394,9 @@ PipelineFinder = Callable[[str], "Mapping[str, Any] | None"]
 """name -> the pipeline's registration metadata (``options``: its options class or None), or None when no
 source registers `name`; raises `PluginError` when the entry point of that name is broken."""
 
-PIPELINE_PROVIDER = "pipelines"
-"""The module imported to install the default finder when none is installed yet."""
+FINDER_GROUP = "mmalign.pipeline_finder"
+"""The entry-point group naming the default finder (mmalign's own: ``pipelines:find``, declared in
+pyproject.toml), loaded when none is installed yet: the core names no upper layer."""
 
 _pipeline_finder: PipelineFinder | None = None
 
@@ -408,15 +409,17 @@ def set_pipeline_finder(finder: PipelineFinder | None) -> PipelineFinder | None:
 
 
 def find_pipeline(name: str) -> Mapping[str, Any] | None:
-    """The registration metadata of pipeline `name` through the installed finder (importing
-    `PIPELINE_PROVIDER` first if none is installed); None if no source registers it."""
+    """The registration metadata of pipeline `name` through the installed finder (loading the entry point of
+    `FINDER_GROUP` first if none is installed; loading ``pipelines`` installs its finder too); None if no source
+    registers it or no finder is installed."""
     if _pipeline_finder is None:
-        try:
-            importlib.import_module(PIPELINE_PROVIDER)  # installs its finder
-        except ModuleNotFoundError as e:  # pragma: no cover - mmalign used without its pipelines package
-            if e.name != PIPELINE_PROVIDER:
-                raise
-            return None
-    if _pipeline_finder is None:  # pragma: no cover
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=FINDER_GROUP):
+            finder = ep.load()
+            if _pipeline_finder is None:
+                set_pipeline_finder(finder)
+            break
+    if _pipeline_finder is None:  # pragma: no cover - mmalign installed without its pipelines
         return None
     return _pipeline_finder(name)

@@ -184,7 +184,7 @@ def test_worker_takes_behaviour_logprobs_from_the_decode_loop(
     """The rollout worker of a K > 0 run records the behaviour log-probs without a scoring pass (the text
     policy's decode loop gives them, `TokenSampling.sampled_logp`); a K = 0 job asks for what the synchronous
     trainer asks for, through the scoring pass (here: nothing)."""
-    from mmalign.asynchronous import RolloutJob, RolloutWorker
+    from mmalign.training.rollout_worker import RolloutJob, RolloutWorker
 
     cfg = make_cfg(random_text_model_dir, tmp_path / "w")
     policy = pipelines.get(cfg.pipeline)(cfg).policy

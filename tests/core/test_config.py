@@ -563,7 +563,7 @@ def test_a_pipeline_finder_can_be_passed(monkeypatch):
         return {"options": _Options} if name == PIPE else None
 
     monkeypatch.setattr(config_mod._registry, "_pipeline_finder", None)
-    monkeypatch.setattr(config_mod._registry, "PIPELINE_PROVIDER", "no_such_pipelines_package")
+    monkeypatch.setattr(config_mod._registry, "FINDER_GROUP", "no.such.finder.group")
     cfg = config_from_dict(_with_options({"levels": 1}), pipeline_finder=finder)
     assert cfg.options == _Options(levels=1) and asked == [PIPE]
     assert config_from_dict(_with_options({"levels": 1})).options == {"levels": 1}  # no provider: plain data
