@@ -25,7 +25,11 @@ Contract
   step). It never hangs. After a failed sync the engine refuses to `generate` until a sync
   succeeds (its weights are in an unknown state).
 - ``sleep()`` / ``wake()``: release and reclaim accelerator memory when the engine is colocated
-  with training (no-ops by default).
+  with training. They act only where ``sleep_enabled`` (an engine's ``enable_sleep_mode`` option; no-ops
+  otherwise), and ``asleep`` says which state the engine is in. An asleep engine wakes by itself before it
+  samples (`generate`) or loads weights (`sync_weights`): vLLM's sleep level 1 offloads the weights, so a
+  load into a sleeping engine would write into memory it gave back. The policies put the engine to sleep
+  once a rollout's sampling is done and wake it before the next sync (`mmalign.engines.client.EngineClient`).
 
 Vision-language prompts. An engine with ``supports_images = True`` (vLLM; `FakeEngine` built with a
 processor) also takes `MultimodalPrompt` items: the token ids of the chat-templated text with ONE image
@@ -277,6 +281,8 @@ class RolloutEngine(ABC):
         self._sync_lock = threading.Lock()
         self._running_sync: threading.Thread | None = None
         self._broken: str | None = None
+        self.asleep = False
+        """The engine has released its memory (`sleep`); `wake` takes it back."""
 
     # ------------------------------------------------------------------ sampling
     @abstractmethod
@@ -299,6 +305,7 @@ class RolloutEngine(ABC):
             raise ValueError(f"{self.name} engine: n must be >= 1, got {n}")
         if not prompt_token_ids:
             return []
+        self.wake()  # an asleep engine has no weights / KV cache to sample with
         prompts: list[EnginePrompt] = []
         for p in prompt_token_ids:
             if isinstance(p, MultimodalPrompt):
@@ -343,6 +350,7 @@ class RolloutEngine(ABC):
             )
         if timeout_s <= 0:
             raise ValueError(f"{self.name} engine: timeout_s must be > 0, got {timeout_s!r}")
+        self.wake()  # never load into memory a sleeping engine gave back
         with self._sync_lock:
             if self._running_sync is not None and self._running_sync.is_alive():
                 raise WeightSyncError(
@@ -383,11 +391,30 @@ class RolloutEngine(ABC):
             self.last_sync_s = elapsed
 
     # ------------------------------------------------------------------ memory
-    def sleep(self) -> None:  # noqa: B027 - optional hook
-        """Release accelerator memory while the trainer runs (colocated engines). No-op by default."""
+    @property
+    def sleep_enabled(self) -> bool:
+        """Whether `sleep` releases memory (False: `sleep` and `wake` are no-ops). Engines with a sleep mode
+        override this (their ``enable_sleep_mode`` option)."""
+        return False
 
-    def wake(self) -> None:  # noqa: B027 - optional hook
-        """Reclaim accelerator memory before sampling. No-op by default."""
+    def sleep(self) -> None:
+        """Release accelerator memory while the trainer updates (colocated engines): `_sleep`, where
+        ``sleep_enabled`` and the engine is awake; a no-op otherwise."""
+        if self.sleep_enabled and not self.asleep:
+            self._sleep()
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Reclaim the memory `sleep` released (`_wake`); a no-op when the engine is awake."""
+        if self.asleep:
+            self._wake()
+            self.asleep = False
+
+    def _sleep(self) -> None:  # noqa: B027 - optional hook
+        """Engine-specific: release the memory (see `sleep`)."""
+
+    def _wake(self) -> None:  # noqa: B027 - optional hook
+        """Engine-specific: take the memory back (see `wake`)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine's resources. No-op by default."""

@@ -1,4 +1,11 @@
-"""`EngineClient`: a token policy's side of a rollout engine (building it, weight sync, per-step seeds)."""
+"""`EngineClient`: a token policy's side of a rollout engine (building it, weight sync, per-step seeds, sleep).
+
+Order within a training step (synchronous runs): `on_train_step` wakes the engine and pushes the weights
+when an optimizer step changed them; the rollout samples through `generate` (once, or once per turn of a
+multi-turn loop); `sampling_done` then puts the engine to sleep (where its ``sleep_enabled``), so the
+trainer's scoring and update run with the memory it released; the next `on_train_step` wakes it again. An
+asynchronous run's rollout worker samples while the trainer updates, so its engine never sleeps.
+"""
 
 from __future__ import annotations
 
@@ -40,18 +47,12 @@ class EngineClient:
         self, run: Any, *, loop: Any, fill_defaults: Callable[[str, dict[str, Any], Any], None]
     ) -> None:
         """Build the engine named by ``rollout.engine`` (none for ``hf``); `fill_defaults(name, kwargs, run)`
-        adds what the policy's engine needs beyond ``rollout.engine_kwargs``."""
+        adds what the policy's engine needs beyond ``rollout.engine_kwargs``. Any rollout loop samples through
+        it (a multi-turn loop once per turn); `loop` is kept for the signature."""
         self.run = run
         r = run.cfg.rollout
         if r.engine == "hf":
             return
-        from mmalign.config import ConfigError
-
-        if loop.multi_turn:
-            raise ConfigError(
-                f"{run.cfg.source}: key 'rollout.loop': the {loop.name!r} loop samples with the policy's "
-                f"own generate; leave rollout.engine at 'hf' (got {r.engine!r})"
-            )
         kwargs = dict(r.engine_kwargs)
         fill_defaults(r.engine, kwargs, run)
         if getattr(run.cfg.trainer, "async_", None) is not None:
@@ -80,12 +81,13 @@ class EngineClient:
         return state
 
     def on_train_step(self, step: int, sync: Callable[[int], None]) -> None:
-        """Before a step's sampling: `sync(step)` when the weights changed, and this step's seed. A deferred
-        engine (asynchronous runs) is built here, in the rollout worker, on its first step."""
+        """Before a step's sampling: wake the engine, `sync(step)` when the weights changed, and this step's
+        seed. A deferred engine (asynchronous runs) is built here, in the rollout worker, on its first step."""
         if self.engine is None and self.deferred is not None:
             self.engine = self._build(*self.deferred)
         if self.engine is None:
             return
+        self.engine.wake()  # before the sync: a sleeping engine has given its weights' memory back
         if self.stale:
             sync(step)
         run = self.run
@@ -95,6 +97,12 @@ class EngineClient:
 
     def after_optimizer_step(self) -> None:
         self.stale = self.engine is not None
+
+    def sampling_done(self) -> None:
+        """A rollout's sampling is over: put the engine to sleep until the next `on_train_step` (a no-op
+        without an engine, where the engine's sleep mode is off, and in an asynchronous run's worker)."""
+        if self.engine is not None and self.deferred is None:
+            self.engine.sleep()
 
     def sync(self, model: torch.nn.Module, *, lora: bool, step: int = 0) -> None:
         """Push `model`'s weights (merged LoRA, or the adapter where the engine loads adapters); raises

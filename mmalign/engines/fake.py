@@ -12,6 +12,10 @@ it to exercise weight sync, sync failures and the importance-sampling correction
   state dict into the engine's adapter (construct with ``peft_config``).
 - Fault injection for tests: ``sync_delay_s`` (the load sleeps that long first) and
   ``sync_error`` (an exception raised inside the load).
+- Sleep mode (``enable_sleep_mode``, default True): `sleep` / `wake` only flip ``asleep`` (nothing to
+  free on CPU), and sampling or loading weights while asleep raises, so a caller that forgot to wake it is
+  caught. ``calls`` records the engine's calls in order (``("generate", n_prompts)``, ``("sync", step)``,
+  ``("sleep", None)``, ``("wake", None)``; a sync is recorded when it has succeeded), so tests can check when the policy puts it to sleep and wakes it.
 - Vision-language models (Qwen2-VL style): built with ``processor=``, the engine takes `MultimodalPrompt`
   items like vLLM does: it runs the processor's image processor on the images, expands each image
   placeholder token into the image's patch tokens, and samples with the model's M-RoPE positions
@@ -76,8 +80,12 @@ class FakeEngine(RolloutEngine):
         sync_delay_s: float = 0.0,
         sync_error: BaseException | None = None,
         processor: Any = None,
+        enable_sleep_mode: bool = True,
     ) -> None:
         super().__init__()
+        self.enable_sleep_mode = bool(enable_sleep_mode)
+        self.calls: list[tuple[str, Any]] = []
+        """The engine's calls in order: ``(name, detail)`` (see the module docstring)."""
         self.processor = processor
         """A vision-language model's processor: with it the engine takes `MultimodalPrompt` items."""
         self.supports_images = processor is not None
@@ -101,7 +109,6 @@ class FakeEngine(RolloutEngine):
         self.sync_delay_s = sync_delay_s
         self.sync_error = sync_error
         self._closed = threading.Event()
-        self.asleep = False
 
     @classmethod
     def from_pretrained(
@@ -122,6 +129,9 @@ class FakeEngine(RolloutEngine):
     def _generate(
         self, prompt_token_ids: list[EnginePrompt], n: int, sampling: SamplingSpec
     ) -> list[EngineOutput]:
+        if self.asleep:
+            raise RuntimeError("fake engine: generate called while asleep (wake() it first)")
+        self.calls.append(("generate", len(prompt_token_ids)))
         if sampling.stop and self.tokenizer is None:
             raise ValueError("fake engine: stop strings need a tokenizer (FakeEngine(model, tokenizer))")
         rows = [i for i in range(len(prompt_token_ids)) for _ in range(n)]
@@ -292,7 +302,14 @@ class FakeEngine(RolloutEngine):
         return any(s in text for s in stop)
 
     # ------------------------------------------------------------------ weights
+    def sync_weights(self, state: WeightState, **kwargs: Any) -> None:
+        """`RolloutEngine.sync_weights`, recorded in ``calls`` as ``("sync", step)`` once it succeeded."""
+        super().sync_weights(state, **kwargs)
+        self.calls.append(("sync", kwargs.get("step")))
+
     def _load_weights(self, state: WeightState, *, lora: bool) -> None:
+        if self.asleep:
+            raise RuntimeError("fake engine: weights loaded while asleep (wake() it first)")
         if self.sync_delay_s > 0 and self._closed.wait(self.sync_delay_s):
             return  # closed while waiting
         if self.sync_error is not None:
@@ -339,11 +356,15 @@ class FakeEngine(RolloutEngine):
             raise KeyError(f"adapter weights unknown to the engine's adapter: {unexpected[:5]}")
 
     # ------------------------------------------------------------------ memory
-    def sleep(self) -> None:
-        self.asleep = True
+    @property
+    def sleep_enabled(self) -> bool:
+        return self.enable_sleep_mode
 
-    def wake(self) -> None:
-        self.asleep = False
+    def _sleep(self) -> None:
+        self.calls.append(("sleep", None))
+
+    def _wake(self) -> None:
+        self.calls.append(("wake", None))
 
     def close(self) -> None:
         self._closed.set()

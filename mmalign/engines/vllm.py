@@ -44,16 +44,25 @@ differs between versions and backends is guarded:
   the most images per prompt as ``limit_mm_per_prompt``, so vLLM's patches are the trainer's. Suppressed
   tokens (the vision placeholders) get ``logit_bias`` -100, vLLM's bound. The full weight sync pushes the
   policy's Hugging Face names (``model.language_model.*``, ``model.visual.*``, ``lm_head.*`` in
-  transformers 5); vLLM's Qwen2-VL / Qwen2.5-VL loaders map them (Qwen2-VL checked on the CPU backend by
-  tests/engines/test_vllm_cpu.py, and on a GPU by the ``gpu`` test).
-- Sleep mode: ``enable_sleep_mode=True`` (the default where the platform has it) lets `sleep()` offload
-  weights and free the KV cache (``llm.sleep(level=1)``) during the update and `wake()` (``llm.wake_up()``)
-  bring them back.
+  transformers 5); vLLM's Qwen2-VL / Qwen2.5-VL loaders map them (both checked on the CPU backend by
+  tests/engines/test_vllm_cpu.py, Qwen2-VL on a GPU by the ``gpu`` test). Multi-turn loops send each turn's
+  whole sequence with every image's placeholder run collapsed to one (`VLMPolicy.engine_prompt_of`).
+- Precision: ``dtype="bfloat16"`` runs on the CPU backend of CPUs with AVX512-BF16; its log-probs agree with
+  a bf16 trainer's within about 5e-3 per token (tests/engines/test_vllm_cpu.py, which allows 2e-2), fp32's
+  within 2e-6.
+- Sleep mode: ``enable_sleep_mode=None`` (the default) turns it on where the platform has it (CUDA) and off
+  where it has none (the CPU backend); ``True`` on a platform without it logs a warning and is off (a GPU
+  config runs unchanged on CPU). When on, `sleep()` offloads the weights and frees the KV cache
+  (``llm.sleep(level=1)``) and `wake()` (``llm.wake_up()``) brings them back; when off both are no-ops. A
+  text / VLM policy puts its engine to sleep once a rollout's sampling is done (the trainer's scoring and
+  update then have the memory) and wakes it before the next step's weight sync
+  (`mmalign.engines.client.EngineClient`); a sync or a sampling call on an asleep engine wakes it first.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -70,6 +79,8 @@ from mmalign.engines.base import (
     WeightState,
     iter_state,
 )
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     'vLLM is not installed; install the optional extra with: pip install "mmalign[vllm]" (CUDA), or on a '
@@ -135,6 +146,13 @@ def _platform() -> Any:
     return current_platform
 
 
+def sleep_mode_available() -> bool:
+    """Whether vLLM's platform has a sleep mode (CUDA: yes; the CPU backend: no)."""
+    platform = _platform()
+    available = getattr(platform, "is_sleep_mode_available", None)
+    return bool(available()) if callable(available) else not on_cpu_backend()
+
+
 def on_cpu_backend() -> bool:
     """Whether vLLM runs on its CPU backend (the ``vllm-cpu`` build, or no GPU)."""
     platform = _platform()
@@ -179,10 +197,17 @@ class VLLMEngine(RolloutEngine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.on_cpu = on_cpu_backend()
         """vLLM's CPU backend: no sleep mode, an explicit KV cache size, repacked linear weights."""
+        has_sleep_mode = sleep_mode_available()
         if enable_sleep_mode is None:
-            platform = _platform()
-            available = getattr(platform, "is_sleep_mode_available", None)
-            enable_sleep_mode = bool(available()) if callable(available) else not self.on_cpu
+            enable_sleep_mode = has_sleep_mode
+        elif enable_sleep_mode and not has_sleep_mode:
+            log.warning(
+                "VLLMEngine: enable_sleep_mode=True, but vLLM's %s platform has no sleep mode; the engine "
+                "keeps its memory during the update (sleep() and wake() do nothing). Leave "
+                "rollout.engine_kwargs.enable_sleep_mode unset to pick it by platform.",
+                "CPU" if self.on_cpu else "current",
+            )
+            enable_sleep_mode = False
         self.vllm = vllm
         self.lora_mode = lora_mode
         self.supports_lora_adapters = lora_mode == "adapter"
@@ -191,8 +216,7 @@ class VLLMEngine(RolloutEngine):
         self._lora_dir = (
             tempfile.TemporaryDirectory(prefix="mmalign-vllm-lora-") if lora_mode == "adapter" else None
         )
-        self._sleep_enabled = enable_sleep_mode
-        self.asleep = False
+        self._sleep_enabled = bool(enable_sleep_mode)
         self.last_load: dict[str, Any] | None = None
         """What the last full weight sync did on the (first) worker (see `reload_on_worker`)."""
         kwargs: dict[str, Any] = dict(
@@ -266,8 +290,6 @@ class VLLMEngine(RolloutEngine):
     def _generate(
         self, prompt_token_ids: list[EnginePrompt], n: int, sampling: SamplingSpec
     ) -> list[EngineOutput]:
-        if self.asleep:
-            self.wake()
         params = [
             self._sampling_params(n, sampling, None if sampling.seed is None else sampling.seed + i)
             for i in range(len(prompt_token_ids))
@@ -351,15 +373,16 @@ class VLLMEngine(RolloutEngine):
             shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ memory
-    def sleep(self) -> None:
-        if self._sleep_enabled and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+    @property
+    def sleep_enabled(self) -> bool:
+        """``enable_sleep_mode`` as resolved at start-up (never on a platform without sleep mode)."""
+        return self._sleep_enabled
 
-    def wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def _sleep(self) -> None:
+        self.llm.sleep(level=1)  # weights offloaded to host memory, KV cache freed
+
+    def _wake(self) -> None:
+        self.llm.wake_up()
 
     def close(self) -> None:
         if self._lora_dir is not None:

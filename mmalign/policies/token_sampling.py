@@ -408,6 +408,7 @@ class TokenSampling:
         completion_ids, logp_engine = self.engine_client.generate(
             token_lists, group_size, self._engine_sampling(), self.tokenizer.pad_token_id
         )
+        self.engine_client.sampling_done()  # the engine sleeps while the trainer scores and updates
         rollout = self._finish_rollout(
             prompts,
             group,

@@ -3,6 +3,7 @@ turns, inserted messages and the `Rollout` of finished conversations."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -10,11 +11,16 @@ import torch
 from torch import Tensor
 
 from mmalign.batch import Rollout
+from mmalign.engines.client import EngineClient
 from mmalign.policies.token_sampling import completion_mask, pad_right
 from mmalign.rollout_loops import Conversation, Insert, Segment
 
 _TURN_PROBE = "MMALIGN_ASSISTANT_TURN_PROBE"
 """Stand-in assistant message used to find the strings a chat template puts around an inserted message."""
+
+TURN_SEED_STRIDE = 104_729
+"""With a rollout engine, turn k of a step samples with seed ``step seed + k * TURN_SEED_STRIDE`` (conversation
+i adds i, as every engine call does), so no two turns of a step draw from the same random stream."""
 
 
 class TurnProtocol:
@@ -27,6 +33,9 @@ class TurnProtocol:
     use_chat_template: bool
     system_prompt: str | None
     device: torch.device
+    engine_client: EngineClient
+    suppressed_ids: list[int]
+    _engine_sampling: Callable[..., Any]
     _logprobs: Callable[..., Tensor]
     _prompt_token_ids: Callable[[str], list[int]]
     _left_pad: Callable[[list[list[int]]], tuple[Tensor, Tensor]]
@@ -96,7 +105,9 @@ class TurnProtocol:
 
     def generate_turn(self, conversations: list[Conversation], budgets: list[int]) -> list[Segment]:
         """One batched `generate` over the conversations' whole sequences (left-padded), then each new turn
-        cut to its budget and after its EOS / stop string."""
+        cut to its budget and after its EOS / stop string. With a rollout engine: `engine_turn`."""
+        if self.engine_client.engine is not None:
+            return self.engine_turn(conversations, budgets)
         max_new = max(budgets)
         pad = self.tokenizer.pad_token_id
 
@@ -112,10 +123,31 @@ class TurnProtocol:
         new = torch.cat([pad_right(x, max(q.shape[1] for q in parts), pad) for x in parts])
         return self._turn_segments(new, budgets)
 
-    def _turn_segments(self, new_ids: Tensor, budgets: list[int]) -> list[Segment]:
-        """Generated turns as segments: at most `budgets[i]` tokens, up to and including EOS / stop string."""
+    def engine_prompt_of(self, conversation: Conversation) -> Any:
+        """The rollout engine's prompt for a conversation: its whole token sequence so far (`VLMPolicy`: a
+        `mmalign.engines.MultimodalPrompt` with the images)."""
+        return self._sequence_ids(conversation)
+
+    def engine_turn(self, conversations: list[Conversation], budgets: list[int]) -> list[Segment]:
+        """One turn per conversation sampled by the rollout engine (one call, one sample each, at most
+        ``max(budgets)`` new tokens, the policy's temperature / top-k / top-p / stop settings, a seed of its
+        own per turn: `TURN_SEED_STRIDE`), cut as `generate_turn` cuts; each segment keeps the engine's
+        log-probs of its tokens (`Segment.logprobs`)."""
+        turn = len(conversations[0].turns) if conversations else 0
+        spec = self._engine_sampling(self.suppressed_ids)
+        seed = None if spec.seed is None else spec.seed + turn * TURN_SEED_STRIDE
+        spec = dataclasses.replace(spec, max_new_tokens=max(budgets), seed=seed)
+        prompts = [self.engine_prompt_of(c) for c in conversations]
+        new, logp = self.engine_client.generate(prompts, 1, spec, self.tokenizer.pad_token_id)
+        return self._turn_segments(new, budgets, logp)
+
+    def _turn_segments(
+        self, new_ids: Tensor, budgets: list[int], logp: Tensor | None = None
+    ) -> list[Segment]:
+        """Generated turns as segments: at most `budgets[i]` tokens, up to and including EOS / stop string;
+        `logp` (Float[B, T], an engine's log-probs of `new_ids`) is kept per segment."""
         segments = []
-        for row, budget in zip(new_ids, budgets, strict=True):
+        for i, (row, budget) in enumerate(zip(new_ids, budgets, strict=True)):
             ids = row[:budget][None]
             stop = self._stop_lengths(ids) if self.stop_strings else None
             n = int(completion_mask(ids, self.eos_ids, stop).sum())
@@ -124,7 +156,8 @@ class TurnProtocol:
             if stop is not None and int(stop[0]) <= n:
                 finished = True
             text = self.tokenizer.decode(kept, skip_special_tokens=True)
-            segments.append(Segment(ids=kept, trained=True, text=text, finished=finished))
+            logprobs = None if logp is None else logp[i, :n].tolist()
+            segments.append(Segment(ids=kept, trained=True, text=text, finished=finished, logprobs=logprobs))
         return segments
 
     def insert_segment(self, conversation: Conversation, insert: Insert) -> Segment:
@@ -144,7 +177,13 @@ class TurnProtocol:
         compute_logp: bool,
     ) -> Rollout:
         """The `Rollout` of finished conversations: the completion region holds every segment in order;
-        ``mask`` marks the generated tokens only, ``completion_attention_mask`` every real token."""
+        ``mask`` marks the generated tokens only, ``completion_attention_mask`` every real token. Turns an
+        engine sampled: the engine goes to sleep (`EngineClient.sampling_done`), its log-probs of the generated
+        tokens become ``logp_sampler`` (0 elsewhere) and ``logp_old`` is always re-scored with the trainer's
+        weights (as `TextPolicy`'s single-turn engine rollout does)."""
+        sampled = any(seg.logprobs is not None for c in conversations for seg in c.segments)
+        if sampled:
+            self.engine_client.sampling_done()
         prompts, group, columns = self._rollout_fields(rows, group_size)
         b = len(conversations)
         width = max(1, max(c.length for c in conversations))
@@ -152,6 +191,7 @@ class TurnProtocol:
         completion_ids = torch.full((b, width), pad, dtype=torch.long)
         attention = torch.zeros((b, width), dtype=torch.long)
         mask = torch.zeros((b, width), dtype=torch.bool)
+        logp_engine = torch.zeros((b, width), dtype=torch.float32)
         for i, conv in enumerate(conversations):
             at = 0
             for seg in conv.segments:
@@ -159,6 +199,8 @@ class TurnProtocol:
                 completion_ids[i, at : at + n] = torch.tensor(seg.ids, dtype=torch.long)
                 attention[i, at : at + n] = 1
                 mask[i, at : at + n] = seg.trained
+                if seg.trained and seg.logprobs is not None:
+                    logp_engine[i, at : at + n] = torch.tensor(seg.logprobs, dtype=torch.float32)
                 at += n
         texts = self.tokenizer.batch_decode(
             [ids[: c.length].tolist() for ids, c in zip(completion_ids, conversations, strict=True)],
@@ -182,8 +224,10 @@ class TurnProtocol:
         rollout = Rollout(
             group=group, mask=mask, prompts=prompts, columns=columns, outputs=outputs, payload=payload
         )
-        if compute_logp:
+        if compute_logp or sampled:
             rollout.logp_old = self._logprobs(self.model, rollout, grad=False)
+        if sampled:
+            rollout = self.engine_client.keep_logprobs(rollout, logp_engine)
         return rollout
 
     def _conversation_prompt_payload(

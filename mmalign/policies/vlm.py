@@ -187,7 +187,8 @@ class VLMPolicy(TextPolicy):
         )
 
     def encode_row(self, row: dict[str, Any]) -> dict[str, Any]:
-        """Processor outputs for one row (unbatched): ids, token types, vision tensors, image sizes."""
+        """Processor outputs for one row (unbatched): ids, token types, vision tensors, image sizes, and the
+        loaded ``images`` (a rollout engine processes them itself)."""
         images = _row_images(row, row.get("images", row.get("image")))
         frames = _row_images(row, row.get("video"))
         text = self.format_vlm_prompt(str(row["prompt"]), len(images), bool(frames))
@@ -203,6 +204,7 @@ class VLMPolicy(TextPolicy):
             if "mm_token_type_ids" in enc
             else torch.zeros_like(enc["input_ids"][0]),
             "image_sizes": [(im.width, im.height) for im in images],
+            "images": images,
         }
         for key in VISION_KEYS:
             out[key] = enc[key] if key in enc else None
@@ -322,6 +324,7 @@ class VLMPolicy(TextPolicy):
         completion_ids, logp_engine = self.engine_client.generate(
             [self.engine_prompt(r) for r in rows], group_size, spec, self.tokenizer.pad_token_id
         )
+        self.engine_client.sampling_done()  # the engine sleeps while the trainer scores and updates
         batch = self.batch_inputs(row_encs)
         extra: dict[str, Any] = {
             "mm_token_type_ids": batch["mm_token_type_ids"].repeat_interleave(group_size, 0)
@@ -382,9 +385,38 @@ class VLMPolicy(TextPolicy):
         out.update(_sample_vision(enc, [s.vision for s in conversation.segments]))
         return out
 
+    def engine_prompt_of(self, conversation: Conversation) -> Any:
+        """The rollout engine's prompt for a conversation: its token sequence so far with each image's run of
+        placeholder tokens collapsed to ONE placeholder (the engine expands it again, `engine_prompt`), and
+        all its images in order (the prompt's, then the inserted ones)."""
+        from mmalign.engines import MultimodalPrompt
+
+        enc = conversation.prompt
+        if enc.get("pixel_values_videos") is not None:
+            raise ValueError(
+                "a video row cannot be sampled with a rollout engine yet; use rollout.engine: hf for video"
+            )
+        image_token = getattr(getattr(self.model, "config", None), "image_token_id", None)
+        ids = [int(t) for t in enc["input_ids"].tolist()] + [t for s in conversation.segments for t in s.ids]
+        images = list(enc.get("images") or []) + [im for s in conversation.segments for im in s.images]
+        if not images:
+            return ids
+        collapsed = [t for k, t in enumerate(ids) if t != image_token or k == 0 or ids[k - 1] != image_token]
+        slots = sum(t == image_token for t in collapsed)
+        if slots != len(images):
+            raise ValueError(
+                f"sample {conversation.index}: {slots} runs of image placeholder tokens for {len(images)} images; "
+                "two images whose placeholders touch cannot be told apart for the rollout engine (the chat "
+                "template should put vision start / end tokens around each)"
+            )
+        return MultimodalPrompt(collapsed, images)
+
     def generate_turn(self, conversations: list[Conversation], budgets: list[int]) -> list[Segment]:
         """One batched `generate` over the conversations' whole sequences (prompt and inserted images
-        included), each new turn cut to its budget and after its EOS / stop string."""
+        included), each new turn cut to its budget and after its EOS / stop string. With a rollout engine:
+        `engine_turn` (the images as its multimodal inputs, `engine_prompt_of`)."""
+        if self.engine_client.engine is not None:
+            return self.engine_turn(conversations, budgets)
         max_new = max(budgets)
         pad = self.tokenizer.pad_token_id
 

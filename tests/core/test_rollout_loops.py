@@ -575,13 +575,87 @@ def test_pipeline_fails_before_loading_the_model(tmp_path: Path) -> None:
     assert not (tmp_path / "absent").exists()
 
 
-def test_multi_turn_refuses_an_engine(random_text_model_dir: Path) -> None:
-    pol = TextPolicy.from_pretrained(str(random_text_model_dir), loop="multi_turn", environment=text_env)
-    cfg = text_cfg("rollout.engine=fake")
-    with pytest.raises(
-        ConfigError, match="key 'rollout.loop': the 'multi_turn' loop samples with the policy's own"
-    ):
-        pol.setup(RunInfo(cfg=cfg, accelerator=None))
+def test_text_multi_turn_samples_each_turn_with_the_engine(random_text_model_dir: Path) -> None:
+    """``rollout.engine: fake`` with the multi_turn loop: each turn is ONE engine call over the active
+    conversations' whole token sequences (prompt + turns + insertions); the engine's log-probs land on the
+    generated tokens only (``logp_sampler``, 0 on inserted tokens) and equal the trainer's re-scoring
+    (``logp_old``) and an independent plain forward; the engine sleeps once sampling is done."""
+    pol = TextPolicy.from_pretrained(
+        str(random_text_model_dir),
+        max_new_tokens=5,
+        temperature=TEMPERATURE,
+        use_chat_template=True,
+        loop="multi_turn",
+        loop_kwargs={"max_turns": 3},
+        environment=text_env,
+    )
+    pol.setup(RunInfo(cfg=text_cfg("rollout.engine=fake"), accelerator=None))
+    engine = pol.engine
+    seen: list[list[list[int]]] = []
+    generate = engine.generate
+
+    def recording(prompts: Any, n: int, spec: Any) -> Any:
+        seen.append([list(p) for p in prompts])
+        return generate(prompts, n, spec)
+
+    engine.generate = recording  # type: ignore[method-assign]
+    pol.on_train_step(0)
+    ro = pol.rollout([{"prompt": p} for p in PROMPTS], 4, compute_logp=False)
+    assert [len(x) for x in seen] == [8, 4, 4]  # odd samples stop after turn 0
+    assert [c[0] for c in engine.calls[-4:]] == ["generate", "generate", "generate", "sleep"]
+    assert engine.asleep
+    for i in range(0, len(ro), 2):  # the 3-turn samples: turn k's engine prompt is the sequence so far
+        prompt = pol._prompt_token_ids(PROMPTS[i // 4])
+        n = int(ro.payload["completion_attention_mask"][i].sum())
+        full = prompt + ro.payload["completion_ids"][i, :n].tolist()
+        starts = [s for s, _, trained in runs(ro, i) if trained]
+        assert [seen[k][i // 2 if k else i] for k in range(3)] == [full[: len(prompt) + s] for s in starts]
+    assert ro.logp_sampler is not None and ro.logp_old is not None
+    assert torch.all(ro.logp_sampler[~ro.mask] == 0) and torch.all(ro.logp_sampler[ro.mask] < 0)
+    torch.testing.assert_close(ro.logp_sampler, ro.logp_old, atol=1e-5, rtol=0)
+    for i in range(len(ro)):  # an independent reference: one plain forward over prompt + completion region
+        prompt = pol._prompt_token_ids(PROMPTS[i // 4])
+        n = int(ro.payload["completion_attention_mask"][i].sum())
+        full = torch.tensor(prompt + ro.payload["completion_ids"][i, :n].tolist())
+        with torch.no_grad():
+            logits = pol.model(input_ids=full[None]).logits[0]
+        p = len(prompt)
+        ref = torch.log_softmax(logits / TEMPERATURE, -1)[p - 1 : -1].gather(-1, full[p:, None]).squeeze(-1)
+        m = ro.mask[i, :n]
+        torch.testing.assert_close(ro.logp_sampler[i, :n][m], ref[m], atol=1e-5, rtol=0)
+    assert ro.outputs["inserted_texts"][0] == ["Tool says 0.", "Tool says 1."]
+
+
+def test_vlm_multi_turn_samples_each_turn_with_the_engine(vlm_dir: Path) -> None:
+    """A VLM with ``rollout.engine: fake``: the engine's prompt for turn 1 holds the prompt's images AND the
+    inserted crop, each as ONE placeholder (runs of image tokens collapsed, the engine expands them again);
+    its log-probs of the generated tokens equal the trainer's re-scoring, inserted image tokens get none."""
+    from mmalign.engines import MultimodalPrompt
+
+    pol = vlm_policy(vlm_dir, ZoomEnv())
+    pol.setup(RunInfo(cfg=text_cfg("rollout.engine=fake"), accelerator=None))
+    seen: list[list[Any]] = []
+    generate = pol.engine.generate
+
+    def recording(prompts: Any, n: int, spec: Any) -> Any:
+        seen.append(list(prompts))
+        return generate(prompts, n, spec)
+
+    pol.engine.generate = recording  # type: ignore[method-assign]
+    pol.on_train_step(0)
+    ro = pol.rollout(vlm_rows(), 2, compute_logp=False)
+    image_token = pol.model.config.image_token_id
+    assert [len(x) for x in seen[:2]] == [4, 3]  # sample 3 stops after turn 0
+    for i, prompt in enumerate(seen[1]):  # samples 0, 1, 2 (the active ones keep their order)
+        assert isinstance(prompt, MultimodalPrompt)
+        n_images = len(vlm_rows()[i // 2]["images"]) + 1  # the prompt's images + the crop
+        assert len(prompt.images) == n_images and prompt.token_ids.count(image_token) == n_images
+    assert ro.payload["completion_mm_token_type_ids"][ro.mask].sum() == 0
+    inserted = ro.payload["completion_mm_token_type_ids"].bool()
+    assert inserted.any() and torch.all(ro.logp_sampler[inserted] == 0)
+    assert torch.all(ro.logp_sampler[~ro.mask] == 0)
+    torch.testing.assert_close(ro.logp_sampler, ro.logp_old, atol=1e-5, rtol=0)
+    assert pol.engine.asleep
 
 
 # ----------------------------------------------------------------------------- single_turn is unchanged

@@ -7,6 +7,7 @@ import importlib.util
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from mmalign.engines import (
 from mmalign.engines.fake import FakeEngine, filter_logits
 
 PROMPTS_TEXT = ["Q: 3 + 4 = ?\nA:", "hello world, the"]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -384,3 +386,153 @@ def test_apply_is_weights_scales_loss_and_gradient() -> None:
     weighted.sum().backward()
     assert weights.grad is None  # no gradient into the weights
     assert logp.grad is not None and float(logp.grad[0, 2]) == 0.0
+
+
+# ----------------------------------------------------------------------------- sleep / wake
+
+
+def test_sleep_wake_contract(model_dir: Path) -> None:
+    """`sleep` acts only where the sleep mode is on; an asleep engine wakes by itself before it samples or
+    loads weights (the fake engine raises on either while asleep, so a missing wake would fail here)."""
+    trainer = load(model_dir)
+    engine = FakeEngine(trainer)
+    prompts = prompt_ids(model_dir)
+    engine.sleep()
+    engine.sleep()  # idempotent
+    assert engine.asleep and engine.calls == [("sleep", None)]
+    engine.sync_weights(full_state_dict(trainer), timeout_s=30, step=1)
+    engine.sleep()
+    engine.generate(prompts, 1, SPEC)
+    assert [c[0] for c in engine.calls] == ["sleep", "wake", "sync", "sleep", "wake", "generate"]
+    off = FakeEngine(trainer, enable_sleep_mode=False)
+    off.sleep()
+    assert not off.asleep and off.calls == []  # a no-op without sleep mode
+    off.generate(prompts, 1, SPEC)
+
+
+def _tiny_cli_run(tmp_path: Path, *overrides: str) -> list[FakeEngine]:
+    """`mmalign train configs/text_reasoning-tiny.yaml` for 3 small steps with ``rollout.engine: fake``; every
+    update (`TextPolicy.action_stats` with gradients) is recorded in the engine's ``calls`` with its state."""
+    from mmalign.app.cli import main
+    from mmalign.policies.text import TextPolicy
+
+    engines: list[FakeEngine] = []
+    init, stats = FakeEngine.__init__, TextPolicy.action_stats
+
+    def keep(self: FakeEngine, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        engines.append(self)
+
+    def recorded(self: TextPolicy, rollout: Any) -> Any:
+        self.engine.calls.append(("update", self.engine.asleep))
+        return stats(self, rollout)
+
+    args = [
+        "train",
+        "configs/text_reasoning-tiny.yaml",
+        f"output_dir={tmp_path / 'run'}",
+        "rollout.engine=fake",
+        "rollout.group_size=2",
+        "rollout.prompts_per_step=2",
+        "rollout.max_new_tokens=4",
+        "trainer.steps=3",
+        "trainer.save_every=1000",
+        "trainer.sample_every=1000",
+        "trainer.progress_bar=false",
+        *overrides,
+    ]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FakeEngine, "__init__", keep)
+        mp.setattr(TextPolicy, "action_stats", recorded)
+        mp.chdir(REPO)
+        assert main(args) == 0
+    return engines
+
+
+def test_engine_sleeps_during_the_update_in_a_real_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny training run through the CLI with ``rollout.engine: fake``: each step the engine wakes, takes the
+    new weights, samples, and sleeps before the update (which runs while it is asleep); with
+    ``enable_sleep_mode: false`` it never sleeps."""
+    (engine,) = _tiny_cli_run(tmp_path / "on")
+    step = [("wake", None), ("sync", None), ("generate", 2), ("sleep", None), ("update", True)]
+    first = step[1:]  # built awake
+    calls = [(name, None if name == "sync" else detail) for name, detail in engine.calls]
+    assert calls == first + step + step, engine.calls
+    assert [d for n, d in engine.calls if n == "sync"] == [0, 1, 2]
+    (awake,) = _tiny_cli_run(tmp_path / "off", "rollout.engine_kwargs.enable_sleep_mode=false")
+    assert [n for n, _ in awake.calls] == ["sync", "generate", "update"] * 3
+    assert [d for n, d in awake.calls if n == "update"] == [False] * 3
+
+
+# ----------------------------------------------------------------------------- multi-turn runs with an engine
+
+
+def tool_env(ctx: Any) -> Any:
+    """Even samples get a tool answer after their first turn, then a second turn; odd ones stop at once."""
+    from mmalign.rollout_loops import DONE, Insert
+
+    return Insert(text=" Tool: 7.", role=None) if ctx.turn == 0 and ctx.group_index % 2 == 0 else DONE
+
+
+def length_mod3(batch: Any) -> list[float]:
+    """len(text) % 3: varies on a random model's gibberish, so advantages are not all zero."""
+    return [float(len(t) % 3) for t in batch.texts]
+
+
+def multi_turn_cfg(model_dir: Path, out: Path, *, engine: str, steps: int, **engine_kwargs: Any) -> Any:
+    """A text_reasoning run with the multi_turn loop (`tool_env`) sampling through `engine`."""
+    from mmalign.config import config_from_dict
+
+    return config_from_dict(
+        {
+            "pipeline": "text_reasoning",
+            "output_dir": str(out),
+            "seed": 0,
+            "model": {"name_or_path": str(model_dir)},
+            "data": {
+                "train": str(REPO / "assets" / "text_reasoning" / "train.jsonl"),
+                "prompt_template": "Q: {question} = ?\nA:",
+            },
+            "rollout": {
+                "group_size": 4,
+                "prompts_per_step": 2,
+                "max_new_tokens": 6,
+                "temperature": 0.9,
+                "engine": engine,
+                "engine_kwargs": engine_kwargs,
+                "is_correction": "token",
+                "loop": "multi_turn",
+                "loop_kwargs": {"environment": f"{__name__}:tool_env", "max_turns": 2},
+            },
+            "rewards": [{"name": f"{__name__}:length_mod3"}],
+            "trainer": {"steps": steps, "lr": 1e-2, "progress_bar": False, "save_every": 1000},
+        },
+        "test",
+    )
+
+
+def test_multi_turn_run_engine_matches_trainer_after_every_step(model_dir: Path, tmp_path: Path) -> None:
+    """The multi_turn loop with ``rollout.engine: fake``: every turn is sampled by the engine, the trainer
+    pushes its weights before each step's rollout, so the engine's log-prob of each generated token equals the
+    trainer's re-scoring after every optimizer step (1e-5: the same fp32 weights, another kernel order);
+    inserted tokens are in the sequences but not in the comparison (``mask``). Without the sync it drifts."""
+    import pipelines
+    from mmalign.trainer import GroupTrainer
+
+    cfg = multi_turn_cfg(model_dir, tmp_path / "run", engine="fake", steps=3)
+    trainer = GroupTrainer(cfg, pipelines.get(cfg.pipeline)(cfg))
+    engine = trainer.policy.engine
+    history = trainer.train()
+    assert len(history) == 3
+    for m in history:
+        assert m["is/abs_dlogp_max"] < 1e-5, m
+        assert m["num_turns/mean"] == 1.5 and m["inserted_len/mean"] > 0, m  # the tool answers are there
+    assert [d for n, d in engine.calls if n == "sync"] == [0, 1, 2]
+    assert [n for n, _ in engine.calls].count("generate") == 6  # two turns per step
+    trainer.policy.sync_engine = lambda step=0: None  # type: ignore[method-assign]
+    trainer.cfg.trainer.steps = 5
+    assert (
+        trainer.train()[-1]["is/abs_dlogp_max"] > 1e-3
+    )  # the check above can fail: a stale engine is caught

@@ -325,17 +325,78 @@ def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_vlm_engine_matches_trainer_after_every_step(vlm_dir: Path, tmp_path: Path) -> None:
-    """The vlm_reasoning pipeline with ``rollout.engine: vllm``: the images go through vLLM's multimodal
-    inputs with the policy's pixel bounds, the full weights (vision tower included) are pushed before each
-    rollout, and the engine's log-probs equal the trainer's re-scoring within `TOL` after every step."""
+@pytest.fixture(scope="module")
+def vlm25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen2.5-VL (text as `vlm_dir`'s: hidden 64, 2 heads of size 32; a 2-block vision tower,
+    windowed attention in block 0 and full attention in block 1, as the real tower alternates them) with a
+    ``Qwen2_5_VLProcessor`` (vLLM's Qwen2.5-VL processing asks for that class), saved by path."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+
+    from mmalign.tiny import vlm as tiny_vlm
+
+    torch.manual_seed(0)
+    base = tiny_vlm.tiny_vlm_processor(tiny_vlm._corpus())
+    tok = base.tokenizer
+    ids = tiny_vlm.special_token_ids(tok)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=base.image_processor,
+        tokenizer=tok,
+        video_processor=base.video_processor,
+        chat_template=base.chat_template,
+    )
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+        eos_token_id=ids[tiny_vlm.IM_END],
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[1],
+        tokens_per_second=2,
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids[tiny_vlm.IMAGE_PAD],
+        video_token_id=ids[tiny_vlm.VIDEO_PAD],
+        vision_start_token_id=ids[tiny_vlm.VISION_START],
+        vision_end_token_id=ids[tiny_vlm.VISION_END],
+        tie_word_embeddings=True,
+    )
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = [ids[tiny_vlm.IM_END], ids[tiny_vlm.EOS]]
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.bos_token_id = None
+    path = tmp_path_factory.mktemp("models") / "qwen25vl-h32"
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def vlm_cfg(model_dir: Path, out: Path, *, steps: int, **rollout: Any) -> Any:
     assets = REPO / "assets" / "vlm_reasoning"
-    cfg = config_from_dict(
+    return config_from_dict(
         {
             "pipeline": "vlm_reasoning",
-            "output_dir": str(tmp_path / "run"),
+            "output_dir": str(out),
             "seed": 0,
-            "model": {"name_or_path": str(vlm_dir)},
+            "model": {"name_or_path": str(model_dir)},
             "data": {"train": str(assets / "train.jsonl")},
             "options": {"image_root": str(assets), "min_pixels": 3136, "max_pixels": 3136},
             "rollout": {
@@ -345,13 +406,29 @@ def test_vlm_engine_matches_trainer_after_every_step(vlm_dir: Path, tmp_path: Pa
                 "engine": "vllm",
                 "engine_kwargs": {**ENGINE_KWARGS, "max_model_len": 256},
                 "is_correction": "token",
+                **rollout,
             },
             "rewards": [{"name": f"{__name__}:LengthMod3", "alias": "length_mod3"}],
-            "trainer": {"steps": 3, "lr": 1e-2, "progress_bar": False, "save_every": 1000},
+            "trainer": {"steps": steps, "lr": 1e-2, "progress_bar": False, "save_every": 1000},
         },
         "test",
     )
-    trainer = make_trainer(cfg)
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+def test_vlm_engine_matches_trainer_after_every_step(
+    family: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The vlm_reasoning pipeline with ``rollout.engine: vllm`` (Qwen2-VL, and Qwen2.5-VL with its windowed
+    vision attention): the images go through vLLM's multimodal inputs with the policy's pixel bounds, the full
+    weights (vision tower included) are pushed before each rollout, and the engine's log-probs equal the
+    trainer's re-scoring within `TOL` after every step."""
+    model_dir = request.getfixturevalue("vlm_dir" if family == "qwen2-vl" else "vlm25_dir")
+    trainer = make_trainer(vlm_cfg(model_dir, tmp_path / "run", steps=3))
+    arch = type(trainer.policy.model).__name__
+    assert arch == (
+        "Qwen2VLForConditionalGeneration" if family == "qwen2-vl" else "Qwen2_5_VLForConditionalGeneration"
+    )
     engine = trainer.policy.engine
     assert type(engine).__name__ == "VLLMEngine" and engine.supports_images
     history = trainer.train()
@@ -390,3 +467,96 @@ def test_async_worker_builds_and_syncs_its_engine(tied_dir: Path, tmp_path: Path
     assert [m["async/staleness_max"] for m in history] == [0, 0, 0]
     for m in history:
         assert m["is/abs_dlogp_max"] < TOL, m
+
+
+# ----------------------------------------------------------------------------- multi-turn, sleep / wake
+
+
+def tool_env(ctx: Any) -> Any:
+    """Even samples get a tool answer after their first turn, then a second turn; odd ones stop at once."""
+    from mmalign.rollout_loops import DONE, Insert
+
+    return Insert(text=" Tool: 7.", role=None) if ctx.turn == 0 and ctx.group_index % 2 == 0 else DONE
+
+
+def test_multi_turn_engine_matches_trainer_and_sleep_order(
+    tied_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The multi_turn loop with ``rollout.engine: vllm``: each turn is one vLLM call over the whole token
+    sequences (the tool's inserted tokens are seen, not trained), and after every optimizer step the engine's
+    log-prob of each of its own tokens equals the trainer's re-scoring within `TOL`. The same run asks for
+    ``enable_sleep_mode: true``: on the CPU backend, which has no sleep mode, that is a warning and the calls
+    are no-ops, and the policy still calls them in order: wake before each sync, sleep after each rollout's
+    last turn, the update while "asleep"."""
+    cfg = make_cfg(
+        tied_dir,
+        tmp_path / "run",
+        steps=3,
+        loop="multi_turn",
+        loop_kwargs={"environment": f"{__name__}:tool_env", "max_turns": 2},
+        engine_kwargs={**ENGINE_KWARGS, "enable_sleep_mode": True},
+    )
+    with caplog.at_level("WARNING", logger="mmalign.engines.vllm"):
+        trainer = make_trainer(cfg)
+    engine = trainer.policy.engine
+    calls: list[str] = []
+    depth = [0]  # only the outermost calls: generate / sync_weights wake the engine themselves (no-ops here)
+
+    def record(name: str, method: Any) -> Any:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if not depth[0]:
+                calls.append(name)
+            depth[0] += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return recorded
+
+    for name in ("sleep", "wake", "sync_weights", "generate"):
+        setattr(engine, name, record(name, getattr(engine, name)))
+    trainer.policy.action_stats = record("update", trainer.policy.action_stats)  # type: ignore[method-assign]
+    history = trainer.train()
+    if engine.on_cpu:
+        assert not engine.sleep_enabled and not engine.asleep
+        assert "no sleep mode" in caplog.text
+    for m in history:
+        assert m["is/abs_dlogp_max"] < TOL, m
+        assert m["num_turns/mean"] == 1.5 and m["inserted_len/mean"] > 0, m
+    # per step: wake, sync, the two turns' sampling, sleep, then the update
+    step = ["wake", "sync_weights", "generate", "generate", "sleep", "update"]
+    assert calls == step * 3, calls
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- bf16
+
+
+BF16_TOL = 2e-2
+"""Largest |engine log-prob - trainer log-prob| per sampled token accepted in bf16, both sides with bf16 weights
+and activations. Measured on the CPU backend (AMD EPYC with AVX512-BF16): at most 4.3e-3 in sync (2.5e-3,
+2.6e-3, 4.3e-3 over three weight versions; bf16 keeps 8 bits of mantissa, so each logit is rounded by up to
+~4e-3 of its size, and kernels accumulate in another order); a stale engine is off by > 0.1. 2e-2 leaves 4-5x
+headroom over the measurement and stays 5x below the stale gap."""
+
+
+def test_bf16_sync_and_logprob_agreement(tied_dir: Path) -> None:
+    """``dtype: bfloat16`` on the CPU backend (these CPUs have AVX512-BF16): the engine's log-probs of its own
+    samples agree with a bf16 trainer model's re-scoring within `BF16_TOL`, fall well outside it after a
+    trainer update, and come back within it after a full sync."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.bfloat16).eval()
+    engine = engine_for(tied_dir, dtype="bfloat16")
+    prompts = prompt_ids(tied_dir)
+    gaps = [max_gap(engine, trainer, prompts, SPEC)]
+    for step in (1, 2):
+        perturb(trainer, seed=step)
+        stale = max_gap(engine, trainer, prompts, SPEC)
+        engine.sync_weights(full_state_dict(trainer), lora=False, timeout_s=120, step=step)
+        gaps.append(max_gap(engine, trainer, prompts, SPEC))
+        assert stale > 5 * BF16_TOL, (stale, gaps)
+    print(f"bf16 gaps in sync: {gaps}")
+    assert max(gaps) < BF16_TOL, gaps
+    engine.close()
