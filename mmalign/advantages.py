@@ -2024,3 +2024,6 @@ def riskpo(
             share = share / (q_scale[papers] + eps)
         out[papers.flatten()] = share.flatten()
     return out
+
+# the seed-paper estimators register themselves here (mmalign/algorithms/seed_estimators.py)
+from mmalign.algorithms import seed_estimators as seed_estimators  # noqa: E402,F401

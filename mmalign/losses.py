@@ -792,3 +792,6 @@ def hapo(
     loss = torch.where(dual, cap, ppo_loss)
     per_token = torch.where(m, loss, torch.zeros_like(loss))
     return PolicyLossOutput(per_token=per_token, clipped=clipped | dual, ratio=ratio)
+
+# the seed-paper losses register themselves here (mmalign/algorithms/seed_losses.py)
+from mmalign.algorithms import seed_losses as seed_losses  # noqa: E402,F401

@@ -358,3 +358,6 @@ def self_aligned(
         raise ContextError("self_aligned: log-probs must be finite for samples with a reward")
     sar = 1.0 - torch.exp((lp_u - lp_c).clamp(max=50.0))
     return torch.where(valid, rewards + weight * sar, rewards)
+
+# the seed-paper transforms register themselves here (mmalign/algorithms/seed_transforms.py)
+from mmalign.algorithms import seed_transforms as seed_transforms  # noqa: E402,F401

@@ -12,6 +12,7 @@ from . import judge as judge  # registers openai_judge and editscore, judges ove
 from . import preference as preference  # registers hpsv2, image_reward, hpsv3 (rewards/preference.py)
 from . import process as process  # registers sampler_process_reward (rewards/process.py)
 from . import remote as remote  # registers remote, a reward served over HTTP (rewards/remote.py)
+from . import seed_rewards as seed_rewards  # registers the seed papers' rewards (rewards/seed_rewards.py)
 from . import video as video  # registers the video rewards (rewards/video.py)
 from .base import (
     ENTRY_POINT_GROUP,

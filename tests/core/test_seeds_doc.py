@@ -22,6 +22,7 @@ def registries() -> dict[str, list[str]]:
     from mmalign import (
         advantages,
         filters,
+        flow_objectives,
         losses,
         prompt_samplers,
         reward_transforms,
@@ -41,6 +42,7 @@ def registries() -> dict[str, list[str]]:
         "pipeline": pipelines.names(),
         "loop": rollout_loops.names(),
         "sde": sde.names(),
+        "objective": flow_objectives.names(),
     }
 
 
