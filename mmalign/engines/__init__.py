@@ -11,8 +11,6 @@ Importing this package never imports vLLM.
 
 from __future__ import annotations
 
-from typing import Any
-
 from mmalign.engines.base import (
     EngineOutput,
     EnginePrompt,
@@ -26,27 +24,7 @@ from mmalign.engines.base import (
     merged_state_dict,
     outputs_to_tensors,
 )
-from mmalign.engines.client import EngineClient
-
-ENGINE_NAMES = ("hf", "fake", "vllm")
-
-
-def get_engine(name: str, **kwargs: Any) -> RolloutEngine | None:
-    """The engine called ``name`` built with ``kwargs`` (``None`` for ``"hf"``)."""
-    if name == "hf":
-        if kwargs:
-            raise TypeError(f"engine 'hf' takes no options, got {sorted(kwargs)}")
-        return None
-    if name == "fake":
-        from mmalign.engines.fake import FakeEngine
-
-        return FakeEngine(**kwargs)
-    if name == "vllm":
-        from mmalign.engines.vllm import VLLMEngine
-
-        return VLLMEngine(**kwargs)
-    raise ValueError(f"unknown rollout engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
-
+from mmalign.engines.client import ENGINE_NAMES, EngineClient, get_engine
 
 __all__ = [
     "ENGINE_NAMES",

@@ -147,7 +147,7 @@ def outputs_to_tensors(outputs: list[EngineOutput], pad_id: int) -> tuple[Tensor
 # ----------------------------------------------------------------------------- weights to push
 
 
-def _is_peft(model: torch.nn.Module) -> bool:
+def is_peft(model: torch.nn.Module) -> bool:
     try:
         from peft import PeftModel
     except ImportError:  # pragma: no cover - peft is a dependency
@@ -163,7 +163,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     parameters): the full, unsharded tensors under the same names, gathered on every rank (a collective:
     every rank must call it).
     """
-    if _is_peft(model):
+    if is_peft(model):
         return merged_state_dict(model)
     if _is_sharded(model):
         from mmalign.distributed import gather_full_state_dict

@@ -25,6 +25,25 @@ from mmalign.engines.base import (
     outputs_to_tensors,
 )
 
+ENGINE_NAMES = ("hf", "fake", "vllm")
+
+
+def get_engine(name: str, **kwargs: Any) -> RolloutEngine | None:
+    """The engine called ``name`` built with ``kwargs`` (``None`` for ``"hf"``)."""
+    if name == "hf":
+        if kwargs:
+            raise TypeError(f"engine 'hf' takes no options, got {sorted(kwargs)}")
+        return None
+    if name == "fake":
+        from mmalign.engines.fake import FakeEngine
+
+        return FakeEngine(**kwargs)
+    if name == "vllm":
+        from mmalign.engines.vllm import VLLMEngine
+
+        return VLLMEngine(**kwargs)
+    raise ValueError(f"unknown rollout engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
+
 
 class EngineClient:
     """Holds the optional rollout engine of a policy: builds it from ``rollout.engine``, pushes the trainer's
@@ -62,7 +81,6 @@ class EngineClient:
 
     def _build(self, name: str, kwargs: dict[str, Any]) -> RolloutEngine | None:
         from mmalign.config import ConfigError
-        from mmalign.engines import get_engine
 
         try:
             engine = get_engine(name, **kwargs)

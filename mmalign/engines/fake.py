@@ -40,7 +40,7 @@ from mmalign.engines.base import (
     RolloutEngine,
     SamplingSpec,
     WeightState,
-    _is_peft,
+    is_peft,
     iter_state,
 )
 from mmalign.logprobs import cache_kwarg
@@ -91,7 +91,7 @@ class FakeEngine(RolloutEngine):
         self.supports_images = processor is not None
         if tokenizer is None and processor is not None:
             tokenizer = getattr(processor, "tokenizer", None)
-        if _is_peft(model):  # sample with the merged weights, as a merge-and-push engine would
+        if is_peft(model):  # sample with the merged weights, as a merge-and-push engine would
             model = copy.deepcopy(model).merge_and_unload()
         elif copy_model:
             model = copy.deepcopy(model)
@@ -321,7 +321,7 @@ class FakeEngine(RolloutEngine):
 
     @torch.no_grad()
     def _load_full(self, state: WeightState) -> None:
-        base = self.model.get_base_model() if _is_peft(self.model) else self.model
+        base = self.model.get_base_model() if is_peft(self.model) else self.model
         targets: dict[str, Tensor] = {}
         for name, value in base.state_dict(keep_vars=True).items():
             if ".lora_" in name:
@@ -344,7 +344,7 @@ class FakeEngine(RolloutEngine):
             )
 
     def _load_adapter(self, state: WeightState) -> None:
-        if not _is_peft(self.model):
+        if not is_peft(self.model):
             raise ValueError(
                 "fake engine: lora=True needs an adapter; construct FakeEngine(..., peft_config=...)"
             )
