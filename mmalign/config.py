@@ -253,22 +253,6 @@ class AlgorithmConfig:
     """How ``objective`` rollouts sample their clean latents: ``euler`` (the flow ODE), ``dpm2``
     (DiffusionNFT's second-order solver) or ``sde`` (the policy's own SDE, ``options.noise_level`` > 0)."""
 
-    def needs_reference(self) -> bool:
-        """Whether the run reads the reference policy: a KL penalty (``kl_coef`` > 0), or an estimator or
-        reward transform that reads reference log-probs (``logp_ref_*`` context fields, e.g. ``ace``).
-        Pipelines pass it as the policy's ``need_reference``."""
-        if self.kl_coef > 0:
-            return True
-        from mmalign import advantages, reward_transforms
-
-        try:
-            fields = set(advantages.context_fields(self.estimator))
-            for spec in self.reward_transforms:
-                fields |= set(reward_transforms.context_fields(str(spec.get("name"))))
-        except KeyError:  # an unknown name: check_names reports it
-            return False
-        return bool(fields & {"logp_ref_mean", "logp_ref_sum"})
-
 
 @dataclass
 class AsyncConfig:
@@ -876,67 +860,6 @@ def load_config(
     if overrides:
         src.label = f"{path} (with command-line overrides)"
     return _from_dict(data, src, pipeline_finder)
-
-
-def check_names(cfg: Config) -> None:
-    """The registry names of the ``algorithm`` section (estimator, loss, loss aggregation, KL estimator,
-    filter) and the prompt sampler (``data.sampler``) are registered, and ``adora``'s ``rule`` is one it
-    knows: a `ConfigError` naming the key, with close matches, otherwise.
-
-    The one check of these names: the command line's validation pass (`mmalign.app.preflight.validate`)
-    makes it before any model is built, `mmalign.trainer.GroupTrainer` for a config built in code."""
-    from mmalign import advantages, filters, losses, prompt_samplers, reward_transforms
-
-    a = cfg.algorithm
-    for i, spec in enumerate(a.reward_transforms):
-        try:
-            reward_transforms.get(str(spec.get("name")))
-        except _registry.RegistryError as e:
-            raise ConfigError(f"{cfg.source}: key 'algorithm.reward_transforms[{i}].name': {e}") from None
-    if a.objective is not None:
-        from mmalign import flow_objectives
-
-        try:
-            flow_objectives.get(a.objective)
-        except _registry.RegistryError as e:
-            raise ConfigError(f"{cfg.source}: key 'algorithm.objective': {e}") from None
-        known = flow_objectives.options(a.objective)
-        unknown = sorted(set(a.objective_kwargs) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"{cfg.source}: key 'algorithm.objective_kwargs': {a.objective!r} takes no option "
-                f"{', '.join(map(repr, unknown))} (it takes {', '.join(sorted(known))})"
-            )
-        if a.sample_with_old and a.old_policy is None:
-            raise ConfigError(
-                f"{cfg.source}: key 'algorithm.sample_with_old': sampling with the old policy needs "
-                "'algorithm.old_policy' (e.g. {decay_type: 1})"
-            )
-    elif a.eval_ema is not None:
-        raise ConfigError(
-            f"{cfg.source}: key 'algorithm.eval_ema': an evaluation EMA belongs to a forward-process objective "
-            "(algorithm.objective: diffusion_nft or awm)"
-        )
-    if a.estimator == "adora":  # the release's rule is the default; a misspelt one fails here, not at step 1
-        rule = a.estimator_kwargs.get("rule", "release")
-        if rule not in advantages.ADORA_RULES:
-            raise ConfigError(
-                f"{cfg.source}: key 'algorithm.estimator_kwargs.rule': adora's rule must be one of "
-                f"{', '.join(map(repr, advantages.ADORA_RULES))} (release: the authors' released recipe), "
-                f"got {rule!r}"
-            )
-    for key, get, name in (
-        ("algorithm.estimator", advantages.get, a.estimator),
-        ("algorithm.loss", losses.get, a.loss),
-        ("algorithm.loss_agg", losses.AGGREGATIONS.get, a.loss_agg),
-        ("algorithm.kl_estimator", losses.KL_ESTIMATORS.get, a.kl_estimator),
-        ("algorithm.filter", filters.get, a.filter),
-        ("data.sampler", prompt_samplers.get, cfg.data.sampler),
-    ):
-        try:
-            get(name)
-        except _registry.RegistryError as e:
-            raise ConfigError(f"{cfg.source}: key '{key}': {e}") from None
 
 
 def _validate_async(cfg: Config, need: typing.Callable[[bool, str, str], None]) -> None:

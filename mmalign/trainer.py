@@ -55,8 +55,9 @@ from mmalign import prompt_samplers as sampler_lib
 from mmalign import rundir, runlock
 from mmalign.algorithms.composition import LossComposer, MicroLoss, Tally
 from mmalign.algorithms.estimation import Estimation, Round
+from mmalign.algorithms.names import check_names
 from mmalign.batch import Rollout
-from mmalign.config import Config, ConfigError, check_names
+from mmalign.config import Config, ConfigError
 from mmalign.distributed import is_fsdp2
 from mmalign.errors import NonFiniteError, RunWriteError, TrainingError
 from mmalign.policies.base import RunInfo

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from mmalign.algorithms.names import needs_reference
 from mmalign.config import Config
 from mmalign.data import DataError, add_prompts, line_too_long, load_rows, read_lines
 from mmalign.policies.vlm import VLMPolicy
@@ -62,7 +63,7 @@ def policy_kwargs(cfg: Config, environment: Environment | None = None) -> dict[s
         gradient_checkpointing=m.gradient_checkpointing,
         attn_implementation=m.attn_implementation,
         trust_remote_code=m.trust_remote_code,
-        need_reference=cfg.algorithm.needs_reference(),
+        need_reference=needs_reference(cfg),
         max_new_tokens=r.max_new_tokens,
         temperature=r.temperature,
         top_p=r.top_p,

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import rewards.edit  # noqa: F401  (registers the editing rewards this pipeline's configs name)
+from mmalign.algorithms.names import needs_reference
 from mmalign.config import Config
 from mmalign.data import DataError
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
@@ -162,7 +163,7 @@ def build_edit_policy(cfg: Config) -> FluxKontextPolicy | QwenImageEditPolicy:
         sampler=opts.sampler_settings(seed=process_seed(opts.seed)),
         image_column=opts.image_column,
         **({} if opts.max_sequence_length is None else {"max_sequence_length": opts.max_sequence_length}),
-        need_reference=cfg.algorithm.needs_reference(),
+        need_reference=needs_reference(cfg),
     )
     if opts.resolution is not None:
         size = latent_size_for(policy, opts.resolution, cfg.source)

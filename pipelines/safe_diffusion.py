@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mmalign.algorithms.names import needs_reference
 from mmalign.config import Config, ConfigError
 from mmalign.data import load_rows
 from mmalign.policies.denoising import SamplerSettings
@@ -135,7 +136,7 @@ def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
         lora=m.lora,
         sampler=o.policy_sampler(seed=seed),
         latent_size=o.latent_size,
-        need_reference=cfg.algorithm.needs_reference(),
+        need_reference=needs_reference(cfg),
     )
     if o.policy == "ddim":
         from mmalign.policies.ddim import DDIMPolicy

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from mmalign.algorithms.names import needs_reference
 from mmalign.config import Config
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.policies.families import policy_class_for
@@ -115,7 +116,7 @@ def build_flow_policy(cfg: Config) -> FlowMatchingPolicy:
         sampler=opts.sampler_settings(seed=seed),
         **({} if opts.max_sequence_length is None else {"max_sequence_length": opts.max_sequence_length}),
         load_t5=opts.load_t5,
-        need_reference=cfg.algorithm.needs_reference(),
+        need_reference=needs_reference(cfg),
     )
     if opts.resolution is not None:
         policy.latent_size = latent_size_for(policy, opts.resolution, cfg.source)

@@ -171,7 +171,7 @@ class Estimation:
                     raise ConfigError(
                         f"{self.source}: key 'algorithm.estimator': reading reference log-probs failed "
                         f"({e}); the pipeline must build the policy with "
-                        "need_reference=cfg.algorithm.needs_reference()"
+                        "need_reference=mmalign.algorithms.names.needs_reference(cfg)"
                     ) from e
             fields["logp_ref_mean"], fields["logp_ref_sum"] = reduce(rollout.logp_ref)
         if "action_mask" in need:

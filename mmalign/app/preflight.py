@@ -5,7 +5,7 @@ config (`mmalign train`, `sample`, `eval`) reads it with `mmalign.config.load_co
 types, cross-field rules) and then calls `validate` once, and only then the pipeline's ``build`` (which
 loads the data files first and the model last). `validate` checks, cheapest first:
 
-- the pipeline name (``pipelines.get``) and the registry names of ``algorithm`` (`mmalign.config.check_names`);
+- the pipeline name (``pipelines.get``) and the registry names of ``algorithm`` (`mmalign.algorithms.names.check_names`);
 - then `preflight`, the checks of the files and options the config names:
 - `mmalign.rundir.check_output_dir(cfg, resume)`: ``output_dir`` already holds a run (without ``--resume``
   or ``overwrite=true``), or ``--resume`` finds no checkpoint. `GroupTrainer` calls it again (and then
@@ -46,7 +46,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mmalign.config import Config, ConfigError, check_names
+from mmalign.algorithms.names import check_names
+from mmalign.config import Config, ConfigError
 from mmalign.data import DataError, load_rows, missing_data_hint
 from mmalign.registry import RegistryError
 from mmalign.rundir import check_output_dir
@@ -898,7 +899,7 @@ def validate(
     cfg: Config, *, resume: bool | None = None, eval_rewards: bool = False
 ) -> Callable[[Config], Any]:
     """The one validation pass of a command, after `mmalign.config.load_config` checked the schema: the
-    pipeline name, the registry names of ``algorithm`` (`mmalign.config.check_names`), then `preflight`
+    pipeline name, the registry names of ``algorithm`` (`mmalign.algorithms.names.check_names`), then `preflight`
     (output directory and trackers when `resume` is not None, data files, rewards, model folders, prompts).
     Every problem is a `ConfigError` (a `DataError` for the rows) naming the file and the key or line.
 

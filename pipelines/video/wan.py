@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mmalign.algorithms.names import needs_reference
 from mmalign.config import Config
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.tiny import ensure_model
@@ -75,7 +76,7 @@ def build_wan_policy(cfg: Config, opts: WanVideoOptions, policy_class: Any = Non
             num_frames=opts.num_frames,
             max_sequence_length=opts.max_sequence_length,
             train_expert=opts.train_expert,
-            need_reference=cfg.algorithm.needs_reference(),
+            need_reference=needs_reference(cfg),
             height=opts.height,
             width=opts.width,
             **({} if opts.boundary_ratio is None else {"boundary_ratio": opts.boundary_ratio}),

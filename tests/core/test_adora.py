@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mmalign import advantages as adv
-from mmalign.config import ConfigError, check_names, config_from_dict
+from mmalign.algorithms.names import check_names
+from mmalign.config import ConfigError, config_from_dict
 
 NAN = float("nan")
 

@@ -687,7 +687,8 @@ def test_special_floats_round_trip(tmp_path):
 )
 def test_check_names_names_the_key_and_the_registered_names(key, value):
     """`check_names`: the one check of the algorithm's registry names (the CLI's validation, the trainer)."""
-    from mmalign.config import ConfigError, check_names, config_from_dict
+    from mmalign.algorithms.names import check_names
+    from mmalign.config import ConfigError, config_from_dict
 
     cfg = config_from_dict(
         {"pipeline": "text_reasoning", "output_dir": "runs/x", "rewards": [{"name": "format"}]}
