@@ -65,7 +65,7 @@ def run(
 ) -> dict[str, Any]:
     import pipelines
     from mmalign.config import load_config
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
 
     ov = [
         f"output_dir={out}",

@@ -118,7 +118,7 @@ def measured_step_peak(cfg: Any) -> int:
     import pipelines
     from mmalign.app.plan import profiled_alloc_peak
     from mmalign.policies.base import RunInfo
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
 
     trainer = GroupTrainer(cfg, pipelines.get("text_to_image")(cfg))
     policy = trainer.policy

@@ -425,7 +425,7 @@ class Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         from mmalign.config import config_from_dict
         from mmalign.policies.sd3 import SD3Policy
-        from mmalign.trainer import GroupTrainer
+        from mmalign.training.trainer import GroupTrainer
         from pipelines import TrainingSetup
         from rewards import RewardSet
 

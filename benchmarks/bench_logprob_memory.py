@@ -122,7 +122,7 @@ def run_logprob(spec: dict[str, Any]) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     path = spec["path"]
     if path.startswith("mmalign"):
-        from mmalign.batch import Rollout
+        from mmalign.data.batch import Rollout
         from mmalign.policies.text import TextPolicy
 
         policy = TextPolicy.from_pretrained(

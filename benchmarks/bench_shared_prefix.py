@@ -85,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
         return
 
     from mmalign import tiny
-    from mmalign.batch import Rollout
+    from mmalign.data.batch import Rollout
     from mmalign.policies.text import TextPolicy
 
     model_dir = Path(args.model_dir)
@@ -195,7 +195,7 @@ def vlm_worker(args: argparse.Namespace) -> None:
     import torch
     from PIL import Image
 
-    from mmalign.batch import Rollout
+    from mmalign.data.batch import Rollout
     from mmalign.policies.token_scoring import VISION_KEYS
     from mmalign.policies.vlm import VLMPolicy
 

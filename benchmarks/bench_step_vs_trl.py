@@ -323,7 +323,7 @@ def run_mmalign(spec: dict[str, Any], gate: str | None = None) -> dict[str, Any]
 
     import pipelines
     from mmalign.config import config_from_dict
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
 
     transformers.AutoModelForCausalLM  # noqa: B018  (resolve the lazy module, as TRL's import does)
     rss_import = _rss_mb()

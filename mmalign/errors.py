@@ -31,7 +31,7 @@ class MetricsError(MmalignError, ValueError):
 class RunWriteError(MmalignError, OSError):
     """Writing a file of the run directory failed (a full disk, permissions): names the file and the cause
     (`cause`; its ``errno``, when it has one, or `errno`, is ``cause_errno``). `detail` is appended to the
-    message (`mmalign.rundir.writing` adds the free space of a full disk)."""
+    message (`mmalign.training.rundir.writing` adds the free space of a full disk)."""
 
     def __init__(
         self, path: object, cause: BaseException, *, detail: str = "", errno: int | None = None

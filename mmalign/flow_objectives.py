@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 LOG_RATIO_CLAMP = 20.0
-"""AWM's log-ratio is clamped to [-20, 20] before exp (as `mmalign.losses`); it only bites on garbage."""
+"""AWM's log-ratio is clamped to [-20, 20] before exp (as `mmalign.algorithms.losses`); it only bites on garbage."""
 ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
 """DiffusionNFT's ``adv_mode`` options (its training script's ``config.train.adv_mode``)."""
 AWM_WEIGHTINGS = ("uniform", "t", "t**2", "huber", "ghuber")

@@ -2,7 +2,7 @@
 
 A pipeline owns what is special to its domain (policy construction, reward plugins, data,
 callbacks such as curricula, the typed ``options:`` section of its configs) and nothing else: the
-training loop is `mmalign.trainer.GroupTrainer`. It registers where it is defined::
+training loop is `mmalign.training.trainer.GroupTrainer`. It registers where it is defined::
 
     @dataclass
     class MyOptions:

@@ -13,9 +13,9 @@ from typing import Any, Literal, TypeVar
 
 from mmalign.algorithms.names import needs_reference
 from mmalign.config import Config
-from mmalign.data import DataError, add_prompts, line_too_long, load_rows, read_lines
+from mmalign.data.rollout_loops import Environment, loop_from_config
+from mmalign.data.rows import DataError, add_prompts, line_too_long, load_rows, read_lines
 from mmalign.policies.vlm import VLMPolicy
-from mmalign.rollout_loops import Environment, loop_from_config
 from mmalign.tiny import ensure_model
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def load_prompts(
 ) -> list[dict[str, Any]]:
     """Prompt rows of a ``.txt`` file (one prompt per line; blank and ``#`` lines skipped) or JSONL /
     ``hf:`` rows (a ``prompt`` column, or `template` formatted from the row's columns), read by
-    `mmalign.data.load_rows`. Every row must end up with a non-empty string ``prompt``, else a DataError
+    `mmalign.data.rows.load_rows`. Every row must end up with a non-empty string ``prompt``, else a DataError
     names the row (file:line)."""
     rows = load_rows(source, template, max_rows)
     for row in rows:
@@ -147,9 +147,9 @@ def image_files(
     row: dict[str, Any], root: Path | None = None, columns: Sequence[str] = IMAGE_COLUMNS
 ) -> list[str]:
     """The image files `row` names in `columns` that exist (relative paths against `root`, default: the working
-    directory), each once: paths ending in one of `mmalign.media.IMAGE_SUFFIXES`. Images in memory, other files
+    directory), each once: paths ending in one of `mmalign.data.media.IMAGE_SUFFIXES`. Images in memory, other files
     (a video, a ``.npz`` frame), folders and missing files (the loader's error) are left out."""
-    from mmalign.media import IMAGE_SUFFIXES
+    from mmalign.data.media import IMAGE_SUFFIXES
 
     out: list[str] = []
     for key in columns:
@@ -265,7 +265,7 @@ class _Rows(list):
 
 
 def load_rows_skipping(source: str, template: str, max_rows: int | None) -> list[dict[str, Any]]:
-    """Line by line (`mmalign.data.read_lines`): a line that is too long, not UTF-8, not a JSON object or lacks
+    """Line by line (`mmalign.data.rows.read_lines`): a line that is too long, not UTF-8, not a JSON object or lacks
     a prompt column is skipped and logged (its file:line); the count is the list's ``skipped``."""
     rows = _Rows()
     for lineno, raw in read_lines(source):

@@ -42,7 +42,7 @@ from typing import Any, Literal
 import rewards.edit  # noqa: F401  (registers the editing rewards this pipeline's configs name)
 from mmalign.algorithms.names import needs_reference
 from mmalign.config import Config
-from mmalign.data import DataError
+from mmalign.data.rows import DataError
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.policies.families import policy_class_for
 from mmalign.policies.flux_kontext import FluxKontextPolicy

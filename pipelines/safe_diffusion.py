@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from mmalign.algorithms.names import needs_reference
 from mmalign.config import Config, ConfigError
-from mmalign.data import load_rows
+from mmalign.data.rows import load_rows
 from mmalign.policies.denoising import SamplerSettings
 from mmalign.tiny import ensure_model
 from mmalign.training.seeding import process_seed

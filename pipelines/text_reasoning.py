@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mmalign.config import Config
-from mmalign.data import load_rows
+from mmalign.data.rows import load_rows
 from mmalign.policies.text import TextPolicy
 from mmalign.tiny import ensure_model
 from pipelines import TrainingSetup, register_pipeline

@@ -50,8 +50,8 @@ set also writes ``rollout.step_rewards`` = sum_k step_weight_k * r_k (Float[B, T
 0 where ``rollout.mask`` is False). ``RewardSet.weights`` are the OUTCOME weights (0 for per-step
 columns) and ``RewardSet.step_weights`` the weights of the per-step columns (0 elsewhere).
 Combining the columns with weights (r_i = nansum_k w_k r_ik) is done by
-`mmalign.advantages.combine_rewards`, not here; estimators that take ``step_rewards`` (see
-`mmalign.advantages.accepts_step_rewards`) turn the step rewards into per-action advantages.
+`mmalign.algorithms.advantages.combine_rewards`, not here; estimators that take ``step_rewards`` (see
+`mmalign.algorithms.advantages.accepts_step_rewards`) turn the step rewards into per-action advantages.
 
 Per-reward options of a config entry (`RewardSpec`; checked by `spec_problem`, errors name the key):
 
@@ -160,7 +160,7 @@ class RewardBatch:
 
     @classmethod
     def from_rollout(cls, rollout: Any) -> RewardBatch:
-        """The reward view of a `mmalign.batch.Rollout` (shares its lists and tensors, no copies)."""
+        """The reward view of a `mmalign.data.batch.Rollout` (shares its lists and tensors, no copies)."""
         return cls(
             prompts=list(rollout.prompts),
             outputs=rollout.outputs,
@@ -535,7 +535,7 @@ class RewardSet:
     per-step (process) rewards, whose columns only report each sample's mean step reward.
     ``step_weights`` Float[K] hold each per-step reward's configured weight (0 for outcome columns);
     ``per_step_names`` / ``is_per_step`` tell which columns are per-step. Weighting the outcome
-    columns is `mmalign.advantages.combine_rewards`' job; `__call__` writes the weighted step rewards
+    columns is `mmalign.algorithms.advantages.combine_rewards`' job; `__call__` writes the weighted step rewards
     to ``rollout.step_rewards``. Without per-step rewards ``weights`` are the configured weights.
     """
 

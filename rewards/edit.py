@@ -17,7 +17,7 @@ source image is ``outputs["source_images"]`` (Float[B,3,H,W], same size) when pr
 column ``source_image`` (option ``source_column``: a path or a PIL image per row), read as RGB and resized
 to the edit's size with Lanczos when the sizes differ (what `FluxKontextPolicy` conditions on). The edit
 region is ``outputs["edit_masks"]`` (Float[B,H,W], 1 = edit), else per row the column ``edit_mask`` (a
-mask image, `mmalign.media.read_mask`: grey > 0.5 is the edit region; resized nearest-neighbour), else the
+mask image, `mmalign.data.media.read_mask`: grey > 0.5 is the edit region; resized nearest-neighbour), else the
 column ``edit_bbox``: one box ``[x0, y0, x1, y1]`` or a list of boxes, as FRACTIONS of the image width and
 height (a pixel belongs to a box when its centre does: ``x0 W <= x + 0.5 < x1 W``, likewise in y). A row
 without a source (or, for a region, without a mask and a box) scores NaN; a batch that has neither the
@@ -64,7 +64,7 @@ def _read_rgb(value: Any, height: int, width: int) -> Tensor:
     import numpy as np
     from PIL import Image
 
-    from mmalign.media import load_rgb
+    from mmalign.data.media import load_rgb
 
     pil = load_rgb(value)
     if pil.size != (width, height):
@@ -141,7 +141,7 @@ def edit_masks(
 ) -> tuple[Tensor, Tensor]:
     """(edit masks Float[B,H,W], 1 = the edit region, Bool[B] rows that have one): ``outputs["edit_masks"]``,
     else per row the mask image of `mask_column`, else the box(es) of `bbox_column` (see the module docstring)."""
-    from mmalign.media import read_mask
+    from mmalign.data.media import read_mask
 
     b, _, h, w = images.shape
     if "edit_masks" in batch.outputs:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.answers import extract_boxed  # (shared with the data loader: MATH's solutions)
+from mmalign.data.answers import extract_boxed  # (shared with the data loader: MATH's solutions)
 
 from .base import Reward, RewardBatch, register_reward
 

@@ -15,11 +15,11 @@ Inputs. Every reward reads ``batch.outputs["videos"]``, Float[B,F,3,H,W] in [0, 
 "videos", so the trainer decodes them). Rewards that compare with the source read
 ``outputs["source_videos"]`` (Float[B,F,3,H,W], the source at the same frames and size); without it
 they read the dataset column ``source_video`` (a path per row, option ``source_column``) with
-``mmalign.media.read_video(path, num_frames=None, size=None)``, and a source whose frame count or
+``mmalign.data.media.read_video(path, num_frames=None, size=None)``, and a source whose frame count or
 size differs from the edit's is RESAMPLED to the edit's: frame i of F takes the source frame
 ``round(i * (F_src - 1) / (F - 1))`` (nearest in time), then the frames are resized to H x W (bilinear,
 antialiased). Edit masks come from ``outputs["edit_masks"]`` (Float[B,F,H,W], 1 = the edit region),
-else from the column ``edit_mask`` (``mmalign.media.read_mask``; same resampling, nearest-neighbour
+else from the column ``edit_mask`` (``mmalign.data.media.read_mask``; same resampling, nearest-neighbour
 resize). A mask counts as the edit region where it is > 0.5. A row whose path is missing (None / "")
 scores NaN (not applicable); a column that is absent altogether is a KeyError naming it.
 
@@ -245,7 +245,7 @@ def _from_column(
             f"(a path per row); outputs: {sorted(batch.outputs) or 'none'}; "
             f"columns: {sorted(batch.columns) or 'none'}"
         )
-    from mmalign.media import read_mask, read_video  # lazy: file decoding only when a reward reads files
+    from mmalign.data.media import read_mask, read_video  # lazy: file decoding only when a reward reads files
 
     b, f, _, h, w = like.shape
     shape = (b, f, h, w) if mask else (b, f, 3, h, w)

@@ -1,7 +1,7 @@
 """The loss of one microbatch, composed from the configured parts, and the update's metrics.
 
 `LossComposer` turns a policy's `ActionStats` for a microbatch into the tensor the backward runs on: a head
-gives the per-action loss (the registered policy-gradient loss of `mmalign.losses` with the truncated
+gives the per-action loss (the registered policy-gradient loss of `mmalign.algorithms.losses` with the truncated
 importance-sampling correction, or the loss the policy computed itself: a forward-process objective), then one
 tail adds the KL penalty, aggregates with the minibatch's global normalisers and adds the auxiliary terms. It
 needs no trainer: tests build one from a `Config` and call it. `Tally` sums the microbatches' metrics.
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign import is_correction as isc
-from mmalign import losses as loss_lib
-from mmalign.batch import Rollout
+from mmalign.algorithms import is_correction as isc
+from mmalign.algorithms import losses as loss_lib
 from mmalign.config import Config, ConfigError
+from mmalign.data.batch import Rollout
 from mmalign.policies.base import ActionStats
 
 __all__ = ["LOSS_NEEDS", "LossComposer", "MicroLoss", "Tally", "is_weighted", "microbatch_sums"]
@@ -35,7 +35,7 @@ def is_weighted(
     per_token: Tensor, logp_old: Tensor, logp_sampler: Tensor, mask: Tensor, *, level: str, cap: float
 ) -> tuple[Tensor, dict[str, Any]]:
     """The per-action loss weighted by the truncated importance weights of the trainer's over the sampler's
-    log-probs (`rollout.is_correction` = `level`, `rollout.is_cap` = `cap`; `mmalign.is_correction`), and the
+    log-probs (`rollout.is_correction` = `level`, `rollout.is_cap` = `cap`; `mmalign.algorithms.is_correction`), and the
     weights' metrics (``is/...``)."""
     w = isc.tis_weights(logp_old, logp_sampler, mask, level=level, cap=cap)
     weighted = isc.apply_is_weights(per_token, w)

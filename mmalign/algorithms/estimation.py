@@ -2,7 +2,7 @@
 
 `Estimation` holds ``algorithm.estimator`` (and its state across steps), the ``reward_transforms`` and the
 advantage clamp. The estimator and the transforms declare the `EstimatorContext` fields they read
-(`mmalign.advantages.context_fields`, `mmalign.reward_transforms.context_fields`) and the loss declares what it
+(`mmalign.algorithms.advantages.context_fields`, `mmalign.algorithms.reward_transforms.context_fields`) and the loss declares what it
 reads (`LossComposer.needs`); `Estimation` fills exactly those from a round (`Round`) through the trainer's
 collectives (`Collectives`), so the trainer names no algorithm. All advantages are computed on the GLOBAL batch:
 N processes give the advantages of one.
@@ -17,11 +17,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from mmalign import advantages as adv_lib
-from mmalign import filters as filter_lib
-from mmalign import reward_transforms as rt_lib
-from mmalign.batch import Rollout
+from mmalign.algorithms import advantages as adv_lib
+from mmalign.algorithms import filters as filter_lib
+from mmalign.algorithms import reward_transforms as rt_lib
 from mmalign.config import GUARD_ADV_CLIP, Config
+from mmalign.data.batch import Rollout
 from mmalign.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Round:
 
 
 class Collectives(Protocol):
-    """What `Estimation` asks of the trainer (`mmalign.trainer.GroupTrainer` implements it)."""
+    """What `Estimation` asks of the trainer (`mmalign.training.trainer.GroupTrainer` implements it)."""
 
     step: int
 

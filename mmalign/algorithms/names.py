@@ -76,7 +76,9 @@ def check_names(cfg: Config) -> None:
     objective, reward transforms) and the prompt sampler (``data.sampler``) are registered, their ``*_kwargs``
     are options they declare, and ``adora``'s ``rule`` is one it knows: a `ConfigError` naming the key, with
     close matches, otherwise."""
-    from mmalign import advantages, filters, flow_objectives, losses, prompt_samplers, reward_transforms
+    from mmalign import flow_objectives
+    from mmalign.algorithms import advantages, filters, losses, reward_transforms
+    from mmalign.data import prompt_samplers
 
     a, src = cfg.algorithm, cfg.source
     for i, spec in enumerate(a.reward_transforms):
@@ -173,7 +175,7 @@ def needs_reference(cfg: Config) -> bool:
     """Whether the run reads the reference policy: a KL penalty (``algorithm.kl_coef`` > 0), or an estimator
     or reward transform that reads reference log-probs (``logp_ref_*`` context fields, e.g. ``ace``).
     Pipelines pass it as the policy's ``need_reference``."""
-    from mmalign import advantages, reward_transforms
+    from mmalign.algorithms import advantages, reward_transforms
 
     a = cfg.algorithm
     if a.kl_coef > 0:

@@ -2,7 +2,7 @@
 registry: ``estimator:dcpo``, ``estimator:copo``, ``estimator:hardness_weighted`` (the reward transform
 ``grpo_s`` is in `mmalign.algorithms.seed_transforms`). Formulas: docs/algorithms.md; each docstring says where its formula comes from.
 
-They follow the conventions of `mmalign.advantages` (NaN / non-finite rewards are "not applicable" and get
+They follow the conventions of `mmalign.algorithms.advantages` (NaN / non-finite rewards are "not applicable" and get
 advantage 0, groups with fewer than 2 valid samples get 0, float64 inside, keyword-only options).
 """
 
@@ -13,8 +13,8 @@ import math
 import torch
 from torch import Tensor
 
-from mmalign import advantages as adv_lib
-from mmalign.advantages import EstimatorContext, Weights
+from mmalign.algorithms import advantages as adv_lib
+from mmalign.algorithms.advantages import EstimatorContext, Weights
 
 __all__ = ["copo", "dcpo", "hardness_weighted"]
 

@@ -1,4 +1,4 @@
-"""Policy losses from the seed papers (docs/seeds.md), registered into `mmalign.losses`: ``loss:target_entropy``.
+"""Policy losses from the seed papers (docs/seeds.md), registered into `mmalign.algorithms.losses`: ``loss:target_entropy``.
 
 Formulas: docs/algorithms.md; each docstring says where its formula comes from.
 """
@@ -10,8 +10,8 @@ import math
 import torch
 from torch import Tensor
 
-from mmalign import losses as loss_lib
-from mmalign.losses import PolicyLossOutput
+from mmalign.algorithms import losses as loss_lib
+from mmalign.algorithms.losses import PolicyLossOutput
 
 __all__ = ["entropy_surrogate", "target_entropy"]
 

@@ -1,4 +1,4 @@
-"""Reward transforms from the seed papers (docs/seeds.md), registered into `mmalign.reward_transforms`:
+"""Reward transforms from the seed papers (docs/seeds.md), registered into `mmalign.algorithms.reward_transforms`:
 ``transform:grpo_s``. Formulas: docs/algorithms.md.
 """
 
@@ -9,8 +9,8 @@ import math
 import torch
 from torch import Tensor
 
-from mmalign import reward_transforms as rt_lib
-from mmalign.advantages import group_index
+from mmalign.algorithms import reward_transforms as rt_lib
+from mmalign.algorithms.advantages import group_index
 
 __all__ = ["grpo_s"]
 

@@ -19,7 +19,7 @@ Before any model is built or loaded, a command checks everything that needs none
 model folders; then the pipeline reads its data files), so a wrong command fails in seconds with one
 `mmalign: error: ...` line (any `mmalign.errors.MmalignError`) and leaves an existing run as it was.
 
-`train` holds the run lock of its output directory from before the model loads (`mmalign.runlock`: a second
+`train` holds the run lock of its output directory from before the model loads (`mmalign.training.runlock`: a second
 writer is refused, naming the first); ``--resume`` applies the changed keys a resume can apply and refuses the
 others (`mmalign.training.resume.resume_changes`). `sample` and `eval` only read a run and take no lock.
 """
@@ -109,7 +109,7 @@ def _prepare_launch() -> None:
     """Before accelerate's state exists: a multi-process launch on a machine without CUDA runs on CPU
     processes (gloo). Without this, ``Accelerator(cpu=False)`` ignores the launch and every process would
     train alone, all of them into the same output directory."""
-    from mmalign.distributed import launched_processes
+    from mmalign.training.distributed import launched_processes
 
     if launched_processes() > 1:
         import torch
@@ -129,7 +129,7 @@ def distributed_info(distributed_type: Any, num_processes: int) -> dict[str, Any
 def _process_state(cfg: Config) -> Any:
     """accelerate's process state for `sample` / `eval` (rank, number of processes, gather); a plain stand-in
     in a one-process run, which then sets up no accelerate state."""
-    from mmalign.distributed import check_launch, launched_processes
+    from mmalign.training.distributed import check_launch, launched_processes
 
     if launched_processes() == 1:
         from types import SimpleNamespace
@@ -154,11 +154,11 @@ def _end_processes(args: argparse.Namespace, state: Any) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train (or, with ``--resume``, continue) a run. Before any model is built: the one validation pass
-    (`_prepare`), the run lock (`mmalign.runlock`: a second writer into the same output_dir is refused, naming
+    (`_prepare`), the run lock (`mmalign.training.runlock`: a second writer into the same output_dir is refused, naming
     the first), and for a resume the config compared with the run's saved one (`mmalign.training.resume.resume_changes`:
     a change it cannot apply is refused) and a finished run reported as such."""
-    from mmalign import rundir, runlock
     from mmalign.app.run import build_trainer
+    from mmalign.training import rundir, runlock
     from mmalign.training.seeding import set_seed
 
     cfg, build = _prepare(args, resume=args.resume)
@@ -185,8 +185,8 @@ def _train(args: argparse.Namespace, cfg: Config, trainer: Any) -> int:
     """`cmd_train` once the trainer is built: what a resume loaded and changed, the training, the summary."""
     import json
 
-    from mmalign import rundir
-    from mmalign.distributed import check_launch
+    from mmalign.training import rundir
+    from mmalign.training.distributed import check_launch
 
     acc = trainer.accelerator
     check_launch(acc.distributed_type, acc.num_processes)
@@ -245,7 +245,7 @@ def _command_line(args: argparse.Namespace, *, resume: bool | None = None, extra
 def _finished(args: argparse.Namespace, cfg: Config) -> bool:
     """A resume of a run that is trained to ``trainer.steps`` (its newest checkpoint, and ``final/``, exist):
     says so, and how to train further; nothing is loaded."""
-    from mmalign import rundir
+    from mmalign.training import rundir
 
     out = Path(cfg.output_dir)
     latest = rundir.latest_checkpoint(out)
@@ -269,7 +269,7 @@ def _interrupted(args: argparse.Namespace) -> str:
     out = getattr(args, "_output_dir", None)
     if getattr(args, "command", None) != "train" or out is None or not _main_rank():
         return "interrupted"
-    from mmalign import rundir
+    from mmalign.training import rundir
 
     trainer = getattr(args, "_trainer", None)
     if trainer is None:
@@ -312,7 +312,7 @@ def _checkpoint(cfg: Config, spec: str, what: str) -> Path | None:
 
 def _existing_checkpoints(cfg: Config) -> str:
     """The run's complete checkpoints, for a message: what ``--checkpoint`` may name."""
-    from mmalign import rundir
+    from mmalign.training import rundir
 
     root = Path(cfg.output_dir) / rundir.CHECKPOINTS_DIR
     done = rundir.checkpoints(cfg.output_dir)
@@ -326,7 +326,7 @@ def _existing_checkpoints(cfg: Config) -> str:
 
 def _no_checkpoint_warning(cfg: Config, what: str) -> str:
     """The warning of `sample` / `eval` when ``--checkpoint latest`` finds no checkpoint in the run."""
-    from mmalign import rundir
+    from mmalign.training import rundir
 
     root = Path(cfg.output_dir) / rundir.CHECKPOINTS_DIR
     why = "does not exist" if not Path(cfg.output_dir).is_dir() else "holds no complete checkpoint"
@@ -338,7 +338,7 @@ def _no_checkpoint_warning(cfg: Config, what: str) -> str:
 
 def _prompt_rows(args: argparse.Namespace, cfg: Config) -> list[dict] | None:
     """The prompts of --prompt / --prompts (read before the model is loaded); None: the eval prompts."""
-    from mmalign.data import load_prompt_rows
+    from mmalign.data.rows import load_prompt_rows
 
     if args.prompt:
         return [{"prompt": p} for p in args.prompt]
@@ -355,9 +355,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     import torch
 
-    from mmalign import rundir
     from mmalign.app.evaluation import eval_rows, generate_chunks, load_weights, resolve_checkpoint
-    from mmalign.media import save_grid
+    from mmalign.data.media import save_grid
+    from mmalign.training import rundir
 
     cfg, build = _prepare(args)
     state = _process_state(cfg)

@@ -298,9 +298,11 @@ def pipeline_names() -> list[str]:
 def registry_keys() -> dict[tuple[type, str], RegistryKey]:
     """(dataclass, field) -> the registry its value names."""
     import rewards
-    from mmalign import advantages, filters, losses, rollout_loops, sde, tiny
-    from mmalign import prompt_samplers as samplers
+    from mmalign import tiny
+    from mmalign.algorithms import advantages, filters, losses, sde
     from mmalign.config import AlgorithmConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig
+    from mmalign.data import prompt_samplers as samplers
+    from mmalign.data import rollout_loops
     from mmalign.policies.denoising import SamplerSettings
 
     def reg(registry: Any, load: Callable[[], object] | None = None) -> Callable[[], list[str]]:

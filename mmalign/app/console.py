@@ -32,7 +32,7 @@ _THIRD_PARTY_WARNINGS: tuple[tuple[str, str, type[Warning], str], ...] = (
         r"`(past_key_values|cache_params)` is deprecated and (will be|removed)",
         FutureWarning,
         # transformers 5.x renamed the KV-cache argument of `forward` / `generate` to `cache`. mmalign
-        # passes the name the installed release takes (`mmalign.logprobs.cache_kwarg`);
+        # passes the name the installed release takes (`mmalign.algorithms.logprobs.cache_kwarg`);
         # this is for code between us and the model (PEFT wrappers, remote model code, plugins) that still
         # passes the old name: nothing a user can change, so it is shown once, not once per step.
         "transformers KV-cache argument rename",

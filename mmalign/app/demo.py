@@ -2,7 +2,7 @@
 
 The data layer (`list_steps`, `load_group`, `reward_table`, `sample_layout`, `box_annotations`,
 `diagnostic_panels`, `generate_samples`, `score_generated`, ...) is pure functions of the run directories, read
-through `mmalign.rundir` on every call (a run still training shows its new steps). The layout: `build_app`
+through `mmalign.training.rundir` on every call (a run still training shows its new steps). The layout: `build_app`
 returns the `gr.Blocks` (tabs "Samples", "Curves", "Compare"), `launch_app` serves it, `demo_main` is the command
 line.
 
@@ -46,7 +46,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
 
-from mmalign import rundir
+from mmalign.training import rundir
 
 log = logging.getLogger(__name__)
 
@@ -959,7 +959,7 @@ def checkpoint_choices(run_dir: str | Path) -> list[tuple[str, str]]:
 
 
 def _checkpoints(run_dir: str | Path) -> list[Path]:
-    """`mmalign.rundir.checkpoints` of the run that pass the path rule (`checked_path`), oldest first."""
+    """`mmalign.training.rundir.checkpoints` of the run that pass the path rule (`checked_path`), oldest first."""
     root = Path(run_dir) / rundir.CHECKPOINTS_DIR
     if not root.exists() or checked_path(run_dir, root, "checkpoints folder") is None:
         return []
@@ -1152,7 +1152,7 @@ def score_generated(
 ) -> tuple[list[str], dict[str, str]]:
     """Score generated `rows` with the run's rewards (`rewards.RewardSet` of its ``config.yaml``, each reward
     on its own): every row gets ``rewards`` ``{name: value}`` and ``reward``, the weighted total
-    (`mmalign.advantages.combine_rewards`; NaN, "not applicable", left out). The samples of one prompt are
+    (`mmalign.algorithms.advantages.combine_rewards`; NaN, "not applicable", left out). The samples of one prompt are
     scored together with the data columns the run logged with that prompt (`prompt_columns`: a reference
     answer, boxes); a free-typed prompt has none, so a reward that needs one is NaN for it. Returns ``(reward
     names, notes)``: notes say, per reward, why it is NaN somewhere (or, under ``""``, why nothing was
@@ -1160,7 +1160,7 @@ def score_generated(
     the note says which name and how to opt in)."""
     import torch
 
-    from mmalign.advantages import combine_rewards
+    from mmalign.algorithms.advantages import combine_rewards
     from rewards import RewardBatch, RewardSet
 
     try:

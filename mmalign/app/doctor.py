@@ -1,6 +1,6 @@
 """Learning diagnostics: why is my reward flat? (`mmalign doctor RUN_DIR`, and live warnings in the trainer).
 
-A run directory's ``metrics.jsonl`` (one object per logged step, see `mmalign.rundir`) and ``config.yaml`` are
+A run directory's ``metrics.jsonl`` (one object per logged step, see `mmalign.training.rundir`) and ``config.yaml`` are
 read and a set of checks looks for the usual reasons a GRPO run does not learn. Each check is a function::
 
     check_x(metrics: list[dict], config: dict | None) -> list[Finding]
@@ -1067,7 +1067,7 @@ def load_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any] 
     ``metrics.jsonl``. A line that is not JSON (a run being written) is skipped."""
     import yaml
 
-    from mmalign import rundir
+    from mmalign.training import rundir
 
     root = Path(run_dir)
     path = root / rundir.METRICS_FILE
@@ -1160,7 +1160,7 @@ def watchdog_rows(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def _nan_example(run_dir: str | Path, steps: Sequence[int], column: str) -> str | None:
     """A sample whose `column` reward is NaN (null) in the samples file of one of `steps`."""
-    from mmalign import rundir
+    from mmalign.training import rundir
 
     sampled = set(rundir.sample_steps(run_dir))
     for st in steps:

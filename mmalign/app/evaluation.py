@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError
+from mmalign.data.batch import Rollout
 from mmalign.errors import CheckpointError
 from mmalign.training.seeding import seed_policy
 
@@ -69,7 +69,7 @@ def resolve_checkpoint(output_dir: str | Path, spec: str | None) -> Path | None:
     checkpoint in `output_dir` that verifies against its manifest, None if there is none) or a path to a
     checkpoint folder (checked against its manifest: a `CheckpointError` names the file that fails) or to a run
     directory (its newest checkpoint that verifies). A newer checkpoint that fails is skipped with a warning."""
-    from mmalign.rundir import TRAINABLE_FILE, checkpoint_problem, verified_checkpoint
+    from mmalign.training.rundir import TRAINABLE_FILE, checkpoint_problem, verified_checkpoint
 
     if spec in (None, "", "base"):
         return None
@@ -99,7 +99,7 @@ def load_weights(policy: Any, checkpoint: Path) -> None:
     from safetensors.torch import load_file
 
     from mmalign.policies.forward_process import checkpoint_ema_weights
-    from mmalign.rundir import TRAINABLE_FILE, TRAINER_STATE_FILE, checkpoint_problem
+    from mmalign.training.rundir import TRAINABLE_FILE, TRAINER_STATE_FILE, checkpoint_problem
 
     file = Path(checkpoint) / TRAINABLE_FILE
     if not file.is_file():
@@ -288,7 +288,7 @@ def eval_rows(cfg: Config, components: Any) -> list[dict[str, Any]]:
 def _vanished(checkpoint: Path) -> bool:
     """Whether `checkpoint`, resolved complete, has since been removed (rotated away by a run still training:
     its folder, ``COMPLETE`` mark or weights are gone)."""
-    from mmalign.rundir import COMPLETE_MARK, TRAINABLE_FILE
+    from mmalign.training.rundir import COMPLETE_MARK, TRAINABLE_FILE
 
     return not all((checkpoint / name).is_file() for name in (COMPLETE_MARK, TRAINABLE_FILE))
 
@@ -298,7 +298,7 @@ def load_trained(policy: Any, checkpoint: Path) -> Path:
     folder of a run's ``checkpoints/``) was removed since it was resolved, as a run still training rotates
     old checkpoints away, the newest checkpoint of that run that verifies is loaded instead, once, with a
     warning. Any other failure, or none to fall back to, raises (`CheckpointError`, `ConfigError`)."""
-    from mmalign.rundir import CHECKPOINTS_DIR, verified_checkpoint
+    from mmalign.training.rundir import CHECKPOINTS_DIR, verified_checkpoint
 
     checkpoint = Path(checkpoint)
     try:
@@ -355,7 +355,7 @@ def _agreed_checkpoint(used: Path | None, error: Exception | None, rank: int, wo
 
 def write_report(report: dict[str, Any], path: str | Path) -> Path:
     """Write the report of `evaluate_run` to `path` (JSON, atomically: a kill leaves the old file or this)."""
-    from mmalign.rundir import write_atomic, writing
+    from mmalign.training.rundir import write_atomic, writing
 
     path = Path(path)
     with writing(path):

@@ -41,14 +41,14 @@ ENTRY_POINT_GROUPS = ("mmalign.pipelines", "mmalign.rewards")
 LISTED_MODULES = (
     "pipelines",
     "rewards",
-    "mmalign.advantages",
-    "mmalign.reward_transforms",
-    "mmalign.losses",
+    "mmalign.algorithms.advantages",
+    "mmalign.algorithms.reward_transforms",
+    "mmalign.algorithms.losses",
     "mmalign.flow_objectives",
-    "mmalign.prompt_samplers",
-    "mmalign.sde",
-    "mmalign.filters",
-    "mmalign.rollout_loops",
+    "mmalign.data.prompt_samplers",
+    "mmalign.algorithms.sde",
+    "mmalign.algorithms.filters",
+    "mmalign.data.rollout_loops",
 )
 """The modules that hold the registries listed: once one is imported, this process may have changed it."""
 
@@ -194,17 +194,17 @@ def _render(what: str) -> None:
         for err in errors:
             print(f"mmalign: warning: {err}", file=sys.stderr)
     if what in ("estimators", "all"):
-        from mmalign import advantages
+        from mmalign.algorithms import advantages
 
         _list_section("estimators", [(n, advantages.REGISTRY.describe(n)) for n in advantages.names()])
-        from mmalign import reward_transforms
+        from mmalign.algorithms import reward_transforms
 
         _list_section(
             "reward transforms (algorithm.reward_transforms)",
             [(n, reward_transforms.TRANSFORMS.describe(n)) for n in reward_transforms.names()],
         )
     if what in ("losses", "all"):
-        from mmalign import losses
+        from mmalign.algorithms import losses
 
         _list_section("losses", [(n, losses.REGISTRY.describe(n)) for n in losses.names()])
         _list_section(
@@ -222,23 +222,25 @@ def _render(what: str) -> None:
             [(n, flow_objectives.REGISTRY.describe(n)) for n in flow_objectives.names()],
         )
     if what in ("samplers", "all"):
-        from mmalign import prompt_samplers as samplers
+        from mmalign.data import prompt_samplers as samplers
 
         _list_section(
             "prompt samplers (data.sampler)", [(n, samplers.SAMPLERS.describe(n)) for n in samplers.names()]
         )
     if what in ("steps", "all"):
-        from mmalign import sde
+        from mmalign.algorithms import sde
 
-        _list_section("denoising steps (mmalign.sde.step)", [(n, sde.STEPS.describe(n)) for n in sde.names()])
+        _list_section(
+            "denoising steps (mmalign.algorithms.sde.step)", [(n, sde.STEPS.describe(n)) for n in sde.names()]
+        )
     if what in ("filters", "all"):
-        from mmalign import filters
+        from mmalign.algorithms import filters
 
         _list_section(
             "filters (algorithm.filter)", [(n, filters.FILTERS.describe(n)) for n in filters.names()]
         )
     if what in ("loops", "all"):
-        from mmalign import rollout_loops
+        from mmalign.data import rollout_loops
 
         _list_section(
             "rollout loops (rollout.loop)",

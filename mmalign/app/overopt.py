@@ -46,10 +46,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign import rundir
 from mmalign.config import Config, WatchdogConfig
-from mmalign.trainer import TrainingError
+from mmalign.training import rundir
 from mmalign.training.seeding import rng_state, set_rng_state
+from mmalign.training.trainer import TrainingError
 
 log = logging.getLogger("mmalign.app.overopt")
 
@@ -477,7 +477,7 @@ class OverOptMonitor:
         return record_metrics(record, self.state.base)
 
     def _measure(self, trainer: Any, step: int) -> Evaluation:
-        from mmalign.advantages import combine_rewards
+        from mmalign.algorithms.advantages import combine_rewards
         from mmalign.app.evaluation import generate_chunks, score_table
 
         e = self.cfg.eval

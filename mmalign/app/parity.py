@@ -210,7 +210,7 @@ def parity(
     policy of `components`, re-score it under every setting (`settings_for`, `score_rollout`) and compare with the
     rollout's ``logp_old`` (`compare`); the engine's log-probs too when ``rollout.engine`` is not ``hf``.
     `progress` receives one line as each phase starts and ends (the CLI prints them to stderr)."""
-    from mmalign import losses
+    from mmalign.algorithms import losses
     from mmalign.app.probe import pick_rows
     from mmalign.policies.base import RunInfo
     from mmalign.training.seeding import seed_policy

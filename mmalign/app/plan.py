@@ -267,7 +267,7 @@ class Batching:
 
 def batching(cfg: Config, gpus: int) -> Batching:
     """`Batching` of `cfg` on `gpus` processes (errors name the keys, as the trainer's would)."""
-    from mmalign import advantages
+    from mmalign.algorithms import advantages
 
     r, t = cfg.rollout, cfg.trainer
     if r.prompts_per_step % gpus:
@@ -435,7 +435,7 @@ def estimate_prompt_tokens(cfg: Config, rows: int = 256) -> int | None:
     try:
         from transformers import AutoTokenizer
 
-        from mmalign.data import load_rows
+        from mmalign.data.rows import load_rows
 
         tok = AutoTokenizer.from_pretrained(str(folder))
         texts = [str(r.get("prompt", "")) for r in load_rows(src, cfg.data.prompt_template, max_rows=rows)]
@@ -565,7 +565,7 @@ def _score(
     device: str = "meta",
 ) -> torch.Tensor:
     """The policy's log-probs of `b` completions on the meta device: `mmalign.policies.token_scoring.TokenScorer`'s
-    plain or shared-prefix forward and the chunked (`mmalign.logprobs`) or full-logits head, every completion
+    plain or shared-prefix forward and the chunked (`mmalign.algorithms.logprobs`) or full-logits head, every completion
     token valid (the worst case). Returns Float[B, T] log-probs."""
     from mmalign.policies.token_scoring import TokenScorer
 
@@ -1067,7 +1067,7 @@ def steps_kept_per_backward(cfg: Config, steps: int) -> int:
     if per is None:
         return steps
     try:
-        from mmalign.losses import couples_actions
+        from mmalign.algorithms.losses import couples_actions
 
         if couples_actions(cfg.algorithm.loss):
             return steps

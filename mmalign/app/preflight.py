@@ -7,7 +7,7 @@ loads the data files first and the model last). `validate` checks, cheapest firs
 
 - the pipeline name (``pipelines.get``) and the registry names of ``algorithm`` (`mmalign.algorithms.names.check_names`);
 - then `preflight`, the checks of the files and options the config names:
-- `mmalign.rundir.check_output_dir(cfg, resume)`: ``output_dir`` already holds a run (without ``--resume``
+- `mmalign.training.rundir.check_output_dir(cfg, resume)`: ``output_dir`` already holds a run (without ``--resume``
   or ``overwrite=true``), or ``--resume`` finds no checkpoint. `GroupTrainer` calls it again (and then
   acts on the folder: loads the checkpoint, or clears it under ``overwrite``) once the model is loaded.
 - `check_model_source(...)` / `check_model_paths(cfg)`: ``model.name_or_path`` and the model folders
@@ -22,7 +22,7 @@ loads the data files first and the model last). `validate` checks, cheapest firs
   (`mmalign.registry.refused_module`).
 - `check_output_writable(cfg)` (training): ``output_dir`` can be created and written (a small temp file).
 - `check_prompts(cfg, training)`: the rows of ``data.train`` / ``data.eval`` read as the pipelines read them
-  (`mmalign.data.load_rows`, after ``data.prompt_template``; no line over `mmalign.data.MAX_LINE_BYTES`): no
+  (`mmalign.data.rows.load_rows`, after ``data.prompt_template``; no line over `mmalign.data.rows.MAX_LINE_BYTES`): no
   empty prompt; the image files the rows name decode (`check_images`, for `IMAGE_CHECK_SECONDS` at most,
   unless ``options.on_bad_row: skip``); for a token policy (the model folder has a tokenizer and a
   ``config.json`` with a context length) no prompt too long for the context with ``rollout.max_new_tokens``
@@ -32,7 +32,7 @@ loads the data files first and the model last). `validate` checks, cheapest firs
 `fit_setup(cfg, components)` / `fit_prompts(cfg, rows, policy)` then apply ``data.too_long: skip | truncate``
 to the rows the pipeline built (the CLI calls it after ``build``).
 
-The run directory itself (its layout, checkpoints, samples) is `mmalign.rundir`'s.
+The run directory itself (its layout, checkpoints, samples) is `mmalign.training.rundir`'s.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ from typing import Any
 
 from mmalign.algorithms.names import check_names
 from mmalign.config import Config, ConfigError
-from mmalign.data import DataError, load_rows, missing_data_hint
+from mmalign.data.rows import DataError, load_rows, missing_data_hint
 from mmalign.registry import RegistryError
-from mmalign.rundir import check_output_dir
+from mmalign.training.rundir import check_output_dir
 from rewards import check_reward_specs
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,8 @@ def _truthy(value: str | None) -> bool:
 
 def hub_offline() -> str | None:
     """The variable that makes this process offline (``HF_HUB_OFFLINE=1``), or None when it may download
-    (`mmalign.hub.offline_reason`)."""
-    from mmalign.hub import offline_reason
+    (`mmalign.data.hub.offline_reason`)."""
+    from mmalign.data.hub import offline_reason
 
     return offline_reason()
 
@@ -108,12 +108,12 @@ def check_model_source(
 ) -> str:
     """ConfigError (naming `source` and `key`, and how to fetch a missing hub id) unless `name` can be loaded:
     an existing local path (returns ``"local"``), a hub id in the Hugging Face cache (``"cached"``), or, when
-    not offline, a hub id the hub answers for (``"download"``: one request of `mmalign.hub.reach`, a few
+    not offline, a hub id the hub answers for (``"download"``: one request of `mmalign.data.hub.reach`, a few
     seconds at most, no retry).
 
     Nothing is loaded or downloaded: a local path is checked with `Path.exists`, a hub id against the
     cache with `huggingface_hub.try_to_load_from_cache` (one of `files`)."""
-    from mmalign import hub
+    from mmalign.data import hub
 
     if not name:
         raise ConfigError(f"{source}: key '{key}' is required (a local {what} or a hub id)")
@@ -208,8 +208,8 @@ def check_model_paths(cfg: Config, *, eval_rewards: bool = False) -> None:
 
 def _cache_only_when_unreachable(hub_ids: dict[str, str]) -> None:
     """Every hub id is cached but the hub does not answer: this process loads from the cache only
-    (`mmalign.hub.use_cache_only`), so `from_pretrained` does not retry the hub for every file."""
-    from mmalign import hub
+    (`mmalign.data.hub.use_cache_only`), so `from_pretrained` does not retry the hub for every file."""
+    from mmalign.data import hub
 
     if not hub_ids or "download" in hub_ids.values() or hub_offline():
         return
@@ -290,13 +290,13 @@ def _check_geometry_model(spec: str, key: str, source: str) -> None:
 def check_code_references(cfg: Config, *, eval_rewards: bool = False) -> None:
     """Import and check now, before any model loads, the code a config names as ``package.module:attr``
     besides the reward names (`rewards.check_reward_specs` resolves those): ``rollout.loop_kwargs.environment``
-    (a callable, `mmalign.rollout_loops.resolve_environment`), ``options.geometry_model`` and the
+    (a callable, `mmalign.data.rollout_loops.resolve_environment`), ``options.geometry_model`` and the
     ``geometry_model`` option of the built-in rewards (a `LatentGeometryModel` class or a function making one).
     A module that does not import, a missing attribute, an object of the wrong kind or a standard-library
     module (`mmalign.registry.refused_module`) is a ConfigError naming the key.
 
     Importing a module runs its code: a config that names one is code, to be trusted as a script would be."""
-    from mmalign.rollout_loops import resolve_environment
+    from mmalign.data.rollout_loops import resolve_environment
 
     spec = cfg.rollout.loop_kwargs.get("environment")
     if spec is not None:
@@ -332,7 +332,7 @@ def _is_builtin_reward(name: str) -> bool:
 def check_data_files(cfg: Config) -> None:
     """``data.train`` and ``data.eval``, where set to a file (not ``hf:...``), exist: a ConfigError naming
     the key, a file of a similar name next to it, and the ``hf:`` source or command that gives the file
-    (`mmalign.data.missing_data_hint`). Reading them is the pipeline's job (`load_rows`
+    (`mmalign.data.rows.missing_data_hint`). Reading them is the pipeline's job (`load_rows`
     reports malformed lines and missing columns with file:line)."""
     for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
         if not value or value.startswith("hf:"):

@@ -167,7 +167,7 @@ def _key(x: float, ndigits: int) -> float | None:
 def zero_spread_share(values: Sequence[float], g: int, ndigits: int = 6) -> float:
     """The probability that `g` samples drawn without replacement from `values` (one prompt's rewards) have zero
     spread: all their non-NaN values equal (rounded to `ndigits`), fewer than two non-NaN values counting as zero
-    spread, as the group filters count them (`mmalign.filters`). Exact over all C(N, g) subsets: with m NaNs and
+    spread, as the group filters count them (`mmalign.algorithms.filters`). Exact over all C(N, g) subsets: with m NaNs and
     n_v samples of value v, (C(m, g) + sum_v [C(n_v + m, g) - C(m, g)]) / C(N, g)."""
     n = len(values)
     if not 1 <= g <= n:
@@ -534,7 +534,7 @@ def probe(
 ) -> dict[str, Any]:
     """Sample the base policy of `components` on `prompts` training rows, N = max(`group_sizes`, group size)
     samples each (training sampler), score with the config's rewards and return the report (module docstring)."""
-    from mmalign.advantages import combine_rewards
+    from mmalign.algorithms.advantages import combine_rewards
 
     policy, rset = components.policy, components.rewards
     if rset is None or not len(rset):

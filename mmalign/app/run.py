@@ -18,8 +18,8 @@ from mmalign.app.doctor import DoctorMonitor
 from mmalign.app.overopt import OverOptMonitor, watchdog_monitors
 from mmalign.app.trackers import TrackerMonitor
 from mmalign.config import Config
-from mmalign.distributed import launched_processes
-from mmalign.trainer import GroupTrainer
+from mmalign.training.distributed import launched_processes
+from mmalign.training.trainer import GroupTrainer
 
 
 class HeartbeatMonitor:

@@ -12,7 +12,7 @@ then (through `TrackerMonitor`, the monitor `mmalign.app.run.build_trainer` give
   ``add_image``, each video as an animated GIF in the image dashboard (encoded with Pillow: ``add_video``
   needs moviepy < 2, not a dependency; where the GIF cannot be written, the clip's strip of frames as an
   image), the captions as one text entry. W&B: ``wandb.Image`` of the PNG and ``wandb.Video`` of the mp4
-  that `mmalign.rundir` already wrote. Nothing is decoded for the trackers: they get the tensors
+  that `mmalign.training.rundir` already wrote. Nothing is decoded for the trackers: they get the tensors
   `Policy.sample_view` gave the run directory;
 - finishes them when training ends (as ``accelerator.end_training`` does, without tearing down the
   process group: `mmalign train` calls ``end_training`` itself afterwards).
@@ -36,9 +36,9 @@ from typing import Any
 
 from torch import Tensor
 
-from mmalign import rundir
 from mmalign.config import TRACKERS, Config, ConfigError
-from mmalign.media import frame_strip, to_uint8_hwc
+from mmalign.data.media import frame_strip, to_uint8_hwc
+from mmalign.training import rundir
 
 log = logging.getLogger(__name__)
 

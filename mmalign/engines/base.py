@@ -5,7 +5,7 @@ A rollout engine is an optional, faster sampler for text policies (vLLM in produ
 weights after every optimizer step (`RolloutEngine.sync_weights`), and the engine's per-token
 log-probs differ slightly from the trainer's even with equal weights (other kernels, other
 precision). That mismatch is corrected with truncated importance sampling, see
-`mmalign.is_correction`.
+`mmalign.algorithms.is_correction`.
 
 Contract
 --------
@@ -166,14 +166,14 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     if is_peft(model):
         return merged_state_dict(model)
     if _is_sharded(model):
-        from mmalign.distributed import gather_full_state_dict
+        from mmalign.training.distributed import gather_full_state_dict
 
         return gather_full_state_dict(model, cpu=False)
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
-    from mmalign.distributed import is_dtensor
+    from mmalign.training.distributed import is_dtensor
 
     return any(is_dtensor(p) for p in model.parameters())
 
@@ -190,7 +190,7 @@ def merged_state_dict(peft_model: torch.nn.Module, adapter: str | None = None) -
     holds full tensors on every rank (a collective: every rank must call it).
     """
     if _is_sharded(peft_model):
-        from mmalign.distributed import full_parameters, gather_full_state_dict
+        from mmalign.training.distributed import full_parameters, gather_full_state_dict
 
         base = peft_model.get_base_model()
         with full_parameters(base):  # the LoRA deltas are computed from the gathered factors
@@ -246,7 +246,7 @@ def adapter_state_dict(peft_model: torch.nn.Module, adapter: str | None = None) 
     adapter = adapter or getattr(peft_model, "active_adapter", "default")
     full = None
     if _is_sharded(peft_model):
-        from mmalign.distributed import gather_full_state_dict
+        from mmalign.training.distributed import gather_full_state_dict
 
         full = gather_full_state_dict(peft_model, cpu=False)
     state = get_peft_model_state_dict(peft_model, state_dict=full, adapter_name=adapter)

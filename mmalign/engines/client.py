@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.batch import Rollout
+from mmalign.data.batch import Rollout
 from mmalign.engines.base import (
     EnginePrompt,
     RolloutEngine,

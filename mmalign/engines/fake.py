@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.batch import left_pad
+from mmalign.algorithms.logprobs import cache_kwarg
+from mmalign.data.batch import left_pad
 from mmalign.engines.base import (
     EngineOutput,
     EnginePrompt,
@@ -43,7 +44,6 @@ from mmalign.engines.base import (
     is_peft,
     iter_state,
 )
-from mmalign.logprobs import cache_kwarg
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:

@@ -36,7 +36,7 @@ differs between versions and backends is guarded:
   temperature) unless ``logprobs_mode="processed_logprobs"`` (vLLM ≥ 0.10.2), which is passed when
   supported. The trainer's formula is ``log_softmax(logits / T)`` without truncation, so use
   ``top_p = 1`` and ``top_k = 0`` for exact agreement; any remaining gap is what the truncated IS
-  correction (`mmalign.is_correction`) is for. On V1 < 0.10.2 with T ≠ 1 the engine's log-probs
+  correction (`mmalign.algorithms.is_correction`) is for. On V1 < 0.10.2 with T ≠ 1 the engine's log-probs
   ignore the temperature: use T = 1 there or leave TIS off.
 - Vision-language models: a `MultimodalPrompt` becomes ``{"prompt_token_ids": ids, "multi_modal_data":
   {"image": [PIL images]}}``; vLLM runs the model's processor and expands each image placeholder token.

@@ -15,7 +15,7 @@ What the trainer does with a policy, in order:
    names (a backward pass after each); `reference_logprobs` once per step when ``kl_coef > 0`` and not
    `kl_in_action_stats`; after each optimizer step `after_optimizer_step`.
 4. Samples: `sample_view` says what each sample looks like in ``samples/`` of the run directory
-   (`mmalign.rundir` writes it by kind); checkpoints hold `trainable_state_dict` and `rng_state`; the
+   (`mmalign.training.rundir` writes it by kind); checkpoints hold `trainable_state_dict` and `rng_state`; the
    end of training calls `save`.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.batch import Rollout
+from mmalign.data.batch import Rollout
 
 __all__ = ["ActionStats", "DTYPES", "Policy", "RunInfo", "SAMPLE_KINDS", "torch_dtype"]
 
@@ -47,7 +47,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 SAMPLE_KINDS = ("text", "image", "video", "boxes")
-"""What `Policy.sample_view` may return per sample (see `mmalign.rundir.write_samples` for the files)."""
+"""What `Policy.sample_view` may return per sample (see `mmalign.training.rundir.write_samples` for the files)."""
 
 
 @dataclass

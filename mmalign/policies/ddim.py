@@ -7,7 +7,7 @@ one action = one stochastic DDIM step (eta > 0).
   `StableDiffusionPipeline`), `schedule` (the scheduler's DDIM timesteps for `num_steps`,
   ``set_timesteps``, each step from alpha-bar_t to alpha-bar_prev exactly as ``DDIMScheduler.step`` does:
   prev = t - num_train_timesteps // num_steps, below 0 the scheduler's ``final_alpha_cumprod``), `predict`
-  (eps, CFG included), `step` (DDPO DDIM steps, `mmalign.sde.step("ddim", ...)`, std_t = eta
+  (eps, CFG included), `step` (DDPO DDIM steps, `mmalign.algorithms.sde.step("ddim", ...)`, std_t = eta
   sqrt((1-ab_prev)/(1-ab_t)) sqrt(1-ab_t/ab_prev)) and `ode_step` (the eta = 0 update). The settings are a
   `mmalign.policies.denoising.SamplerSettings` with ``sde_kind: ddim`` and ``noise_level`` = eta
   (``sampler=``, or ``eta`` and the other fields as keywords).
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign import sde
+from mmalign.algorithms import sde
 from mmalign.config import LoraConfig
 from mmalign.policies.base import torch_dtype
 from mmalign.policies.denoising import DenoisingPolicy, SamplerSettings, add_lora

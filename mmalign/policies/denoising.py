@@ -19,7 +19,7 @@ time (a backward after each chunk, the same gradient as one backward), and the t
 CFG runs the unconditional branch without a graph (``detach_uncond``). ``noise_level`` 0 samples the
 deterministic ODE (no actions; `setup` refuses it for training); `evaluation_sampler` is what `mmalign sample` /
 `mmalign eval` sample with (``eval_noise_level``, the ODE by default). GRPO-Guard (``guard_ratio_norm``,
-``guard_grad_reweight``) scores steps with `mmalign.sde.ratio_norm_score` and weights their loss.
+``guard_grad_reweight``) scores steps with `mmalign.algorithms.sde.ratio_norm_score` and weights their loss.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign import sde
-from mmalign.batch import Rollout, group_fields
+from mmalign.algorithms import sde
+from mmalign.algorithms.schedules import SlidingWindow
 from mmalign.config import ConfigError
+from mmalign.data.batch import Rollout, group_fields
 from mmalign.policies.base import ActionStats, Policy, RunInfo
-from mmalign.schedules import SlidingWindow
 
 __all__ = [
     "AUTO_DECODE_IMAGES",
@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 FLOW_SDE_KINDS = ("flow_sde", "cps", "dance")
-"""Step kinds of the flow-matching policies (`mmalign.sde` functions of the flow-matching convention)."""
+"""Step kinds of the flow-matching policies (`mmalign.algorithms.sde` functions of the flow-matching convention)."""
 SDE_KINDS = (*FLOW_SDE_KINDS, "ddim")
 """Every step kind a denoising policy samples with (``ddim``: `DDIMPolicy`)."""
 CPS_LOG_PROBS = sde.LOG_PROB_FORMS
@@ -106,13 +106,13 @@ class SamplerSettings:
     window_mode: str = "random"
     """How the window moves: ``random`` (a fresh start per rollout, Flow-GRPO-Fast) or ``sliding`` (MixGRPO:
     starts at ``window_range[0]`` and moves `window_stride` steps later every `window_shift_every` training
-    steps, wrapping around; see `mmalign.schedules.SlidingWindow`)."""
+    steps, wrapping around; see `mmalign.algorithms.schedules.SlidingWindow`)."""
     window_shift_every: int = 25
     """Sliding window: training steps between moves."""
     window_stride: int = 1
     """Sliding window: denoising steps per move."""
     sde_kind: str = "flow_sde"
-    """The stochastic step (`mmalign.sde`): ``flow_sde`` (Flow-GRPO), ``cps`` (coefficients-preserving,
+    """The stochastic step (`mmalign.algorithms.sde`): ``flow_sde`` (Flow-GRPO), ``cps`` (coefficients-preserving,
     noise_level in (0, 1]) or ``dance`` (DanceGRPO, noise_level is its eta) for flow policies; ``ddim`` for
     `DDIMPolicy` (noise_level is its eta). Zero-std steps run as ODE steps."""
     cps_log_prob: str = "squared_error"
@@ -302,7 +302,7 @@ def add_lora(denoiser: torch.nn.Module, lora: Any, all_linear: tuple[str, ...] |
 def mean_kl(mean: Tensor, ref_mean: Tensor, kl_std: Tensor) -> Tensor:
     """Float[B]: the KL on step means, ``||mu - mu_ref||^2 / (2 sigma_t^2)`` with the squared distance
     averaged over the non-batch dims (docs/algorithms.md; Flow-GRPO's training script). ``kl_std`` is the step's
-    noise scale sigma_t *without* the sqrt(|dt|) factor of the discretisation -- `mmalign.sde.StepOutput.kl_std`,
+    noise scale sigma_t *without* the sqrt(|dt|) factor of the discretisation -- `mmalign.algorithms.sde.StepOutput.kl_std`,
     not ``.std`` -- so ``kl_coef`` values of the Flow-GRPO recipes mean the same here. A scalar or one value
     per sample (any shape that broadcasts as [B, 1, ..., 1])."""
     diff = (mean - ref_mean) ** 2
@@ -624,7 +624,7 @@ class DenoisingPolicy(Policy):
     def step(
         self, prediction: Tensor, latents: Tensor, sched: dict[str, Tensor], **kw: Any
     ) -> sde.StepOutput:
-        """One stochastic step of `mmalign.sde` (`kw`: ``prev_sample``, ``generator``, ``shift_mean``)."""
+        """One stochastic step of `mmalign.algorithms.sde` (`kw`: ``prev_sample``, ``generator``, ``shift_mean``)."""
         raise NotImplementedError
 
     def ode_step(self, prediction: Tensor, latents: Tensor, sched: dict[str, Tensor]) -> Tensor:
@@ -913,7 +913,7 @@ class DenoisingPolicy(Policy):
         """(log-probs Float[B, A] of the stored trained transitions under `model`, KL Float[B, A] or None, the
         GRPO-Guard loss weights Float[B, A] or None) for the action columns `actions` (None: all, A = T). Only
         those columns of the payload are moved to the device. Under ``guard_ratio_norm`` the "log-prob" is
-        `mmalign.sde.ratio_norm_score` against the stored rollout mean."""
+        `mmalign.algorithms.sde.ratio_norm_score` against the stored rollout mean."""
         p = rollout.payload
         dev = self.device
         cond = {k: p[k].to(dev) for k in (*self.conditioning_keys, *self.row_conditioning_keys)}

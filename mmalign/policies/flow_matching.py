@@ -1,7 +1,7 @@
 """`FlowMatchingPolicy`: what every flow-matching family (SD3, FLUX.1, Wan, ...) shares.
 
 It owns the sigma schedule (the scheduler's shift, dynamic shifting through `calculate_mu`), the velocity
-prediction with two-branch CFG, the flow SDE / ODE steps of `mmalign.sde`, the trainable steps, LoRA and
+prediction with two-branch CFG, the flow SDE / ODE steps of `mmalign.algorithms.sde`, the trainable steps, LoRA and
 saving. It builds no model: it takes loaded components (`FlowComponents`). A family adds one subclass that
 supplies `load_components` and overrides `encode_conditioning` and `velocity`; the math is in
 docs/algorithms.md ("Denoising steps with log-prob").
@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from mmalign import flow_objectives as fo
-from mmalign import sde
-from mmalign.batch import Rollout
+from mmalign.algorithms import sde
 from mmalign.config import ConfigError, LoraConfig
+from mmalign.data.batch import Rollout
 from mmalign.policies import forward_process as fp
 from mmalign.policies.base import ActionStats, Policy, RunInfo, torch_dtype
 from mmalign.policies.denoising import (
@@ -48,7 +48,7 @@ _DRAW_KEY = "_forward_draw"
 """The payload key of a microbatch's forward-process draw (sigmas and noise), shared by its chunks."""
 
 SDE_KINDS = FLOW_SDE_KINDS
-"""Step kinds a flow-matching policy samples with (`mmalign.sde` functions of the flow convention)."""
+"""Step kinds a flow-matching policy samples with (`mmalign.algorithms.sde` functions of the flow convention)."""
 
 
 def calculate_mu(image_seq_len: int, scheduler_config: Any, *, default_max_shift: float = 1.15) -> float:
@@ -395,7 +395,7 @@ class FlowMatchingPolicy(DenoisingPolicy):
         """A pairwise objective (``flow_dpo``) pairs samples of one group inside a microbatch: every microbatch
         must hold whole groups (``trainer.minibatch_size`` and ``trainer.microbatch_size`` multiples of the
         group's samples) and the rows must not be shuffled across microbatches."""
-        from mmalign import advantages as adv_lib
+        from mmalign.algorithms import advantages as adv_lib
 
         cfg, t = run.cfg, run.cfg.trainer
         g = cfg.rollout.group_size + adv_lib.extra_samples(cfg.algorithm.estimator)

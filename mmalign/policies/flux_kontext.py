@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.data import DataError
+from mmalign.data.rows import DataError
 from mmalign.policies.flux import FluxPolicy, latent_image_ids, pack_latents, unpack_latents
 
 __all__ = ["FluxKontextPolicy", "kontext_image_ids", "load_source_pixels"]
@@ -54,7 +54,7 @@ def load_source_pixels(image: Any, height: int, width: int) -> Tensor:
     import numpy as np
     from PIL import Image
 
-    from mmalign.media import load_rgb
+    from mmalign.data.media import load_rgb
 
     pil = load_rgb(image)
     if pil.size != (width, height):

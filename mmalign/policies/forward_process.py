@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from mmalign import flow_objectives as fo
-from mmalign.batch import Rollout, group_fields
+from mmalign.data.batch import Rollout, group_fields
 
 __all__ = [
     "CLEAN_KEY",
@@ -363,7 +363,7 @@ def checkpoint_ema_weights(checkpoint: str | Path) -> dict[str, Tensor] | None:
     """The `WeightEMA` weights a checkpoint folder holds (name -> tensor, the keys of its
     ``trainable.safetensors``), read from its trainer state with ``weights_only`` loading; None when the run
     kept no EMA. For `mmalign eval` / `mmalign sample`: load these in place of the trained weights."""
-    from mmalign import rundir
+    from mmalign.training import rundir
 
     path = Path(checkpoint)
     legacy = not (path / rundir.MANIFEST_FILE).is_file()

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.data import DataError
+from mmalign.data.rows import DataError
 from mmalign.policies.flux_kontext import distinct_sources
 from mmalign.policies.qwen_image import QwenImagePolicy, qwen_image_velocity
 from mmalign.policies.qwen_image_components import (
@@ -56,7 +56,7 @@ def source_image(image: Any, side: int) -> Any:
     differs, as diffusers' ``VaeImageProcessor.resize``)."""
     from PIL import Image
 
-    from mmalign.media import load_rgb
+    from mmalign.data.media import load_rgb
 
     pil = load_rgb(image)
     if pil.size != (side, side):

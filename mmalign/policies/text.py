@@ -17,8 +17,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from mmalign.batch import Rollout
 from mmalign.config import LoraConfig
+from mmalign.data.batch import Rollout
+from mmalign.data.rollout_loops import Environment, RolloutLoop, make_loop
 from mmalign.engines.client import EngineClient
 from mmalign.policies.base import ActionStats, Policy, RunInfo
 from mmalign.policies.loading import load_token_policy
@@ -31,7 +32,6 @@ from mmalign.policies.token_scoring import (
     TokenScorer,
 )
 from mmalign.policies.token_turns import TurnProtocol
-from mmalign.rollout_loops import Environment, RolloutLoop, make_loop
 
 
 class TextPolicy(TokenSampling, TurnProtocol, Policy):
@@ -66,7 +66,7 @@ class TextPolicy(TokenSampling, TurnProtocol, Policy):
         self.loop = (
             make_loop(loop, environment=environment, **(loop_kwargs or {})) if isinstance(loop, str) else loop
         )
-        """How `rollout` turns rows into samples (`mmalign.rollout_loops`): a loop object, or a registered
+        """How `rollout` turns rows into samples (`mmalign.data.rollout_loops`): a loop object, or a registered
         name built with `loop_kwargs` and `environment`."""
         if not isinstance(loop, str) and (loop_kwargs or environment is not None):
             raise ValueError("pass loop_kwargs / environment only with a loop name, not with a loop object")
@@ -231,7 +231,7 @@ class TextPolicy(TokenSampling, TurnProtocol, Policy):
     @torch.no_grad()
     def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
         """Sample `group_size` samples for each row's ``prompt`` through the rollout loop (see
-        `Policy.rollout` and `mmalign.rollout_loops`)."""
+        `Policy.rollout` and `mmalign.data.rollout_loops`)."""
         return self.loop.rollout(self, rows, group_size, compute_logp=compute_logp)
 
     def rollout_stats(self, rollout: Rollout) -> dict[str, Tensor]:

@@ -8,7 +8,7 @@ the same distribution as ``generate`` (suppressed tokens, temperature, top-k, th
 top-k), computed on the last position's logits in their own dtype, the vocabulary in slices (no fp32 copy of
 the ``[B, V]`` logits, no full sort, one uniform number per row instead of ``multinomial``'s V exponentials).
 It also returns each drawn token's log-prob (fp32, from the same logits); with `TokenSampling.sampled_logp` on
-(an asynchronous rollout worker's copy: `mmalign.asynchronous.RolloutWorker`) they become the rollout's
+(an asynchronous rollout worker's copy: `mmalign.training.asynchronous.RolloutWorker`) they become the rollout's
 ``logp_old`` with ``compute_logp=True`` instead of a second scoring forward pass, where they are exact enough
 (`TokenSampling.sampled_logp_blockers`).
 """
@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mmalign.batch import Rollout, group_fields, left_pad
+from mmalign.algorithms.logprobs import autocast_dtype, cache_kwarg
+from mmalign.data.batch import Rollout, group_fields, left_pad
 from mmalign.engines.client import EngineClient
-from mmalign.logprobs import autocast_dtype, cache_kwarg
 
 SAMPLING_SLICES = 8
 """`sample_next_tokens` walks the vocabulary in this many slices (fp32 temporaries of [B, V / 8])."""
@@ -293,7 +293,7 @@ def sharded_over_processes(model: torch.nn.Module) -> bool:
     """The model is FSDP2-sharded across more than one process (generation must then be lock-stepped)."""
     import torch.distributed as dist
 
-    from mmalign.distributed import is_fsdp2
+    from mmalign.training.distributed import is_fsdp2
 
     return is_fsdp2(model) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -359,7 +359,7 @@ class TokenSampling:
     def _rollout_fields(
         rows: list[dict[str, Any]], group_size: int
     ) -> tuple[list[str], Tensor, dict[str, list[Any]]]:
-        """Prompts, group ids and dataset columns, one entry per sample (`mmalign.batch.group_fields`)."""
+        """Prompts, group ids and dataset columns, one entry per sample (`mmalign.data.batch.group_fields`)."""
         return group_fields(rows, group_size)
 
     # ------------------------------------------------------------------ single-turn rollout

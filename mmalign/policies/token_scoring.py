@@ -3,7 +3,7 @@
 `TokenScorer` runs one forward over prompt + completion region, either plain (one sequence per sample) or
 with a shared prefix (each group's prompt encoded once, its KV cache gathered for the group's completions),
 and scores the tokens from the full logits or, chunked, from the final hidden states through the output
-head (`mmalign.logprobs`). What differs between model families is only how the inputs and positions are
+head (`mmalign.algorithms.logprobs`). What differs between model families is only how the inputs and positions are
 built, a position scheme: `LinearPositions` (1-D positions, text) or `MRopePositions` (Qwen2-VL's 3-D
 M-RoPE positions, vision inputs per sample). The math is in docs/algorithms.md (token log-probs).
 """
@@ -17,8 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from mmalign.batch import Rollout
-from mmalign.logprobs import (
+from mmalign.algorithms.logprobs import (
     auto_chunk_tokens,
     autocast_dtype,
     cache_kwarg,
@@ -31,6 +30,7 @@ from mmalign.logprobs import (
     selective_log_softmax,
     token_entropy,
 )
+from mmalign.data.batch import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def _head_dtype(features: Tensor) -> torch.dtype:
 
 def chunk_tokens(head: torch.nn.Module, opts: ScoringOptions, logits_dtype: torch.dtype) -> int:
     """Tokens per chunk through `head`: ``opts.chunk_size``, or with ``"auto"`` as many as fit in
-    ``opts.memory_mb`` (`mmalign.logprobs.auto_chunk_tokens`, for the head's vocabulary and path)."""
+    ``opts.memory_mb`` (`mmalign.algorithms.logprobs.auto_chunk_tokens`, for the head's vocabulary and path)."""
     if opts.chunk_size != "auto":
         assert isinstance(opts.chunk_size, int)
         return opts.chunk_size
@@ -264,7 +264,7 @@ class TokenScorer:
         module's forward, where its weight is still sharded (the full logits are used; logged once)."""
         if not chunk_size:
             return False
-        from mmalign.distributed import is_fsdp2
+        from mmalign.training.distributed import is_fsdp2
 
         if is_fsdp2(model):
             if not self._fsdp_logged:

@@ -1,4 +1,4 @@
-"""The multi-turn protocol of a token policy (`mmalign.rollout_loops.TurnPolicy`): conversations, generated
+"""The multi-turn protocol of a token policy (`mmalign.data.rollout_loops.TurnPolicy`): conversations, generated
 turns, inserted messages and the `Rollout` of finished conversations."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.batch import Rollout
+from mmalign.data.batch import Rollout
+from mmalign.data.rollout_loops import Conversation, Insert, Segment
 from mmalign.engines.client import EngineClient
 from mmalign.policies.token_sampling import completion_mask, pad_right
-from mmalign.rollout_loops import Conversation, Insert, Segment
 
 _TURN_PROBE = "MMALIGN_ASSISTANT_TURN_PROBE"
 """Stand-in assistant message used to find the strings a chat template puts around an inserted message."""

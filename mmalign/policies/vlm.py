@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.batch import Rollout
-from mmalign.media import load_rgb
+from mmalign.data.batch import Rollout
+from mmalign.data.media import load_rgb
+from mmalign.data.rollout_loops import Conversation, Insert, Segment
 from mmalign.policies.base import RunInfo
 from mmalign.policies.text import TextPolicy
 from mmalign.policies.token_sampling import pad_left, pad_right
@@ -34,7 +35,6 @@ from mmalign.policies.token_scoring import (
     checkpointing_on,
     rope_index_fn,
 )
-from mmalign.rollout_loops import Conversation, Insert, Segment
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _as_list(x: Any) -> list[Any]:
 def _row_images(row: dict[str, Any], value: Any) -> list[Any]:
     """`load_rgb` of each image in `value` (a column of `row`); one that does not decode (a truncated or
     corrupt file) is a DataError naming the row's file:line and the image, not PIL's bare message."""
-    from mmalign.data import DataError
+    from mmalign.data.rows import DataError
 
     out = []
     for x in _as_list(value):

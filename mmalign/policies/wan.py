@@ -27,8 +27,8 @@ from typing import Any, Self
 import torch
 from torch import Tensor
 
-from mmalign.batch import Rollout
 from mmalign.config import LoraConfig
+from mmalign.data.batch import Rollout
 from mmalign.policies.denoising import SamplerSettings, add_lora
 from mmalign.policies.flow_matching import FlowMatchingPolicy
 from mmalign.policies.wan_components import (
@@ -530,7 +530,7 @@ class WanPolicy(FlowMatchingPolicy):
 
     def _video(self, path: Any) -> Tensor:
         """Float[F, 3, H, W] in [0, 1] of the source video at `path` at the policy's frames and size."""
-        from mmalign.media import read_video
+        from mmalign.data.media import read_video
 
         key = ("video", str(path))
         return self._pixels.get_or(
@@ -539,7 +539,7 @@ class WanPolicy(FlowMatchingPolicy):
 
     def _mask(self, path: Any) -> Tensor:
         """Float[F, H, W] in {0, 1} of the edit mask at `path` at the policy's frames and size."""
-        from mmalign.media import read_mask
+        from mmalign.data.media import read_mask
 
         key = ("mask", str(path))
         return self._pixels.get_or(
@@ -548,8 +548,8 @@ class WanPolicy(FlowMatchingPolicy):
 
     def _references(self, value: Any) -> list[Tensor]:
         """The reference frames of a row, each Float[3, h, w] in [0, 1] at its own size: `value` is a path or
-        a list of paths, each read with `mmalign.media.read_video` (every frame of each is a reference)."""
-        from mmalign.media import read_video
+        a list of paths, each read with `mmalign.data.media.read_video` (every frame of each is a reference)."""
+        from mmalign.data.media import read_video
 
         paths = [value] if isinstance(value, str | Path) else list(value)
         stacks = [self._pixels.get_or(("refs", str(p)), lambda p=p: read_video(p)) for p in paths]
@@ -626,8 +626,8 @@ class WanPolicy(FlowMatchingPolicy):
     # ------------------------------------------------------------------ rollout hooks
     def _first_frame(self, path: Any) -> Tensor:
         """Float[3, H, W] in [0, 1] of a row's ``image`` at the policy's size: an image file (``.png`` ...) or
-        the first frame of anything `mmalign.media.read_video` reads, resized as it resizes."""
-        from mmalign.media import IMAGE_SUFFIXES, load_rgb, read_video
+        the first frame of anything `mmalign.data.media.read_video` reads, resized as it resizes."""
+        from mmalign.data.media import IMAGE_SUFFIXES, load_rgb, read_video
 
         def make() -> Tensor:
             p = Path(path)

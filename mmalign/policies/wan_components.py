@@ -8,7 +8,7 @@ and ``tokenizer/``. `load_wan_components` reads it with ``from_pretrained`` per 
 hub id); `WanComponents.save_pretrained` writes it (``WanPipeline.from_pretrained`` loads the result).
 
 **Scheduler.** The policies train with diffusers' ``FlowMatchEulerDiscreteScheduler`` sigmas (Euler /
-flow-SDE steps of `mmalign.sde`). Real Wan checkpoints ship a ``UniPCMultistepScheduler`` with
+flow-SDE steps of `mmalign.algorithms.sde`). Real Wan checkpoints ship a ``UniPCMultistepScheduler`` with
 ``use_flow_sigmas`` and a ``flow_shift`` (3.0 at 480p, 5.0 at 720p); `load_wan_components` then builds
 ``FlowMatchEulerDiscreteScheduler(num_train_timesteps=..., shift=flow_shift)`` for the SDE (the same shift
 of the flow sigmas, stepped by Euler / the flow SDE rather than UniPC's multistep corrector) and keeps the

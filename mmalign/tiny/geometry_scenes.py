@@ -45,7 +45,7 @@ a blue box in a grey room, camera pans left".
 
 `write_scene_dataset` writes ``scenes.jsonl`` (rows ``{"prompt", "motion", "video"}``, ``video`` relative to
 the JSONL's folder) and one ``clips/NNNNNN.npz`` per clip holding ``frames`` (uint8 [F, H, W, 3], readable
-by `mmalign.media.read_video`), ``depth`` (float16 [F, H, W]), ``centres``, ``angles``, ``rotations`` and
+by `mmalign.data.media.read_video`), ``depth`` (float16 [F, H, W]), ``centres``, ``angles``, ``rotations`` and
 ``K`` (float32).
 """
 

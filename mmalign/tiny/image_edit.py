@@ -247,7 +247,7 @@ def write_image_edit_dataset(
     """Write ``train.jsonl`` (the `n_train` RL examples of `split_examples`) and
     ``eval.jsonl`` (its `n_eval` held-out examples of each kind) under `folder`, with the PNGs their rows name
     (``scenes/``: sources and targets, ``masks/``: edit regions; each written once); returns the JSONL paths."""
-    from mmalign.media import save_image
+    from mmalign.data.media import save_image
 
     folder = Path(folder)
     _, train, held = split_examples(n_train, n_eval, seed)

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from mmalign.tiny import BUILDERS, progress_bar
-from mmalign.tiny.vlm import IM_END, IM_START, _save, tiny_vlm, tiny_vlm_processor
+from mmalign.tiny.vlm import IM_END, IM_START, save_vlm, tiny_vlm, tiny_vlm_processor
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE_SIZE = 64
@@ -431,7 +431,7 @@ def build_medloc(
     )
     ws.finish()
     model.eval()
-    _save(
+    save_vlm(
         path,
         model,
         processor,

@@ -69,7 +69,7 @@ QWEN_SCHEDULER: dict[str, Any] = {
 SPECIALS = ["<|im_start|>", "<|im_end|>"]
 
 
-def _captions() -> list[str]:
+def shape_captions() -> list[str]:
     from mmalign.tiny.shapes import shapes_rows
 
     rows = shapes_rows(None, counts=(1, 2, 3, 4), positions=("left", "right", "top", "bottom", None))
@@ -81,7 +81,7 @@ def tiny_qwen_tokenizer(vocab_size: int = 512) -> Any:
     not the `PROMPT_DROP` tokens ``QwenImagePipeline`` drops."""
     from transformers import Qwen2Tokenizer
 
-    texts = [PROMPT_TEMPLATE.format(c) for c in _captions()] * 4
+    texts = [PROMPT_TEMPLATE.format(c) for c in shape_captions()] * 4
     fast = train_bpe_tokenizer(texts, vocab_size=vocab_size, extra_special=SPECIALS)
     with tempfile.TemporaryDirectory() as tmp:
         fast.save_pretrained(tmp)

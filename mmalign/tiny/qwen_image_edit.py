@@ -52,9 +52,9 @@ IMAGE_PIXELS = 56 * 56
 def _texts() -> list[str]:
     """Edit instructions and shapes captions in the edit template (the tokenizer's training text)."""
     from mmalign.tiny.image_edit import edit_examples
-    from mmalign.tiny.qwen_image import _captions
+    from mmalign.tiny.qwen_image import shape_captions
 
-    words = sorted({e.instruction for e in edit_examples()}) + _captions()
+    words = sorted({e.instruction for e in edit_examples()}) + shape_captions()
     return [EDIT_PROMPT_TEMPLATE.format(w) for w in words] * 2
 
 

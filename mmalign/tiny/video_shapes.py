@@ -18,7 +18,7 @@ when the edit happens, and source preservation (CLIP of source vs edit frames, P
 stays high when the rest of the clip is untouched.
 
 `write_video_edit_dataset` writes ``clips/``, ``targets/`` and ``masks/`` (one compressed ``.npz`` per clip,
-lossless, read back with `mmalign.media.read_video` / `read_mask`) and ``train.jsonl`` / ``eval.jsonl``
+lossless, read back with `mmalign.data.media.read_video` / `read_mask`) and ``train.jsonl`` / ``eval.jsonl``
 whose rows are::
 
     {"prompt": "make the square red", "instruction": "make the square red", "edit": "recolour",
@@ -176,7 +176,7 @@ def write_video_edit_dataset(
 ) -> dict[str, Path]:
     """Write the clips, targets, masks and ``train.jsonl`` / ``eval.jsonl`` under `folder` (train and eval
     from disjoint seeds ``seed`` and ``seed + 1``, both kinds in equal shares); returns the JSONL paths."""
-    from mmalign.media import write_array
+    from mmalign.data.media import write_array
 
     folder = Path(folder)
     out: dict[str, Path] = {}

@@ -139,7 +139,7 @@ def _corpus() -> list[str]:
     return texts * 4
 
 
-def _save(path: Path, model: torch.nn.Module, processor: Any, meta: dict[str, Any]) -> None:
+def save_vlm(path: Path, model: torch.nn.Module, processor: Any, meta: dict[str, Any]) -> None:
     model.save_pretrained(path)
     processor.save_pretrained(path)
     (path / "mmalign_tiny.json").write_text(json.dumps(meta))
@@ -150,7 +150,7 @@ def build_vlm_random(path: Path, seed: int = 0) -> None:
     """Random-weight tiny Qwen2-VL + processor (instant; for tests of shapes and plumbing)."""
     torch.manual_seed(seed)
     processor = tiny_vlm_processor(_corpus())
-    _save(path, tiny_vlm(processor.tokenizer), processor, {"builder": "vlm_random", "seed": seed})
+    save_vlm(path, tiny_vlm(processor.tokenizer), processor, {"builder": "vlm_random", "seed": seed})
 
 
 # ----------------------------------------------------------------------------- synthetic task
@@ -281,7 +281,7 @@ def build_vlm_reasoning(
             loss.backward()
             opt.step()
     model.eval()
-    _save(
+    save_vlm(
         path,
         model,
         processor,

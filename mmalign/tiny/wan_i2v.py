@@ -104,7 +104,7 @@ def _clips(n: int, seed: int) -> list[I2VClip]:
 
 
 def _write(clips: list[I2VClip], folder: Path, split: str) -> list[dict[str, Any]]:
-    from mmalign.media import write_array
+    from mmalign.data.media import write_array
 
     rows = []
     for i, c in enumerate(clips):

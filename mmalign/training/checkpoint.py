@@ -1,11 +1,11 @@
 """A run's checkpoints and final weights, written and read for the trainer.
 
-`save_checkpoint` writes ``checkpoints/step_N/`` (`mmalign.rundir` owns the layout, the atomic rename and the
+`save_checkpoint` writes ``checkpoints/step_N/`` (`mmalign.training.rundir` owns the layout, the atomic rename and the
 manifest): the trainable weights (safetensors) or the FSDP2 shards, the optimizer and scheduler, each process's
 random states, and the trainer's stateful parts (`GroupTrainer.state_parts`: the prompt sampler, the group
 filter, an estimator's or a transform's state, ...) and callbacks. `load_checkpoint` reads and checks every file
 before restoring anything. `save_final_sharded` writes an FSDP2 run's ``final/``. The functions take the
-trainer (`mmalign.trainer.GroupTrainer`) whose state they move.
+trainer (`mmalign.training.trainer.GroupTrainer`) whose state they move.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from mmalign import distributed as dist_lib
-from mmalign import rundir
 from mmalign.errors import CheckpointError, ConfigError, NonFiniteError, TrainingError
+from mmalign.training import distributed as dist_lib
+from mmalign.training import rundir
 from mmalign.training.seeding import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)

@@ -191,7 +191,7 @@ class Heartbeat:
     # ------------------------------------------------------------------ the end
     def report(self, silent: list[Silence]) -> str:
         """The error `abort` writes: who is silent, for how long, and the last complete checkpoint."""
-        from mmalign import rundir
+        from mmalign.training import rundir
 
         who = []
         for s in silent:

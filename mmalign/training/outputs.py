@@ -1,7 +1,7 @@
 """What a run writes besides checkpoints, for the trainer: the output directory's set-up (run lock, resume,
 overwrite, ``config.yaml``), each step's samples, the reward metrics and the NaN-reward stop, and the message
 that ends a failed run (what is kept, where to continue). The functions take the trainer
-(`mmalign.trainer.GroupTrainer`)."""
+(`mmalign.training.trainer.GroupTrainer`)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import yaml
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mmalign import advantages as adv_lib
-from mmalign import filters as filter_lib
-from mmalign import rundir, runlock
-from mmalign.batch import Rollout
-from mmalign.data import DataError
+from mmalign.algorithms import advantages as adv_lib
+from mmalign.algorithms import filters as filter_lib
+from mmalign.data.batch import Rollout
+from mmalign.data.rows import DataError
 from mmalign.errors import NonFiniteError, RunWriteError, TrainingError
+from mmalign.training import rundir, runlock
 from mmalign.training.resume import resume_changes
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ __all__ = [
 
 
 def prepare_output_dir(t: Any, resume: bool) -> None:
-    """Take the run lock (`mmalign.runlock`; the main process), check the output directory, then, resuming:
+    """Take the run lock (`mmalign.training.runlock`; the main process), check the output directory, then, resuming:
     refuse a config change a resume cannot apply (`resume_changes`, before anything is loaded), load the
     newest checkpoint that verifies and drop the metrics of later steps; with ``overwrite``: remove the
     previous run, saying what (a warning). Then write ``config.yaml``. A failure releases the lock."""
@@ -99,7 +99,7 @@ def _clear_previous_run(t: Any) -> None:
 
 
 def take_run_lock(t: Any) -> None:
-    """The main process takes the run lock (`mmalign.runlock.acquire`, re-entrant: `mmalign train` took it
+    """The main process takes the run lock (`mmalign.training.runlock.acquire`, re-entrant: `mmalign train` took it
     before the model loaded) unless it holds it; a `RunLockedError` is raised on every process."""
     problem: str | None = None
     if t.is_main and t.run_lock is None:
@@ -225,7 +225,7 @@ def stop_error(t: Any, e: BaseException, step: int, *, after: bool = False) -> T
 
 
 def dump_samples(t: Any, batch: Rollout) -> None:
-    """Write this step's samples into the run directory (`mmalign.rundir`): what `Policy.sample_view`
+    """Write this step's samples into the run directory (`mmalign.training.rundir`): what `Policy.sample_view`
     shows of each sample, its rewards and advantage, and the pipeline's `sample_columns`."""
     from accelerate.utils import gather_object
 

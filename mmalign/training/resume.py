@@ -12,9 +12,9 @@ from typing import Any
 
 import yaml
 
-from mmalign import rundir
 from mmalign.config import Config, yaml_key
 from mmalign.errors import ConfigError
+from mmalign.training import rundir
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""The sampling side of asynchronous rollouts, whatever runs it (a forked process, `mmalign.asynchronous`, or a
-Ray actor, `mmalign.ray_workers`): a job (`RolloutJob`), its result (`RolloutResult`), the worker that turns one
+"""The sampling side of asynchronous rollouts, whatever runs it (a forked process, `mmalign.training.asynchronous`, or a
+Ray actor, `mmalign.training.ray_workers`): a job (`RolloutJob`), its result (`RolloutResult`), the worker that turns one
 into the other (`RolloutWorker`) and the reward scoring of a result (`score_rollout`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from mmalign.batch import Rollout
+from mmalign.data.batch import Rollout
 from mmalign.errors import MmalignError
 from mmalign.training.seeding import set_worker_rng_state, worker_rng_state
 

@@ -1,5 +1,5 @@
 """Where a sampling round's samples come from: the trainer's own policy now (`SyncRounds`) or rollout workers
-that sample ahead with older weights (`AsyncRounds`, ``trainer.async``; `mmalign.asynchronous`).
+that sample ahead with older weights (`AsyncRounds`, ``trainer.async``; `mmalign.training.asynchronous`).
 
 A round source gives the trainer, for a round key ``(step, round)``, the round's global prompt indices, this
 process's `Rollout` and its rewards Float[B] or Float[B, K] (`next_round`); it is told when an update is about to
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.batch import Rollout
+from mmalign.data.batch import Rollout
 
 __all__ = ["AsyncRounds", "SyncRounds", "round_source"]
 
@@ -56,7 +56,7 @@ class SyncRounds:
 
 
 class AsyncRounds:
-    """Rounds sampled by rollout workers (`mmalign.asynchronous.AsyncRollouts`) with weights up to
+    """Rounds sampled by rollout workers (`mmalign.training.asynchronous.AsyncRollouts`) with weights up to
     ``trainer.async.max_staleness`` steps old; the workers start at the first round, holding the policy as it is
     then and, when resuming, the random states of the checkpoint's workers (``t.async_rngs``)."""
 
@@ -68,7 +68,7 @@ class AsyncRounds:
         self.step_sums: dict[str, float] = defaultdict(float)
 
     def _start(self) -> None:
-        from mmalign.asynchronous import AsyncRollouts
+        from mmalign.training.asynchronous import AsyncRollouts
 
         t = self.t
         self.source = AsyncRollouts(
@@ -102,9 +102,9 @@ class AsyncRounds:
 
     def next_round(self, key: tuple[int, int]) -> tuple[list[int], Rollout, Tensor]:
         """The round `key` (sampled ahead by `before_update`, or submitted now) with its behaviour / pi_old
-        log-probs set for the loss (`mmalign.asynchronous.behaviour_fields`) and its rewards; records staleness
+        log-probs set for the loss (`mmalign.training.asynchronous.behaviour_fields`) and its rewards; records staleness
         and idle times."""
-        from mmalign.asynchronous import behaviour_fields
+        from mmalign.training.asynchronous import behaviour_fields
         from mmalign.training.seeding import set_worker_rng_state
 
         t = self.t

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mmalign.data import DataError, line_too_long, load_rows, read_lines
+from mmalign.data.rows import DataError, line_too_long, load_rows, read_lines
 from pipelines.common import (
     VLMOptions,
     bad_image_message,

@@ -53,7 +53,7 @@ from typing import Any, Literal
 import torch
 
 from mmalign.config import Config, ConfigError
-from mmalign.media import load_rgb
+from mmalign.data.media import load_rgb
 from mmalign.policies.vlm import VLMPolicy
 from mmalign.tiny import ensure_model
 from pipelines import TrainingSetup, register_pipeline

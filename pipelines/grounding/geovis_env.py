@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mmalign.rollout_loops import DONE, Done, Insert, TurnContext
+from mmalign.data.rollout_loops import DONE, Done, Insert, TurnContext
 from pipelines.grounding.geovis_views import (
     MIN_CROP_PX,
     ZOOM_PROMPT,

@@ -23,8 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from mmalign.batch import Rollout
-from mmalign.media import load_rgb
+from mmalign.data.batch import Rollout
+from mmalign.data.media import load_rgb
 from mmalign.policies.base import ActionStats, Policy
 from pipelines.grounding.geovis_views import (
     BOX_PROMPT,

@@ -33,8 +33,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from mmalign.batch import Rollout
 from mmalign.config import Config
+from mmalign.data.batch import Rollout
 from mmalign.policies.base import ActionStats
 from mmalign.policies.denoising import StepContext
 from mmalign.policies.wan import WanPolicy

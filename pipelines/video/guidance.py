@@ -15,13 +15,13 @@ reward is differentiable (`autograd_gradient`) or, without gradients, from an SP
 The scale ``s`` is either a fixed number or s = eta^2 / (2 beta) with eta the step's noise std and beta a KL
 temperature (`guidance_scale`). A distillation loss then teaches the velocity network the guided drift, so
 that sampling after training needs no reward model: `flow_sde_velocity_for_mean` gives the velocity v* whose
-``mmalign.sde.flow_sde`` mean is the guided mean, and `drift_distillation_loss` regresses the network output
+``mmalign.algorithms.sde.flow_sde`` mean is the guided mean, and `drift_distillation_loss` regresses the network output
 on it.
 
 Where these functions are called from: ``DenoisingPolicy.shift_step_mean(mean, latents, t_index, context)``
 (``mmalign.policies.denoising``) receives the step mean, x_t and the step's std (``context.std``); an override
 computes ``g`` at x_t, ``s = guidance_scale(context.std, ...)`` and returns ``guided_mean(mean, g, s)``. The
-step functions of ``mmalign.sde`` take that as ``shift_mean=lambda mean, std: ...``.
+step functions of ``mmalign.algorithms.sde`` take that as ``shift_mean=lambda mean, std: ...``.
 
 Every function here is pure (no state, no module parameters touched). Shapes: latents are [B, ...]; per-sample
 coefficients may be Python numbers, 0-d tensors, [B] tensors or [B, 1, ..., 1] tensors. Choices that the paper
@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from mmalign.sde import flow_sde_noise
+from mmalign.algorithms.sde import flow_sde_noise
 
 __all__ = [
     "SPSA_DISTRIBUTIONS",
@@ -114,7 +114,7 @@ def guidance_scale(std: Tensor | float, *, scale: float | None = None, beta: flo
 
     * ``scale``: a fixed s >= 0 (returned as a 0-d fp32 tensor on ``std``'s device), or
     * ``beta``: the KL temperature beta > 0, giving s = eta^2 / (2 beta) with eta = ``std``, the step's noise
-      std (for ``mmalign.sde.flow_sde``: s_t sqrt(|dt|), the ``std`` the step returns and
+      std (for ``mmalign.algorithms.sde.flow_sde``: s_t sqrt(|dt|), the ``std`` the step returns and
       ``StepContext.std`` holds). Keeps ``std``'s shape (0-d or per-sample [B, 1, ..., 1]), fp32.
 
     Raises ValueError naming the argument when both or neither are given, beta <= 0, scale < 0, or a std
@@ -260,7 +260,7 @@ def _flow_sde_coefficients(
     noise_level: float | Tensor,
     sigma_max_fallback: float | Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(k, dt, 1 + k (1 - sigma)) of ``mmalign.sde.flow_sde`` in fp32, validated and computed as it does:
+    """(k, dt, 1 + k (1 - sigma)) of ``mmalign.algorithms.sde.flow_sde`` in fp32, validated and computed as it does:
     s_t = a sqrt(sigma / (1 - sigma~)) with sigma~ = ``sigma_max_fallback`` where sigma == 1, k = s_t^2 /
     (2 sigma), dt = sigma_next - sigma."""
     s, sn, std_t = flow_sde_noise(x, sigma, sigma_next, noise_level, sigma_max_fallback)
@@ -277,7 +277,7 @@ def flow_sde_velocity_for_mean(
     noise_level: float | Tensor,
     sigma_max_fallback: float | Tensor | None = None,
 ) -> Tensor:
-    """The velocity v* whose ``mmalign.sde.flow_sde`` step mean is ``target_mean`` (the distillation target).
+    """The velocity v* whose ``mmalign.algorithms.sde.flow_sde`` step mean is ``target_mean`` (the distillation target).
 
     The flow_sde mean is affine in v::
 

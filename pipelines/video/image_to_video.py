@@ -14,9 +14,9 @@ Data (``data.train``, ``data.eval``): JSONL rows::
     {"prompt": "the red square moves right", "image": "frames/000.png", "target_video": "clips/000.npz"}
 
 ``image`` (required) is the first frame: an image file (``.png``, ``.jpg`` ...) or anything
-`mmalign.media.read_video` reads (a ``.npy`` / ``.npz``, a video file or a frame folder), whose first frame is
+`mmalign.data.media.read_video` reads (a ``.npy`` / ``.npz``, a video file or a frame folder), whose first frame is
 used; it is resized to ``options.height`` x ``options.width``. The rewards read ``image`` / ``target_video``
-with `mmalign.media.read_video`, so a reward on the first frame needs a format it reads (the tiny data uses
+with `mmalign.data.media.read_video`, so a reward on the first frame needs a format it reads (the tiny data uses
 one-frame ``.npz`` files). Paths are relative to the JSONL's folder (or ``options.video_root``); a missing file
 or column is a `DataError` naming file:line (or the row is skipped and counted with ``options.on_bad_row:
 skip``). Every other column reaches the rewards.

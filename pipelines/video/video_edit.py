@@ -24,7 +24,7 @@ Data (``data.train``, ``data.eval``): JSONL rows::
 
 ``source_video`` (required) and ``edit_mask`` / ``target_video`` / ``reference_frames`` (optional) are
 paths relative to the JSONL's folder (or ``options.video_root``): a folder of PNG frames, an ``.mp4`` or an
-``.npy`` (`mmalign.media`). ``prompt`` is the instruction (or ``data.prompt_template`` formats it from the
+``.npy`` (`mmalign.data.media`). ``prompt`` is the instruction (or ``data.prompt_template`` formats it from the
 columns). The captions are what R_IF compares (t_edit = ``target_caption``, t_src = ``source_caption``).
 A missing file or column is a `DataError` naming file:line (or the row is skipped and counted with
 ``options.on_bad_row: skip``).

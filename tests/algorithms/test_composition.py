@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mmalign.algorithms.composition import LossComposer, Tally
-from mmalign.batch import Rollout
 from mmalign.config import Config, ConfigError
+from mmalign.data.batch import Rollout
 from mmalign.policies.base import ActionStats
 
 B, T = 3, 4

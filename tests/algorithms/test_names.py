@@ -8,7 +8,6 @@ import pytest
 from mmalign.algorithms.names import check_names, needs_reference
 from mmalign.config import ConfigError, config_from_dict
 
-
 BASE = {"pipeline": "text_reasoning", "output_dir": "runs/x", "rewards": [{"name": "format"}]}
 
 

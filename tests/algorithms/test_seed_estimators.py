@@ -8,9 +8,8 @@ import statistics
 import pytest
 import torch
 
-from mmalign import advantages, reward_transforms
-from mmalign.advantages import ContextError, EstimatorContext
-from mmalign.algorithms import seed_estimators, seed_transforms  # noqa: F401  (register them)
+from mmalign.algorithms import advantages, reward_transforms, seed_estimators, seed_transforms  # noqa: F401  (register them)
+from mmalign.algorithms.advantages import ContextError, EstimatorContext
 
 REWARDS = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.2, 0.9, 0.4, 0.7]
 GROUPS = [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmalign import losses
-from mmalign.algorithms import seed_losses  # noqa: F401  (registers target_entropy)
+from mmalign.algorithms import (
+    losses,
+    seed_losses,  # noqa: F401  (registers target_entropy)
+)
 from mmalign.algorithms.seed_losses import entropy_surrogate
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mmalign import rundir
+from mmalign.training import rundir
 
 
 def write_step(run: Path, step: int, rows: list[dict], views: list[dict] | None = None) -> None:

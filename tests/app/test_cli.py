@@ -10,11 +10,13 @@ import yaml
 import pipelines
 import pipelines.text_reasoning
 import rewards
-from mmalign import advantages, filters, flow_objectives, losses, reward_transforms, rollout_loops, sde
-from mmalign import prompt_samplers as samplers
+from mmalign import flow_objectives
+from mmalign.algorithms import advantages, filters, losses, reward_transforms, sde
 from mmalign.app.cli import build_parser, main
 from mmalign.config import ConfigError
-from mmalign.data import DataError
+from mmalign.data import prompt_samplers as samplers
+from mmalign.data import rollout_loops
+from mmalign.data.rows import DataError
 from mmalign.errors import MmalignError
 from mmalign.registry import PluginError, RegistryError
 
@@ -33,7 +35,7 @@ SECTIONS = {
     ],
     "filters": ["filters (algorithm.filter)"],
     "samplers": ["prompt samplers (data.sampler)"],
-    "steps": ["denoising steps (mmalign.sde.step)"],
+    "steps": ["denoising steps (mmalign.algorithms.sde.step)"],
     "loops": ["rollout loops (rollout.loop)"],
 }
 
@@ -51,7 +53,7 @@ def registered() -> dict[str, list[str]]:
         "KL estimators (algorithm.kl_estimator)": losses.kl_names(),
         "filters (algorithm.filter)": filters.names(),
         "prompt samplers (data.sampler)": samplers.names(),
-        "denoising steps (mmalign.sde.step)": sde.names(),
+        "denoising steps (mmalign.algorithms.sde.step)": sde.names(),
         "rollout loops (rollout.loop)": sorted(rollout_loops.LOOPS.names()),
     }
 
@@ -128,7 +130,7 @@ _UndocumentedReward.__doc__ = None
         (reward_transforms.TRANSFORMS, "reward transforms (algorithm.reward_transforms)", _undocumented),
         (filters.FILTERS, "filters (algorithm.filter)", _undocumented),
         (samplers.SAMPLERS, "prompt samplers (data.sampler)", _undocumented),
-        (sde.STEPS, "denoising steps (mmalign.sde.step)", _undocumented),
+        (sde.STEPS, "denoising steps (mmalign.algorithms.sde.step)", _undocumented),
         (rewards.REGISTRY, "rewards", _UndocumentedReward),
         (pipelines.REGISTRY, "pipelines", _undocumented),
     ],
@@ -411,7 +413,9 @@ def test_components_are_built_from_the_seed(tmp_path, random_text_model_dir):
     built = []
     for rng in (1, 2):
         torch.manual_seed(rng)
-        _, components = cli.load_components(argparse.Namespace(config=str(cfg), overrides=overrides), resume=False)
+        _, components = cli.load_components(
+            argparse.Namespace(config=str(cfg), overrides=overrides), resume=False
+        )
         built.append({k: v.clone() for k, v in components.policy.trainable_state_dict().items()})
     assert built[0].keys() == built[1].keys() and any("lora_A" in k for k in built[0])
     assert all(torch.equal(built[0][k], built[1][k]) for k in built[0])
@@ -602,8 +606,8 @@ def test_interrupt_names_the_checkpoint_and_the_command(capsys, tmp_path, monkey
     checkpoint, the command that starts again. overwrite=true says what it removes."""
     import logging
 
-    from mmalign import runlock
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training import runlock
+    from mmalign.training.trainer import GroupTrainer
 
     real_step = GroupTrainer.train_step
     stop = {"at": 2}
@@ -637,7 +641,7 @@ def test_interrupt_names_the_checkpoint_and_the_command(capsys, tmp_path, monkey
     ]
 
     stop["at"] = -1
-    with caplog.at_level(logging.WARNING, logger="mmalign.trainer"):
+    with caplog.at_level(logging.WARNING, logger="mmalign.training.trainer"):
         assert main(["train", str(cfg), *FAST, "trainer.steps=1", "overwrite=true"]) == 0
     removed = next(r.getMessage() for r in caplog.records if "overwrite=true" in r.getMessage())
     assert removed.startswith(f"overwrite=true: removing the previous run in {out}: ")
@@ -647,7 +651,7 @@ def test_interrupt_names_the_checkpoint_and_the_command(capsys, tmp_path, monkey
 def test_eval_and_sample_take_no_lock_and_warn_without_a_checkpoint(capsys, tmp_path):
     """Readers do not take the run lock (they run while the run trains); `eval` of a run with no checkpoint
     scores the base model with a warning before and after the report (issue 33 item 19)."""
-    from mmalign import runlock
+    from mmalign.training import runlock
 
     cfg, raw = tiny_config(tmp_path)
     out = Path(raw["output_dir"])

@@ -141,8 +141,8 @@ def test_every_key_of_the_config_and_of_every_pipeline_appears(document):
 
 
 def test_registry_valued_keys_list_the_registered_names(document):
-    from mmalign import advantages, filters, losses
-    from mmalign import prompt_samplers as samplers
+    from mmalign.algorithms import advantages, filters, losses
+    from mmalign.data import prompt_samplers as samplers
 
     lines = {line.split(" | ")[0]: line for line in document.splitlines() if line.startswith("| `")}
     for key, names in {

@@ -18,8 +18,8 @@ import pytest
 import torch
 import yaml
 
-from mmalign import rundir
 from mmalign.app import demo
+from mmalign.training import rundir
 from rewards import Reward, RewardBatch, register_reward
 from tests.app.demo_support import (
     call_api,

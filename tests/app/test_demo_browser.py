@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmalign import rundir
+from mmalign.training import rundir
 
 CHROMIUM = os.environ.get("MMALIGN_CHROMIUM", "/usr/bin/chromium")
 

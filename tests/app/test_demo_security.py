@@ -22,8 +22,8 @@ import torch
 import yaml
 from PIL import Image, PngImagePlugin
 
-from mmalign import rundir
 from mmalign.app import demo
+from mmalign.training import rundir
 from tests.app.demo_support import (
     call_api,
     fake_cmd_sample,

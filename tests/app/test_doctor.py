@@ -301,7 +301,7 @@ def test_nan_and_unparsed_rewards_are_reported_with_their_steps() -> None:
 
 
 def test_nan_finding_quotes_an_example_sample(tmp_path: Path) -> None:
-    from mmalign import rundir
+    from mmalign.training import rundir
 
     rows = with_values(healthy(), "reward/answer_accuracy/nan_frac", {10: 0.25})
     run = write_run(tmp_path / "run", rows, config())
@@ -519,7 +519,7 @@ def test_trainer_feeds_every_step_to_the_live_doctor(
     from types import SimpleNamespace
 
     from mmalign.config import config_from_dict
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
 
     steps = 6
     cfg = config_from_dict(

@@ -13,10 +13,10 @@ from PIL import Image
 
 from mmalign.app.cli import main
 from mmalign.app.evaluation import format_report, load_weights, resolve_checkpoint, score
-from mmalign.batch import Rollout
 from mmalign.config import ConfigError, config_from_dict
-from mmalign.data import DataError, load_prompt_rows, load_rows
-from mmalign.media import save_grid
+from mmalign.data.batch import Rollout
+from mmalign.data.media import save_grid
+from mmalign.data.rows import DataError, load_prompt_rows, load_rows
 from rewards import RewardSet, register_reward
 from rewards.base import Reward
 
@@ -210,7 +210,7 @@ def test_cli_eval_before_after_and_sample(capsys, text_config, tmp_path):
     state = load_file(str(f))
     g = torch.Generator().manual_seed(0)
     save_file({k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in state.items()}, str(f))
-    from mmalign import rundir
+    from mmalign.training import rundir
 
     rundir.write_manifest(f.parent, 1)  # an intended edit: re-seal the checkpoint, or it fails verification
     assert (

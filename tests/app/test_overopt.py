@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from mmalign import rundir
 from mmalign.app import overopt
 from mmalign.app.overopt import (
     Evaluation,
@@ -29,6 +28,7 @@ from mmalign.app.overopt import (
 )
 from mmalign.app.run import build_trainer
 from mmalign.config import WatchdogConfig, load_config
+from mmalign.training import rundir
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "text_to_image-tiny.yaml"

@@ -20,8 +20,8 @@ import torch
 
 from mmalign.app import plan as plan_mod
 from mmalign.app.plan_models import build_meta, load_table, param_numel, resolve_model
-from mmalign.batch import Rollout
 from mmalign.config import ConfigError, config_from_dict
+from mmalign.data.batch import Rollout
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -98,7 +98,7 @@ def _measured_step_peak(cfg: object, prompt: int, completion: int) -> int:
     parameters and optimizer state plus the running sum of the profiler's allocation events."""
     import pipelines
     from mmalign.app.plan import profiled_alloc_peak
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
 
     trainer = GroupTrainer(cfg, pipelines.get("text_reasoning")(cfg))
     trainer.policy.model.train()  # as `GroupTrainer.train` does before its first step
@@ -167,7 +167,7 @@ def test_gpu_step_peak_within_10_percent(tmp_path: Path, lora: bool) -> None:
 
     import pipelines
     from mmalign import tiny
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
 
     cfg_kw = dict(load_table()["models"][QWEN]["components"]["model"]["config"])
     cfg_kw.pop("model_type")
@@ -556,7 +556,7 @@ import pipelines, rewards  # noqa: E401
 import mmalign.policies.text, mmalign.policies.loading, mmalign.policies.sd3  # noqa: E401
 import mmalign.policies.flow_matching, mmalign.policies.denoising  # noqa: E401
 from mmalign.config import config_from_dict
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 
 torch.set_num_threads(1)
 cfg = config_from_dict(json.loads(sys.argv[1]), "rss")

@@ -20,7 +20,7 @@ import yaml
 from mmalign.app import preflight
 from mmalign.app.cli import main
 from mmalign.config import load_config
-from mmalign.data import DataError, load_rows
+from mmalign.data.rows import DataError, load_rows
 from mmalign.errors import MmalignError
 
 ROOT = Path(__file__).resolve().parents[2]

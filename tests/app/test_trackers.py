@@ -15,10 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
-from mmalign import rundir
 from mmalign.app import trackers
 from mmalign.app.run import build_trainer
 from mmalign.config import ConfigError, load_config
+from mmalign.training import rundir
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "text_to_image-tiny.yaml"

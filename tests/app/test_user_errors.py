@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
-from mmalign import rundir, tiny
+from mmalign import tiny
 from mmalign.app import preflight
 from mmalign.app.cli import main
 from mmalign.config import ConfigError, load_config
+from mmalign.training import rundir
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINES = ["text_reasoning", "vlm_reasoning", "text_to_image", "safe_diffusion"]
@@ -283,7 +284,7 @@ def test_hub_id_checks(tmp_path, monkeypatch):
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    from mmalign import hub
+    from mmalign.data import hub
 
     check = preflight.check_model_source
     monkeypatch.setattr(hub, "reach", lambda repo_id, timeout=5.0: None)  # the hub answers (no request made)

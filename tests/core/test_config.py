@@ -725,13 +725,13 @@ def test_group_of_one_is_fine_for_mc_grpo_and_a_group_of_two_for_all():
 
 
 def test_group_relative_estimators_are_the_builtins_with_zero_advantage_for_a_group_of_one():
-    """The config's list follows `mmalign.advantages`: every built-in estimator is in it exactly when a group
+    """The config's list follows `mmalign.algorithms.advantages`: every built-in estimator is in it exactly when a group
     of `1 + extra_samples` samples (three such groups here, different rewards) gets advantage 0."""
     import inspect
 
     import torch
 
-    from mmalign import advantages
+    from mmalign.algorithms import advantages
 
     builtins = [
         n for n in advantages.names() if inspect.unwrap(advantages.get(n)).__module__ == advantages.__name__

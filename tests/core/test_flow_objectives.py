@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmalign import flow_objectives as fo
-from mmalign import losses
+from mmalign.algorithms import losses
 from mmalign.registry import RegistryError
 
 F64 = torch.float64

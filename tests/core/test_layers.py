@@ -103,3 +103,139 @@ def test_tiny_builders_import_no_tool_and_rewards_only_the_world_definitions() -
     reward_files = sorted((REPO / "rewards").rglob("*.py"))
     used = {m for p in reward_files for _, m, _ in imports(p) if m.startswith("mmalign.tiny")}
     assert used <= {"mmalign.tiny.world"}, used
+
+
+# ----------------------------------------------------------------------------- second pass (issue 35)
+PROJECT = ("mmalign", "rewards", "pipelines")
+EVERYWHERE = sorted(p for d in (*PROJECT, "benchmarks") for p in (REPO / d).rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+
+
+def test_no_private_name_is_taken_across_modules() -> None:
+    """``from x import _name`` of a project module: two modules that need the same thing get a public helper."""
+    bad = []
+    for path in EVERYWHERE:
+        for line, module, names in imports(path):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private and module.startswith(PROJECT):
+                bad.append(f"{path.relative_to(REPO)}:{line} imports {module}.{', '.join(private)}")
+    assert bad == []
+
+
+def core_graph() -> dict[str, set[str]]:
+    """Core module -> the core modules it imports (module level or in a function), package parents left out."""
+    paths = {module_name(p): p for p in CORE}
+    graph = {}
+    for name, path in paths.items():
+        targets = set()
+        for _, module, names in imports(path):
+            submodules = [f"{module}.{n}" for n in names if f"{module}.{n}" in paths]
+            # ``from package import module`` imports that module (and runs the package's __init__ first)
+            for target in submodules or [module]:
+                if target in paths and target != name and target != "mmalign":
+                    targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_core_has_no_import_circles() -> None:
+    assert cycles(core_graph()) == []
+
+
+def test_the_circle_check_sees_a_circle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_config_imports_nothing_above_it() -> None:
+    """``mmalign/config.py`` sits under everything that reads a config: it imports only the registry and errors."""
+    allowed = {"mmalign", "mmalign.registry", "mmalign.errors"}
+    used = {m for _, m, _ in imports(REPO / "mmalign" / "config.py") if m.startswith(PROJECT)}
+    assert used <= allowed, used - allowed
+
+
+IMPORT_CALLS = ("import_module", "__import__", "import_path")
+
+
+def import_strings(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every string that reaches an import call in `path`: a constant argument of
+    ``importlib.import_module`` / ``__import__`` / ``import_path``, or a module-level constant passed to one."""
+    tree = ast.parse(path.read_text())
+    constants = {
+        t.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if name not in IMPORT_CALLS:
+            continue
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            found.append((node.lineno, arg.value))
+        elif isinstance(arg, ast.Name) and arg.id in constants:
+            found.append((node.lineno, constants[arg.id]))
+    return found
+
+
+def test_the_core_names_no_upper_layer_in_an_import_string() -> None:
+    """``importlib.import_module("pipelines")`` is an import too: no core module imports an upper layer by name."""
+    upper = ("pipelines", "rewards", "mmalign.app", "mmalign.tiny")
+    bad = [
+        f"{path.relative_to(REPO)}:{line} imports {text!r} by name"
+        for path in CORE
+        for line, text in import_strings(path)
+        if text.startswith(upper)
+    ]
+    assert bad == []
+
+
+def test_the_import_string_check_sees_a_constant(tmp_path: Path) -> None:
+    path = tmp_path / "x.py"
+    path.write_text(
+        'import importlib\nPROVIDER = "pipelines"\n\ndef f():\n    importlib.import_module(PROVIDER)\n'
+    )
+    assert import_strings(path) == [(5, "pipelines")]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import pipelines
-from mmalign import advantages, filters, losses
+from mmalign.algorithms import advantages, filters, losses
 from mmalign.config import load_config
 from rewards import RewardSet
 from rewards import base as rewards_base

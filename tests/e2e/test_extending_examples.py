@@ -65,7 +65,7 @@ def test_the_documented_pipeline_validates_its_options(namespace: dict[str, Any]
 def test_the_documented_environment_inserts_a_crop_once(namespace: dict[str, Any]) -> None:
     from PIL import Image
 
-    from mmalign.rollout_loops import DONE, Conversation, Insert, TurnContext
+    from mmalign.data.rollout_loops import DONE, Conversation, Insert, TurnContext
 
     image = Image.new("RGB", (32, 32), (10, 200, 30))
     conv = Conversation(index=0, group_index=0, row={"image": image, "prompt": "find the car"}, prompt=None)
@@ -92,7 +92,7 @@ def test_the_documented_process_reward_fills_step_rewards(namespace: dict[str, A
 
 def test_the_documented_aux_loss_is_added_with_its_coefficient(namespace: dict[str, Any]) -> None:
     from mmalign.config import config_from_dict
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
     from pipelines import TrainingSetup
     from rewards import RewardSet
 

@@ -5,7 +5,7 @@
 too, the heartbeat's included). Rank 0's heartbeat monitor (`mmalign.training.heartbeat`) must notice within about the bound, name
 rank 1 and the last complete checkpoint, SIGKILL the stopped rank 1 (same machine) and exit, so that torchrun
 exits non-zero well within 60 s (before the heartbeat monitor, the run hung for the process group's default timeout, about
-30 minutes). The heartbeat monitor's logic on fake heartbeats is tests/core/test_heartbeat.py.
+30 minutes). The heartbeat monitor's logic on fake heartbeats is tests/training/test_heartbeat.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import two_process as tp  # noqa: E402
 
-from mmalign import rundir  # noqa: E402
+from mmalign.training import rundir
 
 TIMEOUT_S = 20
 BOUND_S = 60

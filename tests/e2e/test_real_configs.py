@@ -275,7 +275,7 @@ def _hub_ids(cfg: Config, work: Path) -> tuple[list[str], list[str]]:
     """(model ids, dataset ids) the config names: every ``org/name`` value of a model key (``name_or_path``,
     ``path``, ``processor`` ..., at any depth: rewards, eval rewards, options) that is not a folder under `work`,
     and the hub id of every ``hf:`` data source."""
-    from mmalign.data import parse_hf_source
+    from mmalign.data.rows import parse_hf_source
 
     models, datasets = set(), set()
 

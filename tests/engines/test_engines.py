@@ -1,4 +1,4 @@
-"""Rollout engines (mmalign.engines) and the truncated-IS correction (mmalign.is_correction)."""
+"""Rollout engines (mmalign.engines) and the truncated-IS correction (mmalign.algorithms.is_correction)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from mmalign import is_correction as isc
+from mmalign.algorithms import is_correction as isc
 from mmalign.engines import (
     EngineStateError,
     SamplingSpec,
@@ -373,7 +373,7 @@ def test_tis_identical_logprobs_give_ones_and_bad_inputs_raise() -> None:
 
 
 def test_apply_is_weights_scales_loss_and_gradient() -> None:
-    from mmalign import losses
+    from mmalign.algorithms import losses
 
     logp = (-torch.rand(2, 3)).requires_grad_(True)
     logp_old = logp.detach() + 0.05
@@ -471,7 +471,7 @@ def test_engine_sleeps_during_the_update_in_a_real_run(
 
 def tool_env(ctx: Any) -> Any:
     """Even samples get a tool answer after their first turn, then a second turn; odd ones stop at once."""
-    from mmalign.rollout_loops import DONE, Insert
+    from mmalign.data.rollout_loops import DONE, Insert
 
     return Insert(text=" Tool: 7.", role=None) if ctx.turn == 0 and ctx.group_index % 2 == 0 else DONE
 
@@ -519,7 +519,7 @@ def test_multi_turn_run_engine_matches_trainer_after_every_step(model_dir: Path,
     trainer's re-scoring after every optimizer step (1e-5: the same fp32 weights, another kernel order);
     inserted tokens are in the sequences but not in the comparison (``mask``). Without the sync it drifts."""
     import pipelines
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
 
     cfg = multi_turn_cfg(model_dir, tmp_path / "run", engine="fake", steps=3)
     trainer = GroupTrainer(cfg, pipelines.get(cfg.pipeline)(cfg))

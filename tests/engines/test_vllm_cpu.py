@@ -33,7 +33,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import pipelines  # noqa: E402
 from mmalign.config import config_from_dict  # noqa: E402
 from mmalign.engines import SamplingSpec, adapter_state_dict, full_state_dict  # noqa: E402
-from mmalign.trainer import GroupTrainer  # noqa: E402
+from mmalign.training.trainer import GroupTrainer  # noqa: E402
 from rewards import Reward, RewardBatch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -474,7 +474,7 @@ def test_async_worker_builds_and_syncs_its_engine(tied_dir: Path, tmp_path: Path
 
 def tool_env(ctx: Any) -> Any:
     """Even samples get a tool answer after their first turn, then a second turn; odd ones stop at once."""
-    from mmalign.rollout_loops import DONE, Insert
+    from mmalign.data.rollout_loops import DONE, Insert
 
     return Insert(text=" Tool: 7.", role=None) if ctx.turn == 0 and ctx.group_index % 2 == 0 else DONE
 

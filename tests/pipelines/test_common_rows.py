@@ -1,5 +1,5 @@
 """pipelines.common's row loaders with ``options.on_bad_row: skip`` (issue 33): a line over
-`mmalign.data.MAX_LINE_BYTES` and a row whose image does not decode are skipped, each named."""
+`mmalign.data.rows.MAX_LINE_BYTES` and a row whose image does not decode are skipped, each named."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmalign.data import DataError
+from mmalign.data.rows import DataError
 from pipelines.common import VLMOptions, image_files, image_problem, load_rows_skipping, load_vlm_rows
 
 
@@ -26,7 +26,7 @@ def picture(path: Path, truncated: bool = False) -> str:
 
 
 def test_skipping_reader_skips_an_over_long_line_naming_it(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr("mmalign.data.MAX_LINE_BYTES", 64)
+    monkeypatch.setattr("mmalign.data.rows.MAX_LINE_BYTES", 64)
     path = tmp_path / "d.jsonl"
     long = json.dumps({"question": "x" * 100})
     path.write_text(f'{{"question": "a"}}\n{long}\n{{"question": "b"}}\n')

@@ -17,10 +17,10 @@ from PIL import Image
 
 import pipelines
 from mmalign.config import ConfigError, load_config
-from mmalign.data import DataError
+from mmalign.data.rows import DataError
 from mmalign.policies.flux_kontext import FluxKontextPolicy
 from mmalign.tiny import image_edit as tiny_edit
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 from pipelines.image_edit import ImageEditOptions, edit_sample_columns, load_edit_rows
 
 REPO = Path(__file__).resolve().parents[2]

@@ -33,7 +33,7 @@ TOY_PIPELINE = '''
 
 from dataclasses import dataclass
 
-from mmalign.data import load_rows
+from mmalign.data.rows import load_rows
 from mmalign.policies.text import TextPolicy
 from pipelines import TrainingSetup, register_pipeline
 from rewards import Reward, RewardSet

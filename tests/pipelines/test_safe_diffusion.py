@@ -13,7 +13,7 @@ from mmalign.app.cli import main
 from mmalign.config import ConfigError, load_config
 from mmalign.policies.ddim import DDIMPolicy
 from mmalign.policies.sd3 import SD3Policy
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -172,7 +172,7 @@ def test_tiny_config_suppresses_the_unsafe_concept(tmp_path, monkeypatch):
     """The offline config end to end (tiny UNet and CLIP built into tmp, ~7 min on 2 cores): after training,
     fewer images of the held-out unsafe (red) prompts show red, while safe prompts keep their scenes."""
     from mmalign.app.evaluation import evaluate_run
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
 
     monkeypatch.chdir(ROOT)  # the config's asset paths are relative to the repository
     models = tmp_path / "models"

@@ -13,11 +13,11 @@ import torch
 
 import pipelines
 from mmalign.config import ConfigError, load_config
-from mmalign.data import DataError
+from mmalign.data.rows import DataError
 from mmalign.policies.denoising import SamplerSettings
 from mmalign.policies.sd3 import SD3Policy
 from mmalign.tiny import shapes as tiny_shapes
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 from pipelines.common import load_prompts
 from pipelines.text_to_image import FlowOptions
 

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from mmalign import tiny
-from mmalign.batch import Rollout
 from mmalign.config import LoraConfig, config_from_dict
+from mmalign.data.batch import Rollout
 from mmalign.policies.base import RunInfo
 from mmalign.policies.denoising import DenoisingPolicy, SamplerSettings
 from rewards import Reward, RewardBatch, RewardSet
@@ -244,7 +244,7 @@ def test_setup_applies_the_config_key(dirs: dict[str, Any], tmp_path: Path) -> N
 
 
 def test_a_trainer_step_runs_with_checkpointing(dirs: dict[str, Any], tmp_path: Path) -> None:
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
     from pipelines import TrainingSetup
 
     pol = FAMILIES["ddim"](dirs)

@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from mmalign import rundir, sde
+from mmalign.algorithms import sde
 from mmalign.config import LoraConfig
 from mmalign.policies.ddim import DDIMPolicy
 from mmalign.policies.denoising import DenoisingPolicy, SamplerSettings
 from mmalign.policies.flux import FluxPolicy
 from mmalign.policies.sd3 import SD3Policy
+from mmalign.training import rundir
 
 ROWS = [{"prompt": "a red cat", "label": 1}, {"prompt": "a blue dog", "label": 2}]
 SEQ = 8
@@ -231,7 +232,7 @@ def test_window_trains_exactly_window_size_steps(case: Case) -> None:
 
 
 def test_sliding_window_trains_the_scheduled_steps(case: Case) -> None:
-    from mmalign.schedules import SlidingWindow
+    from mmalign.algorithms.schedules import SlidingWindow
 
     pol = case.make(num_steps=5, window_size=2, window_mode="sliding", window_shift_every=2)
     sched = SlidingWindow(num_steps=5, window_size=2, shift_every=2)
@@ -322,7 +323,7 @@ def test_group_trainer_runs_the_policy(case: Case, tmp_path: Path) -> None:
     """The shared loop drives denoising steps as actions: pixels are decoded only because the reward
     needs them, the policy's own step-mean KL is used, and the denoiser's weights move."""
     from mmalign.config import config_from_dict
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
     from pipelines import TrainingSetup
     from rewards import RewardSet
 
@@ -353,7 +354,7 @@ def test_policy_generator_round_trips_through_checkpoints(case: Case, tmp_path: 
     """A seeded policy draws its noise from a private generator: its state is saved per process in each
     checkpoint and restored on resume, so the next rollout after a resume is the uninterrupted one's."""
     from mmalign.config import config_from_dict
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
     from pipelines import TrainingSetup
     from rewards import RewardSet
 
@@ -402,7 +403,7 @@ def test_policy_generator_round_trips_through_checkpoints(case: Case, tmp_path: 
     ],
 )
 def test_sde_shift_mean_moves_the_gaussian(kind: str, coefs: tuple, opts: dict) -> None:
-    """`mmalign.sde`'s ``shift_mean``: the sample is drawn around the shifted mean, the log-prob is that of the
+    """`mmalign.algorithms.sde`'s ``shift_mean``: the sample is drawn around the shifted mean, the log-prob is that of the
     shifted Gaussian, and re-scoring with the same shift reproduces it exactly."""
     g = torch.Generator().manual_seed(0)
     pred, x, noise = (torch.randn(3, 2, 4, 4, generator=g) for _ in range(3))

@@ -51,7 +51,13 @@ def test_transformer_class_then_hub_hints_then_default(tmp_path: Path) -> None:
 def test_a_third_party_family_is_one_registration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
     register_family(
-        Family("toy", "text_to_image", "mmalign.policies.sd3:SD3Policy", pipelines=("ToyPipeline",), hints=("toy",))
+        Family(
+            "toy",
+            "text_to_image",
+            "mmalign.policies.sd3:SD3Policy",
+            pipelines=("ToyPipeline",),
+            hints=("toy",),
+        )
     )
     folder = _folder(tmp_path / "t", "ToyPipeline")
     assert family_for(folder, "text_to_image").name == "toy"
@@ -62,7 +68,9 @@ def test_a_third_party_family_is_one_registration(tmp_path: Path, monkeypatch: p
         register_family(Family("toy3", "audio", "x:Y"))
 
 
-def test_a_hub_id_is_decided_by_its_cached_model_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hub_id_is_decided_by_its_cached_model_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cached = tmp_path / "model_index.json"
     cached.write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
 

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from mmalign.batch import Rollout
 from mmalign.config import config_from_dict
+from mmalign.data.batch import Rollout
 from mmalign.policies.sd3 import SD3Policy
 from mmalign.tiny.sd3 import build_tiny_sd3
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 from pipelines import TrainingSetup
 from rewards import RewardSet
 

@@ -14,8 +14,8 @@ from PIL import Image
 
 from mmalign import tiny
 from mmalign.config import LoraConfig
-from mmalign.data import DataError
-from mmalign.media import load_rgb, save_image
+from mmalign.data.media import load_rgb, save_image
+from mmalign.data.rows import DataError
 from mmalign.policies.flux import FluxPolicy, latent_image_ids, pack_latents, unpack_latents
 from mmalign.policies.flux_kontext import FluxKontextPolicy, kontext_image_ids, load_source_pixels
 

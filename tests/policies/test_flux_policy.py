@@ -257,7 +257,7 @@ def test_flux_detection(dev_dir: Path, tmp_path: Path) -> None:
 def test_text_to_image_pipeline_trains_a_flux_step(dev_dir: Path, tmp_path: Path) -> None:
     import pipelines
     from mmalign.config import load_config
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
 
     repo = Path(__file__).resolve().parents[2]
     assets = repo / "assets" / "text_to_image"

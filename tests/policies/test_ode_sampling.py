@@ -194,7 +194,7 @@ def test_evaluation_sampler_runs_the_ode_and_restores_the_training_sampler(sd3_d
 def test_training_with_the_ode_is_refused_naming_the_key(
     family: str, key: str, sd3_dir: Path, sd15_dir: Path, tmp_path: Path
 ) -> None:
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
     from pipelines import TrainingSetup
     from rewards import RewardSet
 

@@ -40,9 +40,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from mmalign import losses
-from mmalign.batch import Rollout
+from mmalign.algorithms import losses
 from mmalign.config import LoraConfig, config_from_dict
+from mmalign.data.batch import Rollout
 from mmalign.policies.base import SAMPLE_KINDS, Policy
 from rewards import Reward, RewardBatch, RewardSet
 
@@ -139,8 +139,8 @@ def tiny_qwen_image_edit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def wan_media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two 9-frame 32 x 32 source clips and an edit mask, written with `mmalign.media.write_array`."""
-    from mmalign.media import write_array
+    """Two 9-frame 32 x 32 source clips and an edit mask, written with `mmalign.data.media.write_array`."""
+    from mmalign.data.media import write_array
 
     root = tmp_path_factory.mktemp("wan-media")
     g = torch.Generator().manual_seed(0)
@@ -160,7 +160,7 @@ def wan_media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def kontext_media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two 16 x 16 source images (the tiny Flux's output size) for the FLUX.1 Kontext editing rows."""
-    from mmalign.media import save_image
+    from mmalign.data.media import save_image
 
     root = tmp_path_factory.mktemp("kontext-media")
     g = torch.Generator().manual_seed(0)
@@ -729,7 +729,7 @@ def _trainer_config(b: Built, out: Path):
 
 
 def test_two_trainer_steps_change_only_trainable_parameters(built: Built, tmp_path: Path) -> None:
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
     from pipelines import TrainingSetup
 
     pol = built.make(need_reference=True)

@@ -21,8 +21,8 @@ from PIL import Image
 
 from mmalign import tiny
 from mmalign.config import LoraConfig
-from mmalign.data import DataError
-from mmalign.media import load_rgb, save_image
+from mmalign.data.media import load_rgb, save_image
+from mmalign.data.rows import DataError
 from mmalign.policies.flux import pack_latents, unpack_latents
 from mmalign.policies.qwen_image import QwenImagePolicy
 from mmalign.policies.qwen_image_components import (

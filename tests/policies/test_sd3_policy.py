@@ -44,7 +44,7 @@ def test_kl_divides_by_sigma_t_without_sqrt_dt(pipe_dir, kind, level):
     flow_sde a sqrt(sigma / (1 - sigma)), dance eta, cps sigma' sin(a pi / 2) (Flow-GRPO's std_dev_t)."""
     import math
 
-    from mmalign import sde
+    from mmalign.algorithms import sde
 
     pol = make(pipe_dir, need_reference=True, sde_kind=kind, noise_level=level)
     r = pol.rollout(ROWS, 2, compute_logp=True)
@@ -318,7 +318,7 @@ def test_group_trainer_drives_the_window_and_saves_images(pipe_dir, tmp_path):
     from PIL import Image
 
     from mmalign.config import config_from_dict
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
     from pipelines import TrainingSetup
     from rewards import RewardSet
 

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from mmalign import tiny
+from mmalign.algorithms.logprobs import selective_log_softmax, token_entropy
 from mmalign.config import LoraConfig
-from mmalign.logprobs import selective_log_softmax, token_entropy
 from mmalign.policies.text import TextPolicy
 from mmalign.policies.token_sampling import completion_mask, sample_next_tokens
 
@@ -112,7 +112,7 @@ def test_logprobs_equal_generate_scores_with_left_padding(random_text_model_dir:
     scores = torch.stack(out.scores, dim=1)  # [B, T, V], already divided by the temperature
     ref = torch.log_softmax(scores.float(), -1).gather(-1, comp[..., None]).squeeze(-1)
     mask = completion_mask(comp, pol.eos_ids)
-    from mmalign.batch import Rollout
+    from mmalign.data.batch import Rollout
 
     ro = Rollout(
         group=torch.arange(4),

@@ -15,10 +15,10 @@ import torch
 import pipelines
 from mmalign import tiny
 from mmalign.config import LoraConfig, RewardConfig, config_from_dict, load_config
-from mmalign.data import DataError
+from mmalign.data.rows import DataError
 from mmalign.policies.vlm import VISION_MODULE, VLMPolicy
 from mmalign.tiny import vlm as tiny_vlm
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 from rewards import Reward, RewardBatch
 
 REPO = Path(__file__).resolve().parents[2]

@@ -225,7 +225,7 @@ def test_decode_equals_wan_pipeline(folders):
 
 
 def test_concat_source_latents_are_stored_and_used(folders, media):
-    from mmalign.media import read_video
+    from mmalign.data.media import read_video
 
     pol = make(folders["concat"], condition="concat")
     r = pol.rollout(rows(media), 2)
@@ -243,7 +243,7 @@ def test_concat_source_latents_are_stored_and_used(folders, media):
 def test_sdedit_actions_and_initial_latents(folders, media):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from mmalign.media import read_video
+    from mmalign.data.media import read_video
 
     pol = make(folders["t2v"], condition="sdedit", sdedit_strength=0.6, num_steps=10)
     sched = FlowMatchEulerDiscreteScheduler.from_pretrained(folders["t2v"], subfolder="scheduler")
@@ -293,7 +293,7 @@ def test_vace_control_tensor_equals_pipeline(folders, media):
     from diffusers import WanVACEPipeline
     from PIL import Image
 
-    from mmalign.media import read_mask, read_video
+    from mmalign.data.media import read_mask, read_video
 
     pipe = WanVACEPipeline.from_pretrained(folders["vace"])
     videos = torch.stack([read_video(media[k], num_frames=9, size=(32, 32)) for k in ("a", "b")])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rewards
-from mmalign.batch import Rollout
+from mmalign.data.batch import Rollout
 from mmalign.registry import PluginError, RegistryError
 from rewards import (
     FunctionReward,

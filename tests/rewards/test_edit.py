@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rewards.edit  # noqa: F401  (registers the edit rewards)
-from mmalign.media import save_image
+from mmalign.data.media import save_image
 from mmalign.tiny.image_edit import EditExample, Square, draw_scene, edit_examples, example_row, slot_box
 from rewards import RewardBatch, load_reward
 from rewards.edit import box_mask

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from mmalign import advantages as adv
-from mmalign.batch import Rollout
+from mmalign.algorithms import advantages as adv
+from mmalign.data.batch import Rollout
 from rewards import FunctionReward, Reward, RewardBatch, RewardError, RewardSet, load_reward
 
 NAN = math.nan
@@ -246,7 +246,7 @@ def test_trainer_refuses_a_per_step_reward_with_an_estimator_that_ignores_it(tmp
     import torch
 
     from mmalign.config import ConfigError, config_from_dict
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
     from pipelines import TrainingSetup
     from rewards import RewardSet, register_reward
     from rewards.base import REGISTRY

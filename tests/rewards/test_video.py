@@ -267,7 +267,7 @@ def test_input_errors() -> None:
 
 
 def test_source_and_mask_from_columns(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without outputs['source_videos'] the paths of the columns are read with mmalign.media and resampled."""
+    """Without outputs['source_videos'] the paths of the columns are read with mmalign.data.media and resampled."""
     g = torch.Generator().manual_seed(2)
     files = {
         "src.mp4": torch.rand(8, 3, 16, 16, generator=g),  # twice the frames and size of the edit
@@ -279,10 +279,10 @@ def test_source_and_mask_from_columns(monkeypatch: pytest.MonkeyPatch) -> None:
         calls.append((path, num_frames, size))
         return files[path]
 
-    fake = types.ModuleType("mmalign.media")
+    fake = types.ModuleType("mmalign.data.media")
     fake.read_video = read_video  # type: ignore[attr-defined]
     fake.read_mask = read_video  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "mmalign.media", fake)
+    monkeypatch.setitem(sys.modules, "mmalign.data.media", fake)
     edit = torch.rand(2, 4, 3, 8, 8, generator=g)
     batch = video_batch(edit, source_video=["src.mp4", None], edit_mask=["mask.png", "mask.png"])
     out = load_reward("video_psnr")(batch)
@@ -486,8 +486,8 @@ def test_vlm_judge_errors(vlm_path: Path, tmp_path: Path) -> None:
 
 
 def test_source_and_mask_files_through_mmalign_video(tmp_path: Path) -> None:
-    """The column fallback with the real readers: frame folders written by `mmalign.media.write_frames`."""
-    video_io = pytest.importorskip("mmalign.media")
+    """The column fallback with the real readers: frame folders written by `mmalign.data.media.write_frames`."""
+    video_io = pytest.importorskip("mmalign.data.media")
     g = torch.Generator().manual_seed(4)
     src = (torch.rand(6, 3, 16, 16, generator=g) * 255).round() / 255  # exact in 8-bit PNGs
     mask = torch.zeros(6, 16, 16)

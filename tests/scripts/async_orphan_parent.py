@@ -1,5 +1,5 @@
-"""A trainer-like parent for tests/core/test_async_orphan.py: starts a rollout worker the way the trainer does
-for ``trainer.async.backend: process`` (`mmalign.asynchronous.ProcessWorker`, forked), prints the worker's pid,
+"""A trainer-like parent for tests/training/test_async_orphan.py: starts a rollout worker the way the trainer does
+for ``trainer.async.backend: process`` (`mmalign.training.asynchronous.ProcessWorker`, forked), prints the worker's pid,
 then blocks until it is killed.
 
 ``--busy``: the worker is in the middle of a job (a rollout that never ends) when the parent dies.
@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-import mmalign.asynchronous as asynchronous
+import mmalign.training.asynchronous as asynchronous
 
 
 class EndlessPolicy:

@@ -1,6 +1,6 @@
 """Run GroupTrainer.make_rollout on deterministic fake rollouts, in 1 or N processes.
 
-Used by tests/core/test_distributed.py:
+Used by tests/training/test_distributed.py:
     python tests/scripts/dist_advantages.py OUT.json ESTIMATOR
     torchrun --standalone --nproc_per_node 2 tests/scripts/dist_advantages.py OUT.json ESTIMATOR
 Rank 0 writes, for 3 steps, every sample's (step, prompt, output, group, advantage) to OUT.json, with the
@@ -18,10 +18,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
-from mmalign.batch import Rollout
 from mmalign.config import config_from_dict
+from mmalign.data.batch import Rollout
 from mmalign.policies.base import ActionStats, Policy
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 from pipelines import TrainingSetup
 from rewards import RewardSet
 

@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard`` on a CPU device mesh, gloo) under the trainer; used by tests/core/test_fsdp2.py.
+"""FSDP2 (``fully_shard`` on a CPU device mesh, gloo) under the trainer; used by tests/training/test_fsdp2.py.
 
     torchrun --standalone --nproc_per_node 2 tests/scripts/dist_fsdp2.py OUT_DIR fsdp
     python tests/scripts/dist_fsdp2.py OUT_DIR reference
@@ -29,10 +29,12 @@ import torch
 from accelerate import Accelerator
 
 import pipelines
-from mmalign import rundir, tiny
-from mmalign.batch import Rollout
+from mmalign import tiny
 from mmalign.config import config_from_dict
-from mmalign.distributed import (
+from mmalign.data.batch import Rollout
+from mmalign.engines.fake import FakeEngine
+from mmalign.training import rundir
+from mmalign.training.distributed import (
     SHARDED_DIR,
     apply_fsdp2,
     gather_full_state_dict,
@@ -40,8 +42,7 @@ from mmalign.distributed import (
     load_sharded,
     save_sharded,
 )
-from mmalign.engines.fake import FakeEngine
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ from accelerate.utils import DistributedType
 import pipelines
 from mmalign import tiny
 from mmalign.config import config_from_dict
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 

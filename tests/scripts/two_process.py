@@ -6,7 +6,7 @@ tests/e2e/test_every_config_two_processes.py and benchmarks/two_process_runs.py.
 - `kill_launch(proc)`: SIGKILL a launcher started with ``start_new_session=True`` AND its workers (torchrun starts
   each worker in a session of its own, so killing the launcher's process group alone leaves them running).
 - `check_advantages(run_dir)`: recompute every written step's advantages in this one process with the run's
-  estimator (`mmalign.advantages.get`) on the gathered rewards and groups of ``samples/step_N.jsonl``, and return
+  estimator (`mmalign.algorithms.advantages.get`) on the gathered rewards and groups of ``samples/step_N.jsonl``, and return
   the largest absolute difference to the advantages the run wrote.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from mmalign.rundir import DISTRIBUTED_FILE  # what `mmalign train` records of its launch
+from mmalign.training.rundir import DISTRIBUTED_FILE  # what `mmalign train` records of its launch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -161,7 +161,7 @@ def check_advantages(run: Path) -> dict[str, Any]:
     Raises ValueError for a file whose groups are not whole."""
     import torch
 
-    from mmalign import advantages
+    from mmalign.algorithms import advantages
 
     cfg = _run_config(run)
     a = cfg["algorithm"]

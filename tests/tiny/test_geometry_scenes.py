@@ -239,7 +239,7 @@ def test_determinism():
 
 
 def test_write_scene_dataset(tmp_path):
-    from mmalign.media import read_video
+    from mmalign.data.media import read_video
 
     jsonl = write_scene_dataset(tmp_path / "ds", 3, seed=5)
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mmalign import tiny
-from mmalign.rollout_loops import Done, Insert, Segment, TurnContext
+from mmalign.data.rollout_loops import Done, Insert, Segment, TurnContext
 from mmalign.tiny import geovis as tg
 from pipelines.grounding.geovis import GeoViSPolicy
 from pipelines.grounding.geovis_env import ZOOM_PROMPT, ZoomEnvironment, parse_action, replay

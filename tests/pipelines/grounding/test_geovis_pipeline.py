@@ -14,7 +14,7 @@ import pipelines
 from mmalign import tiny
 from mmalign.app.evaluation import evaluate_run
 from mmalign.config import ConfigError, load_config
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 from pipelines.grounding.geovis_search import TreeSearchPolicy
 from pipelines.grounding.geovis_views import resized_size
 

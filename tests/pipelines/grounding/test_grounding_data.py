@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from mmalign.data import DataError
+from mmalign.data.rows import DataError
 from pipelines.grounding.data import (
     GroundingOptions,
     _read_refs,

@@ -13,7 +13,7 @@ import torch
 import pipelines
 from mmalign.config import ConfigError, load_config
 from mmalign.tiny import medloc
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 from pipelines.grounding.curriculum import CurriculumCallback
 from pipelines.grounding.data import load_grounding_rows
 from pipelines.grounding.medloc import MedLocOptions

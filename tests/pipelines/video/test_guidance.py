@@ -1,5 +1,5 @@
 """pipelines.video.guidance (Euphonium process-reward guidance) against independent references: hand-computed
-numbers, plain loops, analytic gradients and ``mmalign.sde.flow_sde`` itself."""
+numbers, plain loops, analytic gradients and ``mmalign.algorithms.sde.flow_sde`` itself."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mmalign import sde
+from mmalign.algorithms import sde
 from pipelines.video.guidance import (
     autograd_gradient,
     drift_distillation_loss,

@@ -14,11 +14,11 @@ import torch
 
 import pipelines
 from mmalign.config import load_config
-from mmalign.data import DataError
-from mmalign.media import read_video, write_array
+from mmalign.data.media import read_video, write_array
+from mmalign.data.rows import DataError
 from mmalign.policies.wan import WanPolicy
 from mmalign.tiny.wan_i2v import DIRECTIONS, FRAMES, SPEED, make_i2v_clip, write_i2v_dataset
-from mmalign.trainer import GroupTrainer
+from mmalign.training.trainer import GroupTrainer
 from pipelines.video.image_to_video import ImageToVideoOptions, load_i2v_rows
 
 REPO = Path(__file__).resolve().parents[3]

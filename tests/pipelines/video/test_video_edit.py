@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from mmalign.config import ConfigError, load_config
-from mmalign.data import DataError
-from mmalign.media import read_video, write_array
+from mmalign.data.media import read_video, write_array
+from mmalign.data.rows import DataError
 from pipelines.video.video_edit import VideoEditOptions, load_edit_rows, resolve_edit_row
 
 REPO = Path(__file__).resolve().parents[3]

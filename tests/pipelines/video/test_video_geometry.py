@@ -66,7 +66,7 @@ def _forbid_decoding(policy, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("name", ["video_geometry", "euphonium"])
 def test_a_training_step_never_decodes(name: str, folders, tmp_path: Path, monkeypatch) -> None:
-    from mmalign.trainer import GroupTrainer
+    from mmalign.training.trainer import GroupTrainer
 
     cfg = _config(name, folders, tmp_path)
     comp = get_pipeline(name)(cfg)
@@ -117,7 +117,7 @@ def test_strength_zero_equals_the_plain_policy(folders, tmp_path: Path) -> None:
 
 
 def test_guided_shift_length_records_and_distillation(folders, tmp_path: Path) -> None:
-    from mmalign import sde
+    from mmalign.algorithms import sde
     from pipelines.video.guidance import guided_velocity
 
     comp, cfg = _policies(folders, tmp_path, "options.guidance_strength=0.5")
