@@ -28,7 +28,7 @@ ALL_ESTIMATORS = {
 # estimators that take step rewards (registry metadata step_rewards=True) and return Float[B, T]
 STEP_ESTIMATORS = {"grpo_process"}
 # estimators that need an EstimatorContext, state or num_actions: tested in their own section below
-# (hapo, adora, riskpo: tested in tests/core/test_hapo.py, test_adora.py, test_riskpo.py)
+# (hapo, adora, riskpo: tested in tests/algorithms/test_hapo.py, test_adora.py, test_riskpo.py)
 CONTEXT_ESTIMATORS = {"spo", "gigpo", "hgpo", "factorized", "ace", "canon", "drpo", "hapo", "adora", "riskpo"}
 
 

@@ -569,7 +569,7 @@ def test_registry_names():
         "etr",
         "hapo",
         "reg_grpo",
-    }  # the seed-paper losses (tests/core/test_losses_extra.py)
+    }  # the seed-paper losses (tests/algorithms/test_losses_seed_papers.py)
     assert set(L.aggregation_names()) == ALL_AGGREGATIONS
     assert set(L.kl_names()) == ALL_KL
     for name in L.names():

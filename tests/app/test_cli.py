@@ -534,7 +534,7 @@ FAST = [
 
 
 def holder_of(out: Path):
-    from tests.core.test_runlock import Holder
+    from tests.training.test_runlock import Holder
 
     return Holder(out)
 

@@ -13,12 +13,12 @@ from typing import Any
 import accelerate.utils
 import pytest
 import torch
-from tests.core.test_trainer import VARIED, make_cfg, make_trainer
 
 import pipelines
 from mmalign.app.evaluation import evaluate_run
 from mmalign.errors import CheckpointError
 from mmalign.training import rundir
+from tests.training.test_trainer import VARIED, make_cfg, make_trainer
 
 SECTIONS = {
     "trainer": {"steps": 2, "save_every": 1, "keep_checkpoints": 3, "lr": 1e-2, "progress_bar": False},

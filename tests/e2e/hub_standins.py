@@ -597,6 +597,42 @@ def flux_kontext(path: Path) -> None:
     mark_kontext_folder(path)
 
 
+@standin("Qwen/Qwen-Image-Edit-2509", "Qwen/Qwen-Image-Edit-2511")
+def qwen_image_edit_plus(path: Path) -> None:
+    """Qwen-Image-Edit-2509 / 2511: `mmalign.tiny.qwen_image_edit_plus.build_tiny_qwen_image_edit_plus`
+    (``model_index.json`` naming ``QwenImageEditPlusPipeline``, ``processor/`` included)."""
+    from mmalign.tiny.qwen_image_edit_plus import build_tiny_qwen_image_edit_plus
+
+    build_tiny_qwen_image_edit_plus(path)
+
+
+@standin("Tongyi-MAI/Z-Image-Turbo")
+def z_image_turbo(path: Path) -> None:
+    """Z-Image-Turbo: `mmalign.tiny.z_image.build_tiny_z_image` (Qwen3 text encoder, FLUX.1's VAE layout, the
+    Turbo scheduler config)."""
+    from mmalign.tiny.z_image import build_tiny_z_image
+
+    build_tiny_z_image(path)
+
+
+@standin("black-forest-labs/FLUX.2-dev")
+def flux2_dev(path: Path) -> None:
+    """FLUX.2 [dev]: `mmalign.tiny.flux2.build_tiny_flux2` (Mistral3 text encoder with its PixtralProcessor,
+    guidance embedding, ``Flux2Pipeline``)."""
+    from mmalign.tiny.flux2 import build_tiny_flux2
+
+    build_tiny_flux2(path)
+
+
+@standin("black-forest-labs/FLUX.2-klein-base-4B")
+def flux2_klein_base(path: Path) -> None:
+    """FLUX.2 [klein] base 4B: `mmalign.tiny.flux2.build_tiny_flux2` with a Qwen3 text encoder
+    (``Flux2KleinPipeline``, ``is_distilled`` false: CFG applies)."""
+    from mmalign.tiny.flux2 import build_tiny_flux2
+
+    build_tiny_flux2(path, klein=True, is_distilled=False)
+
+
 @standin("Qwen/Qwen-Image")
 def qwen_image(path: Path) -> None:
     """Qwen-Image: `mmalign.tiny.qwen_image.build_tiny_qwen_image` (Qwen2.5-VL text encoder, Qwen-Image VAE)."""
@@ -643,6 +679,15 @@ def wan22_i2v(path: Path) -> None:
     from mmalign.tiny.wan import build_tiny_wan
 
     build_tiny_wan(path, condition="i2v", two_experts=True, image_encoder=False)
+
+
+@standin("hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v")
+def hunyuan_video15_t2v(path: Path) -> None:
+    """HunyuanVideo 1.5 480p T2V: `mmalign.tiny.hunyuan_video15.build_tiny_hunyuan_video15` (``model_index.json``
+    naming ``HunyuanVideo15Pipeline``, Qwen2.5-VL text model, ByT5, ``guider/``)."""
+    from mmalign.tiny.hunyuan_video15 import build_tiny_hunyuan_video15
+
+    build_tiny_hunyuan_video15(path)
 
 
 # ----------------------------------------------------------------------------- reward models

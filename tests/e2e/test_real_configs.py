@@ -87,8 +87,12 @@ SIZES: dict[str, Entry] = {
     "text_to_image": Entry("sd3.5", _IMAGE),
     "text_rendering": Entry("sd3.5", [*_IMAGE, "rewards.0.device=cpu"], slow=True),
     "qwen_image": Entry("qwen-image", _IMAGE),
+    "flux2": Entry("flux2", _IMAGE),
+    "flux2_klein": Entry("flux2-klein", _IMAGE),
     "image_edit": Entry("flux-kontext", _IMAGE),
     "image_edit-qwen": Entry("qwen-image-edit", _IMAGE),
+    "image_edit-qwen-plus": Entry("qwen-image-edit-plus", _IMAGE),
+    "z_image": Entry("z-image", _IMAGE),
     "safe_diffusion": Entry(
         "sd1.5",
         [
@@ -103,6 +107,7 @@ SIZES: dict[str, Entry] = {
     "euphonium": Entry("wan2.1-t2v", [*_VIDEO, *_CPU_GEOMETRY], slow=True),
     "video_edit": Entry("wan2.1-vace", [*_VIDEO, "options.num_frames=9"]),
     "image_to_video": Entry("wan2.1-i2v", _VIDEO),
+    "hunyuan_video15": Entry("hunyuanvideo-1.5", [*_VIDEO, "options.num_frames=9"]),
 }
 """The one place listing what differs from the real configs when they run here (sizes, and the device where a
 config names ``cuda``). Data paths are not overridden (see the module docstring)."""
@@ -132,9 +137,14 @@ FAMILIES = {
     "flux-kontext",
     "qwen-image",
     "qwen-image-edit",
+    "qwen-image-edit-plus",
+    "z-image",
+    "flux2",
+    "flux2-klein",
     "wan2.1-t2v",
     "wan2.1-vace",
     "wan2.1-i2v",
+    "hunyuanvideo-1.5",
 }
 """The policy families of the real configs: each has a config in the default (non-slow) selection."""
 

@@ -2,7 +2,7 @@
 it names; a GPU smoke test trains one step through ``accelerate launch --config_file`` with each (skipped without
 CUDA). DeepSpeed is not supported: no config ships, and a GPU test checks that a DeepSpeed launch stops at once
 pointing at FSDP2 (skipped without CUDA or the ``deepspeed`` package; `mmalign.training.distributed.check_launch`'s refusal
-itself is tested on CPU in tests/core/test_distributed.py)."""
+itself is tested on CPU in tests/training/test_distributed.py)."""
 
 from __future__ import annotations
 

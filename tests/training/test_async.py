@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(os.name != "posix", reason="the process backend 
 
 
 class LengthMod3:
-    """Imported by name through the reward registry (``tests.core.test_async:LengthMod3``)."""
+    """Imported by name through the reward registry (``tests.training.test_async:LengthMod3``)."""
 
 
 def make_cfg(model_dir: Path, out: Path, **sections: Any):
@@ -36,7 +36,7 @@ def make_cfg(model_dir: Path, out: Path, **sections: Any):
         "data": {"train": str(TRAIN_JSONL), "prompt_template": "Q: {question} = ?\nA:"},
         "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8},
         "rewards": [
-            {"name": "tests.core.test_trainer:LengthMod3", "alias": "length_mod3"},
+            {"name": "tests.training.test_trainer:LengthMod3", "alias": "length_mod3"},
             {"name": "format", "kwargs": {"tags": ["answer"]}},
         ],
         "trainer": {"steps": 4, "lr": 1e-3, "progress_bar": False, "save_every": 100, "sample_every": 100},

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from tests.core.test_trainer import VARIED, make_cfg, make_trainer, read_metrics, strip_time
 
 from mmalign.app.evaluation import load_weights, resolve_checkpoint
 from mmalign.config import ConfigError
@@ -23,6 +22,7 @@ from mmalign.errors import CheckpointError, MmalignError, RunWriteError
 from mmalign.training import rundir
 from mmalign.training.trainer import NonFiniteError, TrainingError
 from rewards import Reward, RewardBatch
+from tests.training.test_trainer import VARIED, make_cfg, make_trainer, read_metrics, strip_time
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = {"trainer": {"steps": 4, "save_every": 2, "keep_checkpoints": 3, "lr": 1e-3, "progress_bar": False}}

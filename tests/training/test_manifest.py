@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 from safetensors import SafetensorError
-from tests.core.test_trainer import VARIED, make_cfg, make_trainer
 
 from mmalign.errors import CheckpointError, MmalignError, RunWriteError
 from mmalign.training import rundir
 from mmalign.training.trainer import TrainingError
+from tests.training.test_trainer import VARIED, make_cfg, make_trainer
 
 STEPS = {"trainer": {"steps": 4, "save_every": 2, "keep_checkpoints": 3, "lr": 1e-3, "progress_bar": False}}
 SAFETENSORS_ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from tests.core.test_async import Recorder, make_cfg, strip
 
 import pipelines
 from mmalign.config import load_config
 from mmalign.training.trainer import GroupTrainer, TrainingError
 from rewards.base import Reward, RewardBatch
+from tests.training.test_async import Recorder, make_cfg, strip
 
 ray = pytest.importorskip("ray", reason='Ray is not installed (pip install "mmalign[ray]")')
 
@@ -179,7 +179,7 @@ def test_silent_reward_actor_fails_naming_it(
     cfg = make_cfg(
         random_text_model_dir,
         tmp_path / "silent",
-        rewards=[{"name": "tests.core.test_ray_async:SilentInActor"}],
+        rewards=[{"name": "tests.training.test_ray_async:SilentInActor"}],
         trainer={
             "steps": 3,
             "async": {

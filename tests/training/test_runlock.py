@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.core.test_trainer import make_cfg, make_trainer
 
 from mmalign.training import runlock
+from tests.training.test_trainer import make_cfg, make_trainer
 
 HOLD = """
 import os, sys, time

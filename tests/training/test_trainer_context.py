@@ -1,5 +1,5 @@
 """The trainer wiring of issue 26 (EstimatorContext, estimator state, reward transforms, etr's group_std) on the
-tiny text model. Proposed as tests/core/test_trainer_context.py once /work/frag/group/integration.diff is applied."""
+tiny text model. Proposed as tests/training/test_trainer_context.py once /work/frag/group/integration.diff is applied."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from mmalign.training.trainer import GroupTrainer
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_JSONL = REPO / "assets" / "text_reasoning" / "train.jsonl"
 VARIED = [
-    {"name": "tests.core.test_trainer:LengthMod3", "alias": "length_mod3"},
+    {"name": "tests.training.test_trainer:LengthMod3", "alias": "length_mod3"},
     {"name": "format", "kwargs": {"tags": ["answer"]}},
 ]
 

@@ -1,8 +1,8 @@
 """The trainer wiring of issue 26's remaining methods (helper "group2"): d3s receives the entropy and the step,
 SPO's rho_mode kl gets its policy_shift from PolicyShiftMemory (checked against a plain Beta update), all-fail
-groups are hinted (metrics) and R³ replay resumes exactly. Proposed as tests/core/test_trainer_group2.py once
+groups are hinted (metrics) and R³ replay resumes exactly. Proposed as tests/training/test_trainer_group2.py once
 /work/frag/group2/trainer_hunk.diff and config_hunk.diff are applied; it replaces
-tests/core/test_trainer_context.py::test_spo_kl_mode_names_the_missing_field (kl mode now works)."""
+tests/training/test_trainer_context.py::test_spo_kl_mode_names_the_missing_field (kl mode now works)."""
 
 from __future__ import annotations
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tests.core.test_trainer import make_cfg, make_trainer, read_metrics
 
 from mmalign.data.rollout_loops import Done, Insert, TurnContext
 from rewards import Reward, RewardBatch
+from tests.training.test_trainer import make_cfg, make_trainer, read_metrics
 
 
 class CountsOddLengths(Reward):
@@ -153,7 +153,7 @@ def test_over_turn_samples_count_in_the_group_but_not_in_the_loss(
         random_text_model_dir,
         tmp_path / "run",
         rollout={"loop": "multi_turn", "loop_kwargs": loop},
-        rewards=[{"name": "tests.core.test_trainer:LengthMod3", "alias": "length_mod3"}],
+        rewards=[{"name": "tests.training.test_trainer:LengthMod3", "alias": "length_mod3"}],
     )
     trainer = make_trainer(cfg)
     batch, metrics = trainer.make_rollout()

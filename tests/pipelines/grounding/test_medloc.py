@@ -257,3 +257,29 @@ def test_grpo_raises_acc_at_0_5_on_the_tiny_config(tmp_path: Path) -> None:
     acc = [m["reward/iou_at/mean"] for m in history]
     first, last = sum(acc[:10]) / 10, sum(acc[-10:]) / 10
     assert last > first + 0.08, (first, last)  # measured: 0.21 -> 0.34 (seed 0)
+
+
+@pytest.mark.slow
+def test_grpo_raises_held_out_mean_iou_on_the_tiny_config(tmp_path: Path) -> None:
+    """The tiny config as shipped (hit reward with the IoU curriculum): the sampled boxes of the trained
+    policy on the 64 held-out scans (8 answers each at temperature 1, `medloc.evaluate`) have a clearly
+    higher mean IoU than the warm start's. Measured (seed 0): 0.332 -> 0.403. The gain is capped by what the
+    warm start localises: its greedy answers reach 0.49 and the best of 8 samples 0.56 (issue 36, item 5:
+    docs in the tinylearn notes). About 2 minutes of training on an idle core; builds the model if missing."""
+    cfg = load_config(
+        CONFIG,
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"data.train={ASSETS / 'train.jsonl'}",
+            f"data.eval={ASSETS / 'eval.jsonl'}",
+            "trainer.progress_bar=false",
+            "trainer.save_every=1000",
+        ],
+    )
+    cfg.model.name_or_path = str(REPO / cfg.model.name_or_path)
+    GroupTrainer(cfg, pipelines.get(cfg.pipeline)(cfg)).train()
+    torch.set_num_threads(1)
+    base = medloc.evaluate(cfg.model.name_or_path, ASSETS / "eval.jsonl")
+    trained = medloc.evaluate(tmp_path / "run" / "final", ASSETS / "eval.jsonl")
+    assert trained["mean_iou"] > base["mean_iou"] + 0.05, (base, trained)
+    assert trained["acc@0.5"] > base["acc@0.5"] + 0.04, (base, trained)
