@@ -16,7 +16,6 @@ from mmalign.config import Config
 from mmalign.data.rollout_loops import Environment, loop_from_config
 from mmalign.data.rows import DataError, add_prompts, line_too_long, load_rows, read_lines
 from mmalign.policies.vlm import VLMPolicy
-from mmalign.tiny import ensure_model
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +297,7 @@ def build_vlm_policy(cfg: Config, environment: Environment | None = None) -> VLM
     ``rollout.loop_kwargs.environment``)."""
     opts = vlm_options(cfg)
     kwargs = policy_kwargs(cfg, environment)  # checks the rollout loop before the model is built or loaded
-    path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
+    path = cfg.model.name_or_path
     return VLMPolicy.from_pretrained(
         path,
         min_pixels=opts.min_pixels,

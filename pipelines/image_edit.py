@@ -47,7 +47,6 @@ from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.policies.families import policy_class_for
 from mmalign.policies.flux_kontext import FluxKontextPolicy
 from mmalign.policies.qwen_image_edit import QwenImageEditPolicy
-from mmalign.tiny import ensure_model
 from mmalign.training.seeding import process_seed
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_resolved_rows, options
@@ -154,7 +153,7 @@ def build_edit_policy(cfg: Config) -> FluxKontextPolicy | QwenImageEditPolicy:
     """The editing policy described by `cfg.model` (`edit_policy_class`: FLUX.1 Kontext or Qwen-Image-Edit) and
     the `options:` section (`ImageEditOptions`)."""
     opts = image_edit_options(cfg)
-    path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
+    path = cfg.model.name_or_path
     cls = edit_policy_class(path)
     policy = cls.from_pretrained(
         path,
@@ -183,8 +182,6 @@ def build(cfg: Config) -> Any:
     opts = image_edit_options(cfg)
     rows = load_edit_rows(cfg.data.train, cfg.data.prompt_template, opts, cfg.data.max_rows)
     eval_rows = load_edit_rows(cfg.data.eval, cfg.data.prompt_template, opts) if cfg.data.eval else None
-    for path, builder in opts.reward_models.items():
-        ensure_model(path, builder)
     reward_set = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_edit_policy(cfg)
     return TrainingSetup(

@@ -27,7 +27,6 @@ from mmalign.algorithms.names import needs_reference
 from mmalign.config import Config, ConfigError
 from mmalign.data.rows import load_rows
 from mmalign.policies.denoising import SamplerSettings
-from mmalign.tiny import ensure_model
 from mmalign.training.seeding import process_seed
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import options
@@ -129,7 +128,7 @@ def build_policy(cfg: Config, o: SafeDiffusionOptions) -> Any:
     (every process samples different noise); the trainer saves its state in every checkpoint, so a resumed run draws the same noise as an
     uninterrupted one."""
     m = cfg.model
-    path = ensure_model(m.name_or_path, m.tiny_builder)
+    path = m.name_or_path
     seed = process_seed(cfg.seed if o.seed is None else o.seed)
     common: dict[str, Any] = dict(
         dtype=m.dtype,
@@ -159,8 +158,6 @@ def build(cfg: Config) -> Any:
         cfg, o, {"safe": o.eval_safe_prompts, "unsafe": o.eval_unsafe_prompts}, cfg.data.eval, "eval"
     )
     check_reward_specs(cfg.rewards, cfg.source)
-    for path, builder in o.reward_models.items():
-        ensure_model(path, builder)
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_policy(cfg, o)
     return TrainingSetup(

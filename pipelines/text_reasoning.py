@@ -13,7 +13,6 @@ from typing import Any
 from mmalign.config import Config
 from mmalign.data.rows import load_rows
 from mmalign.policies.text import TextPolicy
-from mmalign.tiny import ensure_model
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import policy_kwargs
 from rewards import RewardSet
@@ -23,7 +22,7 @@ def build_text_policy(cfg: Config) -> TextPolicy:
     """The `TextPolicy` described by `cfg.model` and `cfg.rollout`."""
     m = cfg.model
     kwargs = policy_kwargs(cfg)  # checks the rollout loop before the model is built or loaded
-    path = ensure_model(m.name_or_path, m.tiny_builder)
+    path = m.name_or_path
     return TextPolicy.from_pretrained(
         path, use_chat_template=m.use_chat_template, shared_prefix=m.shared_prefix, **kwargs
     )

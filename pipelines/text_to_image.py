@@ -51,7 +51,6 @@ from mmalign.config import Config
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.policies.families import policy_class_for
 from mmalign.policies.flow_matching import FlowMatchingPolicy
-from mmalign.tiny import ensure_model
 from mmalign.training.seeding import process_seed
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_prompts, options
@@ -107,7 +106,7 @@ def build_flow_policy(cfg: Config) -> FlowMatchingPolicy:
     from mmalign.policies.flux import FluxPolicy
 
     opts = flow_options(cfg)
-    path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
+    path = cfg.model.name_or_path
     seed = process_seed(opts.seed)
     policy = flow_policy_for(path).from_pretrained(
         path,

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from mmalign.algorithms.names import check_names
+from mmalign.app.fixtures import ensure_fixtures
 from mmalign.config import Config, ConfigError
 from mmalign.data.rows import DataError, load_rows, missing_data_hint
 from mmalign.registry import RegistryError
@@ -919,6 +920,7 @@ def validate(
 
     @functools.wraps(build)
     def build_and_fit(cfg: Config) -> Any:
+        ensure_fixtures(cfg)  # the tiny models the config names (`mmalign.app.fixtures`), before the pipeline
         return fit_setup(cfg, build(cfg))
 
     return build_and_fit

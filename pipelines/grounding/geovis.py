@@ -55,7 +55,6 @@ import torch
 from mmalign.config import Config, ConfigError
 from mmalign.data.media import load_rgb
 from mmalign.policies.vlm import VLMPolicy
-from mmalign.tiny import ensure_model
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import options, policy_kwargs
 from pipelines.grounding.data import GroundingOptions, load_grounding_rows
@@ -192,7 +191,7 @@ def build_geovis_policy(cfg: Config, opts: GeoViSOptions, environment: ZoomEnvir
     """The `GeoViSPolicy` of `cfg` (as `pipelines.common.build_vlm_policy` builds a `VLMPolicy`), with the
     per-view pixel bounds of `opts`; the environment is given the same bounds."""
     kwargs = policy_kwargs(cfg, environment)  # checks the rollout loop before the model is loaded
-    path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
+    path = cfg.model.name_or_path
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)

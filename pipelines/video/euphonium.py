@@ -38,7 +38,6 @@ from mmalign.data.batch import Rollout
 from mmalign.policies.base import ActionStats
 from mmalign.policies.denoising import StepContext
 from mmalign.policies.wan import WanPolicy
-from mmalign.tiny import ensure_model
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_prompts, options
 from pipelines.video.wan import WanVideoOptions, build_wan_policy
@@ -296,8 +295,6 @@ def build(cfg: Config) -> Any:
         raise ValueError(f"{cfg.source}: options.geometry_model is required (the latent geometry model)")
     rows = load_prompts(cfg.data.train, cfg.data.prompt_template, cfg.data.max_rows)
     eval_rows = load_prompts(cfg.data.eval, cfg.data.prompt_template) if cfg.data.eval else None
-    for path, builder in opts.reward_models.items():
-        ensure_model(path, builder)
     policy = build_wan_policy(cfg, opts, policy_class=GuidedWanPolicy)
     try:
         model = load_geometry_model(opts.geometry_model).eval().requires_grad_(False)

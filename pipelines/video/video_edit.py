@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mmalign.config import Config
-from mmalign.tiny import ensure_model
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_resolved_rows, options, resolve_path_columns
 from pipelines.video.wan import WanVideoOptions, build_wan_policy
@@ -112,8 +111,6 @@ def build(cfg: Config) -> Any:
     opts = video_edit_options(cfg)
     rows = load_edit_rows(cfg.data.train, cfg.data.prompt_template, opts, cfg.data.max_rows)
     eval_rows = load_edit_rows(cfg.data.eval, cfg.data.prompt_template, opts) if cfg.data.eval else None
-    for path, builder in opts.reward_models.items():
-        ensure_model(path, builder)
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     policy = build_video_policy(cfg)
     return TrainingSetup(

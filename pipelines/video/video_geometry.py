@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmalign.config import Config
-from mmalign.tiny import ensure_model
 from pipelines import TrainingSetup, register_pipeline
 from pipelines.common import load_prompts, options
 from pipelines.video.wan import WanVideoOptions, build_wan_policy
@@ -45,8 +44,6 @@ def build(cfg: Config) -> Any:
     opts = options(cfg, VideoGeometryOptions)
     rows = load_prompts(cfg.data.train, cfg.data.prompt_template, cfg.data.max_rows)
     eval_rows = load_prompts(cfg.data.eval, cfg.data.prompt_template) if cfg.data.eval else None
-    for path, builder in opts.reward_models.items():
-        ensure_model(path, builder)
     policy = build_wan_policy(cfg, opts)
     rewards = RewardSet(cfg.rewards, source=cfg.source)
     return TrainingSetup(policy=policy, rewards=rewards, data=rows, eval_data=eval_rows)

@@ -10,7 +10,6 @@ from typing import Any, Literal
 from mmalign.algorithms.names import needs_reference
 from mmalign.config import Config
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
-from mmalign.tiny import ensure_model
 from mmalign.training.seeding import process_seed
 
 __all__ = ["WanVideoOptions", "build_wan_policy"]
@@ -55,17 +54,17 @@ class WanVideoOptions(SamplerSettings):
 
 
 def build_wan_policy(cfg: Config, opts: WanVideoOptions, policy_class: Any = None, **extra: Any) -> Any:
-    """The Wan policy described by `cfg.model` and `opts`: `policy_class` (default
-    `mmalign.policies.wan.WanPolicy`) loaded through ``from_pretrained`` (a real Wan folder or hub id, or the
-    tiny folder the ``model.tiny_builder`` writes), with ``model.lora`` adapters, the reference kept when
-    ``algorithm.kl_coef`` > 0, and `extra` keyword arguments (a pipeline's own settings: ``condition`` ...).
-    Each process's sampler seed is ``options.seed + RANK``. Building the reward-model folders of
-    ``options.reward_models`` is the pipeline's job."""
-    if policy_class is None:
-        from mmalign.policies.wan import WanPolicy
+    """The video policy described by `cfg.model` and `opts`: `policy_class` (default: the model's video family,
+    `mmalign.policies.families.policy_class_for`; `mmalign.policies.wan.WanPolicy` for Wan) loaded through
+    ``from_pretrained`` (a real folder or hub id, or the tiny folder `mmalign.app.fixtures` built), with
+    ``model.lora`` adapters, the reference kept when ``algorithm.kl_coef`` > 0, and `extra` keyword arguments
+    (a pipeline's own settings: ``condition`` ...). Each process's sampler seed is ``options.seed + RANK``.
+    The tiny folders of ``model.tiny_builder`` and ``options.reward_models`` are built by the app layer."""
+    path = cfg.model.name_or_path
+    if policy_class is None:  # the model's video family (`mmalign.policies.families`; Wan by default)
+        from mmalign.policies.families import policy_class_for
 
-        policy_class = WanPolicy
-    path = ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
+        policy_class = policy_class_for(path, "video")
     seed = process_seed(opts.seed)
     try:
         return policy_class.from_pretrained(
