@@ -1,29 +1,12 @@
 """Domain pipelines: each module registers `build(cfg) -> TrainingSetup` under its name.
 
-A pipeline owns what is special to its domain (policy construction, reward plugins, data,
-callbacks such as curricula, the typed ``options:`` section of its configs) and nothing else: the
-training loop is `mmalign.training.trainer.GroupTrainer`. It registers where it is defined::
-
-    @dataclass
-    class MyOptions:
-        levels: int = 3
-
-    @register_pipeline("my_pipeline", options=MyOptions)
-    def build(cfg: Config) -> TrainingSetup: ...
-
-Where pipelines are found (`DISCOVERY`, a `mmalign.registry.Discovery`): the modules of this package and of its
-domain subpackages (``pipelines/<module>.py``, ``pipelines/<domain>/<module>.py``, found with pkgutil; a
-module is named after the pipeline it registers) and the entry points of group ``mmalign.pipelines``
-(each names a module, or a ``module:build`` object, that registers on import), so a third-party package
-declares, in its ``pyproject.toml``::
-
-    [project.entry-points."mmalign.pipelines"]
-    my_pipeline = "my_package.my_pipeline"
-
-Nothing is imported by ``import pipelines``: a lookup (`get`, `find`) imports ``pipelines/<name>.py`` or
-``pipelines/<domain>/<name>.py`` when it exists, else the entry point called ``<name>``, and only then every
-module and entry point;
-`names` imports everything. `refresh` forgets what discovery cached (after installing a plugin).
+A pipeline owns what is special to its domain (policy construction, reward plugins, data, callbacks such as
+curricula, the typed ``options:`` section) and nothing else: the training loop is
+`mmalign.training.trainer.GroupTrainer`. It registers where it is defined, with
+``@register_pipeline("my_pipeline", options=MyOptions)``. `DISCOVERY` finds pipelines lazily in this package's
+modules and domain subpackages and in entry points of group ``mmalign.pipelines``; ``import pipelines``
+imports nothing, `get` / `find` import only what a name needs, `names` everything, `refresh` forgets the
+cache. Details: docs/architecture.md, "Pipelines"; a third-party pipeline: docs/extending.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """Text to image: a flow-matching model (SD3 / SD3.5, FLUX.1, Qwen-Image) trained with Flow-GRPO on image rewards.
 
-Each prompt is sampled ``rollout.group_size`` times with the stochastic Flow-GRPO sampler of
-a `mmalign.policies.flow_matching.FlowMatchingPolicy` (SD3, FLUX.1 or Qwen-Image) (one action = one SDE denoising step), the decoded images are
-scored by the rewards of the config (``clip_score``, ``preference``, ``aesthetic``,
-``shapes_compositional``, ...), and the shared `GroupTrainer` turns group-relative advantages into a
-clipped-surrogate update of the transformer (usually its LoRA adapter), with an optional KL to the
-reference model on the step means (``algorithm.kl_coef`` > 0).
-
-Data (``data.train``; ``data.eval`` likewise, kept as evaluation rows):
-
-- a ``.txt`` file: one prompt per line (blank lines and lines starting with ``#`` are skipped);
-- a JSONL file (or ``hf:<dataset>[:<split>]``): one object per line with a ``prompt`` column, or the
-  columns that ``data.prompt_template`` formats into the prompt. Every other column reaches the
-  rewards, e.g. ``{"prompt": "two red squares on the left", "colour": "red", "count": 2,
-  "position": "left"}`` for ``shapes_compositional``. A malformed line, a row without a prompt or an
-  empty prompt is a `DataError` naming file:line.
-
-The sampler is configured in the typed ``options:`` section (`FlowOptions`, whose sampler keys are
-`mmalign.policies.denoising.SamplerSettings`, handed to the policy as ``sampler=``).
-
-FLUX.1 (dev / schnell) is served by `mmalign.policies.flux.FluxPolicy` instead: `build_flow_policy`
-picks it when the model folder's ``transformer/config.json`` names ``FluxTransformer2DModel``, or, for a
-name that is not a local folder (a hub id; nothing is fetched to decide), when the name contains "flux"
-(case-insensitive). The same options are passed, with these differences for Flux: ``guidance_scale`` is
-the distilled guidance fed to FLUX.1-dev's guidance embedding (one forward, no two-branch CFG; ignored by
-schnell, which has no guidance embedding), so ``train_guidance`` has no effect; ``load_t5`` is ignored
-(Flux's prompt states are T5's, it is always loaded); ``max_sequence_length`` is the T5 length (default
-512, as diffusers; FLUX.1-schnell was trained with 256);
-``resolution`` must give an even latent side (resolution / the VAE's factor; 2x2 packing).
-
-Qwen-Image is served by `mmalign.policies.qwen_image.QwenImagePolicy`. Which class a folder or hub id gets is
-its family's (`mmalign.policies.families`: the ``model_index.json`` pipeline class, else the transformer class,
-else the hub id's name). Qwen-Image's differences:
-``guidance_scale`` is true CFG with ``negative_prompt`` and the pipeline's per-token norm rescaling;
-``max_sequence_length`` is the Qwen2.5-VL prompt length every prompt is padded to (default 512, at most 1024;
-shorter is cheaper: the padding is masked but still computed); ``load_t5`` is ignored; ``resolution`` (default
-1024) must give an even latent side.
+Each prompt is sampled ``rollout.group_size`` times with the stochastic sampler of the family's
+`mmalign.policies.flow_matching.FlowMatchingPolicy` (one action = one SDE denoising step; the family picks
+the class, `mmalign.policies.families`), the decoded images are scored by the config's rewards and the
+shared `GroupTrainer` updates the transformer (usually its LoRA adapter). Data: a ``.txt`` file (one prompt
+per line) or JSONL / ``hf:`` rows with a ``prompt`` column; bad rows are a `DataError` naming file:line.
+Options: `FlowOptions` (the `mmalign.policies.denoising.SamplerSettings` keys plus loading). Data format and
+the per-family meaning of ``guidance_scale``, ``max_sequence_length``, ``load_t5`` and ``resolution``:
+docs/architecture.md, "Pipelines", ``text_to_image``.
 """
 
 from __future__ import annotations

@@ -1,69 +1,13 @@
 """The reward plugin API: `Reward`, `RewardBatch`, loading by name / entry point / path, `RewardSet`.
 
-A reward is a class registered by name (see docs/architecture.md, "Rewards")::
-
-    @register_reward("my_reward")
-    class MyReward(Reward):
-        '''One-line summary, shown by `mmalign list rewards`.'''
-        needs = {"texts"}
-        def __init__(self, *, scale: float = 1.0) -> None:   # options from the config
-            self.scale = scale
-        def __call__(self, batch: RewardBatch) -> Tensor:    # Float[B]; NaN = not applicable
-            ...
-
-Loading (`load_reward(spec, **options)`) resolves `spec`, in this order:
-
-1. a name registered with `register_reward`;
-2. an entry point of group ``mmalign.rewards`` (only the matching entry point is imported);
-3. an explicit ``"package.module:attr"`` path.
-
-The object found may be a `Reward` subclass (instantiated with the options), a `Reward` instance
-(no options allowed), or a plain function, which is wrapped into a `FunctionReward`. Two function
-styles are told apart by the signature:
-
-- TRL style, ``f(prompts, completions, **columns) -> list[float]``: chosen when the function has a
-  parameter named ``completions``. It is called with keywords only: ``prompts`` (list[str]),
-  ``completions`` (list[str], the decoded texts), every dataset column by name (only those it names
-  unless it takes ``**kwargs``) and the config options. ``None`` entries count as NaN, like in TRL.
-- batch style, ``f(batch, **options) -> Float[B]``: every other function; it receives the
-  `RewardBatch` as its only positional argument.
-
-A function's ``needs`` attribute, if set, overrides the default ``{"texts"}``.
-
-A reward may report extra numbers about a call (how many answers could not be parsed, ...) by setting
-``self.last_metrics = {"unparsed_frac": 0.25}`` in ``__call__``: `RewardSet.last_metrics` collects them
-as ``reward/<column>/<key>`` and the trainer logs them with the step's metrics (mean over processes).
-
-Outcome and process rewards. An outcome reward (the default) returns Float[B], one number per
-sample. A process (per-step) reward declares ``per_step = True`` (a class attribute of a `Reward`
-subclass, or an attribute ``fn.per_step = True`` of a function, like ``fn.needs``) and returns
-Float[B, T], one number per action, with T = ``batch.mask.shape[1]`` = ``rollout.mask.shape[1]``
-(tokens for text, trained denoising steps for diffusion). Values where ``batch.mask`` is False are
-ignored; NaN means "no process reward at this step" (it counts as 0 in the step rewards); +-inf at
-a valid step is an error. A per-step reward with the wrong shape, or an outcome reward returning a
-2-D tensor, is a `RewardError` that names the reward and the shapes.
-
-`RewardSet` returns Float[B, K], one column per reward. The column of a per-step reward holds each
-sample's mean over its valid, non-NaN steps (NaN if it has none): it is for logs and sample dumps
-and does not enter the outcome total. Called on a `Rollout` with at least one per-step reward, the
-set also writes ``rollout.step_rewards`` = sum_k step_weight_k * r_k (Float[B, T], NaN read as 0,
-0 where ``rollout.mask`` is False). ``RewardSet.weights`` are the OUTCOME weights (0 for per-step
-columns) and ``RewardSet.step_weights`` the weights of the per-step columns (0 elsewhere).
-Combining the columns with weights (r_i = nansum_k w_k r_ik) is done by
-`mmalign.algorithms.advantages.combine_rewards`, not here; estimators that take ``step_rewards`` (see
-`mmalign.algorithms.advantages.accepts_step_rewards`) turn the step rewards into per-action advantages.
-
-Per-reward options of a config entry (`RewardSpec`; checked by `spec_problem`, errors name the key):
-
-- ``device``: passed to the reward's constructor as ``device=`` (a reward whose constructor takes no
-  ``device`` is an error naming ``rewards[i].device``; so is giving it in ``kwargs`` too).
-- ``batch_size``: `RewardSet` scores the batch in consecutive chunks of at most this many samples (per-sample
-  entries are those whose first dimension is B, as for `Rollout` indexing) and concatenates the results,
-  Float[B] and Float[B,T] alike. A metric in ``last_metrics`` is the chunk-size-weighted mean of the chunks'
-  non-NaN values. A reward that compares the samples of a group sees only the part of the group in its chunk.
-- ``timeout_s``: each call (each chunk) runs in a worker thread; past the limit `RewardSet` raises a
-  `RewardError` naming the column, the limit and the key. The stuck call keeps running in the background
-  (a Python thread cannot be killed); the ``remote`` reward's own ``timeout_s`` truly bounds an HTTP call.
+A reward is a `Reward` subclass registered with ``@register_reward(name)`` (or a plain function, TRL style
+``f(prompts, completions, **columns)`` or batch style ``f(batch, **options)``): ``needs`` names the outputs it
+reads and ``__call__(batch)`` returns Float[B] (NaN = not applicable), or Float[B, T] with ``per_step = True``.
+`load_reward` resolves a registered name, then a ``mmalign.rewards`` entry point, then a
+``"package.module:attr"`` path. `RewardSet` returns Float[B, K] (one column per reward) and, for per-step
+rewards, writes ``rollout.step_rewards``; combining the columns is `mmalign.algorithms.advantages.combine_rewards`.
+The full contract (function styles, ``last_metrics``, shapes, the per-entry options ``device``, ``batch_size``,
+``timeout_s``): docs/architecture.md, "Rewards", and docs/reward_plugins.md.
 """
 
 from __future__ import annotations

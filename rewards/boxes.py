@@ -1,50 +1,12 @@
 r"""Grounding rewards: bounding boxes parsed from a completion scored against reference boxes.
 
-Rewards (all registered, see `rewards.names()`):
-
-- ``box_iou``    IoU with the best-matching reference (optional threshold / dense switch);
-- ``box_giou``   generalised IoU, mapped to [0, 1] by (g + 1) / 2 (``raw=True``: g in [-1, 1]);
-- ``box_center`` exp(-d / D) (or max(0, 1 - d / D)) of the centre distance d, D = the diagonal of
-  the ORIGINAL image (GeoViS's geospatial term);
-- ``iou_at``     1 if IoU >= ``threshold`` else 0; ``threshold`` may be changed between calls (curricula);
-- ``box_f1``     multi-box F1 of every parsed box against every reference box;
-- ``iou_sweep``  share of the IoU thresholds 0.50, 0.55, ..., 0.95 met (COCO-style, for evaluation).
-
-Box coordinate conventions (how a MODEL writes a box; (W, H) = original image size in pixels,
-(W_r, H_r) = size of the image the model saw after the processor's resize):
-
-==========  ===========================================  ==============================================
-convention  a box (x, y) written so means, original px   typical writer
-==========  ===========================================  ==============================================
-absolute    (x, y)                                       datasets (after loading); GeoViS env_state
-resized     (x * W / W_r, y * H / H_r)                   Qwen2.5-VL (family alias ``qwen2_5_vl``)
-norm1000    (x / 1000 * W, y / 1000 * H)                 Qwen2-VL, Qwen3-VL (``qwen2_vl``, ``qwen3_vl``)
-norm1       (x * W, y * H)                               0..1 fractions (some detectors, datasets)
-==========  ===========================================  ==============================================
-
-Why mixing them up gives IoU ~ 0: the conventions differ by a scale factor per axis, and IoU is not
-scale invariant in that sense (scaling only the prediction moves and stretches it away from the
-reference). Example, a 640x480 image that Qwen2.5-VL's processor resized to 644x476 (multiples of
-28): the object at [400, 300, 600, 450] (original pixels) is written [402.5, 297.5, 603.75, 446.25]
-(resized pixels). Read correctly ("resized") it maps back to [400, 300, 600, 450], IoU 1. Read as
-"norm1000" it becomes [257.6, 142.8, 386.4, 214.2] (x * 0.64, y * 0.48): no overlap, IoU 0. Read
-as "absolute" it is off by < 1 % per coordinate (IoU 0.93: the bug hides on images the processor
-barely resizes and shows on large ones).
-Read as "norm1" every coordinate is far outside the image.
-
-Parsing (`parse_boxes`, `parse_box`), precedence (our design):
-
-1. the boxes inside the last complete ``<answer>...</answer>`` (``tag``), if that holds any;
-2. otherwise every box in the text outside ``<crop ...>...</crop>`` elements (a crop is a zoom
-   request, not an answer; an unclosed ``<crop>``, e.g. with its stop string cut off, reaches to the
-   next ``<``);
-3. only when the text has NO ``<answer>`` element at all and step 2 found nothing: the crop boxes.
-
-Styles: JSON (``{"bbox_2d": [...]}``, keys ``bbox_2d`` / ``bbox`` / ``box``, also in a ```json
-fence and as a list of objects, one box per object), ``[x1, y1, x2, y2]``, ``(x1, y1, x2, y2)``,
-``<box>(x1,y1),(x2,y2)</box>`` and Qwen-VL's ``<|box_start|>(x1,y1),(x2,y2)<|box_end|>`` (any
-``(x1,y1),(x2,y2)`` pair). A JSON structure holding box keys is parsed as JSON and its text is not
-scanned again, so ``{"bbox_2d": [1, 2, 3, 4]}`` is one box. Corners are ordered (x1 <= x2, y1 <= y2).
+Registered: ``box_iou``, ``box_giou``, ``box_center``, ``iou_at`` (its ``threshold`` may change between
+calls, for curricula), ``box_f1`` and ``iou_sweep``. `parse_boxes` / `parse_box` read JSON, bracket,
+``<box>`` and Qwen-VL box styles, preferring the last ``<answer>`` and never taking a ``<crop>`` box for an
+answer when one exists. ``coords`` says which convention the model writes (``absolute``, ``resized``,
+``norm1000``, ``norm1`` or a family alias): mixing them up gives IoU ~ 0 without an error. The rewards, the
+conventions with a worked example and the parsing precedence: docs/grounding.md, "Box coordinates" and
+"Box rewards".
 """
 
 from __future__ import annotations

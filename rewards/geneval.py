@@ -1,30 +1,12 @@
 """`geneval`: GenEval's compositional checks (objects, counts, colours, relative positions) as rewards.
 
-GenEval (Ghosh et al. 2023, github.com/djghosh13/geneval) scores an image against its prompt's metadata,
-e.g. ``{"tag": "position", "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1,
-"position": ["left of", 0]}], "prompt": "a photo of a cat left of a dog"}``, from an object detector's
-boxes (Mask2Former through mmdet in the original) and a CLIP colour classifier. The rules here follow its
-``evaluation/evaluate_images.py``:
-
-- `select_detections` = ``evaluate_image``'s box selection: per class, boxes above ``threshold`` (0.3;
-  ``counting_threshold`` 0.9 for the tag "counting"), most confident first, at most ``max_objects`` (16),
-  greedy suppression of boxes overlapping a kept one by ``max_overlap`` (1.0 = none) with `geneval_iou`
-  (``compute_iou``: inclusive pixel boxes, +1).
-- `relative_position` = ``relative_position``: A's centre minus B's, each axis shrunk towards 0 by
-  ``position_threshold`` (0.1) x the sum of the two boxes' extents; no relation when both shrink to 0;
-  else, over the length of the unshrunk offset, dx < -0.5 "left of", dx > 0.5 "right of", dy < -0.5
-  "above", dy > 0.5 "below".
-- `evaluate_correct` = ``evaluate`` (the benchmark's binary verdict): every include clause needs at least
-  ``count`` boxes of its class; its colour (when given) must be the classified colour of the ``count`` most
-  confident ones; its position (when given) must hold between each of them and each box matched by the
-  clause it points to; an exclude clause fails when ``count`` or more boxes of its class are found.
-- `evaluate_score` = Flow-GRPO's training reward (``evaluate_reward`` in its reward server,
-  github.com/yifan123/reward-server ``reward_server/gen_eval.py``): exact counts ("strict"), and a partial
-  credit score, the mean of per-clause terms (see the function).
-
-`GenEvalLocal` (``geneval_local``) runs the rules in-process with a pluggable detector and colour classifier;
-``python -m rewards.geneval_server`` serves it over HTTP (the ``remote`` reward server), and `GenEval`
-(``geneval``) is the client reward that sends the images with each row's metadata column.
+GenEval (Ghosh et al. 2023) scores an image against its prompt's metadata from an object detector's boxes and
+a CLIP colour classifier. The rules follow its ``evaluation/evaluate_images.py``: `select_detections`,
+`geneval_iou`, `relative_position` and `evaluate_correct` (the binary verdict); `evaluate_score` is
+Flow-GRPO's partial-credit training reward. `GenEvalLocal` (``geneval_local``) runs them in-process with a
+pluggable detector; ``python -m rewards.geneval_server`` serves it over HTTP and `GenEval` (``geneval``) is the
+client. Rules, thresholds and formulas: docs/reward_plugins.md, "Judges and scoring servers", and
+docs/algorithms.md, "Preference and judge rewards".
 """
 
 from __future__ import annotations

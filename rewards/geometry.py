@@ -1,37 +1,12 @@
 """Latent geometry rewards (VGGRPO, world-consistent video generation): `camera_smoothness`,
 `reprojection_consistency`, `motion_guard`.
 
-- ``camera_smoothness``: ``1/2 [1/(1 + e_trans) + 1/(1 + e_rot)]``, the normalised second differences
-  of the predicted camera centres and angles (1 = constant velocity); in [1/2, 1].
-- ``reprojection_consistency``: ``1 / (1 + mean of the worst_k view errors)``, each view's mean
-  ``|D_render - D_pred|`` after z-buffering the other frames' static points into it; in (0, 1].
-- ``motion_guard``: ``min(1, motion_degree / min_degree)``, 0 for a static clip, 1 once it moves enough.
-  The two consistency rewards are maximised trivially by a static camera over a still scene; add this
-  one (e.g. with the same weight) so the policy cannot collapse onto near-static clips.
-
-The formulas and conventions are those of `rewards.geometry_model` (whose docstrings say which parts are our
-design) and `rewards.camera`.
-
-Inputs. Every reward reads ``batch.outputs["latents"]``, Float[B,C,F,h,w]: the video diffusion policy's
-final latents in its normalised latent space (``needs = {"latents"}``, so the trainer never decodes
-pixels for them). F counts LATENT frames, so speeds are per latent frame.
-
-Model. Every reward takes the option ``geometry_model`` (required): a folder written by
-`rewards.geometry_model.TinyLatentGeometry.save_pretrained` (or whose config.json names a
-``"package.module:Class"``), or a ``"package.module:Class"`` spec of a `LatentGeometryModel` subclass,
-loaded by `rewards.geometry_model.load_geometry_model` with the options in ``geometry_kwargs`` (e.g.
-``{"path": ...}``); ``device`` (default "cpu") is where it runs. The model runs in eval mode under
-``torch.no_grad()``, with the latents moved to its device and dtype (`geometry_of`).
-
-Sharing (our design). Loaded models are cached per process, keyed by the resolved spec (an absolute
-path for folders, with the files' modification times), ``geometry_kwargs`` and the device, so the three
-rewards of one config load the model once (`clear_geometry_cache` empties the cache). The geometry of
-the last latents is memoised per model too: the rewards scoring the same ``outputs["latents"]`` tensor
-(same object, unmodified) run the model once per step.
-
-Each call sets ``last_metrics`` (logged as ``reward/<name>/<key>``): ``static_frac`` (share of pixels
-with dynamic < 0.5; 1 without a dynamic head) and ``motion_degree`` always, plus the reward's own
-numbers (see each docstring).
+Each reads ``outputs["latents"]`` (Float[B,C,F,h,w], ``needs = {"latents"}``: nothing is decoded), runs the
+latent geometry model named by ``geometry_model`` / ``geometry_kwargs`` (`rewards.geometry_model`; loaded
+once per process and run once per step for all three rewards) and scores camera smoothness, reprojection
+consistency of static points, or enough motion (``motion_guard``, which keeps the policy from collapsing
+onto near-static clips). Formulas, options, caching and metrics: docs/video.md, "The rewards
+(`rewards/geometry.py`)"; conventions: `rewards.geometry_model`, `rewards.camera`.
 """
 
 from __future__ import annotations

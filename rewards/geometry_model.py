@@ -1,36 +1,11 @@
 """Latent geometry models and the geometry reward math of VGGRPO (world-consistent video generation).
 
-VGGRPO scores generated videos directly on the video diffusion model's LATENTS: a latent geometry model
-maps the latents to per-frame depth, camera poses and (optionally) scene flow, and the rewards measure
-how consistent that geometry is. Nothing is decoded to pixels. There is no public reference code; what
-goes beyond the formulas below is marked "(our design)".
-
-Conventions are those of `rewards.camera` (OpenCV axes: x right, y down, z forward; a pose is a centre
-``c`` and a camera-to-world rotation ``R = rotation_from_angles((yaw, pitch, roll))``; depth is the
-camera z; K in pixels of the depth map, pixel (row i, column j) centred at (j + 0.5, i + 0.5)). F is
-the number of LATENT frames, h x w the latent resolution.
-
-The model (`LatentGeometryModel`): ``latents`` Float[B, C, F, h, w] (exactly ``rollout.outputs["latents"]``
-of a video diffusion policy) -> `GeometryOutput` (depth Float[B, F, h, w], centres / angles Float[B, F, 3],
-intrinsics, dynamic Float[B, F, h, w] or None). `TinyLatentGeometry` is the small default; wrap a real
-stitched geometry model by subclassing `LatentGeometryModel`. `load_geometry_model` loads either.
-
-The reward math (pure tensor functions, Float[B] each, higher is better except `motion_degree`):
-
-- `camera_smoothness`: with first differences ``v_t = p_t - p_{t-1}`` and second differences
-  ``a_t = v_t - v_{t-1}`` of the centres (translation) or the angles (rotation; differences wrapped to
-  (-pi, pi]), ``e = mean_t ||a_t|| / (||v_t|| + ||v_{t-1}|| + eps)`` over the t where a_t exists
-  (F >= 3) and ``r = 1/2 [1 / (1 + e_trans) + 1 / (1 + e_rot)]``. Constant velocity gives r = 1.
-- `reprojection_consistency`: the static pixels (``dynamic < static_threshold``) of every frame are
-  unprojected to world points and z-buffered into every OTHER view j (nearest pixel, minimum depth);
-  the view's error is the mean ``|D_render - D_j|`` over its static pixels that received a point, and
-  ``r = 1 / (1 + mean of the worst_k largest view errors)``.
-- `motion_degree` (our design): ``mean_t ||c_t - c_{t-1}|| / median(depth)`` (scene depths per latent
-  frame; world units per latent frame without depth) ``+ mean_t angle(R_{t-1}^T R_t)`` (radians per
-  latent frame) ``+ mean(dynamic)`` (the moving share of the pixels, when given).
-- `motion_guard`: ``min(1, motion_degree / min_degree)``. Every consistency reward above is maximised
-  trivially by a static camera over a still scene (smoothness 1, reprojection error 0); multiplying or
-  adding this term keeps GRPO from collapsing onto near-static clips.
+A latent geometry model (`LatentGeometryModel`; `TinyLatentGeometry` is the small default, `load_geometry_model`
+loads either) maps a video policy's latents Float[B, C, F, h, w] to a `GeometryOutput`: per latent frame depth,
+camera centre and angles, intrinsics and optionally a dynamic map; nothing is decoded to pixels. The reward math
+(`camera_smoothness`, `reprojection_consistency`, `motion_degree`, `motion_guard`) is pure tensor functions,
+Float[B] each. Conventions are those of `rewards.camera`. Formulas, conventions and what is our design:
+docs/video.md, "Latent geometry models" and "The rewards (`rewards/geometry.py`)".
 """
 
 from __future__ import annotations

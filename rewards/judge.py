@@ -1,30 +1,12 @@
 """`judge`: rewards scored by a VLM judge behind an OpenAI-compatible chat-completions server.
 
-Two rewards share one HTTP client (`ChatClient`):
-
-- ``openai_judge``: pointwise scoring of a generated image against its prompt, by default in the
-  UnifiedReward format that Flow-GRPO sends to its UnifiedReward server (``unifiedreward_score_sglang`` in
-  ``flow_grpo/rewards.py``): one user message holding the image (a base64 PNG data URL, 512 x 512) and then
-  the question, temperature 0; the score is the first ``Final Score: s`` (s in 1..5) of the reply, divided
-  by 5. Any other template / pattern can be configured.
-- ``editscore``: EditScore (``pip install editscore``; the Qwen2.5-VL judges ``EditScore/EditScore-*``) for
-  the image_edit pipeline, scoring (source image, instruction, edited image) with EditScore's own prompts
-  and its score rules (see `EditScore`).
-
-The server is anything that speaks ``POST {url}/chat/completions`` (vLLM's ``vllm serve``, SGLang, a
-hosted API). Protocol per request: JSON body ``{"model": ..., "messages": [{"role": "user", "content":
-[parts]}], sampling options...}``, image parts ``{"type": "image_url", "image_url": {"url":
-"data:image/png;base64,..."}}``; the reply text is ``choices[0].message.content``.
-
-Client behaviour (`ChatClient`): ``timeout_s`` is a total deadline per HTTP attempt (connect, send, wait,
-read); a request that misses it fails the call at once (not retried), naming the URL. HTTP 429 and 5xx, a
-refused or reset connection are retried ``retries`` times with exponential backoff from
-``retry_backoff_s`` (doubling, jittered, at most 30 s; a Retry-After header is honoured up to 30 s). Any
-other status, or a reply that is not a chat completion, is a `RewardError` naming the URL and the status.
-A batch is sent as one request per sample (two for EditScore), at most ``max_concurrency`` at a time. The
-API key is read from the environment variable NAMED by ``api_key_env`` (never from the config) and sent as
-``Authorization: Bearer``; it appears in no repr, log line or error. Needs ``httpx`` (``pip install
-httpx``).
+Two rewards share one HTTP client (`ChatClient`, ``POST {url}/chat/completions``): ``openai_judge`` scores a
+generated image against its prompt (by default UnifiedReward's format as Flow-GRPO sends it: the first
+``Final Score: s`` divided by 5) and ``editscore`` scores (source, instruction, edit) with EditScore's own
+prompts and rules (`EditScore`). ``timeout_s`` bounds each attempt; 429, 5xx and refused / reset connections
+are retried with backoff; other failures are a `RewardError` naming the URL. The API key comes from the
+variable named by ``api_key_env`` and is never shown. Needs ``httpx``. Protocol and options:
+docs/reward_plugins.md, "Judges and scoring servers"; score formulas: docs/algorithms.md.
 """
 
 from __future__ import annotations

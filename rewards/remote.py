@@ -1,62 +1,12 @@
 """`remote`: a reward computed by another process over HTTP, and the server side, `serve_reward`.
 
-The client (`RemoteReward`, registered as ``remote``) POSTs the batch to ``url`` and reads one number per
-sample back. The server (`serve_reward`, or ``python -m rewards.remote --reward NAME ...``) puts any reward
-in a process of its own, e.g. a large reward model on its own GPU. The server runs on FastAPI + uvicorn
-(``pip install 'mmalign[serve]'``), imported only when a server starts; the client needs only the standard
-library (``http.client``) and ``safetensors``.
-
-Wire format (nothing is ever pickled):
-
-- request, ``payload: json``: ``Content-Type: application/json``, the body
-  ``{"batch_size": B, "prompts": [...], "outputs": {...}, "columns": {...}}`` holding the ``fields`` sent
-  (``prompts``, and each other field under ``columns`` when it is a dataset column, else under
-  ``outputs``). Tensors cannot go as JSON: use ``payload: safetensors``.
-- request, ``payload: safetensors``: ``Content-Type: application/x-safetensors``; each tensor field is a
-  safetensors tensor named ``outputs.<field>`` or ``columns.<field>``, everything else is the JSON above,
-  stored as one string under the metadata key ``mmalign``.
-- response: ``application/json`` ``{"rewards": [float or null, ...], "metrics": {...}}`` (``null`` = NaN;
-  ``metrics`` optional, becomes the reward's ``last_metrics``), or ``application/x-safetensors`` with a
-  ``rewards`` tensor Float[B] (and the metrics as JSON under the metadata key ``mmalign``). Any other
-  content type is refused. The server answers in the format of the request; errors are JSON
-  ``{"error": "..."}``.
-- authentication: ``Authorization: Bearer <token>`` when the server has a token (``token_env`` /
-  ``token_file`` on both sides; the token itself is never in a config, a log line or an error message).
-
-Server limits (each a `serve_reward` keyword and a ``--flag`` of ``python -m rewards.remote``), in the order
-a request meets them:
-
-- connections: past ``max_connections`` open connections, a new one closes the connection that has waited
-  longest for a request's headers (a slow or idle client; one with a request in progress is never closed
-  for this); when all have a request in progress, uvicorn answers 503. A connection must deliver a
-  request's line and headers within ``read_timeout_s`` of opening (or of the previous answer when kept
-  alive), else it is closed; idle kept-alive connections close after ``keep_alive_s``.
-- headers: more than 100 header fields or 16 KiB of them is 431.
-- token, then Content-Type (415) and Content-Length (413 over ``max_body_mb``), all from the headers:
-  a wrong or missing token is 401 as soon as the headers are in, before a slot is taken or the body is
-  read (uvicorn buffers at most 64 KiB of it), and the connection is closed. So without the token a client
-  can hold neither a slot nor more than a connection waiting for its headers.
-- slot: at most ``max_concurrency`` requests are read, decoded and scored at once; a request waits at
-  most ``queue_timeout_s`` for a slot, else 503. The body must then arrive within ``read_timeout_s``
-  (else 408) and stay within ``max_body_mb`` while it streams (else 413).
-- parsing: every JSON text (the body; a safetensors header and its metadata) is refused with 413 before it
-  is parsed when it holds more than ``max_json_values`` values (numbers, strings, lists, objects, keys;
-  counted without building them). Parsing a body of B bytes then allocates at most 8 B (its text, 1 to 4
-  bytes a character, and the strings parsed from it) + 100 bytes per value: ASCII text about 2 B, 20
-  million ``{}`` in 60 MB (1.4 GB once parsed) are refused with under 1 MB allocated. A ``batch_size`` over
-  ``max_batch_size`` is 422, checked before anything of that size is allocated.
-
-Memory: an admitted request holds its body (twice for a moment, while its pieces are joined) and what
-parsing it allocates, so the requests in progress hold at most ``max_concurrency`` x (9 x ``max_body_mb`` +
-100 B x ``max_json_values``): with the defaults 8 x (576 + 100) MB in the worst case, about 8 x (3 x 64 +
-100) MB for ASCII bodies. Binding an address that is not loopback is logged and printed as a warning.
-
-Client (`RemoteReward`): ``timeout_s`` is a total deadline per HTTP attempt (connect, send, wait, read:
-a server dripping bytes cannot hold it longer); the response is capped at ``max_response_mb``; a refused
-or reset connection and HTTP 503 are retried ``retries`` times with exponential backoff from
-``retry_backoff_s`` (doubling, jittered, at most 30 s; a 503's Retry-After is honoured up to 30 s). Then,
-and for any other failure (another non-200 status, a timeout, a response of the wrong length), the call is
-a `RewardError` naming the url.
+The client (`RemoteReward`, registered as ``remote``) POSTs the chosen batch fields to ``url`` (JSON, or
+safetensors for tensors; nothing is ever pickled) and reads one number per sample back; ``timeout_s`` bounds
+each attempt, refused / reset connections and 503 are retried, any other failure is a `RewardError` naming
+the url. The server (`serve_reward`, or ``python -m rewards.remote --reward NAME ...``, FastAPI + uvicorn from
+``pip install 'mmalign[serve]'``) puts any reward in a process of its own, behind an optional bearer token and
+bounded connections, body size, JSON values, concurrency and batch size. Wire format, authentication, every
+limit and the memory bound: docs/reward_plugins.md, "Rewards on another device or process".
 """
 
 from __future__ import annotations

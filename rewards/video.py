@@ -2,42 +2,12 @@
 `video_preference`, `video_psnr`, `video_ssim`, `temporal_consistency`, `flicker`, `vlm_judge`,
 `frame_aesthetic`.
 
-- ``instruction_faithfulness`` (VIVA R_IF): CLIP(frame, t_edit) - CLIP(frame, t_src), x100.
-- ``source_preservation`` (VIVA R_SP): CLIP image-image cosine of source and edited frames.
-- ``video_preference`` (VIVA R_PS): PickScore style ``logit_scale * cos(frame, text)``.
-- ``video_psnr`` / ``video_ssim``: fidelity to the source video (outside the edit region by default).
-- ``temporal_consistency``: CLIP image cosine of adjacent frames; ``flicker``: their mean absolute
-  pixel difference (higher = more flicker: give it a negative weight, or set ``negate=True``).
-- ``vlm_judge``: P("yes") of a VLM asked yes/no questions about the video.
-- ``frame_aesthetic``: the ``aesthetic`` MLP on every frame, averaged.
-
-Inputs. Every reward reads ``batch.outputs["videos"]``, Float[B,F,3,H,W] in [0, 1] (``needs`` holds
-"videos", so the trainer decodes them). Rewards that compare with the source read
-``outputs["source_videos"]`` (Float[B,F,3,H,W], the source at the same frames and size); without it
-they read the dataset column ``source_video`` (a path per row, option ``source_column``) with
-``mmalign.data.media.read_video(path, num_frames=None, size=None)``, and a source whose frame count or
-size differs from the edit's is RESAMPLED to the edit's: frame i of F takes the source frame
-``round(i * (F_src - 1) / (F - 1))`` (nearest in time), then the frames are resized to H x W (bilinear,
-antialiased). Edit masks come from ``outputs["edit_masks"]`` (Float[B,F,H,W], 1 = the edit region),
-else from the column ``edit_mask`` (``mmalign.data.media.read_mask``; same resampling, nearest-neighbour
-resize). A mask counts as the edit region where it is > 0.5. A row whose path is missing (None / "")
-scores NaN (not applicable); a column that is absent altogether is a KeyError naming it.
-
-Frames. Every reward takes ``frames``: ``"all"`` (default, except ``vlm_judge``: 4), an int k (k
-frames evenly spaced, first and last included: ``round(j * (F - 1) / (k - 1))``; k >= F means all
-frames; k = 1 the first frame) or a list of frame indices (negative ones count from the end). See
-`frame_indices`. Each reward's docstring says how its value depends on the number of frames.
-
-Regions. ``region`` is ``"all"``, ``"outside"`` (only what the edit should keep) or ``"inside"`` the
-edit mask (see `region_weights` and `composite_region`). CLIP rewards cannot drop pixels, so they
-restrict by compositing: for ``"outside"`` the edit region is filled with mid-grey (0.5), for
-``"inside"`` everything but the edit region is; source and edit are composited with the same mask (the
-edit's). Pixel metrics (PSNR, SSIM) count only the region's pixels.
-
-Models load once, at construction, through `rewards.image.CLIPEmbedder` (and ``AestheticScore`` /
-``PreferenceScore`` for the two rewards that reuse them), from local folders; nothing is downloaded
-unless a hub id is given explicitly. Each call sets ``last_metrics`` (logged as
-``reward/<name>/<key>``): at least ``frames``, the number of frames used per video.
+Every reward reads ``outputs["videos"]`` (Float[B,F,3,H,W] in [0, 1]); the ones that compare with the source
+read ``outputs["source_videos"]`` / ``outputs["edit_masks"]``, else the ``source_video`` / ``edit_mask``
+columns (resampled to the edit's frames and size; a missing path scores NaN). Every reward takes ``frames``
+(`frame_indices`); the comparing ones take ``region`` (``all`` / ``outside`` / ``inside`` the edit mask).
+CLIP models load once, from local folders. Values, options, resampling and regions: docs/video.md, "Video
+rewards".
 """
 
 from __future__ import annotations

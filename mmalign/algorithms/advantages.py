@@ -1,63 +1,13 @@
 """Group-relative advantage estimators (see docs/algorithms.md, "Advantage estimators").
 
-Every estimator is a plain, vectorised tensor function registered by name::
-
-    fn(rewards: Tensor, group: Tensor, **options) -> Tensor   # Float[B]
-
-- ``rewards`` is Float[B] or Float[B, K] (K reward components). With K components the
-  option ``weights`` (a sequence of K floats, default all 1) combines them:
-  r_i = nansum_k w_k r_{i,k} (see :func:`combine_rewards`).
-- ``group`` is Long[B]: arbitrary group ids (any integers, not necessarily contiguous,
-  sorted or starting at 0). Samples sharing an id are the G samples of one prompt.
-
-Conventions shared by all estimators:
-
-- NaN means "not applicable". A sample whose reward components are ALL NaN has reward NaN
-  (only the components with a non-zero weight count, unless every weight is 0: see
-  :func:`combine_rewards`); such a sample is left out of its group's statistics and gets
-  advantage 0. A combined reward of +-inf (a broken reward plugin) is treated the same way, so
-  no estimator returns NaN or inf.
-- A group with fewer than 2 valid samples gets advantage 0 for all its samples (its std is
-  undefined).
-- Computation is in float32, or float64 when ``rewards`` is float64. The result has that dtype
-  and the device of ``rewards``.
-- Options are keyword-only. An unknown option raises ``TypeError`` naming the estimator and the
-  option; a bad value raises ``ValueError``.
-
-Per-sample action counts: an estimator that takes the keyword ``num_actions`` (Long/Float[B], each
-sample's number of valid actions: response tokens for text, trained denoising steps for diffusion)
-gets it from the trainer (``num_actions = rollout.mask.sum(1)`` of the same, global, batch).
-:func:`accepts_num_actions` tells which estimators take it (only ``reinforce_pp``, which uses it
-with ``whiten_over="tokens"``); it is a per-batch input, not a config option, so :func:`options`
-does not list it.
-
-Step rewards: an estimator registered with ``step_rewards=True`` (:func:`accepts_step_rewards`;
-only ``grpo_process``) also takes the keywords ``step_rewards`` (Float[B, T], the weighted process
-rewards ``rollout.step_rewards`` written by ``rewards.RewardSet``) and ``step_mask`` (Bool[B, T],
-``rollout.mask``), both of the same, global, batch, and returns Float[B, T]: one advantage per
-action, 0 where ``step_mask`` is False. Like ``num_actions`` they are per-batch inputs, not config
-options. Every other estimator returns Float[B] and rejects these keywords.
-
-Registry metadata: ``extra_samples`` (how many samples per prompt the rollout must draw on top of
-G, read with :func:`extra_samples`) and ``loss_sample_mask`` (a function with the estimator's
-signature returning Bool[B], False for samples that must not enter the loss; read with
-:func:`loss_sample_mask`). Only ``mc_grpo`` uses them. ``step_rewards`` (bool, read with
-:func:`accepts_step_rewards`): the estimator takes ``step_rewards`` / ``step_mask``.
-
-Context: an estimator that needs more than rewards (log-probs under pi_old or the reference,
-entropies, stable prompt ids, the training step, multi-turn structure ...) takes the keyword
-``context`` (an :class:`EstimatorContext`, a frozen dataclass of optional fields, all of the same
-GLOBAL batch) and declares at registration which fields it reads: ``context=(...)`` (needed: a
-missing one raises :class:`ContextError` naming the field and what supplies it) and
-``context_optional=(...)`` (read when present). :func:`context_fields`,
-:func:`required_context_fields` and :func:`accepts_context` read the declaration;
-:func:`check_context` is the validation (the registered function runs it on every call).
-
-State: an estimator that keeps state across steps (``spo``'s per-prompt Beta tracker) is registered
-with ``state=<class>`` (a subclass of :class:`EstimatorState`); the trainer makes one object with
-:func:`make_state`, passes it as the keyword ``state`` on every call and saves its ``state_dict()``
-(plain tensors and numbers, no pickle) in checkpoints. The estimator updates it from the GLOBAL batch
-it is given, so every process holds the same state and N processes equal one.
+Every estimator is a plain, vectorised tensor function registered by name,
+``fn(rewards, group, **options) -> Float[B]`` (``rewards`` Float[B] or Float[B, K], ``group`` Long[B] of
+arbitrary group ids). NaN rewards mean "not applicable" (left out of the group statistics, advantage 0), a
+group with fewer than 2 valid samples gets 0, and no estimator returns NaN or inf. Per-batch inputs
+(``num_actions``, ``step_rewards`` / ``step_mask``), registry metadata (``extra_samples``,
+``loss_sample_mask``), the ``context`` (:class:`EstimatorContext`) and cross-step ``state``
+(:class:`EstimatorState`) are specified in docs/algorithms.md ("Advantage estimators", "Estimator context
+and state").
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """Refilling all-fail groups: tiered hints (Scaf-GRPO, SAGE) and R³ replay of a past success.
 
 A group whose every sample fails (combined reward below ``success_threshold``) gives GRPO no signal.
-`GroupRefill.refill` takes one round's rollout with its rewards and, for every such group:
-
-1. **hints** (``hints: true``; Scaf-GRPO's tiered scaffolding, SAGE's privileged hints): re-roll the
-   group with a hint inserted in the prompt, tier after tier, until a tier gives at least one success
-   (or the tiers run out). The tiers are the row's ``hint_column`` (a list of strings, weakest first; a
-   single string is one tier) or, without that column, prefixes of the reference answer
-   (``reference_column``) of ``prefix_fractions`` of its characters. The hinted prompt is
-   ``hint_template.format(prompt=..., hint=...)``; the same reward scores it. A group where a tier
-   succeeded is replaced by that tier's samples (trained on the hinted prompt, as in Scaf-GRPO); one
-   where none did keeps its original samples. Hints exist only here: evaluation never calls this.
-2. **replay** (``replay: true``; R³'s success memory): a per-prompt memory (keyed by the stable prompt
-   id, the dataset row index) of the best successful, unhinted sample seen so far (highest combined
-   reward; the latest of equals). In a group still all-fail, the last sample is replaced by the stored
-   one, with its stored rewards; its ``logp_sampler`` is the stored behaviour log-prob and its
-   ``logp_old`` the current policy's (``score_fn``), so the trainer's importance-sampling correction
-   (``rollout.is_correction``) weighs it by pi_old / pi_behaviour. The memory is updated from every
-   round's successful unhinted samples and saved by ``state_dict`` / ``load_state_dict`` (resume exact).
-
-Metrics (per call): ``hints/groups`` (all-fail groups that were hinted), ``hints/success`` (the share
-of them a tier rescued), ``hints/tiers`` (mean tiers tried), ``replay/injected`` (groups that got a
-replayed sample), ``replay/memory`` (prompts in the memory).
-
-(our design): the character prefixes 0.25 / 0.5 / 0.75 of the reference, the template, trying hints
-before replay, replacing the LAST sample, and keeping the original group when no tier succeeds; the
-authors' exact schedules (Scaf-GRPO's plateau trigger, R³'s memory policy) are not reproduced.
-Rollouts are concatenated with their left-padded prompt tensors (``prompt_ids``, ``prompt_mask``)
-re-padded on the left: text policies (the tested case) and any policy whose other payload is right-padded.
+`GroupRefill.refill` takes one round's rollout with its rewards and, for every such group, first re-rolls it
+with hints inserted in the prompt, tier after tier (``hints: true``; training only), then, if it still fails,
+replaces its last sample by the prompt's best past success from a per-prompt memory (``replay: true``; saved
+by ``state_dict``, corrected by the trainer's importance sampling). Rules, metrics and what is our design:
+docs/algorithms.md, "All-fail groups: hints and replay".
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Truncated importance sampling (TIS) for the rollout-engine / trainer mismatch.
 
-When completions are sampled by a separate engine (vLLM), the behaviour policy is the *engine's*
-distribution π_engine, not the trainer's π_trainer(θ_old): different kernels, precision and
-sampling code make the two differ even with identical weights. The PPO ratio must be taken
-against the trainer's own log-probs of the old weights (``logp_old`` = the trainer's recomputed
-log-probs, *not* the engine's), and the off-policy gap between the engine and the trainer is
-corrected with a truncated importance weight per token (Yao et al., "Your Efficient RL Framework
-Secretly Brings You Off-Policy RL Training", 2025; verl's ``tis_imp_ratio_cap``)::
-
-    w_t = min(exp(logp_trainer_old_t − logp_engine_t), C)              level="token"
-    w_t = min(exp(Σ_{s valid} (logp_trainer_old_s − logp_engine_s)), C)  level="sequence" (broadcast)
-
-    loss_t ← w_t · ℓ_t      (ℓ_t the per-token policy loss, w_t detached)
-
-The same correction serves asynchronous rollouts (``trainer.async``, `mmalign.training.asynchronous`): there the
-behaviour policy is the rollout worker's copy of the policy, up to ``max_staleness`` training steps older
-than the trained weights, so ``logp_engine`` is the worker's recorded behaviour log-probs (or its engine's)
-and ``logp_trainer_old`` is pi_old, the trained weights' log-probs at the start of the update
-(`mmalign.training.asynchronous.behaviour_fields`).
-
-C = ``cap`` (2.0 in verl's examples). Weights are detached (no gradient flows through them) and
-exactly 0 on masked positions; values at masked positions (NaN, -inf, padding) are never used.
-The exponent is computed as exp(min(x, log C)), so it cannot overflow; the token-level log-ratio
-is also clamped to ±20 like every log-ratio in `mmalign.algorithms.losses`.
+When an engine (vLLM) or an asynchronous rollout worker samples, the behaviour policy is not the trainer's
+pi_old even with identical weights. The PPO ratio is taken against the trainer's own recomputed ``logp_old``,
+and the gap is corrected by a detached, truncated weight per token (``level="token"``) or per sample
+(``"sequence"``), w = min(exp(logp_old - logp_behaviour), C) with C = ``cap``, exactly 0 on masked positions
+and overflow-free. Formulas, references and metrics: docs/algorithms.md, "Importance-sampling correction for
+rollout engines".
 """
 
 from __future__ import annotations

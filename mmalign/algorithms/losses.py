@@ -1,30 +1,11 @@
 """Policy losses, aggregation modes and KL estimators (see docs/algorithms.md, "Policy losses").
 
-Three registries:
-
-- ``REGISTRY`` (policy losses; ``get``/``names``/``register`` act on it)::
-
-      fn(logp, logp_old, advantages, mask, **options) -> PolicyLossOutput
-
-  ``logp`` Float[B, T] carries grad; ``logp_old`` Float[B, T] does not (it is detached here
-  anyway); ``advantages`` is Float[B] (one per sample, broadcast over its actions) or Float[B, T];
-  ``mask`` Bool[B, T] marks valid actions. The output's ``per_token`` is the loss per action,
-  exactly 0 where ``mask`` is False, ``clipped`` marks where a clip is active (for clip_frac
-  logging) and ``ratio`` is the importance ratio.
-- ``AGGREGATIONS`` (``aggregate(per_token, mask, mode, ...)`` reduces per-action losses to a scalar).
-
-A loss registered with ``couples_actions=True`` (``gspo``: one ratio per sample from all its actions) cannot be
-evaluated on a part of a sample's actions; the trainer then scores a microbatch's actions in one piece even
-when the policy offers chunks (`mmalign.policies.base.Policy.action_chunks`).
-- ``KL_ESTIMATORS`` (``kl(logp, logp_ref, estimator)`` gives a per-action KL estimate).
-
-Numerical safety: wherever a log-ratio is exponentiated it is first clamped to [-20, 20]
-(exp(20) ~ 4.9e8), so a stale or corrupted log-prob cannot overflow to inf; outside that band
-the gradient through the clamp is 0. Masked-out positions never contribute, even if their
-log-probs are NaN or -inf: they are replaced by 0 before any arithmetic, so fully masked rows give
-0 loss and 0 gradient, never NaN.
-
-Options are keyword-only; an unknown option raises TypeError naming the loss and the option.
+Three registries: ``REGISTRY`` (policy losses, ``fn(logp, logp_old, advantages, mask, **options) ->
+PolicyLossOutput`` with ``per_token`` exactly 0 where ``mask`` is False, ``clipped`` and ``ratio``),
+``AGGREGATIONS`` (``aggregate`` reduces per-action losses to a scalar) and ``KL_ESTIMATORS`` (``kl``, a per-action
+KL estimate). Log-ratios are clamped to [-20, 20] before ``exp`` and masked positions never contribute (no NaN
+from them); a loss registered with ``couples_actions=True`` (``gspo``) is evaluated in one piece. Options are
+keyword-only (unknown: TypeError naming the loss and the option).
 """
 
 from __future__ import annotations

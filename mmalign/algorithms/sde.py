@@ -1,45 +1,13 @@
 """Denoising steps with log-prob for diffusion / flow-matching RL (Flow-GRPO, CPS, DanceGRPO, DDPO).
 
-Every step is one small function computed entirely in float32: tensor inputs are cast to fp32
-inside (whatever their dtype: bf16, fp16, fp64) and every output is fp32. Each returns a
-:class:`StepOutput` ``(sample, log_prob, mean, std)`` where
-
-* ``sample`` is the next latent. It is *drawn* as ``mean + std * noise`` (``noise=`` given, or drawn
-  from ``generator=``, or from the global RNG), or *given* with ``prev_sample=`` to re-score a stored
-  transition -- this is how training recomputes log-probs of a rollout; then ``sample`` is the given
-  tensor in fp32 and no noise is drawn (``generator`` is unused).
-* ``log_prob`` is Float[B]: the Gaussian log-density ``log N(sample; mean, std^2)`` averaged over all
-  non-batch dims. It is computed from ``sample`` (detached) in the same way on both paths, so re-scoring
-  a drawn transition with unchanged inputs reproduces its log-prob exactly (ratio = 1).
-  Gradients flow through ``mean`` and ``std`` only.
-* ``mean`` has the shape of ``x``; ``std`` broadcasts against it (0-d for scalar coefficients,
-  ``[B, 1, ..., 1]`` for per-batch ones).
-* ``kl_std`` is the step's noise scale *without* the sqrt(|dt|) factor of the SDE discretisation: the
-  sigma_t that the KL on step means, ||mu - mu_ref||^2 / (2 sigma_t^2), divides by (docs/algorithms.md; as
-  Flow-GRPO's training script). ``flow_sde``: s_t = a sqrt(sigma / (1 - sigma)) (``std`` = s_t sqrt(|dt|));
-  ``dance``: eta (``std`` = eta sqrt(sigma - sigma')); ``cps`` and ``ddim``: their std (no dt factor).
-
-``shift_mean=fn`` (every step) moves the step mean before the sample is drawn or scored: ``fn(mean, std)``
-returns the new mean (same shape), and ``sample``, ``log_prob`` and ``mean`` are then those of the shifted
-Gaussian -- a reward-guided SDE adds s * grad r there; re-scoring passes the same shift again.
-
-The log-density of ``cps`` is, by default, Flow-GRPO's ``-mean((x' - mu)^2)`` (``log_prob_form=
-"squared_error"``: no 1/(2 s_t^2) factor and no constants); ``log_prob_form="gaussian"`` gives the full
-Gaussian log-density like the other steps. The two differ by the factor 1/(2 s_t^2) and constants, so the
-clip range of the policy loss means something else under each (the squared error keeps the ratio
-well-scaled when s_t is tiny near the end of sampling).
-
-Scalar coefficients (sigmas, noise levels, alpha-bars, eta) are Python numbers, 0-d tensors, or per-batch
-tensors of shape [B] (reshaped to [B, 1, ..., 1] to broadcast over non-batch dims). Latents may be images
-[B, C, H, W], videos [B, F, C, H, W], or any [B, ...].
-
-Flow-matching convention (as in docs/algorithms.md): ``sigma`` = sigmas[i] is the current noise level,
-``sigma_next`` = sigmas[i+1] < sigma the next one (sigma = 1 is pure noise, 0 is data), ``v`` the model
-velocity with x_sigma = (1 - sigma) x0 + sigma x1, so x0_hat = x - sigma v and x1_hat = x + (1 - sigma) v.
-A step whose std is 0 (noise level / eta 0, or the final CPS/DDIM step to a clean sample) has no
-log-density; it raises ``ValueError`` -- run such steps as deterministic ODE steps instead.
-
-``step(kind, **kwargs)`` dispatches by name through the ``STEPS`` registry (``names()`` lists them).
+Every step (``flow_sde``, ``cps``, ``dance``, ``ddim``; ``step(kind, **kwargs)`` dispatches through ``STEPS``)
+is one small function computed in float32 that returns :class:`StepOutput` ``(sample, log_prob, mean, std,
+kl_std)``: ``sample`` drawn as ``mean + std * noise``, or given with ``prev_sample=`` to re-score a stored
+transition (then the log-prob is reproduced exactly); ``log_prob`` Float[B], averaged over the non-batch
+dims; ``kl_std`` the noise scale without the sqrt(|dt|) factor, which the KL on step means divides by.
+``shift_mean=fn`` moves the step mean (reward guidance); ``cps`` takes ``log_prob_form`` (``squared_error``
+by default, or ``gaussian``). A step whose std is 0 raises ``ValueError``. Formulas, conventions and the
+flow-matching notation: docs/algorithms.md, "Denoising steps with log-prob".
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """The over-optimisation watchdog (``eval.watchdog``): is the training reward being hacked?
 
-Every ``eval.watchdog.every`` training steps (and once before the first step, on the base model) the
-`OverOptMonitor` samples the first ``eval.watchdog.prompts`` held-out prompts (``data.eval``, else
-``data.train``) ``eval.watchdog.group_size`` times with the policy being trained, as ``mmalign eval`` does
-(`mmalign.app.evaluation.generate_chunks`: eval mode, no grad, the evaluation sampler, fixed seeds from
-``eval.seed``), and scores the samples with the training rewards and the held-out gold rewards
-(``eval.rewards``). Every random generator it touches (Python, NumPy, torch CPU / CUDA, the policy's own,
-a text policy's engine seed) is saved before and restored after, so a run with the watchdog trains exactly
-as one without it.
-
-What it tracks (docs/overoptimisation.md):
-
-- the gold reward (weighted total of ``eval.rewards``) and the training reward on the same held-out
-  samples, and their gap against the base model's;
-- divergence: the gold reward more than ``tolerance`` below its best for ``patience`` consecutive
-  evaluations while the held-out training reward stays at or above its value at the best evaluation. The
-  warning (console and ``watchdog/*`` metrics) names the step at which the fall began;
-- images and video: drift of `image_statistics` (saturation, colour entropy, high-frequency energy,
-  background uniformity) against the base model's samples at step 0;
-- flow policies: GRPO-Guard's per-denoising-step ratio bias, mean(ratio - 1) per step (`ratio_bias`);
-- ``keep_best``: the policy's ``save`` of the best evaluation by gold reward in ``RUN_DIR/best/`` (with
-  ``watchdog_best.json`` naming its step);
-- ``stop``: on divergence the run ends after the current step's checkpoint with `OverOptimisationStop`.
-
-Its own log, ``RUN_DIR/overopt.jsonl`` (one line per evaluation), is the state: a resumed run drops the
-lines after its checkpoint and replays the rest (`WatchdogState.replay`), so it continues exactly.
-`read_log` / `findings_text` are what ``mmalign doctor`` reads. Not to be confused with `mmalign.training.heartbeat`,
-the multi-process heartbeat monitor.
+Every ``eval.watchdog.every`` steps (and once on the base model) `OverOptMonitor` samples held-out prompts as
+``mmalign eval`` does and scores them with the training rewards and the gold ``eval.rewards``; every random
+generator it touches is restored, so a run trains exactly as without it. It tracks the gold-vs-training gap,
+divergence (warning with the step it began), image statistics drift, flow policies' per-step ratio bias, and
+can ``keep_best`` and ``stop``. Its log ``RUN_DIR/overopt.jsonl`` is its state (replayed on resume;
+`read_log` / `findings_text` feed ``mmalign doctor``). Details: docs/overoptimisation.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """`mmalign parity CONFIG`: does the first update of a run see ratio = 1, and which settings break it?
 
-With unchanged weights the trainer's re-scoring of a fresh rollout must give back the rollout's log-probs:
-``ratio = exp(logp_new - logp_old) = 1`` at the first update, or the clipped loss clips (and the importance
-correction weights) samples for reasons that have nothing to do with learning. This command draws one rollout
-from the base model (``compute_logp=True``: ``logp_old`` as the trainer stores it) and re-scores it the way the
-trainer's update does (`mmalign.algorithms.composition.LossComposer`): the model in train mode, ``policy.action_stats`` on
-microbatches (``rollout[idx]``), in the chunks of actions `Policy.action_chunks` names when the loss allows it,
-with grad enabled; under each setting:
-
-- ``trainer``: the config's ``trainer.microbatch_size`` (the whole rollout when unset) and precision
-  (``trainer.mixed_precision``: autocast, as accelerate applies it);
-- micro-batch sizes (``--microbatch-sizes``), in fp32;
-- precisions (``--precisions``): fp32, bf16 and fp16 autocast on the model's device (a precision the device does
-  not support is reported as such), at the config's micro-batch size;
-- ``eval mode`` (dropout off, as during sampling) and, for a policy that scores actions in chunks (a diffusion
-  policy with ``steps_per_backward``), all actions in one piece;
-- with ``rollout.engine: fake | vllm``, the engine's own log-probs (``logp_sampler``) against the trainer's
-  recomputation (``logp_old``): what the importance-sampling correction (``rollout.is_correction``) corrects.
-
-Per setting: the log-ratio error ``logp_setting - logp_old`` over the valid actions (max and mean |.|), per action
-index (per token position for text, per trained denoising step for diffusion), the ratio statistics (mean, std,
-min, max, the share outside the clip range ``[1 - eps_low, 1 + eps_high]`` of ``algorithm.loss_kwargs``) and
-whether it keeps ratio = 1 (max |log-ratio| <= ``--tol``). A policy whose ``action_stats`` returns its own loss
-and no log-probs (forward-process objectives) has no ratio: the report says so. docs/probe.md.
+It draws one rollout from the base model (``compute_logp=True``) and re-scores it as the trainer's update does
+(`mmalign.algorithms.composition.LossComposer`: train mode, microbatches, action chunks, grad enabled) under
+each setting: the run's own, other micro-batch sizes, fp32 / bf16 / fp16 autocast, eval mode, actions in one
+piece, and an engine's log-probs against the trainer's. Per setting it reports the log-ratio error (max, mean,
+per action index), the ratio statistics and whether ratio = 1 holds within ``--tol``. Settings, output and
+exit status: docs/probe.md, "`mmalign parity`".
 """
 
 from __future__ import annotations

@@ -1,38 +1,11 @@
 """The validation pass of a command: every check of a run that needs no model, before anything slow is built.
 
-A wrong command should fail in seconds, not after minutes of model building: every command that takes a
-config (`mmalign train`, `sample`, `eval`) reads it with `mmalign.config.load_config` (the schema: keys,
-types, cross-field rules) and then calls `validate` once, and only then the pipeline's ``build`` (which
-loads the data files first and the model last). `validate` checks, cheapest first:
-
-- the pipeline name (``pipelines.get``) and the registry names of ``algorithm`` (`mmalign.algorithms.names.check_names`);
-- then `preflight`, the checks of the files and options the config names:
-- `mmalign.training.rundir.check_output_dir(cfg, resume)`: ``output_dir`` already holds a run (without ``--resume``
-  or ``overwrite=true``), or ``--resume`` finds no checkpoint. `GroupTrainer` calls it again (and then
-  acts on the folder: loads the checkpoint, or clears it under ``overwrite``) once the model is loaded.
-- `check_model_source(...)` / `check_model_paths(cfg)`: ``model.name_or_path`` and the model folders
-  that rewards name (``rewards[i].kwargs.path``) are local folders, folders a tiny builder will create,
-  or hub ids that can be loaded (offline: ids already in the Hugging Face cache).
-- `check_data_files(cfg)`: ``data.train`` / ``data.eval`` name files that exist.
-- `rewards.check_reward_specs(specs, source)`: every reward name resolves and its ``kwargs`` fit the reward's
-  constructor, without constructing it (some load a model when constructed). A ``package.module:attr`` name
-  is imported here: a config that names code is code (see `check_code_references`).
-- `check_code_references(cfg)`: the other ``package.module:attr`` references (``rollout.loop_kwargs.environment``,
-  geometry models) import to an object of the right kind; standard-library modules are refused
-  (`mmalign.registry.refused_module`).
-- `check_output_writable(cfg)` (training): ``output_dir`` can be created and written (a small temp file).
-- `check_prompts(cfg, training)`: the rows of ``data.train`` / ``data.eval`` read as the pipelines read them
-  (`mmalign.data.rows.load_rows`, after ``data.prompt_template``; no line over `mmalign.data.rows.MAX_LINE_BYTES`): no
-  empty prompt; the image files the rows name decode (`check_images`, for `IMAGE_CHECK_SECONDS` at most,
-  unless ``options.on_bad_row: skip``); for a token policy (the model folder has a tokenizer and a
-  ``config.json`` with a context length) no prompt too long for the context with ``rollout.max_new_tokens``
-  (``data.too_long``; only the tokenizer and config are loaded); in training, at least
-  ``rollout.prompts_per_step`` distinct prompts, text and images (``data.too_few_prompts``).
-
-`fit_setup(cfg, components)` / `fit_prompts(cfg, rows, policy)` then apply ``data.too_long: skip | truncate``
-to the rows the pipeline built (the CLI calls it after ``build``).
-
-The run directory itself (its layout, checkpoints, samples) is `mmalign.training.rundir`'s.
+Every command that takes a config (`mmalign train`, `sample`, `eval`) reads it with
+`mmalign.config.load_config`, then calls `validate` once (the pipeline name, the registry names, then
+`preflight`: output directory, model sources, data files, reward specs, code references, writability and the
+prompts themselves), and only then the pipeline's ``build``. `fit_setup` / `fit_prompts` apply
+``data.too_long`` to the rows built. Each check, in order: docs/architecture.md, "Configs and the command
+line". The run directory itself is `mmalign.training.rundir`'s.
 """
 
 from __future__ import annotations

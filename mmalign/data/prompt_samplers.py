@@ -1,38 +1,12 @@
 """Prompt samplers: which dataset rows the trainer rolls out next (docs/algorithms.md, "Group filters and samplers").
 
-A prompt sampler picks row indices each round and may learn from how those prompts went::
-
-    sampler = build_sampler("vade", num_rows=len(rows), seed=cfg.seed, explore=0.1)
-    idx = sampler.next_indices(prompts_per_step)          # list[int], distinct when n <= num_rows
-    ...                                                    # roll out rows[idx], score them
-    sampler.observe(idx_seen, rates, counts)               # per-prompt success rates in [0, 1]
-    metrics.update(sampler.last_stats())
-    ckpt["sampler"] = sampler.state_dict()                 # saved in checkpoints; resume draws the same prompts
-
-Registered samplers (``names()``):
-
-- ``uniform``  shuffled epochs, like the former `mmalign.data.rows.PromptSampler` (same order for the same seed);
-               ``observe`` is a no-op.
-- ``vade``     our design from the paper's description (VADE): a Beta posterior on each prompt's
-               success rate, Thompson sampling, pick the prompts of largest p̂(1 − p̂), decay toward
-               the prior on two time scales. Exact rules in `VadeSampler`.
-- ``spo``      SPO's prioritized sampling: prompts drawn without replacement with probability ∝
-               sqrt(p̂(1 − p̂)) + 0.05, p̂ the posterior mean of SPO's per-prompt Beta tracker (shared with
-               the ``spo`` estimator through `SpoSampler.attach`, or the sampler's own). Rules in `SpoSampler`.
-
-Common rules:
-
-- ``next_indices(n)`` returns distinct indices when ``n <= num_rows``. When ``n > num_rows`` the
-  sampler *cycles*: ``uniform`` runs on into the next epoch(s), ``vade`` repeats its ranking of all
-  rows, so every row appears ``n // num_rows`` or ``n // num_rows + 1`` times (never an error: tiny
-  datasets with many prompts per step keep working).
-- ``observe(indices, successes, counts=None)``: ``successes[k]`` is the success rate of prompt
-  ``indices[k]`` in this round, in [0, 1], NaN meaning "no evidence" (skipped); ``counts[k]`` is the
-  number of samples behind it (G_eff). `success_from_rewards` / `group_successes` compute both from
-  rewards.
-- ``state_dict()`` holds plain Python values and CPU tensors (including the torch.Generator state):
-  it round-trips through a checkpoint (`mmalign.training.rundir.save_state` / `load_state`, no pickle) and a loaded
-  sampler draws exactly what the saved one would have drawn.
+A sampler (``build_sampler(name, num_rows=, seed=, **options)``) picks row indices each round with
+``next_indices(n)`` (distinct when ``n <= num_rows``, cycling beyond), may learn from
+``observe(indices, successes, counts)`` (per-prompt success rates in [0, 1], NaN = no evidence), reports
+``last_stats()`` and checkpoints through ``state_dict()`` (no pickle; a resumed sampler draws the same
+prompts). Registered: ``uniform`` (shuffled epochs), ``vade`` (our design after VADE: Beta posteriors,
+Thompson sampling; `VadeSampler`) and ``spo`` (SPO's prioritized sampling; `SpoSampler`). Rules and
+formulas: docs/algorithms.md.
 """
 
 from __future__ import annotations

@@ -1,75 +1,12 @@
 """Rollout loops: how a text or VLM policy turns a dataset row into the sequence it trains on.
 
-A loop is chosen by ``rollout.loop`` (``rollout.loop_kwargs`` are its options) and handed to the
-policy's constructor (``TextPolicy(..., loop=...)``; `VLMPolicy` likewise). Three are registered:
-
-``single_turn``
-    One completion per sample, exactly as the policy always sampled (`TextPolicy.single_turn_rollout`).
-
-``multi_turn``
-    Generated turns alternate with content an **environment** appends to the conversation (a tool's
-    answer, a zoomed crop of the image, a hint). The environment is a function the pipeline supplies
-    (or ``loop_kwargs.environment: "package.module:function"``)::
-
-        def env(turn: TurnContext) -> Done | Insert: ...
-
-    It is called once per sample after each generated turn, with that turn's text, the sample's dataset
-    row and the conversation so far, and answers `Done` (the conversation is over) or
-    ``Insert(text=..., images=[...], role="user")`` (content appended before the next turn). Under a chat
-    template the insertion becomes a message of ``role`` followed by the opening of the next assistant
-    turn, rendered by the policy's own chat template (`TextPolicy.insert_text`); ``role=None`` appends
-    ``text`` verbatim. Each turn is one batched ``generate`` over the samples still active (all G samples
-    of every prompt together). With a rollout engine (``rollout.engine``: ``vllm``, ``fake``) each turn is
-    one engine call over the whole token sequences so far (prompt, generated turns and insertions; a VLM's
-    images as the engine's multimodal inputs); the engine's log-probs of the generated tokens become
-    ``Rollout.logp_sampler`` and ``logp_old`` is re-scored with the trainer's weights, as for single turns.
-
-    Options: ``max_turns`` (generated turns, default 4); ``max_tokens_per_turn`` (default
-    ``rollout.max_new_tokens``); ``max_insert_tokens`` (tokens of one insertion, default 512);
-    ``max_completion_tokens``: the cap on the completion region (generated + inserted tokens; default
-    ``max_turns * max_tokens_per_turn + (max_turns - 1) * max_insert_tokens``, which never binds). Each
-    turn generates at most ``min(max_tokens_per_turn, cap - tokens so far)``; an insertion longer than
-    ``max_insert_tokens``, or one that would leave no room for one more generated token under the cap,
-    ends the sample instead (an insertion is never cut, so an image is never split). ``reward_text``: what
-    ``outputs["texts"]`` holds (below). ``mask_over_turn`` (default False): samples that reach
-    ``max_turns`` still wanting to go on get no loss (``outputs["exclude_from_loss"]``).
-
-``igpo``
-    ``multi_turn`` that also scores the gold answer after every turn with the policy itself and records
-    the per-turn information gains as ``step_rewards`` (IGPO; `InfoGainMultiTurn`). Options: those of
-    ``multi_turn`` plus ``answer_column`` (default ``answer``), ``answer_template`` (``"{answer}"``) and
-    ``gain`` (``logprob`` or ``prob``). Text policies.
-
-What the rollout holds (both loops; the multi-turn one fills the completion region with several turns):
-
-- the **completion region** (``payload["completion_ids"]``, Long[B,T], right-padded) is everything after
-  the prompt: generated turns and inserted content, in order. ``payload["completion_attention_mask"]``
-  marks its real tokens (the model attends to generated AND inserted tokens); ``Rollout.mask`` marks the
-  actions, i.e. only the generated tokens (each turn up to and including its EOS / stop string): inserted
-  tokens and padding never take part in the loss. One action = one completion-region position, so every
-  Float[B,T] tensor (``logp_old``, ``logp_ref``, ...) lines up with ``completion_ids``; log-probs at
-  positions outside ``mask`` are 0.
-- VLM: ``payload["completion_mm_token_type_ids"]`` (Long[B,T]) types the inserted image tokens;
-  ``pixel_values[i]`` / ``image_grid_thw[i]`` hold ALL images of sample i in order (prompt images, then
-  inserted ones) and ``payload["num_prompt_images"]`` (Long[B]) says how many of them the prompt has.
-- ``outputs["texts"]`` (what rewards read as ``batch.texts``): with ``reward_text: conversation`` (the
-  default) the decoded completion region, i.e. every generated turn AND the inserted content after the
-  prompt (special tokens skipped, exactly as single-turn texts are decoded); with ``last_turn`` only the
-  last generated turn. Always: ``outputs["turns"]`` (per sample, the list of generated turn texts),
-  ``outputs["inserted_texts"]`` (per sample, the environment's ``text`` of each insertion),
-  ``outputs["num_turns"]`` (Long[B]), ``outputs["num_tokens"]`` (generated tokens = ``mask.sum(1)``),
-  ``outputs["num_inserted_tokens"]`` (Long[B]), ``outputs["stop_reasons"]`` (per sample: ``done``,
-  ``max_turns``, ``insert_too_long`` or ``max_completion_tokens``) and ``outputs["truncated"]`` (Bool[B]):
-  True when a limit ended the sample (any stop reason but ``done``) or its last turn was cut at its token
-  budget without EOS / stop string.
-- ``outputs["env_state"]`` (both loops; per sample a dict): what the environment wrote into
-  ``TurnContext.state`` (`Conversation.state`); ``{}`` for single-turn rollouts and untouched samples.
-- ``outputs["exclude_from_loss"]`` (Bool[B], multi_turn with ``mask_over_turn: true``): the samples stopped
-  at the turn cap (``stop_reason == "max_turns"``). The trainer computes advantages with them (they count
-  in their group's statistics) and then drops them from the loss (over-turn masking).
-
-A new loop subclasses `RolloutLoop`, registers with ``@LOOPS.register(name)`` and drives the policy
-through `TurnPolicy` (the primitives `TextPolicy` and `VLMPolicy` implement).
+``rollout.loop`` picks a registered loop (``single_turn``, ``multi_turn``, ``igpo``; options in
+``rollout.loop_kwargs``) and the policy runs it. ``multi_turn`` alternates generated turns with what a
+pipeline-supplied environment (``env(turn: TurnContext) -> Done | Insert``) appends. ``Rollout.mask`` marks
+only generated tokens; the completion region, the ``outputs`` keys (``texts``, ``turns``, ``stop_reasons``,
+``env_state``, ``exclude_from_loss`` ...), the options and their limits are specified in
+docs/architecture.md, "Rollout loops". A new loop subclasses `RolloutLoop`, registers with
+``@LOOPS.register(name)`` and drives the policy through `TurnPolicy`.
 """
 
 from __future__ import annotations

@@ -1,42 +1,12 @@
 """The rollout-engine interface: something that samples completions for token-id prompts.
 
-A rollout engine is an optional, faster sampler for text policies (vLLM in production,
-`FakeEngine` in tests). It holds its *own copy* of the weights, so the trainer must push its
-weights after every optimizer step (`RolloutEngine.sync_weights`), and the engine's per-token
-log-probs differ slightly from the trainer's even with equal weights (other kernels, other
-precision). That mismatch is corrected with truncated importance sampling, see
-`mmalign.algorithms.is_correction`.
-
-Contract
---------
-- ``generate(prompt_token_ids, n, sampling) -> list[EngineOutput]``: ``n`` samples per prompt,
-  flattened prompt-major: output ``i * n + j`` is sample ``j`` of prompt ``i`` (the layout of
-  `TextPolicy.rollout`, ``group = arange(P).repeat_interleave(n)``). Each output holds the
-  completion token ids, the engine's log-prob of each sampled token (log-softmax of the logits
-  divided by the temperature, before top-k / top-p truncation: the distribution the trainer
-  recomputes) and a finish reason (``"stop"``: EOS / stop token / stop string, ``"length"``:
-  ``max_new_tokens`` reached).
-- ``sync_weights(state, *, lora, timeout_s, step=None)``: load new weights. ``state`` is a mapping
-  or an iterable of ``(name, tensor)`` pairs. ``lora=False``: full weights with Hugging Face
-  checkpoint names (for a peft model, the merged weights from `merged_state_dict`). ``lora=True``:
-  a LoRA adapter state dict with peft names (`adapter_state_dict`), loaded as an adapter by
-  engines that support it. The load runs in a worker thread; if it does not finish within
-  ``timeout_s`` or raises, `WeightSyncError` is raised (naming the engine, the timeout and the
-  step). It never hangs. After a failed sync the engine refuses to `generate` until a sync
-  succeeds (its weights are in an unknown state).
-- ``sleep()`` / ``wake()``: release and reclaim accelerator memory when the engine is colocated
-  with training. They act only where ``sleep_enabled`` (an engine's ``enable_sleep_mode`` option; no-ops
-  otherwise), and ``asleep`` says which state the engine is in. An asleep engine wakes by itself before it
-  samples (`generate`) or loads weights (`sync_weights`): vLLM's sleep level 1 offloads the weights, so a
-  load into a sleeping engine would write into memory it gave back. The policies put the engine to sleep
-  once a rollout's sampling is done and wake it before the next sync (`mmalign.engines.client.EngineClient`).
-
-Vision-language prompts. An engine with ``supports_images = True`` (vLLM; `FakeEngine` built with a
-processor) also takes `MultimodalPrompt` items: the token ids of the chat-templated text with ONE image
-placeholder token per image, and the images themselves. The engine runs its own image processor and
-expands each placeholder into the image's patch tokens (vLLM's multimodal inputs), so the policy must
-give it the same resize bounds it uses itself. ``SamplingSpec.suppress_token_ids`` are never sampled and
-count as -inf in the returned log-probs (the vision placeholders, as `VLMPolicy` samples).
+A rollout engine is an optional, faster sampler for text and VLM policies (vLLM in production, `FakeEngine`
+in tests) that holds its own copy of the weights. `RolloutEngine` declares ``generate`` (``n`` samples per
+prompt, prompt-major, with the sampled tokens' log-probs of ``log_softmax(logits / T)`` and a finish reason),
+``sync_weights`` (full or LoRA-adapter weights; never hangs: `WeightSyncError` past ``timeout_s``, after which
+the engine refuses to generate until a sync succeeds) and ``sleep`` / ``wake``; `MultimodalPrompt` carries a
+VLM's images. The engine-vs-trainer log-prob gap is corrected by `mmalign.algorithms.is_correction`. The
+contract in detail: docs/architecture.md, "Rollout engines".
 """
 
 from __future__ import annotations

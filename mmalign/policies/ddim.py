@@ -1,39 +1,13 @@
 """DDIM diffusion policy (DDPO-style) for `UNet2DConditionModel` pipelines (Stable Diffusion 1.x / 2.x):
 one action = one stochastic DDIM step (eta > 0).
 
-- The rollout and re-scoring loops, the prompt-embedding cache, the initial noise, the trained-step
-  selection and the KL are `mmalign.policies.denoising.DenoisingPolicy`'s; this class overrides its hooks:
-  `encode_conditioning` (the text encoder's last hidden states over max-length padded ids, as
-  `StableDiffusionPipeline`), `schedule` (the scheduler's DDIM timesteps for `num_steps`,
-  ``set_timesteps``, each step from alpha-bar_t to alpha-bar_prev exactly as ``DDIMScheduler.step`` does:
-  prev = t - num_train_timesteps // num_steps, below 0 the scheduler's ``final_alpha_cumprod``), `predict`
-  (eps, CFG included), `step` (DDPO DDIM steps, `mmalign.algorithms.sde.step("ddim", ...)`, std_t = eta
-  sqrt((1-ab_prev)/(1-ab_t)) sqrt(1-ab_t/ab_prev)) and `ode_step` (the eta = 0 update). The settings are a
-  `mmalign.policies.denoising.SamplerSettings` with ``sde_kind: ddim`` and ``noise_level`` = eta
-  (``sampler=``, or ``eta`` and the other fields as keywords).
-- A step whose std is 0 has no log-density and is never trained: with ``set_alpha_to_one`` the last step
-  goes to alpha-bar_prev = 1 (a clean sample) and is always run as a deterministic (eta = 0) DDIM update.
-  With ``set_alpha_to_one`` False (SD 1.5's own config) the last step ends at alpha-bar_0 < 1 and is an
-  ordinary stochastic, trainable step.
-- Trained steps: all stochastic steps; a random subset per sample (`train_fraction` < 1; the rest still
-  explore with eta); or a window of `window_size` consecutive stochastic steps whose start is random in
-  `window_range` (or slides, ``window_mode: sliding``), with deterministic eta = 0 DDIM steps outside it
-  (Flow-GRPO-Fast style).
-- Model outputs are turned into eps in fp32 before the step: ``prediction_type`` "epsilon" as is,
-  "v_prediction" (SD 2.x) as eps = sqrt(ab_t) v + sqrt(1-ab_t) x, "sample" as eps = (x - sqrt(ab_t) x0) /
-  sqrt(1-ab_t). ``clip_sample`` and ``thresholding`` schedulers are refused (SD ships neither).
-- Classifier-free guidance with `guidance_scale` > 1 (negative prompt = empty prompt) on the raw model
-  output, the same in sampling and in `action_stats`, so the log-probs agree (``train_guidance: false``: the
-  log-probs use the conditional branch, as the flow policies' CFG-free training).
-- The payload stores, for each trained step j of each sample, x_t (``latents``), x_{t-1}
-  (``next_latents``), the step index, the UNet timestep and both alpha-bars, plus the prompt embeddings;
-  `action_stats` re-scores the stored transitions with grad (``prev_sample`` = stored x_{t-1}) so with
-  unchanged weights exp(logp - logp_old) = 1.
-- KL (optional, ``need_reference``): per step ||mu_theta - mu_ref||^2 / (2 std_t^2) averaged over the
-  latent dims. The reference is the same UNet with its LoRA adapter disabled under LoRA
-  (``lora.enabled``), else a frozen copy.
-- `seed` seeds a CPU generator for initial noise and (on CPU) the step noise; on an accelerator the
-  step noise uses the global RNG.
+The rollout and re-scoring loops, trained-step selection, initial noise and the KL are
+`mmalign.policies.denoising.DenoisingPolicy`'s (settings: `SamplerSettings` with ``sde_kind: ddim`` and
+``noise_level`` = eta); this class overrides its hooks: `encode_conditioning` (as `StableDiffusionPipeline`),
+`schedule` (the scheduler's DDIM timesteps and alpha-bars, as ``DDIMScheduler.step``), `predict` (eps, CFG
+included, from any ``prediction_type``), `step` (`mmalign.algorithms.sde.step("ddim", ...)`) and `ode_step`
+(the eta = 0 update, also the last step under ``set_alpha_to_one``). Formulas and details: docs/algorithms.md,
+"Sigma schedules" (``DDIMPolicy``), "Guidance" and "Denoising steps with log-prob".
 """
 
 from __future__ import annotations

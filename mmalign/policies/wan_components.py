@@ -1,54 +1,12 @@
 """The Wan video folder loader and the Wan-specific tensor helpers `mmalign.policies.wan.WanPolicy` builds on.
 
-**Folder layout** (diffusers' ``WanPipeline`` / ``WanVACEPipeline``): ``model_index.json``, ``transformer/``
-(``WanTransformer3DModel``, or ``WanVACETransformer3DModel`` when its ``config.json`` names that class),
-optional ``transformer_2/`` (Wan2.2 A14B: the low-noise expert; ``model_index.json`` then holds
-``boundary_ratio``), ``vae/`` (``AutoencoderKLWan``), ``scheduler/``, ``text_encoder/`` (``UMT5EncoderModel``)
-and ``tokenizer/``. `load_wan_components` reads it with ``from_pretrained`` per component (a local folder or a
-hub id); `WanComponents.save_pretrained` writes it (``WanPipeline.from_pretrained`` loads the result).
-
-**Scheduler.** The policies train with diffusers' ``FlowMatchEulerDiscreteScheduler`` sigmas (Euler /
-flow-SDE steps of `mmalign.algorithms.sde`). Real Wan checkpoints ship a ``UniPCMultistepScheduler`` with
-``use_flow_sigmas`` and a ``flow_shift`` (3.0 at 480p, 5.0 at 720p); `load_wan_components` then builds
-``FlowMatchEulerDiscreteScheduler(num_train_timesteps=..., shift=flow_shift)`` for the SDE (the same shift
-of the flow sigmas, stepped by Euler / the flow SDE rather than UniPC's multistep corrector) and keeps the
-folder's own scheduler as ``ode_scheduler``: deterministic sampling (``noise_level`` 0: `mmalign sample`,
-`mmalign eval`) steps with it, its timesteps and sigmas, as ``WanPipeline`` does. `WanComponents.save_pretrained`
-writes the folder's own scheduler back (``ode_scheduler`` when there is one), so a saved policy is a stock
-Wan folder. A folder whose scheduler is already a ``FlowMatchEulerDiscreteScheduler`` is used for both.
-
-**Image to video** (``WanImageToVideoPipeline``; `i2v_condition`, `encode_image`): the first frame, followed
-by F - 1 black frames, is encoded by the VAE as one clip (normalised latents) and preceded on the channels by
-a mask with one channel per frame of a latent frame's group (``scale_factor_temporal`` channels: 1 on the first
-pixel frame, which the VAE keeps alone, repeated to fill its group, 0 on every later frame); the
-transformer sees ``[noisy latents, mask, image latents]`` (``in_channels`` = 2 z_dim + temporal factor, 36 for
-Wan2.1 / Wan2.2 I2V). A Wan2.1 I2V folder adds ``image_encoder/`` (``CLIPVisionModel``) and
-``image_processor/`` (``CLIPImageProcessor``): the penultimate hidden states of the processed first frame go to
-the transformer as ``encoder_hidden_states_image`` (its ``image_dim`` is set). Wan2.2 I2V A14B has no image
-encoder (two experts instead); Wan2.2 TI2V-5B's first-frame replacement (``expand_timesteps``) is not
-supported.
-
-**Prompt encoding** (`encode_prompt`): exactly diffusers' ``WanPipeline._get_t5_prompt_embeds``: each prompt
-cleaned (``prompt_clean``: ftfy when installed, HTML unescaping, whitespace collapsing), tokenized to
-``max_sequence_length`` (default 512) with the attention mask, UMT5's ``last_hidden_state`` cut to each
-prompt's own token count and zero-padded back to ``max_sequence_length``.
-
-**VAE.** `vae_factors` reads the factors from the VAE config: temporal ``2 ** sum(temperal_downsample)``,
-spatial ``2 ** len(temperal_downsample)`` (times ``patch_size`` for the Wan2.2 TI2V VAE), checked against the
-config's ``scale_factor_temporal`` / ``scale_factor_spatial`` (what diffusers' pipelines read) where they are
-set. `encode_video` and `decode_video` normalise latents as the pipelines do: ``(z - latents_mean) /
-latents_std`` per channel, on the distribution's mode (``sample_mode="argmax"``). Videos in this module are
-Float[B, F, 3, H, W] in [0, 1] (the layout of ``outputs["videos"]``); the VAE sees [B, 3, F, H, W] in [-1, 1].
-
-**VACE control tensor** (`vace_control_tensor`): what ``WanVACEPipeline.prepare_video_latents`` and
-``prepare_masks`` compute, for any batch size (the pipeline refuses batch > 1): channels ``[VAE(video * (1 -
-m)), VAE(video * m), unshuffle(m)]`` = 2 z_dim + s^2 (96 for the real model: 16 + 16 + 64), with m the
-binarised mask (> 0.5) and s the VAE's spatial factor; ``unshuffle`` folds each s x s pixel block of the mask
-into s^2 channels (row offset major) and resamples the frames to the latent frames (``nearest-exact``).
-Reference frames (``WanVACEPipeline``'s ``reference_images``) are letterboxed onto a white canvas of the video's
-size, encoded alone, given zeros for the second half of the latent channels and a zero mask, and prepended on
-the frame axis one latent frame each, in turn (so the last reference given ends up first, as in the
-pipeline).
+`load_wan_components` / `WanComponents.save_pretrained` read and write a diffusers ``WanPipeline`` /
+``WanVACEPipeline`` folder (optional ``transformer_2/`` expert, I2V image encoder), training on a
+``FlowMatchEulerDiscreteScheduler`` at the folder's ``flow_shift`` and keeping its own scheduler as
+``ode_scheduler`` for deterministic sampling. The helpers reproduce the pipelines' tensors: `encode_prompt`
+(UMT5), `vae_factors` / `encode_video` / `decode_video` (videos Float[B, F, 3, H, W] in [0, 1]),
+`i2v_condition` / `encode_image` and `vace_control_tensor` (any batch size). Details: docs/video.md, "The Wan
+folder and its helpers"; formulas: docs/algorithms.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """Asynchronous rollouts (``trainer.async``): sampling the next steps while the trainer updates.
 
-A rollout worker holds its own copy of the policy (any policy: text, VLM, denoising; with its rollout engine
-when the policy has one) and turns *jobs* into rollouts: a job names the training step and sampling round it
-is for, the dataset rows, and the weight version (finished training steps) the worker must hold. The trainer
-(`mmalign.training.trainer.GroupTrainer`, the one training loop) submits the first round of the next ``K =
-max_staleness`` steps before it runs the current update, pushing its weights to the worker when they changed,
-and takes each round when it needs it. Rewards are scored as each round arrives, so they overlap the update
-too: in a background thread of the trainer process, in the rollout worker right after it samples
-(``score_in_worker``), or, with the Ray backend, in reward actors of their own (``reward_workers``; the round is
-handed from the rollout actor to a reward actor through the object store, so scoring overlaps the sampling of
-the next round as well).
-
-Determinism. The schedule is a pure function of the step: the round for step ``s`` is sampled with the
-weights after step ``s - j`` where ``j`` is how far ahead it was submitted (at most K), never older, so no
-sample has to be dropped for staleness; the loss corrects each stale sample with the truncated importance
-weights between the behaviour log-probs the worker recorded and ``pi_old`` (the trainer's weights at the
-start of the update), see `behaviour_fields`. The worker has its own random stream (its global torch /
-NumPy / Python generators and the policy's private ones), which the trainer tracks: each result carries the
-stream's state after the job. A step that writes a checkpoint is a barrier: nothing is submitted past it, so
-a checkpoint never has work in flight, and it stores the worker's stream state; a resumed run hands that
-state to its new worker with the first job, so it samples exactly what the uninterrupted run sampled
-(in-flight work is thus never checkpointed: it does not exist at a checkpoint). With ``K = 0`` nothing is prefetched and the random stream is handed back
-and forth (each job carries the trainer's random state, the trainer continues from the worker's state after
-it): the run is the synchronous trainer's, sample for sample and update for update, also for policies whose
-update draws random numbers.
-
-Backends: ``process`` (`ProcessWorker`: a forked process on this machine; a sender thread feeds it jobs and
-weights, a receiver thread collects its results and scores them; it ends within about a second when its
-trainer is gone, killed included, `exit_with_parent`) and ``ray`` (`mmalign.training.ray_workers`: Ray
-actors, weights through the object store). A worker that dies or stops answering fails the step within about
-``trainer.async.timeout_s`` (a dead process within a second) with `AsyncWorkerError`.
+A rollout worker holds its own copy of the policy (with its rollout engine when it has one) and turns jobs
+(step, round, rows, weight version) into rollouts; `GroupTrainer` submits the first round of the next ``K =
+max_staleness`` steps before the current update, pushes its weights when they changed, and scores rewards as
+rounds arrive. The schedule is a pure function of the step (stale samples are corrected with truncated
+importance weights, `behaviour_fields`), checkpoints are barriers holding the worker's random state, and
+``K = 0`` reproduces the synchronous run exactly. Backends: ``process`` (`ProcessWorker`, a forked process)
+and ``ray`` (`mmalign.training.ray_workers`); a dead or silent worker is an `AsyncWorkerError` within
+``trainer.async.timeout_s``. Details: docs/distributed.md, "Asynchronous rollouts"; math: docs/algorithms.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """FSDP2 sharding (`torch.distributed.fsdp.fully_shard`): wrapping, full-weight gathering, sharded checkpoints.
 
-`apply_fsdp2` shards a model the way accelerate's FSDP2 plugin with ``TRANSFORMER_BASED_WRAP`` does: one
-``fully_shard`` group per transformer block, then the root (embeddings, final norm, heads). After it the
-parameters are `DTensor`s sharded on dim 0 over the mesh; a forward all-gathers a block's weights just before
-the block runs, a backward reduce-scatters its gradients (averaged over the ranks, as DDP does). Every rank
-must run the same number of forwards and backwards (the trainer keeps batch shapes equal across ranks).
-
-Default blocks (``block_classes=None``): the class names in the model's ``_no_split_modules`` (Hugging Face
-transformers and diffusers both declare it; for a peft model, those of its base model):
-
-==========================  ==============================================================
-model                       blocks (``_no_split_modules``)
-==========================  ==============================================================
-Qwen2 / Qwen2.5 (text)      ``Qwen2DecoderLayer``
-Qwen2-VL                    ``Qwen2VLDecoderLayer``, ``Qwen2VLVisionBlock``
-Qwen2.5-VL                  ``Qwen2_5_VLDecoderLayer``, ``Qwen2_5_VLVisionBlock``
-SD3 / SD3.5 transformer     ``JointTransformerBlock``
-FLUX.1 transformer          ``FluxTransformerBlock``, ``FluxSingleTransformerBlock``
-Wan transformer             ``WanTransformerBlock``
-==========================  ==============================================================
-
-(`DEFAULT_BLOCKS` lists the same names; ``tests/training/test_fsdp2.py`` checks them against the installed libraries.)
-
-Sharded checkpoints (`save_sharded` / `load_sharded`) are `torch.distributed.checkpoint` (DCP) folders of the
-trainable weights and the optimizer state: every rank writes and reads its own shards (all ranks must call).
-`gather_full_state_dict` returns plain, full CPU tensors on every rank (the rollout engine's weight sync and
-``final/`` use it). See ``docs/distributed.md``.
+`apply_fsdp2` shards a model as accelerate's FSDP2 plugin with ``TRANSFORMER_BASED_WRAP`` does: one
+``fully_shard`` group per transformer block (by default the classes in ``_no_split_modules``; `DEFAULT_BLOCKS`),
+then the root. Every rank must run the same number of forwards and backwards. `save_sharded` / `load_sharded`
+write and read DCP folders of the trainable weights and optimizer state (all ranks must call);
+`gather_full_state_dict` returns full CPU tensors on every rank (engine weight sync, ``final/``). The block
+table and the trainer's use: docs/distributed.md, "FSDP2".
 """
 
 from __future__ import annotations

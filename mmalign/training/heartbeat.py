@@ -1,27 +1,11 @@
 """A heartbeat monitor for multi-process runs: a frozen or unreachable peer stops every process in bounded time.
 
-A collective waits for every rank: when one process is frozen (SIGSTOP, a hung driver, a stalled file system) the
-others wait for the process group's timeout, and a rank that is not in a collective (a long rollout) waits for
-nothing at all. `Heartbeat` bounds that wait independently of what the main thread is doing:
-
-- every process runs one daemon thread that adds 1 to its own counter in a key-value store (`beat`) every
-  `interval_s` and reads its peers' counters (`check`). A thread beats even while the main thread is inside a
-  long step or a collective (they release the GIL); a stopped process stops all its threads, so its counter stops;
-- a peer whose counter has not changed for `timeout_s` seconds of THIS process's monotonic clock (no comparison
-  of clocks between machines) is silent: the process writes an error naming the silent rank and the last
-  complete checkpoint to stderr, sends SIGKILL to a silent peer that runs on the same machine (a frozen process
-  cannot exit by itself; torchrun would SIGKILL it only 30 s after its SIGTERM), and leaves with `os._exit`
-  (`EXIT_CODE`), since its main thread may be stuck in a collective. Every live process notices on its own
-  within ``timeout_s + interval_s``, and the launcher ends the run when its first worker exits;
-- `stop` marks this rank done (peers then ignore it) and ends the thread; it first checks once more, so that a
-  training loop that failed because a peer went silent (the process group's collective timed out first) still
-  reports the silent rank rather than a bare collective timeout.
-
-The store is the rendezvous store of the launch (a `torch.distributed.TCPStore` at ``MASTER_ADDR:MASTER_PORT``;
-under torchrun it is hosted by the launcher's agent, so it outlives any worker), reached through a client
-connection of the heartbeat's own (`connect_store`), so that the beat never waits behind the main thread's store
-operations. Counters are read and written with ``store.add`` (``add(key, 0)`` reads without blocking, creating a
-missing key). Unit tests use a `torch.distributed.HashStore` and a fake clock (`Heartbeat.poll`).
+A collective waits for every rank, so a frozen process (SIGSTOP, a hung driver) would stall the others.
+`Heartbeat` runs one daemon thread per process that beats a counter in the launch's rendezvous store
+(`connect_store`, its own client connection) and watches its peers' counters: a peer silent for ``timeout_s``
+of this process's clock makes it report the rank and the last checkpoint, SIGKILL a same-machine silent peer
+and leave with `os._exit` (`EXIT_CODE`). `stop` marks the rank done. Details: docs/distributed_runs.md, "A
+frozen or lost process".
 """
 
 from __future__ import annotations

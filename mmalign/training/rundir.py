@@ -1,36 +1,12 @@
 """The run directory: its layout, checkpoints, and samples written and read by kind.
 
-One module owns the folder a run writes (``output_dir``); the trainer, `mmalign.app.evaluation`, the CLI and
-the sample browser read and write it only through these functions::
-
-    output_dir/
-      config.yaml                 the resolved config of the run
-      metrics.jsonl               one JSON object per logged step
-      samples/step_XXXXXX.jsonl   one row per sample: group, prompt, advantage, rewards, the dataset
-                                  columns the pipeline shows, and one key per sample kind (below)
-      samples/step_XXXXXX/        that step's media: IIII.png, IIII.mp4 (+ IIII_frames.png);
-                                  with several processes rR_IIII.* (R the rank: each process writes its own)
-      checkpoints/step_XXXXXX/    trainable.safetensors, optimizer.pt, scheduler.pt, trainer_state.pt,
-                                  rng_<rank>.pt, manifest.json (each file's size and sha256, written after
-                                  them), COMPLETE (written last: a folder without it is ignored)
-      final/                      the trained model or adapter, `from_pretrained`-loadable
-
-Sample kinds (`mmalign.policies.base.SAMPLE_KINDS`; what `Policy.sample_view` returns per sample):
-``text`` (a string, stored in the row), ``image`` (Float[3,H,W] in [0, 1] -> PNG, the row holds its path
-relative to ``samples/``), ``video`` (Float[F,3,H,W] -> H.264 mp4 through PyAV, and a strip of frames as
-PNG under ``video_frames``), ``boxes`` (a list of [x1, y1, x2, y2], stored in the row).
-
-Safety of what is written: a file that is rewritten (``metrics.jsonl`` truncated on resume, ``config.yaml``,
-a samples file) is replaced atomically (`write_atomic`: a temp file in the same folder, fsync, ``os.replace``),
-so a kill leaves the old or the new file, never a part of it. A torn last line of ``metrics.jsonl`` (a kill
-during an append) is dropped with a warning when the file is read. Checkpoint state files hold plain values
-and tensors only (`save_state`; NumPy arrays are stored as tagged tensors) and are read with
-``torch.load(weights_only=True)``: nothing is unpickled. A checkpoint's ``manifest.json`` lists every file of
-its folder, by "/"-joined path relative to it, and a reader checks them (`checkpoint_problem`: entries stay
-inside the folder, no file is unlisted, sizes before sha256); `verified_checkpoint` picks the newest that
-passes, saying which it skipped and why. Only folders named exactly ``step_XXXXXX`` are checkpoints (a copy
-``step_000004.bak`` is neither loaded nor rotated away). An I/O error while writing (safetensors' included)
-becomes a `RunWriteError` naming the file, and on a full disk the space left (`writing`).
+One module owns the folder a run writes (``output_dir``: ``config.yaml``, ``metrics.jsonl``, ``samples/``,
+``checkpoints/step_XXXXXX/``, ``final/``); the trainer, `mmalign.app.evaluation`, the CLI and the sample
+browser read and write it only through these functions. Rewritten files are replaced atomically
+(`write_atomic`), state files hold plain values and tensors (`save_state`, read with ``weights_only=True``),
+every checkpoint has a ``manifest.json`` and a ``COMPLETE`` marker, and `verified_checkpoint` picks the newest
+that passes; write errors are `RunWriteError`. Layout, sample kinds and the checks: docs/architecture.md, "Run
+directory" and "Checkpoints and exact resume"; docs/guarantees.md.
 """
 
 from __future__ import annotations

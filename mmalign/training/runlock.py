@@ -1,33 +1,12 @@
 """The run lock: one process at a time writes a run directory.
 
-A run directory (``output_dir``) has one writer. `mmalign train` takes the lock before the model loads and
-holds it until the command ends; `mmalign.training.trainer.GroupTrainer` takes it too (re-entrantly: the same process
-may acquire it again), so a script that builds a trainer is covered as well. In a multi-process run only the
-main process (rank 0) takes it. A second writer, a second ``train`` or ``train --resume`` into the same
-folder, is refused at once with `RunLockedError`, whose message names the holder as it recorded itself in
-the lock file: pid, host, start time and command. Readers (``mmalign eval``, ``sample``, ``doctor``,
-``demo``) take no lock.
-
-Mechanism: ``fcntl.flock`` (an advisory lock of the operating system) on ``OUTPUT_DIR/.lock``, taken without
-blocking. The kernel drops the lock when the holding process ends in any way (exit, crash, SIGKILL, the OOM
-killer), so a lock is never stale: the file a killed run leaves behind is not locked, and the next run
-takes it and rewrites the holder's details. When the holder releases the lock it removes the file (while
-still holding it); a process that locked a file which was removed or replaced meanwhile (it compares the
-inode of the path with the one it locked) tries again, so removing the file never lets two processes hold
-the lock.
-
-A process forked while it holds the lock (the asynchronous rollout worker) closes its inherited descriptor
-at once (``os.register_at_fork``): a flock belongs to the open file, so a child that kept it would keep the
-run locked after its parent was killed.
-
-Why not the ``filelock`` package: its Unix lock is the same flock, but it opens the lock file with
-``O_TRUNC`` on every attempt, so a refused second writer would erase the holder's details that its own
-message needs; for one non-blocking attempt it adds nothing else.
-
-Limits: on a platform without ``fcntl`` (Windows), or a filesystem that does not support flock (some
-network mounts answer ``ENOLCK``), the run proceeds without a lock after a warning. Across hosts the lock
-holds only where the shared filesystem implements flock for all of them (NFSv4 does, through its byte-range
-locks).
+`mmalign train` takes the lock before the model loads and holds it until the command ends;
+`mmalign.training.trainer.GroupTrainer` takes it too (re-entrantly), on the main process only. A second writer
+into the same ``output_dir`` is refused at once with `RunLockedError`, naming the holder (pid, host, start time,
+command); readers (``eval``, ``sample``, ``doctor``, ``demo``) take no lock. Mechanism: a non-blocking
+``fcntl.flock`` on ``OUTPUT_DIR/.lock``, which the kernel drops when the holder ends in any way, so a lock is
+never stale; without flock support the run proceeds after a warning. Details and limits: docs/guarantees.md,
+"One writer per run directory".
 """
 
 from __future__ import annotations

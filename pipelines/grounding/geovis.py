@@ -1,46 +1,13 @@
 """GeoViS: remote-sensing visual grounding by visual search, on the VLM policy.
 
-GeoViS (geospatial visual search) localises small targets described by spatial relations ("the small red
-building left of the lake") in large remote-sensing images, which a vision-language model sees only at a
-reduced resolution. It searches the image by zooming. The paper's search runs at inference time; this
-pipeline offers it and a search policy trained with GRPO, chosen by ``options.search``:
-
-``zoom`` (default; train and evaluate)
-    A multi-turn rollout (``rollout.loop: multi_turn``) in which each generated turn either requests a crop
-    of the original image or of an earlier view (``<crop>[x1,y1,x2,y2]</crop>``, ``<crop view=K>...``) or
-    answers with the final box (``<answer>[x1,y1,x2,y2]</answer>``), both in the coordinates of the view
-    as the model sees it (``options.coords``). The environment (`pipelines.grounding.geovis_env.ZoomEnvironment`)
-    records the tree of views, maps the answer to original pixels (``env_state["answer_box"]``), refuses
-    tiny or extreme-aspect crops and inserts each accepted crop as a new image. With
-    ``rollout.loop: single_turn`` the same pipeline answers in one shot (the box is then parsed from the
-    text in ``options.coords``): the baseline. This trained variant is our design, following the public
-    "thinking with images" recipes (DeepEyes and others); the paper itself does not train the search.
-``tree`` (evaluation only)
-    The paper's inference-time tree search (`pipelines.grounding.geovis_search`): UCT selection over views, actions
-    zoom into one cell of a 3x3 grid or zoom out, ``options.simulations`` (10) simulations of depth at most
-    ``options.max_depth`` (5), node value 0.1 r_QA + 0.9 r_IoU from the model's own yes/no answers and
-    from its own box in the crop against a central box; the final box is predicted on the full image with
-    the best crop as a second image (``options.final: full_image``), or in the best crop alone and mapped
-    to the full image (``best_crop``, our choice for small models). Training with it is refused.
-
-Data: grounding JSONL rows (`pipelines.grounding.data`): ``image``, ``expression``, ``boxes``, ``coords``, and
-optionally ``object`` / ``relation`` / ``landmark`` columns, which the tree search's yes/no checks use.
-Public remote-sensing grounding sets (DIOR-RSVG, RSVG, GeoChat's referring data, ...) come in their own
-formats: convert them to these rows (``mmalign grounding check`` validates a file).
-
-Pixel bounds per view (our design, following DeepEyes / Mini-o3 / GeoViS, which show a crop at up to the
-model's full pixel budget): view 0, the whole image, is shown within ``options.root_min_pixels`` /
-``root_max_pixels`` (keep it coarse: one-shot answering should not see a small target) and every crop within
-``options.crop_min_pixels`` / ``crop_max_pixels`` (a crop is resized UP to them: zooming is the gain in
-resolution). Each defaults to ``options.min_pixels`` / ``max_pixels`` (one set of bounds, the processor's
-own when those are unset too). `GeoViSPolicy` shows the prompt's image at the root bounds, the environment
-inserts each crop at the crop bounds (`geovis_views.view_image`), the processor's bounds hold both.
-
-Rewards (`rewards.boxes`, `rewards.search`): the final IoU and ``box_center`` (the geospatial term
-exp(-d_centre / diagonal)) read ``env_state["answer_box"]`` (``box_key: answer_box``); ``crop_keeps_target``
-is a per-turn process reward (with the ``grpo_process`` estimator); ``search_format``, ``tool_use_bonus``;
-``turns_used`` for evaluation. ``rollout.loop_kwargs.mask_over_turn`` removes samples stopped at the turn
-cap from the loss (they still count in their group's statistics).
+``options.search`` picks the search: ``zoom`` (default; trained with GRPO, our design) is a multi-turn rollout
+whose turns request crops (``<crop>[...]</crop>``, ``<crop view=K>...``) or answer
+(``<answer>[...]</answer>``), driven by `pipelines.grounding.geovis_env.ZoomEnvironment`, which writes
+``env_state["answer_box"]`` in original pixels; ``tree`` (evaluation only) is the paper's inference-time UCT
+search (`pipelines.grounding.geovis_search`). ``rollout.loop: single_turn`` is the one-shot baseline.
+`GeoViSPolicy` shows the prompt's image at the root pixel bounds, crops at the crop bounds
+(`pipelines.grounding.geovis_views`). Data, rewards, options and bounds: docs/grounding.md, "GeoViS visual
+search".
 """
 
 from __future__ import annotations

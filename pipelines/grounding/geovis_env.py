@@ -1,35 +1,12 @@
 """The GeoViS zoom environment: a multi_turn rollout environment that opens crops of the original image.
 
-Protocol (shared spec, "GeoViS protocol"; geometry in `pipelines.grounding.geovis_views`): the prompt shows view 0,
-the whole image. After each generated turn `ZoomEnvironment` reads the FIRST action tag of the turn:
-
-- ``<answer>[x1,y1,x2,y2]</answer>``: a box in the LATEST view's frame (the last accepted view, the image
-  the model saw last), mapped to original-image pixels through the view tree and stored as
-  ``env_state["answer_box"]`` with ``env_state["answer_turn"]``; the episode ends (`DONE`). An answer
-  tag without a readable box ends the episode with no answer (the rewards score it 0).
-- ``<crop>[x1,y1,x2,y2]</crop>`` (the latest view's frame) or ``<crop view=K>[..]</crop>`` (view K's
-  frame, K an earlier view id): the box is mapped to original pixels, clipped to the image and checked
-  (`geovis_views.child_view`); an accepted crop becomes view k = len(views), and the environment inserts
-  ``Insert(text=f"View {k}:", images=[crop], role="user")`` where ``crop`` is the exact pixel crop of the
-  ORIGINAL image resized to the view's ``resized`` size under the CROP pixel bounds (`geovis_views.view_image`;
-  the policy's processor, whose bounds hold that size, leaves it as it is). A refused crop (empty after clipping, a side below ``min_crop_px``, aspect
-  above ``max_aspect``, an unknown view, no readable box, the ``max_views`` limit) inserts the text-only
-  message ``"Crop refused: <reason>. ..."``.
-- anything else (no action tag): the episode ends with no answer.
-
-The conventions of a box (``convention``: "resized" by default, or "absolute", "norm1000", "norm1", or a
-model-family alias) are relative to the view it is written in (see `geovis_views.view_to_global`).
-
-State (``Conversation.state``, exposed by the rollout as ``outputs["env_state"]``; JSON-serialisable)::
-
-    {"views": [{"id", "parent", "region": [x1,y1,x2,y2] original px, "size": [w,h], "resized": [rw,rh]}],
-     "crops": [{"turn": t, "view": new view id or None, "accepted": bool, "reason": "" or why refused}],
-     "answer_box": [x1,y1,x2,y2] original px (absent without an answer), "answer_turn": t}
-
-Notes (our design): the environment is called after every generated turn, also after the last one the
-loop allows (``max_turns``) and before the loop drops an insertion for the length budget; a crop accepted
-there is recorded in the state although its image never reaches the model. `replay` rebuilds the state
-from the generated turn texts alone (no images are loaded), for rewards tests and one-shot evaluation.
+After each generated turn `ZoomEnvironment` reads the turn's first action tag: ``<answer>[...]</answer>``
+stores the box, mapped to original pixels, as ``env_state["answer_box"]`` and ends the episode;
+``<crop>[...]</crop>`` / ``<crop view=K>[...]</crop>`` opens a crop of the ORIGINAL image (checked by
+`geovis_views.child_view`, rendered by `geovis_views.view_image`) and inserts it as a new view, or inserts a
+"Crop refused" message; anything else ends the episode without an answer. Boxes are in the ``convention`` of
+the view they are written in. `replay` rebuilds the state from the turn texts alone. Protocol, state layout
+and our design choices: docs/grounding.md, "The trained zoom policy".
 """
 
 from __future__ import annotations

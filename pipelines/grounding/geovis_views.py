@@ -1,37 +1,12 @@
 """GeoViS views: the geometry shared by the zoom environment (`pipelines.grounding.geovis_env`) and the inference-time
 tree search (`pipelines.grounding.geovis_search`). Pure python + PIL; no model here.
 
-A VIEW is what the model sees at one step: view 0 is the full original image, every other view is a crop of
-the ORIGINAL image (never a crop of a resized crop, so zooming never loses pixels). Each view records
-
-- ``region``  (x1, y1, x2, y2): its extent in ORIGINAL image pixels (floats; whole pixels for crops made
-  here, see `make_view`),
-- ``size``    (w, h): the region's width / height in original pixels,
-- ``resized`` (rw, rh): the size the view is shown at (`resized_size`, transformers' ``smart_resize`` with
-  the pixel bounds of its kind of view), i.e. the pixel frame of the image the model saw.
-
-Each kind of view has its own pixel bounds (`ViewPixels`, our design following DeepEyes / Mini-o3 / GeoViS,
-which show a crop at up to the model's full pixel budget: zooming is the gain in resolution): view 0 at the
-ROOT bounds (kept coarse, so that one-shot answering cannot see a small target) and every crop at the CROP
-bounds (a crop is resized UP to them). `view_image` makes the picture of a view at exactly its ``resized``
-size; the processor's own bounds are set to hold both kinds (`ViewPixels.processor`), so its resize of such
-a picture is a no-op and each view keeps its own resolution.
-
-A box written by the model "in a view" is in one of the box conventions of the shared spec, relative to
-that view:
-
-- ``"absolute"``  pixels of the view's region at ORIGINAL scale (0..w, 0..h),
-- ``"resized"``   pixels of the resized view the model saw (0..rw, 0..rh),
-- ``"norm1000"``  0..1000 of the view's width / height,
-- ``"norm1"``     0..1 fractions of the view's width / height,
-
-or a model-family alias (``qwen2_vl`` / ``qwen3_vl`` -> norm1000, ``qwen2_5_vl`` -> resized). The map
-from a view's frame to global (original-image) pixels is affine per axis:
-``x_global = x1_region + x_view * w / W_frame`` (W_frame = w, rw, 1000 or 1), likewise for y
-(`view_to_global`, inverse `global_to_view`).
-
-The prompts of the GeoViS protocol live here so the environment, the search, the pipeline and the tiny
-model's warm start import one copy.
+A view is what the model sees at one step: view 0 is the whole original image, every other view a crop of
+the ORIGINAL image, each with its ``region`` (original pixels), ``size`` and ``resized`` (the size shown).
+Each kind of view has its own pixel bounds (`ViewPixels`, our design: coarse root, crops resized up);
+`view_image` renders a view at exactly its ``resized`` size, and `view_to_global` / `global_to_view` map
+boxes in any box convention between a view and the original image. The GeoViS protocol's prompts live here
+too. Definitions and formulas: docs/algorithms.md, "GeoViS: pixel bounds per view"; docs/grounding.md.
 """
 
 from __future__ import annotations

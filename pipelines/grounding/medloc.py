@@ -1,46 +1,12 @@
 """MedLoc: medical visual grounding (lesion localisation) with GRPO and MedLoc-R1's IoU-threshold curriculum.
 
-MedLoc-R1 trains a vision-language model to answer a referring expression about a medical image ("the
-nodule in the left upper lobe") with a bounding box, by GRPO on a 1/0 "hit" reward (IoU with the reference
->= tau). A fixed high tau gives almost no signal early on (no sample of a group hits, every advantage is 0)
-and a fixed low tau stops rewarding precision later, so tau starts low and is raised once the policy
-reliably hits it: the curriculum of `pipelines.grounding.curriculum.IoUThresholdCurriculum` (its rule, gates and
-constants are documented there and in docs/grounding.md). This pipeline wires it up:
-
-- the policy is the VLM policy (`pipelines.common.build_vlm_policy`), one image per prompt,
-  single-turn (``rollout.loop: single_turn``);
-- the rewards come from ``rewards:`` (`rewards.boxes`): the hit reward ``iou_at`` (weight 1: the reward the
-  policy is trained on; the curriculum writes its ``threshold``) and ``box_iou`` (weight 0: logged, read by
-  the curriculum as the window's mean IoU), plus e.g. ``format``; every box reward takes ``coords``, how the
-  model writes its boxes (``qwen2_5_vl`` / ``resized``: pixels of the resized input; ``qwen2_vl``:
-  0..1000);
-- with ``options.curriculum`` (default on) a `pipelines.grounding.curriculum.CurriculumCallback` holds the curriculum:
-  it reads the gathered ``iou_at`` / ``box_iou`` columns every sampling round (``options.hit_reward`` /
-  ``options.iou_reward`` name them) and moves tau between training steps; ``options.curriculum_kwargs``
-  are the `IoUThresholdCurriculum` options (``start``, ``max_threshold``, ``window``, ``step_mode``,
-  ``margin``, ``keep_after_raise``, ``step_back``, ...). With the curriculum off, ``iou_at`` keeps the
-  threshold of its config (a fixed-tau baseline); with ``box_iou`` as the weighted reward instead, the
-  policy learns from the raw continuous IoU (the other baseline).
-
-Data: grounding JSONL rows (`pipelines.grounding.data.load_grounding_rows`), one object per line::
-
-    {"image": "cxr/00012.png", "expression": "the opacity in the right lower lung",
-     "boxes": [[412, 630, 598, 811]], "coords": "absolute", "image_width": 1024, "image_height": 1024,
-     "modality": "X-ray", "finding": "opacity"}
-
-``image`` is relative to ``options.image_root`` (default: the JSONL's folder); ``boxes`` are one or more
-reference boxes, ``coords`` says how they are written ("absolute" pixels of the original image, "norm1000"
-or "norm1"); every other column (modality, finding, ...) reaches the rewards and the sample dumps. Public
-medical grounding data comes in other formats and must be converted to these rows first (a short script
-per source; ``mmalign grounding check DATA.jsonl`` validates the result). Examples of public sources: chest
-X-ray phrase grounding with report phrases and boxes (MS-CXR, built on MIMIC-CXR), the disease boxes of
-the NIH ChestX-ray8 / ChestX-ray14 bounding-box subset, lesion boxes on CT slices (DeepLesion), or medical
-VQA sets that ship boxes (SLAKE). Their access terms, licences, splits and box formats differ and are not
-checked here: read each source's documentation, and write the expression from its labels or phrases.
-
-Our design (the paper does not specify it): the option names and defaults here, the fixed-tau and raw-IoU
-baselines as switches of one pipeline, and the synthetic task of the tiny config (`mmalign.tiny.medloc`:
-64x64 "scans" with one faint lesion, the model ``medloc`` writes boxes in pixels of its 56x56 input).
+The VLM policy answers a referring expression about a medical image with a box, trained on the 1/0 hit
+reward ``iou_at`` (IoU >= tau); with ``options.curriculum`` (default on) a
+`pipelines.grounding.curriculum.CurriculumCallback` raises tau between steps from the gathered ``iou_at`` /
+``box_iou`` columns (``options.curriculum_kwargs``: the `IoUThresholdCurriculum` options). Curriculum off
+gives the fixed-tau baseline; ``box_iou`` as the weighted reward the raw-IoU one. Data: grounding JSONL rows
+(`pipelines.grounding.data.load_grounding_rows`). The wiring, the data format, public sources and what is
+our design: docs/grounding.md, "Data", "MedLoc-R1's IoU curriculum" and "The `medloc` pipeline".
 """
 
 from __future__ import annotations

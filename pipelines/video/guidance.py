@@ -1,31 +1,11 @@
 """Process-reward gradient guidance for stochastic flow-matching steps (Euphonium, arXiv:2602.04928).
 
-Euphonium steers each stochastic step of a flow-matching sampler with the gradient of a *process reward*
-r(x_t) (a reward defined on the noisy latent of every step) by moving the step mean before the next latent is
-drawn::
-
-    mu' = mu + s * g / ||g||,        g = grad_x r(x_t)
-
-and the log-prob of the step is that of the guided Gaussian N(mu', std^2). ``g`` comes from autograd when the
-reward is differentiable (`autograd_gradient`) or, without gradients, from an SPSA estimate
-(`spsa_gradient`)::
-
-    g_hat = 1/K sum_k (r(x + c u_k) - r(x - c u_k)) / (2c) * u_k,      c = 0.01 by default.
-
-The scale ``s`` is either a fixed number or s = eta^2 / (2 beta) with eta the step's noise std and beta a KL
-temperature (`guidance_scale`). A distillation loss then teaches the velocity network the guided drift, so
-that sampling after training needs no reward model: `flow_sde_velocity_for_mean` gives the velocity v* whose
-``mmalign.algorithms.sde.flow_sde`` mean is the guided mean, and `drift_distillation_loss` regresses the network output
-on it.
-
-Where these functions are called from: ``DenoisingPolicy.shift_step_mean(mean, latents, t_index, context)``
-(``mmalign.policies.denoising``) receives the step mean, x_t and the step's std (``context.std``); an override
-computes ``g`` at x_t, ``s = guidance_scale(context.std, ...)`` and returns ``guided_mean(mean, g, s)``. The
-step functions of ``mmalign.algorithms.sde`` take that as ``shift_mean=lambda mean, std: ...``.
-
-Every function here is pure (no state, no module parameters touched). Shapes: latents are [B, ...]; per-sample
-coefficients may be Python numbers, 0-d tensors, [B] tensors or [B, 1, ..., 1] tensors. Choices that the paper
-does not fix are marked "(our design)".
+Each stochastic step's mean is moved by the gradient of a process reward, mu' = mu + s * g / ||g||, and the
+step's log-prob is that of the guided Gaussian. ``g`` comes from autograd (`autograd_gradient`) or an SPSA
+estimate (`spsa_gradient`); ``s`` from `guidance_scale`; `guided_mean` applies it, and
+`flow_sde_velocity_for_mean` / `drift_distillation_loss` teach the network the guided drift. Called from a
+``DenoisingPolicy.shift_step_mean`` override. All functions are pure; per-sample coefficients may be numbers,
+0-d, [B] or [B, 1, ..., 1] tensors. Formulas and our design choices: docs/video.md, "Euphonium".
 """
 
 from __future__ import annotations

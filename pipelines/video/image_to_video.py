@@ -1,31 +1,12 @@
 """Image to video: a Wan image-to-video model (``WanImageToVideoPipeline``) trained with Flow-GRPO on video rewards.
 
-Each row holds a first frame and a prompt ("the red square moves right"); the policy
-(`mmalign.policies.wan.WanPolicy` with ``condition: i2v``) samples ``rollout.group_size`` clips that start from
-that frame with the Flow-GRPO SDE (one action = one stochastic denoising step of the video latents
-[B, C, F, h, w]); the first-frame latents and mask (and, for Wan2.1 I2V, the CLIP image states) condition every
-step, as in the diffusers pipeline. The rewards score the decoded clips, e.g. first-frame consistency
-(``video_psnr`` with ``source_column: image``, ``frames: [0]``, ``region: all``), fidelity to a reference clip
-when the data has one (``video_psnr`` / ``video_ssim`` with ``source_column: target_video``), motion smoothness
-(``temporal_consistency``, ``flicker``) or prompt alignment (``video_preference``).
-
-Data (``data.train``, ``data.eval``): JSONL rows::
-
-    {"prompt": "the red square moves right", "image": "frames/000.png", "target_video": "clips/000.npz"}
-
-``image`` (required) is the first frame: an image file (``.png``, ``.jpg`` ...) or anything
-`mmalign.data.media.read_video` reads (a ``.npy`` / ``.npz``, a video file or a frame folder), whose first frame is
-used; it is resized to ``options.height`` x ``options.width``. The rewards read ``image`` / ``target_video``
-with `mmalign.data.media.read_video`, so a reward on the first frame needs a format it reads (the tiny data uses
-one-frame ``.npz`` files). Paths are relative to the JSONL's folder (or ``options.video_root``); a missing file
-or column is a `DataError` naming file:line (or the row is skipped and counted with ``options.on_bad_row:
-skip``). Every other column reaches the rewards.
-
-Models: Wan2.1 I2V (``Wan-AI/Wan2.1-I2V-14B-480P-Diffusers``: CLIP image encoder, one expert; the transformer
-then needs ``max_sequence_length: 512``) and Wan2.2 I2V A14B (``Wan-AI/Wan2.2-I2V-A14B-Diffusers``: two
-experts, no image encoder; ``train_expert`` chooses). Wan2.2 TI2V-5B's first-frame replacement is not
-supported. ``mmalign sample`` / ``mmalign eval`` sample deterministically with the folder's UniPC scheduler
-(``options.eval_noise_level: 0``), as the diffusers pipeline does.
+Each row holds a first frame and a prompt; `mmalign.policies.wan.WanPolicy` with ``condition: i2v`` samples
+``rollout.group_size`` clips that start from that frame (one action = one stochastic denoising step), the
+first-frame latents and mask (and, for Wan2.1 I2V, the CLIP image states) conditioning every step as in the
+diffusers pipeline; the video rewards score the decoded clips (first-frame consistency, fidelity to a
+``target_video``, smoothness, prompt alignment). Data: JSONL rows ``{"prompt", "image", "target_video"?, ...}``;
+a bad row is a `DataError` naming file:line. Models, formats and the deterministic UniPC evaluation:
+docs/video.md, "Image to video"; the conditioning formula: docs/algorithms.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """Edit-GRPO (VIVA): instruction-based video editing with a Wan video flow policy and video rewards.
 
-Each row holds a source clip and an instruction ("make the square red"); the policy
-(`mmalign.policies.wan.WanPolicy`) samples ``rollout.group_size`` edits of the source with the Flow-GRPO SDE
-(one action = one stochastic denoising step of the video latents [B, C, F, h, w]); the rewards score the
-decoded edits -- VIVA's three are ``instruction_faithfulness`` (R_IF), ``source_preservation`` (R_SP) and
-``video_preference`` (R_PS), with weights; ``algorithm.estimator: gdpo`` normalises each reward within its
-group before the weighted sum (GDPO), so a reward with a large spread does not drown the others -- and the
-shared `GroupTrainer` updates the transformer (usually its LoRA adapter).
-
-How the edit sees its source (``options.condition``; see docs/video.md):
-
-- ``vace``: Wan VACE checkpoints (Wan2.1-VACE-1.3B / 14B): the control tensor of the source with the edit
-  region masked out, the mask itself, and optional reference frames (``reference_frames`` column).
-- ``sdedit``: every Wan checkpoint: the source latents noised to ``options.sdedit_strength`` and
-  denoised from there (only those steps are actions). The baseline.
-- ``concat``: models trained for it (VIVA's scheme; the tiny config): the source latents concatenated to
-  the noisy latents on the channel axis at every step.
-
-Data (``data.train``, ``data.eval``): JSONL rows::
-
-    {"prompt": "make the square red", "source_video": "clips/000", "edit_mask": "masks/000",
-     "source_caption": "a blue square", "target_caption": "a red square", "target_video": "targets/000"}
-
-``source_video`` (required) and ``edit_mask`` / ``target_video`` / ``reference_frames`` (optional) are
-paths relative to the JSONL's folder (or ``options.video_root``): a folder of PNG frames, an ``.mp4`` or an
-``.npy`` (`mmalign.data.media`). ``prompt`` is the instruction (or ``data.prompt_template`` formats it from the
-columns). The captions are what R_IF compares (t_edit = ``target_caption``, t_src = ``source_caption``).
-A missing file or column is a `DataError` naming file:line (or the row is skipped and counted with
-``options.on_bad_row: skip``).
+Each row holds a source clip and an instruction; `mmalign.policies.wan.WanPolicy` samples
+``rollout.group_size`` edits with the Flow-GRPO SDE (one action = one stochastic denoising step), the rewards
+score the decoded edits (VIVA's ``instruction_faithfulness``, ``source_preservation``, ``video_preference``;
+``algorithm.estimator: gdpo`` normalises each within its group) and `GroupTrainer` updates the transformer.
+``options.condition`` (``vace``, ``sdedit``, ``concat``) says how the edit sees its source. Data: JSONL rows
+with ``prompt``, ``source_video`` and optional ``edit_mask`` / ``target_video`` / ``reference_frames`` paths and
+captions; a bad row is a `DataError` naming file:line. Details: docs/video.md, "Edit-GRPO" and "Conditioning
+on a source video".
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_truncate_is_atomic_and_leaves_no_temp_file(tmp_path: Path) -> None:
 
 KILL_BETWEEN_WRITE_AND_REPLACE = """
 import os, signal, sys
-from mmalign import rundir
+from mmalign.training import rundir
 
 def die(*args, **kwargs):  # the new file is written and fsynced; the kill comes before it replaces the old
     os.kill(os.getpid(), signal.SIGKILL)
@@ -90,7 +90,7 @@ def test_kill_while_truncating_a_large_file_keeps_the_history(tmp_path: Path) ->
     """The process is killed at a random moment of a long rewrite (no monkeypatching): old or new file."""
     rows = write_rows(tmp_path, range(1, 200_001))
     size = (tmp_path / rundir.METRICS_FILE).stat().st_size
-    code = "import sys; from mmalign import rundir; print('go', flush=True); rundir.truncate_metrics(sys.argv[1], 100000)"
+    code = "import sys; from mmalign.training import rundir; print('go', flush=True); rundir.truncate_metrics(sys.argv[1], 100000)"
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline() == b"go\n"
     time.sleep(0.5)  # inside the parse or the write of the 20 MB file

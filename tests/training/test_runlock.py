@@ -18,7 +18,7 @@ from tests.training.test_trainer import make_cfg, make_trainer
 
 HOLD = """
 import os, sys, time
-from mmalign import runlock
+from mmalign.training import runlock
 lock = runlock.acquire(sys.argv[1], command="mmalign train held.yaml")
 child = 0
 if sys.argv[2] == "fork":
@@ -60,7 +60,7 @@ class Holder:
 
 def can_lock_elsewhere(out: Path) -> bool:
     """Whether another process can take the lock of `out` now (it releases it at once)."""
-    code = "import sys; from mmalign import runlock\ntry:\n    runlock.acquire(sys.argv[1]).release()\nexcept runlock.RunLockedError:\n    sys.exit(3)"
+    code = "import sys; from mmalign.training import runlock\ntry:\n    runlock.acquire(sys.argv[1]).release()\nexcept runlock.RunLockedError:\n    sys.exit(3)"
     return subprocess.run([sys.executable, "-c", code, str(out)], timeout=60).returncode == 0
 
 
