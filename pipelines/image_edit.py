@@ -19,6 +19,10 @@ Data (``data.train``, ``data.eval``): JSONL rows::
      "edit_mask": "masks/train_000.png", "edit_bbox": [[0.03, 0.38, 0.28, 0.63]],
      "target_image": "targets/train_000.png", "target_objects": [...]}
 
+For Qwen-Image-Edit-2509 / 2511 (``QwenImageEditPlusPipeline``:
+`mmalign.policies.qwen_image_edit_plus.QwenImageEditPlusPolicy`) ``source_image`` may be a list of paths, the
+row's pictures in order (every row of a rollout batch with the same number); a single path is one picture.
+
 ``source_image`` (required; the column ``options.image_column``) and ``edit_mask`` / ``target_image``
 (optional) are paths relative to the JSONL's folder (or ``options.image_root``); ``prompt`` is the instruction
 (or ``data.prompt_template`` formats it from the columns); ``edit_bbox`` gives the edit region as boxes in
@@ -108,10 +112,19 @@ def image_edit_options(cfg: Config) -> ImageEditOptions:
 def edit_row_resolver(image_column: str) -> Any:
     """``resolve(row, root)`` for `load_resolved_rows`: the row with its source image (`image_column`,
     required) and `PATH_COLUMNS` (optional) resolved against `root` and checked to exist; a `DataError` names
-    the row's file:line and the column. A source image already in memory (a PIL image) is kept as is."""
+    the row's file:line and the column. A source image already in memory (a PIL image) is kept as is. A list in
+    `image_column` is several source images (Qwen-Image-Edit-Plus), each resolved and checked as one."""
 
     def resolve(row: dict[str, Any], root: Path) -> dict[str, Any]:
         where = row.get("_source", "?")
+        sources = row.get(image_column)
+        if isinstance(sources, list):
+            if not sources:
+                raise DataError(
+                    f"{where}: column {image_column!r} is an empty list (give one or more source images)"
+                )
+            each = [resolve({**row, image_column: s}, root)[image_column] for s in sources]
+            return {**resolve({**row, image_column: sources[0]}, root), image_column: each}
         if row.get(image_column) in (None, ""):
             raise DataError(f"{where}: the row has no {image_column!r} column (the source image to edit)")
         out = dict(row)

@@ -857,6 +857,7 @@ TWO_BRANCH = {
     "WanVACETransformer3DModel",
     "QwenImageTransformer2DModel",
     "UNet2DConditionModel",
+    "ZImageTransformer2DModel",
 }
 
 
@@ -924,6 +925,16 @@ def diffusion_shapes(cfg: Config, spec: ModelSpec) -> DiffusionShapes:
             size = int(res or 1024) // 8
             ch = int(c.get("out_channels", 16))
             text = int(_opt(cfg, "max_sequence_length") or 512)
+        elif (
+            cls == "ZImageTransformer2DModel"
+        ):  # Z-Image: 2x2 patches of the VAE latents, Qwen3 prompt states
+            size = int(res or 1024) // factor
+            ch = int(c.get("in_channels", 16))
+            text = int(_opt(cfg, "max_sequence_length") or 512)
+        elif cls == "Flux2Transformer2DModel":  # FLUX.2: the VAE latents patchified 2x2 (Flux2PolicyBase)
+            size = int(res or 1024) // factor
+            ch = int(c.get("in_channels", 128))
+            text = int(_opt(cfg, "max_sequence_length") or 512)
         elif cls == "FluxTransformer2DModel":
             vae_size = (
                 spec.components["vae"].config.get("sample_size", 1024) if "vae" in spec.components else 1024
@@ -941,17 +952,26 @@ def diffusion_shapes(cfg: Config, spec: ModelSpec) -> DiffusionShapes:
                 else 77
             )
             text = clip + t5  # without T5 its part of the prompt states is zeros of the same length
-        latent = (ch, size, size)
-        patch = int(c.get("patch_size", 2)) if cls != "FluxTransformer2DModel" else 2
+        latent = (ch, size // 2, size // 2) if cls == "Flux2Transformer2DModel" else (ch, size, size)
+        patch = (
+            int(c.get("patch_size", 2))
+            if cls not in ("FluxTransformer2DModel", "Flux2Transformer2DModel")
+            else 2
+        )
         img_tokens = (size // patch) ** 2
         pixels = (3, size * factor, size * factor)
     # image editing: the source's packed tokens are appended to the noisy ones (FLUX.1 Kontext, Qwen-Image-Edit)
     ref = img_tokens if cfg.pipeline == "image_edit" and cls in EDIT_DENOISERS else 0
     if ref and cls == "QwenImageTransformer2DModel":
         # Qwen-Image-Edit's prompt states also hold the source's vision tokens (Qwen2.5-VL: 14 px patches
-        # merged 2 x 2, the image resized to a multiple of 28 px)
-        side = max(28, round(size * factor / 28) * 28)
-        text += (side // 28) ** 2
+        # merged 2 x 2, the image resized to a multiple of 28 px); Qwen-Image-Edit-Plus shows the VLM each source
+        # at ~384 x 384 (CONDITION_IMAGE_PIXELS) after a "Picture 1: " label (one source per row assumed here)
+        from mmalign.policies.qwen_image_components import CONDITION_IMAGE_PIXELS
+
+        plus = _edit_plus(cfg)
+        shown = int(math.sqrt(CONDITION_IMAGE_PIXELS)) if plus else size * factor
+        side = max(28, round(shown / 28) * 28)
+        text += (side // 28) ** 2 + (PLUS_LABEL_TOKENS if plus else 0)
     return DiffusionShapes(
         latent,
         text,
@@ -963,6 +983,21 @@ def diffusion_shapes(cfg: Config, spec: ModelSpec) -> DiffusionShapes:
         pixels,
         ref,
     )
+
+
+PLUS_LABEL_TOKENS = 6
+"""Tokens of a Qwen-Image-Edit-Plus picture label around its vision tokens ("Picture 1: ", vision start / end)."""
+
+
+def _edit_plus(cfg: Config) -> bool:
+    """Whether ``model.name_or_path`` is a Qwen-Image-Edit-Plus model (its family in
+    `mmalign.policies.families`)."""
+    from mmalign.policies.families import family_for
+
+    try:
+        return family_for(cfg.model.name_or_path, "image_edit").name == "qwen_image_edit_plus"
+    except ConfigError:
+        return False
 
 
 def _denoiser_inputs(spec: ModelSpec, sh: DiffusionShapes, batch: int, dtype: torch.dtype) -> dict[str, Any]:
@@ -996,6 +1031,19 @@ def _denoiser_inputs(spec: ModelSpec, sh: DiffusionShapes, batch: int, dtype: to
         if c.get("guidance_embeds"):
             kw["guidance"] = e(batch, dt=torch.float32)
         return kw
+    if cls == "Flux2Transformer2DModel":  # as Flux2PolicyBase.velocity
+        ch, h, w = sh.latent
+        kw = dict(
+            hidden_states=e(batch, h * w, ch),
+            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("joint_attention_dim", 15360))),
+            timestep=e(batch),
+            txt_ids=torch.empty((sh.text_tokens, 4), dtype=torch.long, device="meta"),
+            img_ids=torch.empty((h * w, 4), dtype=torch.long, device="meta"),
+            return_dict=False,
+        )
+        if c.get("guidance_embeds", True):
+            kw["guidance"] = e(batch, dt=torch.float32)
+        return kw
     if cls.startswith("Wan"):
         ch, lf, h, w = sh.latent
         kw = dict(
@@ -1020,6 +1068,14 @@ def _denoiser_inputs(spec: ModelSpec, sh: DiffusionShapes, batch: int, dtype: to
             encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("joint_attention_dim", 3584))),
             encoder_hidden_states_mask=torch.ones((batch, sh.text_tokens), dtype=torch.bool, device="meta"),
             img_shapes=[frames] * batch,
+            return_dict=False,
+        )
+    if cls == "ZImageTransformer2DModel":  # as z_image_velocity: per-sample lists
+        ch, h, w = sh.latent
+        return dict(
+            x=[e(ch, 1, h, w) for _ in range(batch)],
+            t=e(batch),
+            cap_feats=[e(sh.text_tokens, int(c.get("cap_feat_dim", 2560))) for _ in range(batch)],
             return_dict=False,
         )
     if cls == "UNet2DConditionModel":
@@ -1050,10 +1106,18 @@ def _lora_targets_diffusion(cls: str) -> tuple[str, ...]:
                 wan, "WAN_LORA_TARGETS", ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
             )
         )
+    if cls == "Flux2Transformer2DModel":
+        from mmalign.policies.flux2 import FLUX2_LORA_TARGETS
+
+        return tuple(FLUX2_LORA_TARGETS)
     if cls == "QwenImageTransformer2DModel":
         from mmalign.policies.qwen_image import QWEN_IMAGE_LORA_TARGETS
 
         return tuple(QWEN_IMAGE_LORA_TARGETS)
+    if cls == "ZImageTransformer2DModel":
+        from mmalign.policies.z_image import Z_IMAGE_LORA_TARGETS
+
+        return tuple(Z_IMAGE_LORA_TARGETS)
     from mmalign.policies.ddim import LORA_TARGETS as DDIM_TARGETS
 
     return tuple(DDIM_TARGETS)
@@ -1186,6 +1250,8 @@ def _denoiser_pass(
             outs, kept = [], []
             for _ in range(steps):
                 out = model(**_denoiser_inputs(spec, sh, batch, dtype))[0]
+                if isinstance(out, list):  # per-sample outputs (Z-Image)
+                    out = torch.stack(out)
                 outs.append(out.float().mean())
                 kept.append(rec.current)
             if grad:

@@ -177,6 +177,29 @@ for _family in (
         hints=("qwen-image", "qwen_image"),
     ),
     Family(
+        "flux2",
+        "text_to_image",
+        "mmalign.policies.flux2:Flux2Policy",
+        pipelines=("Flux2Pipeline",),
+        transformers=("Flux2Transformer2DModel",),
+        hints=("flux.2", "flux2"),
+    ),
+    Family(
+        "flux2_klein",
+        "text_to_image",
+        "mmalign.policies.flux2:Flux2KleinPolicy",
+        pipelines=("Flux2KleinPipeline",),
+        hints=("flux.2-klein", "flux2-klein", "flux2_klein"),
+    ),
+    Family(
+        "z_image",
+        "text_to_image",
+        "mmalign.policies.z_image:ZImagePolicy",
+        pipelines=("ZImagePipeline",),
+        transformers=("ZImageTransformer2DModel",),
+        hints=("z-image", "z_image"),
+    ),
+    Family(
         "flux_kontext",
         "image_edit",
         "mmalign.policies.flux_kontext:FluxKontextPolicy",
@@ -194,6 +217,18 @@ for _family in (
         hints=("qwen-image-edit", "qwen_image_edit"),
     ),
     Family(
+        "qwen_image_edit_plus",
+        "image_edit",
+        "mmalign.policies.qwen_image_edit_plus:QwenImageEditPlusPolicy",
+        pipelines=("QwenImageEditPlusPipeline",),
+        hints=(
+            "qwen-image-edit-2509",
+            "qwen-image-edit-2511",
+            "qwen-image-edit-plus",
+            "qwen_image_edit_plus",
+        ),
+    ),
+    Family(
         "wan",
         "video",
         "mmalign.policies.wan:WanPolicy",
@@ -201,6 +236,14 @@ for _family in (
         transformers=("WanTransformer3DModel", "WanVACETransformer3DModel"),
         hints=("wan2", "wan-ai"),
         default=True,
+    ),
+    Family(
+        "hunyuan_video15",
+        "video",
+        "mmalign.policies.hunyuan_video15:HunyuanVideo15Policy",
+        pipelines=("HunyuanVideo15Pipeline",),
+        transformers=("HunyuanVideo15Transformer3DModel",),
+        hints=("hunyuanvideo-1.5", "hunyuanvideo1.5", "hunyuan_video15", "hunyuanvideo15"),
     ),
 ):
     register_family(_family)

@@ -33,11 +33,18 @@ image pad to the image's merged patch tokens and prepares the pixels, and the la
 tokens are kept without the first `EDIT_PROMPT_DROP` (64). The pipeline neither pads to a fixed length nor
 truncates; `encode_edit_prompt` pads (mask 0) to the image's tokens + ``max_sequence_length`` and truncates
 the tail beyond that.
+
+**Qwen-Image-Edit-Plus** (``Qwen/Qwen-Image-Edit-2509`` / ``-2511``, ``QwenImageEditPlusPipeline``; same parts,
+`QwenImageEditPlusComponents`) reads SEVERAL source images: the user turn of `EDIT_PLUS_PROMPT_TEMPLATE` is
+``Picture 1: <|vision_start|><|image_pad|><|vision_end|>Picture 2: ...`` (`PICTURE_TEMPLATE` per image) followed by
+the instruction, each image resized to ~`CONDITION_IMAGE_PIXELS` (384 x 384) of its own aspect ratio for the VLM
+(`condition_size`), the first `EDIT_PROMPT_DROP` tokens dropped as before (`encode_edit_plus_prompt`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -50,20 +57,29 @@ from mmalign.policies.diffusers_notices import quiet_diffusers_fp32_notice
 quiet_diffusers_fp32_notice()  # diffusers' empty "should be kept in float32: []" notice (LoRA saves)
 
 __all__ = [
+    "CONDITION_IMAGE_PIXELS",
+    "EDIT_PLUS_PIPELINES",
+    "EDIT_PLUS_PROMPT_TEMPLATE",
     "EDIT_PROMPT_DROP",
     "EDIT_PROMPT_TEMPLATE",
+    "PICTURE_TEMPLATE",
     "PROMPT_DROP",
     "PROMPT_TEMPLATE",
     "QWEN_IMAGE_MAX_SEQUENCE_LENGTH",
     "QwenImageComponents",
     "QwenImageEditComponents",
+    "QwenImageEditPlusComponents",
+    "condition_size",
+    "edit_plus_prompt_inputs",
     "edit_prompt_inputs",
+    "encode_edit_plus_prompt",
     "encode_edit_prompt",
     "encode_prompt",
     "is_qwen_image_edit_folder",
     "is_qwen_image_folder",
     "load_qwen_image_components",
     "load_qwen_image_edit_components",
+    "load_qwen_image_edit_plus_components",
     "prompt_states",
     "prompt_tokens",
     "vae_scale_factor",
@@ -92,6 +108,13 @@ EDIT_PROMPT_TEMPLATE = (
 """``QwenImageEditPipeline.prompt_template_encode``: the chat turn holding the source image and the instruction."""
 EDIT_PROMPT_DROP = 64
 """``QwenImageEditPipeline.prompt_template_encode_start_idx``: leading template tokens dropped from the states."""
+EDIT_PLUS_PROMPT_TEMPLATE = EDIT_PROMPT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "")
+"""``QwenImageEditPlusPipeline.prompt_template_encode``: the edit template whose user turn is the pictures (each
+`PICTURE_TEMPLATE`) followed by the instruction."""
+PICTURE_TEMPLATE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+"""One source image of a Qwen-Image-Edit-Plus user turn (numbered from 1)."""
+CONDITION_IMAGE_PIXELS = 384 * 384
+"""``pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE``: the area each source is resized to for the VLM."""
 PARTS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
 
 
@@ -210,6 +233,68 @@ def encode_edit_prompt(
     return states.to(device), valid.to(device)
 
 
+def condition_size(width: int, height: int, area: int = CONDITION_IMAGE_PIXELS) -> tuple[int, int]:
+    """(width, height) of about `area` pixels with the aspect ratio width / height, each rounded to a multiple of
+    32: the pipelines' ``calculate_dimensions``."""
+    ratio = width / height
+    w = math.sqrt(area * ratio)
+    h = w / ratio
+    return round(w / 32) * 32, round(h / 32) * 32
+
+
+def edit_plus_prompt_inputs(processor: Any, prompts: list[str], images: list[list[Any]]) -> dict[str, Tensor]:
+    """The processor's tensors of each prompt in `EDIT_PLUS_PROMPT_TEMPLATE` after its pictures (`images`: one list
+    of PIL images per prompt, each a `PICTURE_TEMPLATE`), padded to the longest, as
+    ``QwenImageEditPlusPipeline._get_qwen_prompt_embeds`` builds them."""
+    texts = [
+        EDIT_PLUS_PROMPT_TEMPLATE.format("".join(PICTURE_TEMPLATE.format(j + 1) for j in range(len(ims))) + p)
+        for p, ims in zip(prompts, images, strict=True)
+    ]
+    flat = [im for ims in images for im in ims]
+    return dict(processor(text=texts, images=flat, padding=True, return_tensors="pt"))
+
+
+@torch.no_grad()
+def encode_edit_plus_prompt(
+    text_encoder: torch.nn.Module,
+    processor: Any,
+    prompts: list[str],
+    images: list[list[Any]],
+    device: torch.device | str = "cpu",
+    max_sequence_length: int = QWEN_IMAGE_MAX_SEQUENCE_LENGTH,
+) -> tuple[Tensor, Tensor]:
+    """(prompt_embeds Float[B, L, D], prompt_mask Long[B, L]) of `prompts` each read with its pictures (`images`: a
+    list of PIL images per prompt, already at their condition size) by Qwen2.5-VL (`edit_plus_prompt_inputs`, then
+    `prompt_states` dropping `EDIT_PROMPT_DROP`): ``QwenImageEditPlusPipeline``'s states, padded to L = the most
+    tokens a prompt's pictures take (their ``Picture k:`` labels and vision tokens) + `max_sequence_length` (the
+    instruction's), longer ones truncated."""
+    if len(images) != len(prompts):
+        raise ValueError(f"one list of images per prompt: {len(prompts)} prompts, {len(images)} lists")
+    if max_sequence_length < 1:
+        raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
+    inputs = edit_plus_prompt_inputs(processor, prompts, images)
+    dev = next(text_encoder.parameters()).device
+    dtype = next(text_encoder.parameters()).dtype
+    per_image = image_tokens(processor, inputs["image_grid_thw"]).tolist()
+    counts, start = [], 0
+    for ims in images:
+        # the labels' tokens with one <|image_pad|> per picture, which the processor expands to its vision tokens
+        labels = "".join(PICTURE_TEMPLATE.format(j + 1) for j in range(len(ims)))
+        vision = sum(per_image[start : start + len(ims)])
+        counts.append(len(processor.tokenizer(labels).input_ids) - len(ims) + vision)
+        start += len(ims)
+    states, valid = prompt_states(
+        text_encoder,
+        inputs["input_ids"].to(dev),
+        inputs["attention_mask"].to(dev),
+        int(max(counts)) + max_sequence_length,
+        drop=EDIT_PROMPT_DROP,
+        pixel_values=inputs["pixel_values"].to(dev, dtype),
+        image_grid_thw=inputs["image_grid_thw"].to(dev),
+    )
+    return states.to(device), valid.to(device)
+
+
 @dataclass
 class QwenImageComponents:
     """The loaded pieces of a Qwen-Image folder (see the module docstring)."""
@@ -280,6 +365,27 @@ class QwenImageEditComponents(QwenImageComponents):
         )
 
 
+@dataclass
+class QwenImageEditPlusComponents(QwenImageEditComponents):
+    """The loaded pieces of a Qwen-Image-Edit-Plus folder (Qwen-Image-Edit-2509 / 2511): Qwen-Image-Edit's, saved
+    as a ``QwenImageEditPlusPipeline``, read with several pictures (`encode_edit_plus_prompt`)."""
+
+    pipeline_class: ClassVar[str] = "QwenImageEditPlusPipeline"
+
+    def encode_edit_plus_prompt(
+        self,
+        prompts: list[str],
+        images: list[list[Any]],
+        device: torch.device | str = "cpu",
+        *,
+        max_sequence_length: int = QWEN_IMAGE_MAX_SEQUENCE_LENGTH,
+    ) -> tuple[Tensor, Tensor]:
+        """`encode_edit_plus_prompt` with this folder's text encoder and processor."""
+        return encode_edit_plus_prompt(
+            self.text_encoder, self.processor, prompts, images, device, max_sequence_length
+        )
+
+
 def is_qwen_image_folder(name_or_path: str | Path) -> bool:
     """Whether `name_or_path` is a Qwen-Image model: for a local folder, its ``transformer/config.json`` names
     ``QwenImageTransformer2DModel``; for anything else (a hub id; nothing is fetched to decide) whether the
@@ -327,7 +433,9 @@ def load_qwen_image_components(
 
 EDIT_PIPELINES = ("QwenImageEditPipeline",)
 """The ``model_index.json`` pipeline classes `QwenImageEditComponents` reproduces (``QwenImageEditPlusPipeline``,
-of Qwen-Image-Edit-2509 / 2511, reads its images differently and is not supported)."""
+of Qwen-Image-Edit-2509 / 2511, reads its images differently: `EDIT_PLUS_PIPELINES`)."""
+EDIT_PLUS_PIPELINES = ("QwenImageEditPlusPipeline",)
+"""The ``model_index.json`` pipeline classes `QwenImageEditPlusComponents` reproduces."""
 
 
 def _pipeline_class(name_or_path: str | Path) -> str | None:
@@ -352,15 +460,36 @@ def load_qwen_image_edit_components(
 ) -> QwenImageEditComponents:
     """`load_qwen_image_components` plus the folder's ``processor/`` (``Qwen2VLProcessor``). A folder whose
     ``model_index.json`` names another pipeline than `EDIT_PIPELINES` (``QwenImageEditPlusPipeline``) is refused."""
+    _check_pipeline(path, EDIT_PIPELINES, "Qwen-Image-Edit policy", "Qwen/Qwen-Image-Edit")
+    return QwenImageEditComponents(**_edit_parts(path, dtype))
+
+
+def load_qwen_image_edit_plus_components(
+    path: str | Path, *, dtype: torch.dtype = torch.float32
+) -> QwenImageEditPlusComponents:
+    """As `load_qwen_image_edit_components`, for a folder whose ``model_index.json`` names one of
+    `EDIT_PLUS_PIPELINES` (Qwen-Image-Edit-2509 / 2511); another pipeline is refused."""
+    _check_pipeline(
+        path, EDIT_PLUS_PIPELINES, "Qwen-Image-Edit-Plus policy", "Qwen/Qwen-Image-Edit-2509 or -2511"
+    )
+    return QwenImageEditPlusComponents(**_edit_parts(path, dtype))
+
+
+def _check_pipeline(path: str | Path, allowed: tuple[str, ...], who: str, example: str) -> None:
     from diffusers import DiffusionPipeline
-    from transformers import Qwen2Tokenizer, Qwen2VLProcessor
 
     index = DiffusionPipeline.load_config(str(path))
-    if index.get("_class_name") not in EDIT_PIPELINES:
+    if index.get("_class_name") not in allowed:
         raise ValueError(
-            f"{path}/model_index.json names {index.get('_class_name')!r}; the Qwen-Image-Edit policy reproduces "
-            f"{', '.join(EDIT_PIPELINES)} (Qwen/Qwen-Image-Edit)"
+            f"{path}/model_index.json names {index.get('_class_name')!r}; the {who} reproduces "
+            f"{', '.join(allowed)} ({example})"
         )
+
+
+def _edit_parts(path: str | Path, dtype: torch.dtype) -> dict[str, Any]:
+    """The Qwen-Image parts of an edit folder plus its ``processor/`` (``Qwen2VLProcessor``), by field name."""
+    from transformers import Qwen2Tokenizer, Qwen2VLProcessor
+
     base = load_qwen_image_components(path, dtype=dtype)
     local = Path(path).is_dir()
     source = str(Path(path) / "processor") if local else str(path)
@@ -369,5 +498,4 @@ def load_qwen_image_edit_components(
     # processor/config.json (absent from a downloaded hub snapshot) and fails offline although everything is cached
     tokenizer = Qwen2Tokenizer.from_pretrained(source, **where)
     processor = Qwen2VLProcessor.from_pretrained(source, tokenizer=tokenizer, **where)
-    parts = {name: getattr(base, name) for name in PARTS}
-    return QwenImageEditComponents(**parts, processor=processor)
+    return {**{name: getattr(base, name) for name in PARTS}, "processor": processor}

@@ -43,7 +43,7 @@ from mmalign.policies.qwen_image_components import (
 )
 from mmalign.policies.wan_components import latent_stats
 
-__all__ = ["ENCODE_BATCH", "QwenImageEditPolicy", "source_image"]
+__all__ = ["ENCODE_BATCH", "QwenImageEditPolicy", "source_image", "source_pixels"]
 
 ENCODE_BATCH = 8
 """Distinct (instruction, source) pairs the VLM reads, and sources the VAE encodes, at once."""
@@ -64,7 +64,7 @@ def source_image(image: Any, side: int) -> Any:
     return pil
 
 
-def _pixels(pil: Any) -> Tensor:
+def source_pixels(pil: Any) -> Tensor:
     """Float[3, H, W] in [-1, 1] of an RGB PIL image (``x / 255 * 2 - 1``, as ``VaeImageProcessor.preprocess``)."""
     import numpy as np
 
@@ -179,7 +179,7 @@ class QwenImageEditPolicy(QwenImagePolicy):
             neg, neg_mask = self.encode_prompts([self.negative_prompt] * len(pils), pils)
             out["negative_prompt_embeds"] = neg[by_image.to(neg.device)]
             out["negative_prompt_mask"] = neg_mask[by_image.to(neg.device)]
-        z = self.encode_source(torch.stack([_pixels(p) for p in pils]))
+        z = self.encode_source(torch.stack([source_pixels(p) for p in pils]))
         out["image_latents"] = z[by_image.to(z.device)]
         return out
 

@@ -1,0 +1,208 @@
+"""Tiny HunyuanVideo 1.5 text-to-video pipelines built offline from config kwargs (`mmalign.policies.hunyuan_video15`).
+
+The folder has the layout of ``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v`` (``model_index.json`` naming
+``HunyuanVideo15Pipeline``, ``transformer/ vae/ scheduler/ text_encoder/ tokenizer/ text_encoder_2/ tokenizer_2/
+guider/``), written through `HunyuanVideo15Components.save_pretrained` and loaded back by
+`load_hunyuan_video15_components` and diffusers' ``HunyuanVideo15Pipeline.from_pretrained``:
+
+- ``tokenizer/``: a ``Qwen2Tokenizer`` over a byte-level BPE trained in-process (`mmalign.tiny.train_bpe_tokenizer`)
+  with ``<|im_start|>`` / ``<|im_end|>`` and a chat template rendering system / user turns as Qwen2.5's does; its
+  vocabulary size is chosen so that the system turn of `SYSTEM_MESSAGE` plus the user turn's opening is exactly the
+  `TEMPLATE_TOKENS` (108) tokens the pipeline drops (`tiny_hunyuan_tokenizer` checks it);
+- ``text_encoder/``: a ``Qwen2_5_VLTextModel`` with 3 layers of width 32 (the states are the third-to-last layer's);
+- ``text_encoder_2/`` + ``tokenizer_2/``: a one-layer ``T5EncoderModel`` of width 16 and the byte-level
+  ``ByT5Tokenizer``;
+- ``vae/``: an ``AutoencoderKLHunyuanVideo15`` with 2x temporal and 4x spatial compression, ``latent_channels`` 4 and
+  ``scaling_factor`` 0.75 (so the normalisation is exercised);
+- ``transformer/``: a ``HunyuanVideo15Transformer3DModel`` with one dual-stream block of 2 heads of 8 (patch 1,
+  ``in_channels`` 2 x 4 + 1 = 9, ``target_size`` 32, ``task_type`` t2v);
+- ``scheduler/``: ``FlowMatchEulerDiscreteScheduler`` with a static shift of 5; ``guider/``: diffusers'
+  ``ClassifierFreeGuidance`` at scale 6.
+
+9 frames of 32 x 32 pixels are 5 latent frames of 8 x 8. Builder registered in `mmalign.tiny.BUILDERS`:
+``hunyuan_video15_tiny`` (`build_tiny_hunyuan_video15`, random weights, about a second).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmalign.policies.hunyuan_video15_components import (
+    SYSTEM_MESSAGE,
+    TEMPLATE_TOKENS,
+    HunyuanVideo15Components,
+)
+from mmalign.tiny import BUILDERS, train_bpe_tokenizer
+
+__all__ = [
+    "QWEN25_CHAT_TEMPLATE",
+    "build_tiny_hunyuan_video15",
+    "tiny_hunyuan_tokenizer",
+    "tiny_hunyuan_transformer",
+    "tiny_hunyuan_vae",
+    "tiny_hunyuan_video15_components",
+]
+
+QWEN25_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""What Qwen2.5's chat template renders for a system turn, user turns and the generation prompt."""
+SPECIALS = ["<|im_start|>", "<|im_end|>"]
+PREFIX = f"<|im_start|>system\n{SYSTEM_MESSAGE}<|im_end|>\n<|im_start|>user\n"
+"""The rendered template before the prompt: the part the pipeline drops."""
+
+
+def _captions() -> list[str]:
+    from mmalign.tiny.qwen_image import shape_captions as shapes_captions
+
+    return shapes_captions()
+
+
+def _tokenizer(vocab_size: int) -> Any:
+    from transformers import Qwen2Tokenizer
+
+    texts = [f"{PREFIX}{c}<|im_end|>\n<|im_start|>assistant\n" for c in _captions()]
+    fast = train_bpe_tokenizer(texts, vocab_size=vocab_size, extra_special=SPECIALS)
+    fast.chat_template = QWEN25_CHAT_TEMPLATE
+    with tempfile.TemporaryDirectory() as tmp:
+        fast.save_pretrained(tmp)
+        tok = Qwen2Tokenizer.from_pretrained(tmp)
+    tok.padding_side = "right"
+    return tok
+
+
+def tiny_hunyuan_tokenizer(vocab_sizes: range = range(480, 700, 4)) -> Any:
+    """A ``Qwen2Tokenizer`` (BPE on templated shapes captions) whose template prefix (`PREFIX`) is exactly
+    `TEMPLATE_TOKENS` tokens: the first of `vocab_sizes` giving that count (raises if none does)."""
+    counts = {}
+    for v in vocab_sizes:
+        tok = _tokenizer(v)
+        n = len(tok(PREFIX).input_ids)
+        if n == TEMPLATE_TOKENS:
+            return tok
+        counts[v] = n
+    raise RuntimeError(
+        f"no vocabulary size in {vocab_sizes} splits the template prefix into {TEMPLATE_TOKENS} tokens: {counts}"
+    )
+
+
+def tiny_qwen25_text_model(tokenizer: Any, hidden: int = 32, layers: int = 3) -> torch.nn.Module:
+    """A random ``Qwen2_5_VLTextModel``: `layers` layers of width `hidden`, 2 heads, one KV head."""
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    quarter = hidden // 4
+    return Qwen2_5_VLTextModel(
+        Qwen2_5_VLTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [quarter - 2 * (quarter // 3), quarter // 3, quarter // 3],
+            },
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        )
+    )
+
+
+def tiny_byt5(tokenizer: Any, hidden: int = 16) -> torch.nn.Module:
+    """A random one-layer ``T5EncoderModel`` of width `hidden` over `tokenizer`'s bytes (ByT5, tiny)."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=hidden,
+            d_kv=8,
+            d_ff=2 * hidden,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            is_encoder_decoder=False,
+            use_cache=False,
+        )
+    )
+
+
+def tiny_hunyuan_vae(latent_channels: int = 4) -> torch.nn.Module:
+    """A random ``AutoencoderKLHunyuanVideo15``: 2x temporal, 4x spatial, ``scaling_factor`` 0.75."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    return AutoencoderKLHunyuanVideo15(
+        latent_channels=latent_channels,
+        block_out_channels=(8, 8, 16),
+        layers_per_block=1,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=2,
+        scaling_factor=0.75,
+    )
+
+
+def tiny_hunyuan_transformer(
+    latent_channels: int = 4, text_hidden: int = 32, glyph_hidden: int = 16, num_layers: int = 1
+) -> torch.nn.Module:
+    """A random ``HunyuanVideo15Transformer3DModel`` for text to video (2 heads of 8, patch 1, RoPE axes 2/2/4)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    return HunyuanVideo15Transformer3DModel(
+        in_channels=2 * latent_channels + 1,
+        out_channels=latent_channels,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=num_layers,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=text_hidden,
+        text_embed_2_dim=glyph_hidden,
+        image_embed_dim=16,
+        rope_axes_dim=(2, 2, 4),
+        target_size=32,
+        task_type="t2v",
+    )
+
+
+def tiny_hunyuan_video15_components(*, latent_channels: int = 4, seed: int = 0) -> HunyuanVideo15Components:
+    """Random tiny HunyuanVideo 1.5 components (see the module docstring), deterministic for `seed`."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+    from transformers import ByT5Tokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_hunyuan_tokenizer()
+    tokenizer_2 = ByT5Tokenizer()
+    return HunyuanVideo15Components(
+        transformer=tiny_hunyuan_transformer(latent_channels),
+        vae=tiny_hunyuan_vae(latent_channels),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        text_encoder=tiny_qwen25_text_model(tokenizer),
+        tokenizer=tokenizer,
+        text_encoder_2=tiny_byt5(tokenizer_2),
+        tokenizer_2=tokenizer_2,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    )
+
+
+def build_tiny_hunyuan_video15(path: str | Path, *, latent_channels: int = 4, seed: int = 0) -> Path:
+    """Write a random tiny HunyuanVideo 1.5 folder at `path` (`tiny_hunyuan_video15_components`); returns `path`."""
+    path = Path(path)
+    tiny_hunyuan_video15_components(latent_channels=latent_channels, seed=seed).save_pretrained(path)
+    return path
+
+
+@BUILDERS.register("hunyuan_video15_tiny", minutes=0.05)
+def _build_random(path: Path) -> None:
+    build_tiny_hunyuan_video15(path)
