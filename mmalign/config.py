@@ -227,13 +227,13 @@ class AlgorithmConfig:
     """Coefficient of each auxiliary loss term the policy returns (`ActionStats.aux_losses`), by name; the
     trainer adds ``coef * term`` to the loss. A term without a coefficient here is an error."""
     objective: str | None = None
-    """A forward-process training objective of flow-matching policies (`mmalign.flow_objectives`:
+    """A forward-process training objective of flow-matching policies (`mmalign.algorithms.flow_objectives`:
     ``diffusion_nft``, ``awm``) in place of the policy-gradient loss; null: the policy-gradient path
     (``loss``). One action is one (sample, training sigma) pair; ``loss`` / ``loss_kwargs`` are unused."""
     objective_kwargs: dict[str, Any] = field(default_factory=dict)
     """Options of ``objective`` (e.g. DiffusionNFT's ``beta``, AWM's ``weighting`` and ``clip_range``)."""
     timesteps: dict[str, Any] = field(default_factory=dict)
-    """How ``objective`` draws its training sigmas (`mmalign.flow_objectives.sample_timesteps` keywords:
+    """How ``objective`` draws its training sigmas (`mmalign.algorithms.flow_objectives.sample_timesteps` keywords:
     ``strategy``, ``timestep_range``, ``num_timesteps``, ...), over the objective's own defaults."""
     old_policy: dict[str, Any] | None = None
     """The old policy of ``objective``: `mmalign.policies.forward_process.OldPolicy` keywords

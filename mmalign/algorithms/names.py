@@ -76,8 +76,7 @@ def check_names(cfg: Config) -> None:
     objective, reward transforms) and the prompt sampler (``data.sampler``) are registered, their ``*_kwargs``
     are options they declare, and ``adora``'s ``rule`` is one it knows: a `ConfigError` naming the key, with
     close matches, otherwise."""
-    from mmalign import flow_objectives
-    from mmalign.algorithms import advantages, filters, losses, reward_transforms
+    from mmalign.algorithms import advantages, filters, flow_objectives, losses, reward_transforms
     from mmalign.data import prompt_samplers
 
     a, src = cfg.algorithm, cfg.source

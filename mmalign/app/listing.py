@@ -44,7 +44,7 @@ LISTED_MODULES = (
     "mmalign.algorithms.advantages",
     "mmalign.algorithms.reward_transforms",
     "mmalign.algorithms.losses",
-    "mmalign.flow_objectives",
+    "mmalign.algorithms.flow_objectives",
     "mmalign.data.prompt_samplers",
     "mmalign.algorithms.sde",
     "mmalign.algorithms.filters",
@@ -215,7 +215,7 @@ def _render(what: str) -> None:
             "KL estimators (algorithm.kl_estimator)",
             [(n, losses.KL_ESTIMATORS.describe(n)) for n in losses.KL_ESTIMATORS.names()],
         )
-        from mmalign import flow_objectives
+        from mmalign.algorithms import flow_objectives
 
         _list_section(
             "flow objectives (algorithm.objective)",

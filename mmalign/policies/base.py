@@ -72,7 +72,7 @@ class ActionStats:
     per-step reweighting); None: 1."""
     loss: Tensor | None = None
     """Float[B,T] the per-action loss computed by the policy itself (with grad; e.g. a forward-process
-    objective of `mmalign.flow_objectives`): the trainer then uses it in place of ``algorithm.loss`` on
+    objective of `mmalign.algorithms.flow_objectives`): the trainer then uses it in place of ``algorithm.loss`` on
     ``logp`` and skips the importance-sampling correction; the KL term, aggregation and aux terms apply
     as usual. None: the trainer's policy-gradient loss on ``logp``."""
     clipped: Tensor | None = None

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmalign import flow_objectives as fo
+from mmalign.algorithms import flow_objectives as fo
 from mmalign.algorithms import sde
 from mmalign.config import ConfigError, LoraConfig
 from mmalign.data.batch import Rollout
@@ -323,7 +323,7 @@ class FlowMatchingPolicy(DenoisingPolicy):
 
     # ------------------------------------------------------------------ forward-process objectives
     objective: str | None = None
-    """The `mmalign.flow_objectives` name this policy trains with (``algorithm.objective``, set by `setup`);
+    """The `mmalign.algorithms.flow_objectives` name this policy trains with (``algorithm.objective``, set by `setup`);
     None: the policy-gradient path (log-probs of SDE steps)."""
 
     def setup(self, run: RunInfo) -> None:

@@ -1,4 +1,4 @@
-"""The policy side of the forward-process objectives (`mmalign.flow_objectives`: ``diffusion_nft``, ``awm``,
+"""The policy side of the forward-process objectives (`mmalign.algorithms.flow_objectives`: ``diffusion_nft``, ``awm``,
 ``flow_dpo``).
 
 Written against the public API of `mmalign.policies.flow_matching.FlowMatchingPolicy` (every family: SD3,
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign import flow_objectives as fo
+from mmalign.algorithms import flow_objectives as fo
 from mmalign.data.batch import Rollout, group_fields
 
 __all__ = [
@@ -605,7 +605,7 @@ def draw_forward(
     timesteps: Mapping[str, Any] | None = None,
     generator: torch.Generator | None = None,
 ) -> ForwardDraw:
-    """K = ``rollout.mask.shape[1]`` training sigmas per sample by `mmalign.flow_objectives.sample_timesteps` with
+    """K = ``rollout.mask.shape[1]`` training sigmas per sample by `mmalign.algorithms.flow_objectives.sample_timesteps` with
     `timesteps` (its keywords: ``strategy``, ``timestep_range``, ...; the schedule is the policy's
     ``schedule()["sigmas"]``, the candidates `training_steps`), then the noise Float[B, K, *latent]; both on
     the CPU from `generator` (None: torch's global RNG)."""

@@ -1,4 +1,4 @@
-"""Flow-DPO (`mmalign.flow_objectives.flow_dpo`) against a plain loop over pairs written from Diffusion-DPO's loss
+"""Flow-DPO (`mmalign.algorithms.flow_objectives.flow_dpo`) against a plain loop over pairs written from Diffusion-DPO's loss
 (Wallace et al. 2023; the authors' train.py and the flow-matching form of flow_grpo's train_sd3_dpo.py /
 Flow-Factory's trainers/dpo.py), a hand-worked pair, and the best-vs-worst pair choice (`best_worst_pairs`) on
 hand-worked groups."""
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mmalign import flow_objectives as fo
+from mmalign.algorithms import flow_objectives as fo
 
 F64 = torch.float64
 TOL = {"rtol": 1e-9, "atol": 1e-9}

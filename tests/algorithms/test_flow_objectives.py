@@ -1,4 +1,4 @@
-"""The forward-process objectives (`mmalign.flow_objectives`): DiffusionNFT and AWM against per-sample loops written
+"""The forward-process objectives (`mmalign.algorithms.flow_objectives`): DiffusionNFT and AWM against per-sample loops written
 from the authors' formulas (NVlabs/DiffusionNFT scripts/train_nft_sd3.py; Flow-Factory trainers/awm.py), hand-worked
 cases, the reward normalisation, the timestep strategies against re-implementations, and the registry."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from mmalign import flow_objectives as fo
+from mmalign.algorithms import flow_objectives as fo
 from mmalign.algorithms import losses
 from mmalign.registry import RegistryError
 

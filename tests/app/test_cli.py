@@ -10,8 +10,7 @@ import yaml
 import pipelines
 import pipelines.text_reasoning
 import rewards
-from mmalign import flow_objectives
-from mmalign.algorithms import advantages, filters, losses, reward_transforms, sde
+from mmalign.algorithms import advantages, filters, flow_objectives, losses, reward_transforms, sde
 from mmalign.app.cli import build_parser, main
 from mmalign.config import ConfigError
 from mmalign.data import prompt_samplers as samplers

@@ -19,8 +19,7 @@ def registries() -> dict[str, list[str]]:
     """kind -> registered names, for every kind the document may name."""
     import pipelines
     import rewards.base
-    from mmalign import flow_objectives
-    from mmalign.algorithms import advantages, filters, losses, reward_transforms, sde
+    from mmalign.algorithms import advantages, filters, flow_objectives, losses, reward_transforms, sde
     from mmalign.data import prompt_samplers, rollout_loops
 
     return {

@@ -276,7 +276,7 @@ def test_one_training_step_of_the_tiny_config(quick_model: Path, tmp_path: Path)
 
 def test_a_qwen_image_edit_folder_trains_one_step(quick_model: Path, tmp_path: Path) -> None:
     """The pipeline picks `QwenImageEditPolicy` for a Qwen-Image-Edit folder (model_index.json names
-        QwenImageEditPipeline; here the random tiny one, built by its builder on first use) and FLUX.1 Kontext
+        QwenImageEditPipeline; here the random tiny one, built by the app layer's `ensure_fixtures`) and FLUX.1 Kontext
         otherwise; one GroupTrainer step with true CFG and a KL to the adapter-off model updates the LoRA weights (the
     learning demo is the FLUX.1 Kontext tiny config)."""
     from mmalign.policies.qwen_image_edit import QwenImageEditPolicy
@@ -303,6 +303,9 @@ def test_a_qwen_image_edit_folder_trains_one_step(quick_model: Path, tmp_path: P
         "rewards.0.name=image_psnr",  # random weights edit no square right: a reward that varies in a group
         "rewards.0.kwargs={region: all}",
     )
+    from mmalign.app.fixtures import ensure_fixtures
+
+    ensure_fixtures(cfg)  # what `mmalign train` does before the pipeline builds
     setup = pipelines.get("image_edit")(cfg)
     pol = setup.policy
     assert isinstance(pol, QwenImageEditPolicy) and (folder / "processor").is_dir()

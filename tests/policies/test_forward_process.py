@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmalign import flow_objectives as fo
+from mmalign.algorithms import flow_objectives as fo
 from mmalign.config import LoraConfig
 from mmalign.policies import forward_process as fp
 from mmalign.policies.sd3 import SD3Policy
