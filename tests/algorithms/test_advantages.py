@@ -30,6 +30,8 @@ STEP_ESTIMATORS = {"grpo_process"}
 # estimators that need an EstimatorContext, state or num_actions: tested in their own section below
 # (hapo, adora, riskpo: tested in tests/algorithms/test_hapo.py, test_adora.py, test_riskpo.py)
 CONTEXT_ESTIMATORS = {"spo", "gigpo", "hgpo", "factorized", "ace", "canon", "drpo", "hapo", "adora", "riskpo"}
+# the seed-paper estimators of mmalign/algorithms/seed_estimators.py: tests/algorithms/test_seed_estimators.py
+SEED_ESTIMATORS = {"dcpo", "copo", "hardness_weighted"}
 
 
 # =========================================================================== plain-Python references
@@ -684,7 +686,7 @@ def test_accepts_num_actions_and_trainer_call_paths():
 
 
 def test_registry_names_and_descriptions():
-    assert set(adv.names()) == ALL_ESTIMATORS | STEP_ESTIMATORS | CONTEXT_ESTIMATORS
+    assert set(adv.names()) == ALL_ESTIMATORS | STEP_ESTIMATORS | CONTEXT_ESTIMATORS | SEED_ESTIMATORS
     assert adv.names() == sorted(adv.names())
     for name in adv.names():
         line = adv.describe(name)

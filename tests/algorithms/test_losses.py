@@ -569,7 +569,8 @@ def test_registry_names():
         "etr",
         "hapo",
         "reg_grpo",
-    }  # the seed-paper losses (tests/algorithms/test_losses_seed_papers.py)
+        "target_entropy",
+    }  # the seed-paper losses (tests/algorithms/test_losses_seed_papers.py, test_seed_losses.py)
     assert set(L.aggregation_names()) == ALL_AGGREGATIONS
     assert set(L.kl_names()) == ALL_KL
     for name in L.names():

@@ -18,7 +18,8 @@ NAN = math.nan
 
 
 def test_registry():
-    assert rt.names() == ["noisy_verifier", "self_aligned", "set_diversity", "unlikeliness"]
+    # grpo_s: mmalign/algorithms/seed_transforms.py (tests/algorithms/test_seed_estimators.py)
+    assert rt.names() == ["grpo_s", "noisy_verifier", "self_aligned", "set_diversity", "unlikeliness"]
     for name in rt.names():
         line = rt.describe(name)
         assert line and "\n" not in line
