@@ -297,3 +297,32 @@ def test_cli_eval_reports_before_and_after_per_edit(trained_run, run_mmalign) ->
     report = json.loads((root / "run" / "eval.json").read_text())
     assert set(report["trained"]) == set(report["base"]) == {"all", "recolour", "remove"}
     assert report["trained"]["recolour"]["samples"] == report["trained"]["remove"]["samples"] == 4
+
+
+@pytest.mark.slow  # the whole tiny run: 80 steps, ~14 min on 2 busy cores
+def test_held_out_instruction_faithfulness_rises_to_the_vae_ceiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """configs/video_edit-tiny.yaml as shipped, then `mmalign eval`'s code (`evaluate_run`: base and the final
+    checkpoint from the same seeded noise, ODE) on the 16 held-out clips. Recolour edits have headroom and
+    gain clearly (R_IF measured 10.74 -> 12.29); remove edits already score what the editor's VAE lets an
+    ideal edit score (ideal targets through the VAE: recolour 12.40, remove 11.07; measured 11.22 -> 11.13),
+    so they only must not fall; preservation outside the mask holds (R_SP 0.981 -> 0.982)."""
+    import pipelines
+    from mmalign.app.evaluation import evaluate_run, resolve_checkpoint
+    from mmalign.tiny import ensure_model
+    from mmalign.training.trainer import GroupTrainer
+
+    monkeypatch.chdir(REPO)  # the config's relative paths
+    cfg = load_config(
+        CONFIG, [f"output_dir={tmp_path / 'run'}", "trainer.progress_bar=false", "trainer.sample_every=1000"]
+    )
+    ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)
+    GroupTrainer(cfg, pipelines.get("video_edit")(cfg)).train()
+    checkpoint = resolve_checkpoint(cfg.output_dir, "latest")
+    report = evaluate_run(cfg, pipelines.get("video_edit")(cfg), checkpoint=checkpoint, progress=False)
+    base, trained = report["base"], report["trained"]
+    rif = "instruction_faithfulness"
+    assert trained["recolour"][rif] > base["recolour"][rif] + 1.0, (base["recolour"], trained["recolour"])
+    assert trained["remove"][rif] > base["remove"][rif] - 0.5, (base["remove"], trained["remove"])
+    assert trained["all"]["source_preservation"] > base["all"]["source_preservation"] - 0.005
