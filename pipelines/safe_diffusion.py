@@ -53,13 +53,13 @@ class SafeDiffusionOptions(SamplerSettings):
     """The sampler's private generator is seeded with this (null: the top-level ``seed``) + the process rank."""
     latent_size: int | None = None
     """Latent side (None: the denoiser's sample_size; the image is this times the VAE's factor)."""
-    safe_prompts: list[str] = field(default_factory=list)
+    safe_prompts: list[str] = field(default_factory=list, metadata={"data_files": True})
     """Training prompt files whose rows are safe (.txt or .jsonl)."""
-    unsafe_prompts: list[str] = field(default_factory=list)
+    unsafe_prompts: list[str] = field(default_factory=list, metadata={"data_files": True})
     """Training prompt files whose rows are unsafe."""
-    eval_safe_prompts: list[str] = field(default_factory=list)
+    eval_safe_prompts: list[str] = field(default_factory=list, metadata={"data_files": True})
     """Evaluation prompt files whose rows are safe (.txt or .jsonl)."""
-    eval_unsafe_prompts: list[str] = field(default_factory=list)
+    eval_unsafe_prompts: list[str] = field(default_factory=list, metadata={"data_files": True})
     """Evaluation prompt files whose rows are unsafe."""
     category_column: str = "category"
     """The data column holding safe / unsafe (set on rows from the option lists; read from data files)."""

@@ -10,6 +10,7 @@ line". The run directory itself is `mmalign.training.rundir`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import os
@@ -304,11 +305,19 @@ def _is_builtin_reward(name: str) -> bool:
 
 
 def check_data_files(cfg: Config) -> None:
-    """``data.train`` and ``data.eval``, where set to a file (not ``hf:...``), exist: a ConfigError naming
+    """``data.train`` and ``data.eval`` (and the ``options`` fields a pipeline marks with ``metadata={"data_files":
+    True}``), where set to a file (not ``hf:...``), exist: a ConfigError naming
     the key, a file of a similar name next to it, and the ``hf:`` source or command that gives the file
     (`mmalign.data.rows.missing_data_hint`). Reading them is the pipeline's job (`load_rows`
     reports malformed lines and missing columns with file:line)."""
-    for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+    files = [("data.train", cfg.data.train), ("data.eval", cfg.data.eval)]
+    if dataclasses.is_dataclass(cfg.options):  # options fields a pipeline marks as data files
+        for f in dataclasses.fields(cfg.options):
+            if f.metadata.get("data_files"):
+                value = getattr(cfg.options, f.name)
+                items = value if isinstance(value, list) else [value]
+                files += [(f"options.{f.name}[{i}]", v) for i, v in enumerate(items) if isinstance(v, str)]
+    for key, value in files:
         if not value or value.startswith("hf:"):
             continue
         path = Path(value).expanduser()

@@ -187,10 +187,12 @@ def load_flux2_components(name_or_path: str | Path, *, dtype: torch.dtype = torc
     pipe, distilled = flux2_pipeline_of(name_or_path)
     path = str(name_or_path)
     if pipe == KLEIN_PIPELINE:
-        from transformers import AutoTokenizer, Qwen3ForCausalLM
+        from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
         text_encoder = Qwen3ForCausalLM.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+        # by its class: AutoTokenizer also looks for tokenizer/config.json, which a downloaded snapshot lacks, and
+        # fails offline although everything is cached
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, subfolder="tokenizer")
     else:
         from transformers import AutoProcessor, Mistral3ForConditionalGeneration
 

@@ -24,6 +24,7 @@ loop of a builder shows a `progress_bar` (elapsed<remaining) named after the bui
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -192,6 +193,21 @@ def _duration(seconds: float) -> str:
     return f"{m} min {s:02d} s" if m else f"{s} s"
 
 
+def _builder_defaults(name: str) -> dict[str, Any]:
+    """``{"builder": name, **the default arguments}`` of builder `name` (or of the module's ``build_<name>`` it
+    wraps), what ``mmalign_tiny.json`` records; ``"options": {}`` when it takes none."""
+    import inspect
+
+    registered = get_builder(name)
+    full = getattr(inspect.getmodule(registered), f"build_{name}", registered)
+    defaults = {
+        k: list(p.default) if isinstance(p.default, tuple) else p.default
+        for k, p in inspect.signature(full).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    return {"builder": name, **defaults} if defaults else {"builder": name, "options": {}}
+
+
 def build(name: str, path: str | Path, *, announce: bool = True) -> Path:
     """Run the tiny builder `name`, writing a `from_pretrained`-loadable folder at `path`.
 
@@ -215,6 +231,12 @@ def build(name: str, path: str | Path, *, announce: bool = True) -> Path:
     tmp.mkdir(parents=True)
     with _building(path.name, int(meta.get("phases", 0))):
         builder(tmp)
+    if not (
+        tmp / "mmalign_tiny.json"
+    ).exists():  # a builder that records nothing itself: its name and defaults
+        (tmp / "mmalign_tiny.json").write_text(
+            json.dumps(_builder_defaults(name), indent=1, default=str) + "\n"
+        )
     tmp.rename(path)  # appears whole or not at all
     if announce:
         print(

@@ -322,8 +322,13 @@ TINY = sorted(p.name for p in (REPO / "configs").glob("*-tiny.yaml"))
 def test_every_tiny_config_plans(
     name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`mmalign plan configs/<x>-tiny.yaml` prints the table; a tiny config fits one H100."""
+    """`mmalign plan configs/<x>-tiny.yaml` prints the table; a tiny config fits one H100 (a denoiser the planner
+    cannot simulate, `plan_models.NOT_MODELLED`, is refused naming why)."""
     monkeypatch.chdir(REPO)
+    if name.startswith("hunyuan_video15"):
+        with pytest.raises(ConfigError, match="not modelled by the planner yet"):
+            _run([f"configs/{name}", "--no-fixes"], capsys)
+        return
     rc, out = _run([f"configs/{name}", "--no-fixes"], capsys)
     assert rc == 0, out
     assert "| **peak allocated by torch** |" in out and "FLOPs per step" in out

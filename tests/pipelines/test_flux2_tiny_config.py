@@ -28,6 +28,9 @@ def _train(tmp_path: Path, *overrides: str) -> tuple[object, list[dict]]:
             *overrides,
         ],
     )
+    from mmalign.app.fixtures import ensure_fixtures
+
+    ensure_fixtures(cfg)  # the tiny folder, built by the app layer as `mmalign train` does
     comps = pipelines.get("text_to_image")(cfg)
     pol = comps.policy
     assert isinstance(pol, Flux2Policy) and pol.latent_size == 16 and pol.latent_shape() == (16, 8, 8)

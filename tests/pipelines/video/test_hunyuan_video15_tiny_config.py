@@ -30,6 +30,9 @@ def _train(tmp_path: Path, *overrides: str) -> list[dict]:
             *overrides,
         ],
     )
+    from mmalign.app.fixtures import ensure_fixtures
+
+    ensure_fixtures(cfg)  # the tiny folder, built by the app layer as `mmalign train` does
     setup = pipelines.get(cfg.pipeline)(cfg)
     pol = setup.policy
     assert isinstance(pol, HunyuanVideo15Policy) and pol.latent_shape() == (4, 5, 8, 8)

@@ -51,6 +51,9 @@ def test_build_wan_policy_uses_the_options_and_the_rank_seed(
     )
     opts = cfg.options
     assert isinstance(opts, VideoEditOptions)
+    from mmalign.app.fixtures import ensure_fixtures
+
+    ensure_fixtures(cfg)  # the tiny folder, built by the app layer as `mmalign train` does
     policy = build_wan_policy(cfg, opts, condition="concat")
     assert (policy.num_frames, policy.height, policy.width) == (opts.num_frames, opts.height, opts.width)
     assert policy.sampler.seed == 8  # options.seed + RANK
