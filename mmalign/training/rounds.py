@@ -29,7 +29,9 @@ class SyncRounds:
     """The rollout workers (None: none)."""
 
     def __init__(self, trainer: Any) -> None:
-        self.t = weakref.proxy(trainer)  # no cycle: a dropped trainer is freed (and its run lock released) at once
+        self.t = weakref.proxy(
+            trainer
+        )  # no cycle: a dropped trainer is freed (and its run lock released) at once
 
     def next_round(self, key: tuple[int, int]) -> tuple[list[int], Rollout, Tensor]:
         """The round `key`: its prompt indices, this process's rollout and its rewards (times in ``t.timers``)."""
@@ -62,7 +64,9 @@ class AsyncRounds:
     then and, when resuming, the random states of the checkpoint's workers (``t.async_rngs``)."""
 
     def __init__(self, trainer: Any) -> None:
-        self.t = weakref.proxy(trainer)  # no cycle: a dropped trainer is freed (and its run lock released) at once
+        self.t = weakref.proxy(
+            trainer
+        )  # no cycle: a dropped trainer is freed (and its run lock released) at once
         self.cfg = trainer.cfg.trainer.async_
         self.source: Any = None
         """The running `AsyncRollouts` (None until the first round and after `close`)."""
