@@ -31,6 +31,7 @@ logs nothing else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -205,7 +206,8 @@ class GroupTrainer:
         self.optimizer = torch.optim.AdamW(
             params, lr=t.lr, betas=tuple(t.betas), eps=t.adam_eps, weight_decay=t.weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
+        # a function of the config, not a bound method: no cycle, so a dropped trainer frees its run lock at once
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(lr_factor, t))
         if is_fsdp2(self.policy.model) and acc.distributed_type != DistributedType.FSDP:
             # sharded before the trainer was built (`mmalign.training.distributed.apply_fsdp2`): FSDP2 syncs the
             # gradients; accelerate's MULTI_CPU / MULTI_GPU prepare would wrap the model in DDP
@@ -250,16 +252,8 @@ class GroupTrainer:
                 fn(self, *args)
 
     def lr_factor(self, step: int) -> float:
-        t = self.cfg.trainer
-        if t.warmup_steps and step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        if t.lr_scheduler == "constant":
-            return 1.0
-        span = max(1, t.steps - t.warmup_steps)
-        frac = min(1.0, (step - t.warmup_steps) / span)
-        if t.lr_scheduler == "linear":
-            return 1.0 - frac
-        return 0.5 * (1.0 + math.cos(math.pi * frac))
+        """The learning-rate multiplier at `step` (`lr_factor`)."""
+        return lr_factor(self.cfg.trainer, step)
 
     def _prepare_output_dir(self, resume: bool) -> None:
         outputs.prepare_output_dir(self, resume)
@@ -689,3 +683,16 @@ class GroupTrainer:
     def load_checkpoint(self, path: Path) -> None:
         """Restore the run from the checkpoint folder `path` (`mmalign.training.checkpoint.load_checkpoint`)."""
         checkpoint.load_checkpoint(self, path)
+
+
+def lr_factor(t: Any, step: int) -> float:
+    """``trainer.lr``'s multiplier at `step` (config `t`): warm-up, then constant, linear or cosine decay."""
+    if t.warmup_steps and step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    if t.lr_scheduler == "constant":
+        return 1.0
+    span = max(1, t.steps - t.warmup_steps)
+    frac = min(1.0, (step - t.warmup_steps) / span)
+    if t.lr_scheduler == "linear":
+        return 1.0 - frac
+    return 0.5 * (1.0 + math.cos(math.pi * frac))

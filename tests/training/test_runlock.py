@@ -107,6 +107,9 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
 
 
 def test_reentrant_within_a_process(tmp_path: Path) -> None:
+    import gc
+
+    gc.collect()  # trainers other tests dropped without training release their locks when collected
     out = tmp_path / "new" / "run"
     first = runlock.acquire(out)
     second = runlock.acquire(out)  # the CLI, then the trainer, in one process
