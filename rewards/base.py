@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from mmalign.errors import MmalignError
+from mmalign.options import check_values, options_class
 from mmalign.registry import Discovery, Registry
 
 __all__ = [
@@ -190,7 +191,9 @@ def _accepted_options(fn: Callable[..., Any], skip: int) -> tuple[set[str], bool
 def check_options(
     name: str, fn: Callable[..., Any], skip: int, options: Mapping[str, Any], check_missing: bool = True
 ) -> None:
-    """TypeError naming the reward for options `fn` does not take, or required ones that are missing."""
+    """TypeError naming the reward for options `fn` does not take, values that do not fit an option's
+    annotation (`mmalign.options`: the reward's options dataclass derived from `fn`'s signature), or required
+    ones that are missing."""
     try:
         params = list(inspect.signature(fn).parameters.values())[skip:]
     except (TypeError, ValueError):  # no signature available (builtins): let the call decide
@@ -202,6 +205,10 @@ def check_options(
         raise TypeError(
             f"reward {name!r} got unknown option(s) {', '.join(map(repr, unknown))}; its options: {known}"
         )
+    declared = options_class(fn, skip)
+    if declared is not None:
+        for option, problem in check_values(declared, options):
+            raise TypeError(f"reward {name!r}: option {option!r} {problem}")
     missing = [
         p.name
         for p in params

@@ -18,9 +18,10 @@ import hashlib
 import inspect
 import json
 import math
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -855,9 +856,13 @@ def _check_eps(name: str, eps: float) -> float:
 # --------------------------------------------------------------------------- estimators
 
 
+StdMode = Literal["group", "batch", "none"]
+"""How ``grpo`` scales the centred rewards: by the group's std, the batch's, or not at all."""
+
+
 @register("grpo")
 def grpo(
-    rewards: Tensor, group: Tensor, *, weights: Weights = None, std: str = "group", eps: float = 1e-4
+    rewards: Tensor, group: Tensor, *, weights: Weights = None, std: StdMode = "group", eps: float = 1e-4
 ) -> Tensor:
     """GRPO: A_i = (r_i - mean_g r) / (std + eps), std per group (unbiased), over the batch, or none.
 
@@ -1212,7 +1217,7 @@ def grpo_process(
     step_rewards: Tensor | None = None,
     step_mask: Tensor | None = None,
     weights: Weights = None,
-    std: str = "group",
+    std: StdMode = "group",
     eps: float = 1e-4,
     process_coef: float = 1.0,
 ) -> Tensor:
@@ -1818,7 +1823,8 @@ def hapo(
     return torch.where(blown[gid], base, adv)
 
 
-ADORA_RULES = ("release", "early")
+AdoraRule = Literal["release", "early"]
+ADORA_RULES: tuple[str, ...] = typing.get_args(AdoraRule)
 
 
 @register("adora")
@@ -1828,7 +1834,7 @@ def adora(
     *,
     num_actions: Tensor | None = None,
     weights: Weights = None,
-    rule: str = "release",
+    rule: AdoraRule = "release",
     threshold: float = 0.5,
     weight: float = 0.1,
     max_length_threshold: float = 3900.0,

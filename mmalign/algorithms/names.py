@@ -1,83 +1,67 @@
 """The algorithm a config names, checked before anything loads.
 
-`check_names` is the one check of the registry names of ``algorithm`` and ``data.sampler`` and of the options
-each ``*_kwargs`` passes to them: every registered function or class declares its options in its signature
-(keyword-only parameters with defaults), so an unknown option is refused with close matches, and a value of the
-wrong type for a default that is a bool, a number or a string is refused naming the key. `needs_reference`
+`check_names` is the one check of the registry names of ``algorithm``, ``data.sampler`` and ``rollout.loop`` and
+of the options each ``*_kwargs`` passes to them: every registered function or class declares its options in
+its signature, from which `mmalign.options.options_class` derives a typed options dataclass; an unknown option
+is refused with close matches, a value that does not fit the option's annotation (a Literal's choices, bool,
+int, float, str, None, containers) or a missing required option is refused naming the key. `needs_reference`
 says whether a run reads the reference policy. The command line's validation (`mmalign.app.preflight.validate`)
 runs `check_names` before any model is built; `mmalign.training.trainer.GroupTrainer` for a config built in code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from mmalign.config import Config
 from mmalign.errors import ConfigError
+from mmalign.options import check_values, options_class, required_options
 from mmalign.registry import RegistryError
 
 __all__ = ["check_names", "check_options", "declared_options", "needs_reference"]
 
 
-def declared_options(
-    fn: Callable[..., Any], skip: int, exclude: frozenset[str] = frozenset()
-) -> dict[str, Any] | None:
-    """The options `fn` declares after its first `skip` positional parameters, with their defaults
-    (`inspect.Parameter.empty`: required), minus `exclude` (inputs the caller supplies); None when `fn` also
-    takes ``**kwargs`` (it checks its options itself)."""
-    params = list(inspect.signature(inspect.unwrap(fn)).parameters.values())[skip:]
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return {
-        p.name: p.default
-        for p in params
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        and p.name not in exclude
-    }
-
-
-def _type_ok(value: Any, default: Any) -> bool:
-    if isinstance(default, bool):
-        return isinstance(value, bool)
-    if isinstance(default, int | float):
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if isinstance(default, str):
-        return isinstance(value, str)
-    return True  # None, containers, tensors: the function checks them
+def declared_options(fn: Callable[..., Any], skip: int, exclude: frozenset[str] = frozenset()) -> type | None:
+    """The options dataclass `fn` declares after its first `skip` positional parameters, minus `exclude`
+    (inputs the caller supplies): `mmalign.options.options_class`; None when `fn` takes ``**kwargs``."""
+    return options_class(fn, skip, frozenset(exclude))
 
 
 def check_options(
-    source: str, key: str, what: str, options: Mapping[str, Any], declared: Mapping[str, Any] | None
+    source: str, key: str, what: str, options: Mapping[str, Any], declared: type | None
 ) -> None:
-    """`options` (the config's ``key``, e.g. ``algorithm.estimator_kwargs``) against what `what` declares: an
-    unknown option (with close matches) or a value whose type differs from a bool / number / string default is
-    a `ConfigError` naming the key."""
+    """`options` (the config's ``key``, e.g. ``algorithm.estimator_kwargs``) against the options dataclass
+    `what` declares: an unknown option (with close matches), a missing required one, or a value that does not
+    fit the option's annotation (or its bool / number / string default) is a `ConfigError` naming the key."""
     if declared is None:
         return
-    for name, value in options.items():
-        if name not in declared:
-            close = difflib.get_close_matches(str(name), list(declared), n=2)
+    fields = {f.name: f for f in dataclasses.fields(declared)}
+    for name in options:
+        if name not in fields:
+            close = difflib.get_close_matches(str(name), list(fields), n=2)
             hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-            listed = ", ".join(sorted(declared)) or "none"
+            listed = ", ".join(sorted(fields)) or "none"
             raise ConfigError(f"{source}: unknown key '{key}.{name}'{hint}; {what} takes: {listed}")
-        default = declared[name]
-        if default is not inspect.Parameter.empty and not _type_ok(value, default):
-            raise ConfigError(
-                f"{source}: key '{key}.{name}' must be {type(default).__name__} (like its default "
-                f"{default!r}), got {type(value).__name__} {value!r}"
-            )
+    for name, problem in check_values(declared, options):
+        raise ConfigError(f"{source}: key '{key}.{name}' {problem}")
+    missing = [n for n in required_options(declared) if n not in options]
+    if missing:
+        raise ConfigError(
+            f"{source}: key '{key}': {what} needs the option(s) {', '.join(map(repr, missing))}"
+        )
 
 
 def check_names(cfg: Config) -> None:
     """The registry names of the ``algorithm`` section (estimator, loss, loss aggregation, KL estimator, filter,
-    objective, reward transforms) and the prompt sampler (``data.sampler``) are registered, their ``*_kwargs``
+    objective, reward transforms), the prompt sampler (``data.sampler``) and the rollout loop (``rollout.loop``)
+    are registered, their ``*_kwargs``
     are options they declare, and ``adora``'s ``rule`` is one it knows: a `ConfigError` naming the key, with
     close matches, otherwise."""
     from mmalign.algorithms import advantages, filters, flow_objectives, losses, reward_transforms
-    from mmalign.data import prompt_samplers
+    from mmalign.data import prompt_samplers, rollout_loops
 
     a, src = cfg.algorithm, cfg.source
     for i, spec in enumerate(a.reward_transforms):
@@ -99,13 +83,15 @@ def check_names(cfg: Config) -> None:
             flow_objectives.get(a.objective)
         except RegistryError as e:
             raise ConfigError(f"{src}: key 'algorithm.objective': {e}") from None
-        known = flow_objectives.options(a.objective)
-        unknown = sorted(set(a.objective_kwargs) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"{src}: key 'algorithm.objective_kwargs': {a.objective!r} takes no option "
-                f"{', '.join(map(repr, unknown))} (it takes {', '.join(sorted(known))})"
-            )
+        check_options(
+            src,
+            "algorithm.objective_kwargs",
+            f"objective {a.objective!r}",
+            a.objective_kwargs,
+            declared_options(
+                flow_objectives.get(a.objective), 7, frozenset(flow_objectives.inputs(a.objective))
+            ),
+        )
         if a.sample_with_old and a.old_policy is None:
             raise ConfigError(
                 f"{src}: key 'algorithm.sample_with_old': sampling with the old policy needs "
@@ -116,14 +102,6 @@ def check_names(cfg: Config) -> None:
             f"{src}: key 'algorithm.eval_ema': an evaluation EMA belongs to a forward-process objective "
             f"(algorithm.objective: {', '.join(flow_objectives.names())})"
         )
-    if a.estimator == "adora":  # the release's rule is the default; a misspelt one fails here, not at step 1
-        rule = a.estimator_kwargs.get("rule", "release")
-        if rule not in advantages.ADORA_RULES:
-            raise ConfigError(
-                f"{src}: key 'algorithm.estimator_kwargs.rule': adora's rule must be one of "
-                f"{', '.join(map(repr, advantages.ADORA_RULES))} (release: the authors' released recipe), "
-                f"got {rule!r}"
-            )
     for key, get, name in (
         ("algorithm.estimator", advantages.get, a.estimator),
         ("algorithm.loss", losses.get, a.loss),
@@ -131,6 +109,7 @@ def check_names(cfg: Config) -> None:
         ("algorithm.kl_estimator", losses.KL_ESTIMATORS.get, a.kl_estimator),
         ("algorithm.filter", filters.get, a.filter),
         ("data.sampler", prompt_samplers.get, cfg.data.sampler),
+        ("rollout.loop", rollout_loops.get, cfg.rollout.loop),
     ):
         try:
             get(name)
@@ -163,6 +142,12 @@ def check_names(cfg: Config) -> None:
             f"prompt sampler {cfg.data.sampler!r}",
             cfg.data.sampler_kwargs,
             declared_options(prompt_samplers.get(cfg.data.sampler), 2),
+        ),
+        (
+            "rollout.loop_kwargs",
+            f"rollout loop {cfg.rollout.loop!r}",
+            {k: v for k, v in cfg.rollout.loop_kwargs.items() if k != "environment"},
+            declared_options(rollout_loops.get(cfg.rollout.loop).__init__, 1, frozenset({"environment"})),
         ),
     ):
         if key == "algorithm.estimator_kwargs" and "weights" in options:

@@ -247,8 +247,8 @@ class TestFormat:
             load_reward("format", pattern="a", tags=["a"])
         with pytest.raises(ValueError, match="invalid pattern"):
             load_reward("format", pattern="(unclosed")
-        with pytest.raises(TypeError, match="list of tag names"):
-            load_reward("format", tags="answer")
+        with pytest.raises(TypeError, match="option 'tags' must be Sequence or None, got str 'answer'"):
+            load_reward("format", tags="answer")  # checked against the annotation before the constructor runs
 
 
 # ================================================================================= overlong
