@@ -130,6 +130,11 @@ class Estimation:
             f"({', '.join(n for n in adv_lib.names() if adv_lib.accepts_step_rewards(n))})"
         )
 
+    def state_parts(self) -> dict[str, Any]:
+        """What the estimation keeps across steps, by checkpoint name (None: not in this run): the estimator's
+        state and SPO's per-prompt policy-shift memory."""
+        return {"estimator": self.state, "policy_shift": self.policy_shift}
+
     @property
     def needs_logp_old(self) -> bool:
         """The context reads the behaviour log-probs (so the rollout must record them)."""

@@ -115,6 +115,24 @@ class GroupRefill:
     def _success(self, total: Tensor) -> Tensor:
         return torch.nan_to_num(total, nan=-math.inf) >= self.success_threshold
 
+    @property
+    def needs_logp_old(self) -> bool:
+        """Replayed samples are importance-weighted, so a run with replay scores ``logp_old``."""
+        return self.replay
+
+    def after_rewards(
+        self,
+        rollout: Rollout,
+        rewards: Tensor,
+        prompt_ids: Sequence[int],
+        rows: Sequence[dict[str, Any]],
+        services: Any,
+    ) -> tuple[Rollout, Tensor, dict[str, float]]:
+        """`refill` as a round hook (`mmalign.algorithms.round_hooks`): `services` regenerates and re-scores."""
+        return self.refill(
+            rollout, rewards, rollout.group, prompt_ids, rows, services.regenerate, services.current_logprobs
+        )
+
     def refill(
         self,
         rollout: Rollout,

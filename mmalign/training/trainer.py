@@ -49,11 +49,11 @@ from tqdm.auto import tqdm
 
 from mmalign.algorithms import advantages as adv_lib
 from mmalign.algorithms import filters as filter_lib
-from mmalign.algorithms import group_refill as refill_lib
 from mmalign.algorithms import losses as loss_lib
 from mmalign.algorithms.composition import LossComposer, MicroLoss, Tally
 from mmalign.algorithms.estimation import Estimation, Round
 from mmalign.algorithms.names import check_names
+from mmalign.algorithms.round_hooks import build_round_hooks
 from mmalign.config import Config, ConfigError
 from mmalign.data import prompt_samplers as sampler_lib
 from mmalign.data.batch import Rollout
@@ -158,21 +158,10 @@ class GroupTrainer:
             cfg, self.reward_set, self.policy, loss_needs=self.composer.needs, main=self.is_main
         )
         """Rewards to advantages, with the context its parts declare (`mmalign.algorithms.estimation`)."""
-        self.estimator_state, self.policy_shift = self.estimation.state, self.estimation.policy_shift
-        try:
-            self.group_refill = (
-                refill_lib.GroupRefill(
-                    **a.group_refill,
-                    success_threshold=cfg.data.success_threshold,
-                    weights=self.reward_set.weights.tolist(),
-                )
-                if a.group_refill
-                else None
-            )
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{cfg.source}: key 'algorithm.group_refill': {e}") from None
-        """Hints / R³ replay for all-fail groups (`mmalign.algorithms.group_refill`); None when off."""
-        self._refill_stats: dict[str, float] = {}
+        self.estimator_state = self.estimation.state
+        self.round_hooks = build_round_hooks(cfg, self.reward_set.weights.tolist())
+        """Steps between a round's rewards and the estimator (`mmalign.algorithms.round_hooks`), by name."""
+        self._hook_stats: dict[str, float] = {}
         self.chunkable_loss = a.objective is not None or not loss_lib.couples_actions(a.loss)
         """The loss can be evaluated on a part of a sample's actions (`Policy.action_chunks` is honoured)."""
         try:
@@ -226,7 +215,7 @@ class GroupTrainer:
             or a.filter == "replay"
             or self.policy.needs_logp_old
             or self.estimation.needs_logp_old
-            or bool(a.group_refill.get("replay"))
+            or any(h.needs_logp_old for h in self.round_hooks.values())
         )
 
     def _set_prompt_sampler(self) -> None:
@@ -291,11 +280,12 @@ class GroupTrainer:
         rewards = rewards.to(rollout.group.device)
         rollout.rewards = rewards
         rollout.reward_names = list(self.reward_set.names)
-        if self.group_refill is not None:  # hints / replay for this process's all-fail groups
+        if self.round_hooks:  # e.g. hints / replay for this process's all-fail groups
             pids = [idx[int(g) - round_base] for g in rollout.group.tolist()]
-            rollout, rewards, self._refill_stats = self.group_refill.refill(
-                rollout, rewards, rollout.group, pids, self.rows, self._regenerate, self.current_logprobs
-            )
+            self._hook_stats = {}
+            for hook in self.round_hooks.values():
+                rollout, rewards, stats = hook.after_rewards(rollout, rewards, pids, self.rows, self)
+                self._hook_stats.update(stats)
             rollout.reward_names = list(self.reward_set.names)
         g_rewards, g_group = self.gather(rewards), self.gather(rollout.group)
         # callbacks that follow the rewards (curricula): the GLOBAL batch in global group order, so their
@@ -309,9 +299,9 @@ class GroupTrainer:
         g_prompt = torch.tensor([idx[int(g) - round_base] for g in g_group.tolist()], dtype=torch.long)
         return rollout, g_rewards, g_group, g_actions, g_prompt
 
-    def _regenerate(self, rows: list[dict[str, Any]], size: int) -> tuple[Rollout, Tensor]:
-        """`size` fresh samples of each of `rows` with the current weights, scored by the reward set (the
-        hinted re-rolls of `mmalign.algorithms.group_refill`)."""
+    def regenerate(self, rows: list[dict[str, Any]], size: int) -> tuple[Rollout, Tensor]:
+        """`size` fresh samples of each of `rows` with the current weights, scored by the reward set (for the
+        round hooks, `mmalign.algorithms.round_hooks`: e.g. hinted re-rolls)."""
         rollout = self.policy.rollout(rows, size, compute_logp=self.need_logp_old)
         self.policy.materialize(rollout, self.reward_set.needs)
         return rollout, self.reward_set(rollout).to(rollout.group.device)
@@ -417,7 +407,7 @@ class GroupTrainer:
         stats = dict(first_stats)
         stats.update({k: float(v) for k, v in f.last_stats().items()})
         stats.update({k: float(v) for k, v in self.sampler.last_stats().items()})
-        stats.update(self._refill_stats)  # hints/groups, hints/success, replay/injected (the last round's)
+        stats.update(self._hook_stats)  # e.g. hints/groups, replay/injected (the last round's)
         stats["filter/rounds"] = float(self._round)
         stats["filter/groups_used"] = float(n_use * self.world)
         return batch, stats
@@ -671,9 +661,8 @@ class GroupTrainer:
         return {
             "sampler": self.sampler,
             "filter": self.group_filter,
-            "estimator": self.estimator_state,
-            "group_refill": self.group_refill,
-            "policy_shift": self.policy_shift,
+            **self.estimation.state_parts(),
+            **self.round_hooks,
         }
 
     def save_checkpoint(self) -> Path:

@@ -97,7 +97,7 @@ def test_d3s_loss_gets_entropy_and_progress(random_text_model_dir, tmp_path):
 def test_spo_kl_mode_decays_by_the_measured_policy_shift(random_text_model_dir, tmp_path):
     c = cfg(random_text_model_dir, tmp_path / "run", rows_file(tmp_path, 2), VARIED, steps=4, estimator="spo")
     t = make(c)
-    assert t.policy_shift is not None and t.need_logp_old
+    assert t.estimation.policy_shift is not None and t.need_logp_old
     seen = []
     fn = t.compute_advantages
 
@@ -145,10 +145,10 @@ def test_replay_memory_resumes_exactly(random_text_model_dir, tmp_path):
     algo = {"group_refill": {"replay": True}}
     full = make(cfg(random_text_model_dir, tmp_path / "full", train, rare, steps=6, **algo))
     full.train()
-    assert len(full.group_refill.memory()) > 0
+    assert len(full.round_hooks["group_refill"].memory()) > 0
     make(cfg(random_text_model_dir, tmp_path / "part", train, rare, steps=4, **algo)).train()
     resumed = make(cfg(random_text_model_dir, tmp_path / "part", train, rare, steps=6, **algo), resume=True)
-    assert len(resumed.group_refill.memory()) > 0  # the memory came back from the checkpoint
+    assert len(resumed.round_hooks["group_refill"].memory()) > 0  # the memory came back from the checkpoint
     resumed.train()
     assert metrics(tmp_path / "part") == metrics(tmp_path / "full")
     assert sum(m["replay/injected"] for m in metrics(tmp_path / "full")[4:]) > 0  # injected after the resume
@@ -164,6 +164,50 @@ def test_spo_kl_mode_resumes_exactly(random_text_model_dir, tmp_path):
     resumed = make(
         cfg(random_text_model_dir, tmp_path / "part", train, VARIED, steps=4, estimator="spo"), resume=True
     )
-    assert len(resumed.policy_shift) == 2  # both prompts' responses came back from the checkpoint
+    assert len(resumed.estimation.policy_shift) == 2  # both prompts' responses came back from the checkpoint
     resumed.train()
     assert metrics(tmp_path / "part") == metrics(tmp_path / "full")
+
+
+class ZeroLastSample:
+    """A round hook registered at test time: sets every group's last reward to 0 and counts its calls."""
+
+    needs_logp_old = False
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def after_rewards(self, rollout, rewards, prompt_ids, rows, services):
+        self.calls += 1
+        assert len(prompt_ids) == len(rollout) and callable(services.regenerate)
+        rewards = rewards.clone()
+        last = torch.ones_like(rollout.group, dtype=torch.bool)
+        last[:-1] = rollout.group[1:] != rollout.group[:-1]
+        rewards[last] = 0.0
+        rollout.rewards = rewards
+        return rollout, rewards, {"hook/calls": float(self.calls)}
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+
+def test_a_round_hook_is_a_registration_not_a_trainer_change(random_text_model_dir, tmp_path, monkeypatch):
+    from mmalign.algorithms import round_hooks
+
+    hook = ZeroLastSample()
+    monkeypatch.setitem(round_hooks.HOOKS, "zero_last", lambda cfg, weights: hook)
+    ones = [{"name": f"{__name__}:HintSeen", "alias": "hint"}]  # 0 everywhere: the hook's zeros are visible
+    t = make(cfg(random_text_model_dir, tmp_path / "run", rows_file(tmp_path, 4), ones + VARIED, steps=2))
+    assert t.round_hooks == {"zero_last": hook} and t.state_parts()["zero_last"] is hook
+    h = t.train()
+    assert hook.calls == 2 and [m["hook/calls"] for m in h] == [1.0, 2.0]
+    again = ZeroLastSample()
+    monkeypatch.setitem(round_hooks.HOOKS, "zero_last", lambda cfg, weights: again)
+    make(
+        cfg(random_text_model_dir, tmp_path / "run", rows_file(tmp_path, 4), ones + VARIED, steps=2),
+        resume=True,
+    )
+    assert again.calls == 2  # the hook's state came back from the checkpoint under its name
