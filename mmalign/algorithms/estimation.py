@@ -53,6 +53,7 @@ class Collectives(Protocol):
     def local_slice(self, x: Tensor, n_local: int) -> Tensor: ...
 
     def current_logprobs(self, rollout: Rollout) -> Tensor: ...
+    def current_entropy(self, rollout: Rollout) -> Tensor: ...
 
 
 class Estimation:
@@ -179,6 +180,8 @@ class Estimation:
                         "need_reference=mmalign.algorithms.names.needs_reference(cfg)"
                     ) from e
             fields["logp_ref_mean"], fields["logp_ref_sum"] = reduce(rollout.logp_ref)
+        if "entropy_mean" in need:  # the policy's entropy on the round's actions, before this step's update
+            fields["entropy_mean"], _ = reduce(comm.current_entropy(rollout))
         if "action_mask" in need:
             fields["action_mask"] = comm.gather_padded(mask.to(torch.uint8)).bool()
         if "turn_index" in need:  # padded with 0 after the +1: -1 (no action) again after the -1

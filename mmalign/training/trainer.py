@@ -316,6 +316,19 @@ class GroupTrainer:
     def current_logprobs(self, rollout: Rollout) -> Tensor:
         """Float[B,T]: the log-probs of a rollout's actions under the trainer's current weights (pi_old of a stale
         rollout), in microbatches, in training mode as the update scores them."""
+        return self._current(
+            rollout, "logp", "trainer.async.max_staleness > 0 needs them for the importance weights"
+        )
+
+    @torch.no_grad()
+    def current_entropy(self, rollout: Rollout) -> Tensor:
+        """Float[B,T]: the policy's per-action entropy on a rollout under the current weights (for estimators that
+        read ``entropy_mean``), scored as `current_logprobs`."""
+        return self._current(
+            rollout, "entropy", f"algorithm.estimator {self.cfg.algorithm.estimator!r} reads it"
+        )
+
+    def _current(self, rollout: Rollout, what: str, why: str) -> Tensor:
         self.policy.model.train()
         parts = []
         for start in range(0, len(rollout), self.microbatch):
@@ -323,18 +336,16 @@ class GroupTrainer:
                 stats = self.policy.action_stats(
                     rollout[list(range(start, min(start + self.microbatch, len(rollout))))]
                 )
-            if stats.logp is None:
-                raise TrainingError(
-                    f"{type(self.policy).__name__}.action_stats gives no log-probs: trainer.async.max_staleness > 0 "
-                    "needs them for the importance weights"
-                )
-            parts.append(stats.logp.detach().float())
-        logp = torch.cat(parts).to(rollout.mask.device)
-        if logp.shape != rollout.mask.shape:
+            value = getattr(stats, what)
+            if value is None:
+                raise TrainingError(f"{type(self.policy).__name__}.action_stats gives no {what}: {why}")
+            parts.append(value.detach().float())
+        out = torch.cat(parts).to(rollout.mask.device)
+        if out.shape != rollout.mask.shape:
             raise TrainingError(
-                f"pi_old log-probs of shape {tuple(logp.shape)} for a mask of {tuple(rollout.mask.shape)}"
+                f"current {what} of shape {tuple(out.shape)} for a mask of {tuple(rollout.mask.shape)}"
             )
-        return logp.masked_fill(~rollout.mask, 0.0)
+        return out.masked_fill(~rollout.mask, 0.0)
 
     def compute_advantages(
         self,

@@ -211,3 +211,35 @@ def test_a_round_hook_is_a_registration_not_a_trainer_change(random_text_model_d
         resume=True,
     )
     assert again.calls == 2  # the hook's state came back from the checkpoint under its name
+
+
+def test_dcpo_gets_the_rollout_entropy(random_text_model_dir, tmp_path):
+    """dcpo reads ``entropy_mean``: the trainer fills it from the policy's entropy on the round's actions,
+    checked against an entropy computed here from the model's logits, one unpadded sequence at a time
+    (-sum p log p at temperature 1 at each generated token, averaged over the sample's actions)."""
+    c = cfg(
+        random_text_model_dir, tmp_path / "run", rows_file(tmp_path, 4), VARIED, steps=1, estimator="dcpo"
+    )
+    t = make(c)
+    seen = []
+    original = t.estimation.context
+
+    def spy(rnd, comm, policy):
+        ctx = original(rnd, comm, policy)
+        ro, expected = rnd.rollout, []
+        for i in range(len(ro)):
+            prompt = ro.payload["prompt_ids"][i][ro.payload["prompt_mask"][i].bool()]
+            actions = ro.payload["completion_ids"][i][ro.mask[i]]
+            ids = torch.cat([prompt, actions])[None]
+            with torch.no_grad():
+                logits = policy.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double()
+            logp = torch.log_softmax(logits, dim=-1)
+            expected.append(float(-(logp.exp() * logp).sum(-1).mean()))
+        seen.append((ctx.entropy_mean.double(), torch.tensor(expected, dtype=torch.float64)))
+        return ctx
+
+    t.estimation.context = spy
+    h = t.train()
+    assert len(h) == 1 and seen
+    got, expected = seen[0]
+    assert torch.allclose(got, expected, atol=1e-3), (got, expected)
