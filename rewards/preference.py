@@ -1,26 +1,6 @@
 """Human-preference reward models by hub id: `hpsv2` (HPSv2 / HPSv2.1), `image_reward` (ImageReward), `hpsv3`.
 
-The preference models flow_grpo, DanceGRPO and DiffusionNFT train against, loaded from the files their authors
-publish, without their packages (which pin old transformers / timm versions or download at import):
-
-- ``hpsv2``: an open_clip ViT-H-14 fine-tuned on human preferences; the score is the cosine of the L2-normalised
-  image and prompt features (the hpsv2 package's `score`). Weights: ``xswu/HPSv2`` files
-  ``HPS_v2_compressed.pt`` (``version: v2.0``) / ``HPS_v2.1_compressed.pt`` (``version: v2.1``, the default), a
-  checkpoint whose ``"state_dict"`` is the open_clip model's. The model is built by open_clip from its model
-  config (`arch`, ViT-H-14), nothing is downloaded but the checkpoint.
-- ``image_reward``: ImageReward (``THUDM/ImageReward``: ``ImageReward.pt`` + ``med_config.json``): a BLIP ViT
-  image encoder, a BERT text encoder cross-attending to the image tokens, an MLP on the text's first token,
-  then ``(r - mean) / std`` with the authors' constants. Built from transformers' BLIP modules; the tokenizer is
-  ``bert-base-uncased``'s (prompts padded / truncated to 35 tokens, as the authors do).
-- ``hpsv3``: HPSv3 (``MizzenAI/HPSv3``: ``HPSv3.safetensors``), a Qwen2-VL-7B-Instruct whose last hidden state at
-  an added ``<|Reward|>`` token goes through an MLP head to (mu, sigma); the reward is mu. The prompt is the
-  authors' instruction (`HPSV3_INSTRUCTION`) in the base model's chat template; images are resized to
-  `pixels` (256 * 28 * 28) as the authors do.
-
-Every reward reads ``batch.outputs["images"]`` (Float[B,3,H,W] in [0, 1]) and the prompts (or `text_column`).
-Images are rounded to 8 bits first, as the authors' PIL inputs are. Weights are a local file, a file of a
-local folder, or a file of a hub repository (from the Hugging Face cache or downloaded into it;
-``HF_HUB_OFFLINE=1`` reads the cache only), through `rewards.image.weights_file`.
+Details: docs/reward_plugins.md, "Human-preference models" and "rewards.preference".
 """
 
 from __future__ import annotations

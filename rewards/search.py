@@ -1,17 +1,9 @@
 """Rewards for visual search with zooming (GeoViS): the action format, crops that keep the target, tool use.
 
-They read what the multi_turn rollout and the zoom environment (`pipelines.grounding.geovis_env`) leave behind:
-``outputs["turns"]`` (the generated turn texts of each sample), ``outputs["num_turns"]`` and
-``outputs["env_state"]`` (per sample: ``views``, ``crops``, ``answer_box``; see the environment's
-docstring), and the ``boxes`` column (reference boxes in original-image pixels).
-
-- ``search_format``      1 if every generated turn is exactly one well-formed action and the last is an answer
-- ``crop_keeps_target``  per-step (process) reward: 1 / 0 at the last token of each turn that asked for a crop
-- ``tool_use_bonus``     1 if the sample opened at least one crop
-- ``turns_used``         the number of generated turns (for evaluation logs)
-
 The box rewards on the final answer (IoU, Acc@threshold, centre) live in `rewards.boxes` (option
 ``box_key="answer_box"`` reads ``env_state``).
+
+Details: docs/grounding.md, "rewards.search".
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Rewards from the seed papers (docs/seeds.md): group-aware text rewards and text-to-SQL partial rewards.
 
-- ``majority_vote``       SCOPE / TTRL pseudo-label: 1 where the answer equals its (sub)group's
-                          confidence-weighted majority answer.
-- ``tournament``          ArenaRL: a seeded single-elimination bracket inside each group, judged pairwise.
-- ``bootstrapped_pairwise`` Writing-Zero (BRPO): each sample judged against a reference drawn from its group.
-- ``paraphrase_consistency`` Information-consistent recommendations: agreement across paraphrased prompts.
-- ``set_equivalence``     OwlCap: F1 of the caption's units matched to the reference caption's units.
-- ``sql_execution``, ``sql_syntax``, ``sql_schema_linking``, ``sql_ngram``: Reasoning-SQL's partial rewards.
+Registered: ``majority_vote``, ``tournament``, ``bootstrapped_pairwise``, ``paraphrase_consistency``,
+``set_equivalence``, ``sql_execution``, ``sql_syntax``, ``sql_schema_linking``, ``sql_ngram``.
 
-A pairwise judge is a function ``judge(prompt: str, a: str, b: str) -> float``, the probability that ``a``
-is better than ``b`` (> 0.5: a wins, < 0.5: b wins, 0.5: a tie), given as a ``package.module:function`` path
-(or a callable from Python). Group-aware rewards see only the part of a group in their chunk when the reward
-entry sets ``batch_size``: leave it unset for them.
+Details: docs/reward_plugins.md, "rewards.seed_rewards".
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """Group filters: which groups of a scored rollout take part in the update (docs/algorithms.md).
 
-A group filter runs after rewards and advantages were computed (see docs/architecture.md, "The loop")::
+Registered (``names()``): ``none``, ``dynamic_sampling``, ``range``, ``replay``, ``d3s``; `build_filter` makes one.
 
-    flt = build_filter("dynamic_sampling", max_rounds=3)
-    rollout = flt(rollout, scores)          # scores: Float[B], the combined scalar reward
-
-It returns the rollout restricted to whole kept groups, in the order of the batch. Filters
-with ``resample = True`` ask the trainer to keep generating rounds of prompts until the batch
-holds ``target_groups`` groups or ``max_rounds`` rounds were generated.
-
-Registered filters (``names()``):
-
-- ``none``              keeps everything.
-- ``dynamic_sampling``  (DAPO) keep a group iff std_g r > 0; resamples.
-- ``range``             keep a group iff low < mean_g r < high.
-- ``replay``            (Skywork SSB style) zero-variance groups are replaced by informative groups
-                        of earlier steps, drawn from a bounded buffer with probability ∝ score.
-- ``d3s``               (D³S sample level) keeps, in every group, the k samples whose advantages have
-                        the largest variance; k follows a schedule that relaxes from aggressive
-                        down-sampling to keeping everything. Unlike the others it keeps parts of groups.
-
-Scores may hold NaN ("not applicable"): NaNs are ignored in every statistic, and a group with
-fewer than two non-NaN scores counts as zero-variance.
+The contract: docs/algorithms.md, "mmalign.algorithms.filters"; the rules: "Group filters" and "The D³S filter".
 """
 
 from __future__ import annotations
@@ -318,30 +299,9 @@ def _sample_advantage(rollout: Rollout) -> Tensor:
 class ReplayFilter(GroupFilter):
     """Replay of informative groups (Skywork SSB style): zero-variance groups are replaced from a buffer.
 
-    Each call, in this order:
-
-    1. The groups of the rollout with std_g > 0 ("informative") are kept; the zero-variance
-       groups (std_g = 0, or fewer than two non-NaN scores) are removed.
-    2. For each removed group one group is drawn from the buffer *as it was before this call*,
-       with probability ∝ score, without replacement within the call (``torch.multinomial``
-       on a ``torch.Generator`` owned by the filter, seeded by ``seed``). If the buffer holds
-       fewer groups than were removed, all of them are replayed and the rest are just dropped.
-       Replayed groups get fresh ids ``max(current ids) + 1 + k`` (k = 0, 1, ... in draw order),
-       are moved to the rollout's device and appended after the kept groups with `Rollout.cat`.
-       They carry their stored ``logp_old``, rewards and advantages (off-policy by design).
-       A buffered group that has been replayed ``reuse_limit`` times is evicted.
-    3. The informative groups of this rollout enter the buffer (detached copies on CPU) with
-       score_g = Σ_{i∈g} |A_i| · std_g, where A_i is the sample's advantage (the masked mean
-       over actions for Float[B,T] advantages, NaN read as 0) and std_g the std of the scores.
-       Groups whose score is not finite and > 0 can never be drawn and are not buffered.
-
-    Eviction when the buffer holds ``capacity`` groups (option ``evict``):
-    ``"lowest_score"`` (default) removes the lowest-score entry, the oldest among equal scores;
-    a new group scoring below every buffered one is not inserted. ``"oldest"`` is FIFO.
-    The buffer, use counts and generator state are all in `state_dict`, so a resumed run makes
-    the same draws.
-
     Options: ``capacity`` (64 groups), ``reuse_limit`` (2), ``seed`` (0), ``evict``.
+
+    Details: docs/algorithms.md, "mmalign.algorithms.filters.ReplayFilter".
     """
 
     def __init__(
@@ -540,20 +500,13 @@ def max_variance_subset(values: Tensor, k: int) -> Tensor:
 class D3SFilter(GroupFilter):
     """D³S sample-level down-sampling: in every group keep the k samples that maximise the variance of A.
 
-    "Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient Policy
-    Optimization" (D³S): selecting rollouts by Var(A) raises the bound on the policy-gradient norm;
-    the schedule starts aggressive and relaxes so the model does not overfit high-signal samples.
-
     Per group of n samples (advantages: Float[B], or the masked mean over actions of Float[B,T]):
     k = min(n, max(min_keep, ceil(f · n))) with the kept fraction
     f(t) = start_frac + (end_frac − start_frac) · min(1, t / schedule_steps), t = the number of calls
     so far (one per training step; in the state); the kept samples are `max_variance_subset`. Groups
     keep their order and ids; the rollout's other fields are sliced alike. Scores are not used.
 
-    (our design): per-group selection with the same k for every group of the same size (so processes
-    keep equal sample counts), start_frac 0.5, end_frac 1.0, schedule_steps 200, min_keep 2. The
-    token-level half of D³S (top |A_t|·H_t tokens) belongs to the loss: see
-    `mmalign.algorithms.losses.d3s_token_mask`.
+    Details: docs/algorithms.md, "mmalign.algorithms.filters.D3SFilter".
     """
 
     def __init__(

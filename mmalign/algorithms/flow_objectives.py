@@ -7,26 +7,7 @@ sigma t in (0, 1] the noised latent is ``x_t = (1 - t) x0 + t eps`` and the flow
 is ``eps - x0`` (``x0 = x_t - t v``). The formulas (with the functions that implement them) are in
 docs/algorithms.md, "Forward-process objectives".
 
-The registry ``REGISTRY`` (``get`` / ``names`` / ``register`` act on it) holds::
-
-    fn(v, v_old, noise, x0, t, advantages, mask, **options) -> FlowObjectiveOutput
-
-- ``t`` Float[*L] gives the shape ``L`` of the actions: one action is one (sample, training sigma) pair,
-  ``L`` = [B] or [B, K] (K sigmas per sample);
-- ``v`` Float[*L, *latent] is the current policy's velocity at x_t (carries grad); ``v_old`` the old
-  policy's at the same x_t (detached here); ``noise`` and ``x0`` Float[*L, *latent] (``x0`` may be an
-  expanded view of Float[B, 1, *latent]);
-- ``advantages`` Float[B] (broadcast over the sample's K actions) or Float[*L];
-- ``mask`` Bool[*L] or None (all valid). The per-action loss is exactly 0 where the mask is False.
-
-``flow_dpo`` couples the two samples of each preference pair: its ``pairs`` input Long[P, 2] (winner row,
-loser row; `best_worst_pairs` picks them from a group) must share t and eps, and ``v_ref`` is the reference's
-velocity at the same x_t.
-
-Also the forward-process helpers: `noised` (x_t), `sample_timesteps` (the timestep strategies of the
-authors' code), `nft_optimality` (rewards -> r in [0, 1]) and `velocity_kl` (the v-space KL both
-codebases add with a small coefficient). Options are keyword-only; an unknown option is a TypeError naming
-the objective.
+The registry contract and the helpers: docs/algorithms.md, "mmalign.algorithms.flow_objectives".
 """
 
 from __future__ import annotations

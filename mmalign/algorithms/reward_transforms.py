@@ -1,27 +1,9 @@
 """Reward transforms: functions of a batch's rewards applied before the advantage estimator (docs/algorithms.md).
 
-A transform maps one reward column of the GLOBAL batch to a new one, group by group::
+`apply` runs a list of transform specs; registered: ``noisy_verifier``, ``unlikeliness``, ``set_diversity``,
+``self_aligned`` (``names()``).
 
-    fn(rewards: Float[B], group: Long[B], *, context=None, **options) -> Float[B]
-
-``context`` is the :class:`mmalign.algorithms.advantages.EstimatorContext` of the batch; a transform declares the
-fields it needs (``context=(...)``) or reads when present (``context_optional=(...)``) exactly as
-estimators do, and fails with :class:`mmalign.algorithms.advantages.ContextError` without them. NaN rewards ("not
-applicable") stay NaN. Options are keyword-only; unknown ones raise TypeError naming the transform.
-
-`apply` runs a list of specs ``{"name": ..., "column": ..., **options}`` in order on Float[B] or
-Float[B, K] rewards (``column``: a reward name or index; None = every column, which the transforms
-registered with ``columnwise=False`` refuse when K > 1, since they are meant for one reward).
-
-Registered transforms (``names()``):
-
-- ``noisy_verifier``  backward correction of a binary verifier's reward for its false-positive /
-                      false-negative rates (unbiased for the clean reward).
-- ``unlikeliness``    Rewarding the Unlikely: r_i (1 - beta rank_i / G), rank of the mean token
-                      log-prob under pi_old within the group (0 = least likely).
-- ``set_diversity``   SGRPO-style: r_i + weight (D(S_i) + centred leave-one-out contribution of i
-                      to its set's diversity), D the mean pairwise distance of sample features.
-- ``self_aligned``    Self-aligned reward: r_i + weight (1 - ppl(y|x) / ppl(y)).
+The contract: docs/algorithms.md, "mmalign.algorithms.reward_transforms"; the formulas: "Reward transforms".
 """
 
 from __future__ import annotations

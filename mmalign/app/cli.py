@@ -1,27 +1,10 @@
 """The `mmalign` command.
 
-    mmalign train CONFIG.yaml [key.sub=value ...] [--resume [key.sub=value ...]]
-    mmalign sample CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--prompt TEXT ...] [-n N]
-    mmalign eval CONFIG.yaml [key.sub=value ...] [--checkpoint latest|base|PATH] [--no-base]
-    mmalign list [pipelines|rewards|estimators|losses|filters|samplers|steps|loops]
-    mmalign plan CONFIG.yaml [key.sub=value ...] [--gpus N --gpu h100|h200|... --gpu-memory 80GiB --strategy ddp|fsdp2]
-    mmalign probe CONFIG.yaml [key.sub=value ...] [-n PROMPTS] [--group-sizes 4,8,16,32] [--json PATH]
-    mmalign parity CONFIG.yaml [key.sub=value ...] [-n PROMPTS] [--microbatch-sizes 1,2,4] [--precisions fp32,bf16,fp16]
-        [--tol 1e-3] [--json PATH]
+Subcommands ``train``, ``sample``, ``eval``, ``list``, ``plan``, ``probe``, ``parity``, ``grounding``,
+``doctor``, ``demo`` and ``tiny`` (``mmalign --help``); every command validates before it builds a model,
+and a wrong one fails with one ``mmalign: error:`` line.
 
-`train`, `sample` and `eval` run on N processes too (`torchrun --standalone --nproc_per_node N -m mmalign.app.cli ...`
-or `accelerate launch`): see docs/distributed_runs.md. On a machine without CUDA such a launch runs on CPU
-processes (gloo; `ACCELERATE_USE_CPU` is set for it), and a launch that accelerate would not set up as N
-processes is refused instead of running N independent copies into one output directory.
-
-Before any model is built or loaded, a command checks everything that needs none, in one pass
-(`mmalign.app.preflight.validate`: the pipeline and registry names, the output directory, the rewards, the
-model folders; then the pipeline reads its data files), so a wrong command fails in seconds with one
-`mmalign: error: ...` line (any `mmalign.errors.MmalignError`) and leaves an existing run as it was.
-
-`train` holds the run lock of its output directory from before the model loads (`mmalign.training.runlock`: a second
-writer is refused, naming the first); ``--resume`` applies the changed keys a resume can apply and refuses the
-others (`mmalign.training.resume.resume_changes`). `sample` and `eval` only read a run and take no lock.
+Details: docs/architecture.md, "mmalign.app.cli".
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """The configuration reference (``docs/configuration.md``), generated from the typed config.
 
-Every key of a config is a field of a dataclass: the sections of `mmalign.config.Config` (``model``,
-``data``, ``rollout``, ``rewards``, ``algorithm``, ``trainer``, ``eval``) and the ``options:`` class each
-pipeline registers with ``register_pipeline(name, options=...)``. This module renders them as Markdown
-tables (key | type | default | meaning): the type and default come from the dataclass, the meaning from
-the field's attribute docstring (the string literal right after it, read from the source with `ast`), and
-a key whose value is a registered name (``algorithm.estimator``, ``rewards[i].name``, ``pipeline`` ...) lists
-the names registered in this package. Options classes that others extend (`SamplerSettings`,
-`WanVideoOptions` ...) get a section of their own; a pipeline's section lists only the keys its class adds
-or redeclares and links to the rest.
+``python -m mmalign.app.config_reference [--write | --check | --undocumented]``; the output is deterministic.
 
-    python -m mmalign.app.config_reference            # print the reference
-    python -m mmalign.app.config_reference --write    # write docs/configuration.md
-    python -m mmalign.app.config_reference --check    # exit 1 if docs/configuration.md is stale
-    python -m mmalign.app.config_reference --undocumented   # list the fields without a docstring
-
-The output is deterministic: fields in declaration order, pipelines and shared groups sorted by name,
-only names registered by this project's own modules (not entry points or names a test registered).
+Details: docs/architecture.md, "mmalign.app.config_reference".
 """
 
 from __future__ import annotations
@@ -304,6 +290,7 @@ def registry_keys() -> dict[tuple[type, str], RegistryKey]:
     from mmalign.data import prompt_samplers as samplers
     from mmalign.data import rollout_loops
     from mmalign.policies.denoising import SamplerSettings
+    from rewards.base import DISCOVERY
 
     def reg(registry: Any, load: Callable[[], object] | None = None) -> Callable[[], list[str]]:
         def names() -> list[str]:
@@ -318,7 +305,10 @@ def registry_keys() -> dict[tuple[type, str], RegistryKey]:
         (ModelConfig, "tiny_builder"): RegistryKey(reg(tiny.BUILDERS, tiny.load_builders)),
         (DataConfig, "sampler"): RegistryKey(reg(samplers.SAMPLERS), "mmalign list samplers"),
         (RolloutConfig, "loop"): RegistryKey(reg(rollout_loops.LOOPS)),
-        (RewardConfig, "name"): RegistryKey(reg(rewards.REGISTRY), "mmalign list rewards"),
+        # the entry points too: the project's offline rewards register from mmalign.tiny.world_rewards
+        (RewardConfig, "name"): RegistryKey(
+            reg(rewards.REGISTRY, DISCOVERY.load_all), "mmalign list rewards"
+        ),
         (AlgorithmConfig, "estimator"): RegistryKey(reg(advantages.REGISTRY), "mmalign list estimators"),
         (AlgorithmConfig, "loss"): RegistryKey(reg(losses.REGISTRY), "mmalign list losses"),
         (AlgorithmConfig, "loss_agg"): RegistryKey(reg(losses.AGGREGATIONS), "mmalign list losses"),

@@ -1,19 +1,6 @@
 """What the `mmalign` command prints besides its own output: log records and third-party warnings.
 
-Log records (``logging``: rewards, the live doctor, ...) go to stderr through `TqdmLoggingHandler`
-(`setup_logging`, called by the command line at startup), which writes each one with ``tqdm.write``: a
-message emitted while the trainer's progress bar is drawn gets its own line above the bar instead of being
-glued to the end of it.
-
-Python shows a warning once per code location, but it forgets what it has shown whenever the warning
-filters change (CPython clears its registries, the one of the ``"once"`` action included), and the trainer
-changes them every step (``warnings.catch_warnings`` around the LR scheduler): a library warning raised
-during a step is printed again at every step. `quiet_third_party_warnings` names the library warnings that
-a user cannot act on and shows each of them at most once per process (per distinct text), whatever the
-filters do; every other warning, the user's own included, is shown as Python shows it.
-
-`quiet_diffusers_fp32_notice` drops one diffusers log line that says nothing (see its docstring); the
-diffusers component loaders and the planner install it.
+Details: docs/architecture.md, "mmalign.app.console".
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """`mmalign demo RUN_DIR [RUN_DIR ...]`: a Gradio app that browses the samples of runs (the ``demo`` extra).
 
-The data layer (`list_steps`, `load_group`, `reward_table`, `sample_layout`, `box_annotations`,
-`diagnostic_panels`, `generate_samples`, `score_generated`, ...) is pure functions of the run directories, read
-through `mmalign.training.rundir` on every call (a run still training shows its new steps). The layout: `build_app`
-returns the `gr.Blocks` (tabs "Samples", "Curves", "Compare"), `launch_app` serves it, `demo_main` is the command
-line.
+Every file it reads or shows must resolve inside its run directory, and live generation refuses a config
+that names code unless ``--trust-run-code``.
 
-The path rule: every file the app reads or shows (``metrics.jsonl``, ``config.yaml``, ``samples/``, the media
-a sample row names, ``demo_samples/``, checkpoints) must resolve, symbolic links followed, to a path inside its
-resolved run directory (`checked_path`; a grounding row's input image may also lie in a `data_roots` folder the
-operator names); anything else is refused and logged. Files are opened by `open_checked`, which checks the file
-it opened, and Gradio is never handed a path of a run: it gets copies of the checked media (`served_copy`) or
-pixels, and every run directory is in its ``blocked_paths`` (`served_paths`).
-
-The trust model: a run's ``config.yaml`` is code when it is imported (a reward ``package.module:attr``, a
-``trust_remote_code`` model). Live generation and scoring refuse a config that names such code
-(`run_code_problems`) unless the operator opts in (``--trust-run-code``, ``trust_run_code=True``).
-
-Generation asks at most `MAX_PROMPTS` prompts and `MAX_SAMPLES_PER_PROMPT` samples per prompt, and
-``demo_samples/`` is pruned to `DEMO_MAX_BYTES` / `DEMO_MAX_GENERATIONS` (oldest generations first).
-Secret-looking config values (`mask_secrets`) are never shown.
+Details: docs/demo.md, "mmalign.app.demo".
 """
 
 from __future__ import annotations

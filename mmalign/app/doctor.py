@@ -1,25 +1,9 @@
 """Learning diagnostics: why is my reward flat? (`mmalign doctor RUN_DIR`, and live warnings in the trainer).
 
-A run directory's ``metrics.jsonl`` (one object per logged step, see `mmalign.training.rundir`) and ``config.yaml`` are
-read and a set of checks looks for the usual reasons a GRPO run does not learn. Each check is a function::
+Each check in `CHECKS` reads a run's ``metrics.jsonl`` / ``config.yaml`` and returns `Finding` s;
+`diagnose(run_dir)` runs them.
 
-    check_x(metrics: list[dict], config: dict | None) -> list[Finding]
-
-registered in `CHECKS` under its name. A `Finding` says what was seen (with numbers and the step numbers
-involved) and what it means / what to try; its ``level`` is ``ok``, ``info`` (expected or not logged,
-explained), ``warn`` (probably hurts learning) or ``error`` (the run cannot learn as it is). Every check
-returns at least one finding, so a report covers all of them.
-
-    diagnose(run_dir) -> list[Finding]         # every check (or `checks=[...]`) on a run directory
-    format_report(findings) -> str             # the text report, most severe first
-    doctor_main(argv) -> int                   # `mmalign doctor RUN_DIR [--json] [--checks a,b]`
-    watchdog_rows(run_dir) -> list[dict]       # the over-optimisation watchdog's log as rows (`overoptimisation`)
-    LiveDoctor(config).observe(metrics)        # per-step: rate-limited logging warnings
-    DoctorMonitor()                            # the trainer's monitor that feeds a LiveDoctor
-
-The checks read only logged numbers; a number a check needs that the run did not log is reported as
-"not logged" (level ``info``), never guessed. Thresholds are the module constants below;
-``docs/diagnostics.md`` explains each check and what to try.
+Details: docs/diagnostics.md, "mmalign.app.doctor".
 """
 
 from __future__ import annotations

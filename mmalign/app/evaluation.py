@@ -1,26 +1,10 @@
 """Generation and scoring without training: the engine of `mmalign sample` and `mmalign eval`.
 
-- `resolve_checkpoint(output_dir, spec)`: which weights to use (``latest`` checkpoint of a run, a
-  checkpoint folder, or ``base`` for the model as loaded).
-- `load_weights(policy, checkpoint)`: put a checkpoint's trainable weights into a built policy.
-- `generate(policy, rows, n, ...)`: `n` samples per row without grad, with the sampling noise seeded so
-  that two checkpoints evaluated with the same seed see the same noise (paired before/after samples). A
-  policy with an evaluation sampler (`eval_sampling`: the diffusion policies' ``evaluation_sampler``, the
-  deterministic ODE unless ``options.eval_noise_level`` says otherwise, as Flow-GRPO evaluates) samples
-  with it; the eval report names it (``"sampler"``).
-  The rows are generated in chunks of ``prompts_per_batch``; chunk ``c`` is seeded with
-  `chunk_seed(seed, c)`, so its samples do not depend on the chunks generated before it.
-- `generate_chunks(..., rank, world)`: the chunks one process of a multi-process launch generates (chunk
-  ``c`` on process ``c % world``): `mmalign sample` and `mmalign eval` on N processes gather them in chunk
-  order and get what one process gets (docs/distributed_runs.md).
-- `score(...)`: every training reward and every ``eval.rewards`` entry, averaged overall and per value
-  of ``eval.split_column`` (NaN, "not applicable", is left out of a mean); `score_table` and `summarize`
-  are its two halves (per-sample values, then the means).
-- `evaluate_run(cfg, components, ...)`: the before/after report: the base model and the checkpoint,
-  side by side; with ``rank`` / ``world`` each process scores its chunks and every process gets the report.
-  A checkpoint rotated away by the run still training (between its resolution and its loading, after the
-  base half) is replaced once by the newest checkpoint that verifies; with ``report_path`` the report is
-  written after each half, so a failure of the trained half keeps the base half (and says why).
+Entry points: `resolve_checkpoint`, `load_weights`, `generate` / `generate_chunks` (seeded per chunk, so the
+samples do not depend on the number of processes), `score` (`score_table`, `summarize`) and `evaluate_run`
+(the before / after report).
+
+Details: docs/architecture.md, "mmalign.app.evaluation".
 """
 
 from __future__ import annotations

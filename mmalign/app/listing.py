@@ -1,22 +1,9 @@
 """`mmalign list`: what the registries hold, and a cache of that listing.
 
-`render` imports the registry modules (every pipeline, reward, estimator, loss, ...) and prints their names
-and summary lines. Those modules import torch, which is most of the time the command takes (about 2 s on an
-idle CPU, several times that on a busy one). The listing changes only when the code that registers changes,
-so `listing` keeps the last one in the user's cache folder (``$XDG_CACHE_HOME/mmalign``, by default
-``~/.cache/mmalign``), one file per section argument, under a `fingerprint` of everything the listing
-depends on:
+`render` prints the registries' names and summary lines; `listing` caches that output under a `fingerprint`
+of the code and installs it depends on.
 
-- the Python executable and version;
-- every ``.py`` file (path, size, modification time) of the packages `SOURCE_PACKAGES`, found where this
-  process would import them (without importing them);
-- the installed distributions: the ``.dist-info`` / ``.egg-info`` folders, ``.pth`` and ``.egg-link`` files of
-  each ``sys.path`` folder (an install, upgrade or removal changes them);
-- the entry points of the plugin groups `ENTRY_POINT_GROUPS` and the ``.py`` files of the packages they name.
-
-A listing built in a process that has already imported a registry module (`LISTED_MODULES`: a test, a script
-that registered something at run time) is neither read from nor written to the cache. A cache that cannot be
-read or written is ignored: the listing is then built as without one.
+Details: docs/architecture.md, "mmalign.app.listing".
 """
 
 from __future__ import annotations
@@ -171,10 +158,11 @@ def _render(what: str) -> None:
         import rewards
         from mmalign.registry import PluginError
 
-        items = [(n, rewards.REGISTRY.describe(n)) for n in rewards.names()]
+        builtin = set(rewards.names())  # before any entry point loads (one module may register several)
+        items = []
         errors = []
         for n in rewards.entry_point_names():
-            if n in rewards.names():
+            if n in builtin:
                 continue
             try:  # an installed plugin: its summary line and the package it comes from
                 obj = rewards.resolve(n)
@@ -190,7 +178,9 @@ def _render(what: str) -> None:
             doc = (inspect.getdoc(obj) or "").strip().splitlines()
             package = (getattr(obj, "__module__", "") or "").split(".")[0]
             items.append((n, f"{doc[0] if doc else ''} [entry point: {package}]".strip()))
-        _list_section("rewards", items)
+        listed = {n for n, _ in items}
+        items += [(n, rewards.REGISTRY.describe(n)) for n in rewards.names() if n not in listed]
+        _list_section("rewards", sorted(items))
         for err in errors:
             print(f"mmalign: warning: {err}", file=sys.stderr)
     if what in ("estimators", "all"):

@@ -1,24 +1,8 @@
 """`mmalign probe CONFIG`: what the base model's rewards look like before any training.
 
-It samples the base model on a few training prompts with the config's training sampler, scores the samples with
-the config's rewards and reports, per reward and for the weighted total (the score the trainer's estimator and
-filters see):
+Output: a markdown report on stdout and, with ``--json PATH``, the same numbers as JSON.
 
-- the distribution: mean, std, quantiles and a small text histogram; the parse rate (from what the reward reports
-  about a call -- ``unparsed_frac`` of the box rewards, ``malformed_frac``, ``empty_frac`` -- or, for a reward that
-  extracts an answer (``answer_accuracy``), the share of completions with an extractable answer) and the NaN rate;
-- the share of groups whose rewards are all equal (zero spread: no advantage, no gradient) at G = 4, 8, 16, 32 and
-  the config's group size. N = the largest of them samples are drawn per prompt; the share at a smaller G is the
-  probability that G samples drawn without replacement from a prompt's N have zero spread (`zero_spread_share`,
-  exact over all G-subsets, not a random split), averaged over the prompts;
-- for box rewards (``coords``, ``box_column``: grounding), each answer re-scored under every coordinate convention
-  (`rewards.boxes.CONVENTIONS`: original pixels, resized-input pixels, 0-1000, 0-1) written as corners (xyxy) or
-  as corner + size (xywh), with the mean IoU of each (`box_convention_scores`): which convention the answers match;
-- a recommendation (`recommend`): the smallest group size whose informative share reaches ``--informative``, a
-  group filter when many groups are flat at the config's size, a curriculum start for extreme success rates and,
-  for a thresholded box reward, the IoU threshold with the most informative groups.
-
-Output: a markdown report on stdout and, with ``--json PATH``, the same numbers as JSON. docs/probe.md.
+Details: docs/probe.md, "mmalign.app.probe".
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Experiment trackers (TensorBoard, Weights & Biases) through accelerate's trackers; optional.
 
-``trainer.log_with: [tensorboard, wandb]`` (the ``trackers`` extra) makes `GroupTrainer` build its
-``Accelerator`` with ``log_with=`` and ``project_dir=output_dir`` (`accelerator_kwargs`), and `RunTrackers`
-then (through `TrackerMonitor`, the monitor `mmalign.app.run.build_trainer` gives the trainer)
+`RunTrackers` starts, feeds and finishes the trackers ``trainer.log_with`` names; only the main process logs,
+and a tracker that fails while logging is reported with a warning.
 
-- starts them when training starts: ``accelerator.init_trackers(project, config=<the resolved config,
-  flattened to dotted keys>, init_kwargs=trainer.tracker_kwargs)``;
-- logs the numbers of every logged step (`scalars`: finite numbers only) with ``accelerator.log``;
-- logs the sample images and videos of every sample step (at most ``trainer.tracker_media``, the first of
-  the main process's batch), captioned with the prompt and the rewards. TensorBoard: each image with
-  ``add_image``, each video as an animated GIF in the image dashboard (encoded with Pillow: ``add_video``
-  needs moviepy < 2, not a dependency; where the GIF cannot be written, the clip's strip of frames as an
-  image), the captions as one text entry. W&B: ``wandb.Image`` of the PNG and ``wandb.Video`` of the mp4
-  that `mmalign.training.rundir` already wrote. Nothing is decoded for the trackers: they get the tensors
-  `Policy.sample_view` gave the run directory;
-- finishes them when training ends (as ``accelerator.end_training`` does, without tearing down the
-  process group: `mmalign train` calls ``end_training`` itself afterwards).
-
-Only the main process logs (accelerate's trackers run there). A tracker that fails while logging is
-reported with a warning and training goes on. Files: TensorBoard under ``output_dir/tensorboard/<project>/``
-(cleared when a run starts afresh; a resumed run purges the events after its checkpoint's step), W&B under
-``output_dir/wandb/`` (unless ``tracker_kwargs.wandb.dir`` says otherwise).
+Details: docs/trackers.md ("mmalign.app.trackers" for how it is wired).
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """`Rollout`: the batch-first bundle of tensors that flows through the training loop.
 
-Every stage reads and extends one Rollout (see docs/architecture.md, "What flows"):
-
-- ``group``       Long[B]     which prompt each sample came from (one group = one prompt)
-- ``logp_old``    Float[B,T]  behaviour log-probs of the T actions (None until needed)
-- ``mask``        Bool[B,T]   the actions that take part in the LOSS (generated tokens or trained steps;
-  never tokens inserted between turns, never padding); attention masks live in ``payload``
-- ``prompts``     list[str]   the prompt of each sample (repeated within a group)
-- ``columns``     dict[str, list]  every dataset column, one entry per sample; rewards see them
-- ``outputs``     dict[str, Any]   what rewards see: "texts", "images" Float[B,3,H,W], ...
-- ``payload``     dict[str, Any]   what the policy needs to recompute log-probs (token ids, latents ...)
-- ``rewards``     Float[B,K]  one column per reward (``reward_names``), NaN = not applicable
-- ``step_rewards`` Float[B,T] optional process rewards
-- ``advantages``  Float[B] or Float[B,T]
-- ``logp_ref``    Float[B,T]  optional reference-model log-probs (KL penalty)
-- ``logp_sampler`` Float[B,T] optional log-probs reported by the sampler that produced the actions when it
-  is not the trained model (an inference engine); the trainer's importance-sampling correction uses them
-
 Slicing with an index (int tensor, bool tensor, list or slice) slices every per-sample field
 consistently: tensors and lists whose first dimension is B, recursively inside dicts.
+
+The fields and who fills them: docs/architecture.md, "What flows: `Rollout`".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Media helpers: reading and writing images, videos and edit masks (one module for every layer).
 
 A video is ``Float[F, 3, H, W]`` in [0, 1] and an edit mask ``Float[F, H, W]`` in {0, 1} (1 = the region the
-edit may change). Three storage forms are read, chosen by the path:
+edit may change). Three storage forms are read, chosen by the path (`read_video`, `read_mask`).
 
-- a folder of image frames (``.png``, ``.jpg``, ``.jpeg``, ``.webp``, ``.bmp``), in sorted file-name order;
-- a video file (``.mp4``, ``.webm``, ``.mkv``, ``.mov``, ``.avi``, ``.gif``), decoded with PyAV (the wheel
-  carries its own codecs, no system ffmpeg);
-- a ``.npy`` array, or a ``.npz`` archive holding one array (or one named ``frames``): uint8 ``[F, H, W, 3]``
-  (masks: ``[F, H, W]``) or float in [0, 1] of the same layout. ``write_array`` writes the compressed
-  ``.npz`` form (what the synthetic clips of `mmalign.tiny.video_shapes` use: one small lossless file a
-  clip).
-
-A mask may also be one image file (``.png`` ...), which then holds for every frame.
-
-`num_frames` keeps that many frames evenly spaced over the clip (first and last included; the clip must
-have at least that many frames, a shorter clip is an error, never padded); `size` = (H, W) resizes each
-frame (bilinear with antialiasing for videos, nearest for masks, so a mask stays binary). Every error names
-the path. Writing: `save_image`, `save_frame_strip` (a PNG strip), `save_grid` (a PNG grid), `save_video` (H.264
-mp4), `write_frames` (a lossless frame folder), `write_array` (a compressed ``.npz``).
+Details: docs/video.md, "mmalign.data.media".
 """
 
 from __future__ import annotations

@@ -5,16 +5,7 @@ text is made from the row with a format template (``"{question}"`` by default) a
 under the key ``prompt``; a row that already has a ``prompt`` column keeps it when the template
 is the default.
 
-An ``hf:<dataset id or folder>[:<config>]:<split>`` source (``hf:openai/gsm8k:main:train``) is read with the
-``datasets`` package: a hub id from the hub, or from the local caches alone when offline (``HF_HUB_OFFLINE=1``)
-or when the hub does not answer; a local folder as it is. The rows of the public datasets in `KNOWN_DATASETS`
-(GSM8K, MATH, Geometry3K, RefCOCO, PartiPrompts) get the columns the pipelines read (GSM8K's ``#### 72`` ->
-``answer`` ``"72"``). ``python -m mmalign.data.rows export SOURCE OUT.jsonl`` writes such rows to a JSONL file, and a
-missing data file's error names the ``hf:`` source or the command that gives it (`missing_data_hint`).
-
-Files are read line by line and no line may be longer than `MAX_LINE_BYTES` (1 MiB): a longer one is a
-DataError naming ``FILE:LINE`` before it is decoded, and the reader never holds more than about that much of
-it (a 100 MB line would otherwise take hundreds of times its size in memory to decode).
+Details: docs/architecture.md, "mmalign.data.rows".
 """
 
 from __future__ import annotations

@@ -4,22 +4,7 @@ It implements the `RolloutEngine` contract with its *own copy* of the weights, e
 vLLM engine does: its log-probs equal the trainer's only while the weights are in sync. Tests use
 it to exercise weight sync, sync failures and the importance-sampling correction without vLLM.
 
-- Sampling is an explicit token-by-token loop with a KV cache; the log-prob of each sampled
-  token is ``log_softmax(logits / temperature)`` (before top-k / top-p truncation), the quantity
-  `TextPolicy` recomputes.
-- ``sync_weights(state, lora=False)`` copies full weights (Hugging Face names; names not in the
-  model are an error, missing names are left as they are); ``lora=True`` loads a peft adapter
-  state dict into the engine's adapter (construct with ``peft_config``).
-- Fault injection for tests: ``sync_delay_s`` (the load sleeps that long first) and
-  ``sync_error`` (an exception raised inside the load).
-- Sleep mode (``enable_sleep_mode``, default True): `sleep` / `wake` only flip ``asleep`` (nothing to
-  free on CPU), and sampling or loading weights while asleep raises, so a caller that forgot to wake it is
-  caught. ``calls`` records the engine's calls in order (``("generate", n_prompts)``, ``("sync", step)``,
-  ``("sleep", None)``, ``("wake", None)``; a sync is recorded when it has succeeded), so tests can check when the policy puts it to sleep and wakes it.
-- Vision-language models (Qwen2-VL style): built with ``processor=``, the engine takes `MultimodalPrompt`
-  items like vLLM does: it runs the processor's image processor on the images, expands each image
-  placeholder token into the image's patch tokens, and samples with the model's M-RoPE positions
-  (``get_rope_index``) in the prefill and the decode steps.
+Details: docs/architecture.md, "mmalign.engines.fake".
 """
 
 from __future__ import annotations

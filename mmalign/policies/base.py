@@ -5,18 +5,7 @@ DDIM ...). Subclass `Policy`, implement the abstract methods, override the hooks
 calls every hook unconditionally, so the no-op defaults below are the behaviour of a policy that has
 nothing to do there. docs/architecture.md, "Writing a policy", has a worked example.
 
-What the trainer does with a policy, in order:
-
-1. ``policy.forward_model = accelerator.prepare(policy.model)`` (DDP-wrapped on several processes);
-   then `setup` once, with the run's `RunInfo`.
-2. Every step, per sampling round: `on_train_step`, `rollout`, `materialize` (outputs the rewards
-   need and the rollout does not hold yet), rewards, advantages, filtering.
-3. Per microbatch: `action_stats` (with grad), once, or once per chunk of its actions that `action_chunks`
-   names (a backward pass after each); `reference_logprobs` once per step when ``kl_coef > 0`` and not
-   `kl_in_action_stats`; after each optimizer step `after_optimizer_step`.
-4. Samples: `sample_view` says what each sample looks like in ``samples/`` of the run directory
-   (`mmalign.training.rundir` writes it by kind); checkpoints hold `trainable_state_dict` and `rng_state`; the
-   end of training calls `save`.
+Details: docs/architecture.md, "mmalign.policies.base".
 """
 
 from __future__ import annotations

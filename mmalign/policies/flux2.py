@@ -1,19 +1,7 @@
 """`Flux2Policy` (FLUX.2 [dev], ``Flux2Pipeline``) and `Flux2KleinPolicy` (FLUX.2 [klein], ``Flux2KleinPipeline``)
 as flow-matching GRPO policies.
 
-Only the FLUX.2 parts live here; the components and prompt states are `mmalign.policies.flux2_components`'.
-The policy's state is the latent grid the transformer sees, [B, C, h, w]: the VAE latents patchified 2x2
-(C = ``in_channels`` = 4 x ``latent_channels``, h = w = ``latent_size`` / 2, so ``latent_size``, the VAE
-latent side, must be even) and normalised by the VAE's batch-norm statistics, which is also the shape in which
-the pipelines draw their initial noise. The transformer reads it as h*w tokens (row-major) with 4-axis RoPE
-ids (0, row, column, 0), the prompt states with ids (0, 0, 0, position), the timestep as sigma. Sigmas:
-linspace(1, 1/n, n) shifted by diffusers' ``compute_empirical_mu`` of the token count and the step count.
-
-[dev] guides with its distilled guidance embedding (``guidance_scale``, default 4.0, one forward; no CFG
-branches, ``train_guidance`` is stored as True). [klein] guides with two-branch CFG against the empty prompt
-(``guidance_scale`` > 1, default 4.0), except the step-distilled checkpoints (``is_distilled``), whose pipeline
-ignores the scale: so does the policy. Decoding un-normalises, un-patchifies and runs the VAE. The rest
-(sampling, steps, LoRA, saving) is `mmalign.policies.flow_matching.FlowMatchingPolicy`'s.
+Details: docs/algorithms.md, "mmalign.policies.flux2".
 """
 
 from __future__ import annotations

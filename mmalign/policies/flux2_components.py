@@ -1,21 +1,6 @@
 """The FLUX.2 folder loader and prompt encoding: `Flux2Components`, `load_flux2_components`, `FLUX2_PIPELINES`.
 
-A FLUX.2 diffusers folder holds ``transformer/`` (a ``Flux2Transformer2DModel``: patch 1 on latents that the
-pipeline has already patchified 2x2, so ``in_channels`` = 4 x the VAE's ``latent_channels``, 128 for the real
-model), ``vae/`` (an ``AutoencoderKLFlux2`` whose batch-norm statistics ``bn.running_mean`` / ``running_var``
-normalise the patchified latents), ``scheduler/`` (a ``FlowMatchEulerDiscreteScheduler``), ``text_encoder/`` +
-``tokenizer/`` and a ``model_index.json`` naming the pipeline:
-
-- ``Flux2Pipeline`` (FLUX.2 [dev]): a ``Mistral3ForConditionalGeneration`` text encoder (Mistral-Small-3.x) with
-  its ``PixtralProcessor``; every prompt goes into a chat with diffusers' FLUX.2 system message;
-- ``Flux2KleinPipeline`` (FLUX.2 [klein]): a ``Qwen3ForCausalLM`` text encoder with its Qwen2 tokenizer; every
-  prompt is the user turn of the chat template (generation prompt added, thinking disabled). The index's
-  ``is_distilled`` (the step-distilled checkpoints) turns classifier-free guidance off.
-
-**Prompt states** (`Flux2Components.encode_prompt`, as the pipelines' ``encode_prompt``): the tokens padded and
-truncated to ``max_sequence_length``, the encoder's hidden states of the layers `hidden_layers` (the pipelines'
-``text_encoder_out_layers``: (10, 20, 30) for [dev], (9, 18, 27) for [klein]) stacked along the feature axis:
-[B, L, len(layers) x hidden]. No mask reaches the transformer (the pipelines attend to the padding too).
+Details: docs/extending.md, "mmalign.policies.flux2_components".
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """The FLUX.1 folder loader: `FluxComponents`, `load_flux_components`, `is_flux_folder`.
 
-A FLUX.1 (dev / schnell) diffusers folder holds:
-
-- ``transformer/``: a ``FluxTransformer2DModel`` (``in_channels`` = 4 x the VAE's latent channels, since
-  Flux works on 2x2-packed latents);
-- ``vae/``: an ``AutoencoderKL`` with ``scaling_factor`` and ``shift_factor`` set (Flux decodes
-  ``z / scaling_factor + shift_factor``);
-- ``scheduler/``: a ``FlowMatchEulerDiscreteScheduler`` with ``use_dynamic_shifting=True`` and Flux's
-  resolution-dependent shift settings (``base_shift``, ``max_shift``, ``base_image_seq_len``,
-  ``max_image_seq_len``);
-- ``text_encoder/`` + ``tokenizer/``: a ``CLIPTextModel`` (its ``pooler_output`` is the pooled prompt
-  embedding) and its ``CLIPTokenizer``;
-- ``text_encoder_2/`` + ``tokenizer_2/``: a ``T5EncoderModel`` (its states are the prompt embeddings)
-  and its ``T5TokenizerFast``;
-- ``model_index.json`` naming ``FluxPipeline``, so diffusers can load the folder as a whole too.
-
-`load_flux_components(path)` loads each part with its own ``from_pretrained`` (a local folder or a hub
-id); `FluxComponents.save_pretrained` writes one (the tiny builder `mmalign.tiny.flux` writes through
-it). `FluxComponents.encode_prompt` reproduces diffusers' ``FluxPipeline.encode_prompt``. `FluxPolicy`
-loads its model through here.
+Details: docs/extending.md, "mmalign.policies.flux_components".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """`FluxKontextPolicy`: FLUX.1 Kontext (instruction-based image editing) as a flow-matching GRPO policy.
 
 A `mmalign.policies.flux.FluxPolicy` whose every sample also sees a source image, the way diffusers'
-``FluxKontextPipeline`` feeds it:
+``FluxKontextPipeline`` feeds it (its packed latents ride along the sequence at every step).
 
-- the source image of each row (column ``image_column``, default ``source_image``: a path or a PIL image) is
-  resized to the policy's output size (Lanczos, as diffusers' image processor; a no-op when the sizes
-  agree), mapped to [-1, 1] and encoded with the VAE's posterior mode, then shifted and scaled as latents
-  are, ``(z - shift_factor) * scaling_factor``. (The pipeline instead encodes the source at its own size,
-  by default first resized to one of Kontext's preferred ~1 MP resolutions; a batch of rollouts needs one
-  token count, so here the source always has the output's size: the two agree when the sizes do);
-- at every transformer call its 2x2-packed tokens are appended after the noisy image tokens along the
-  sequence, with position ids (1, row, column) (the noisy tokens have (0, row, column)), and the prediction
-  is cut back to the noisy tokens before unpacking;
-- the sigma schedule's dynamic shift counts the noisy tokens only (as the pipeline does).
-
-The source latents are per-sample row conditioning (``row_conditioning_keys = ("image_latents",)``): stored
-in the rollout's payload, so re-scoring a transition sees the same source. Everything else -- prompt encoding
-(the instruction), FLUX.1-dev's distilled guidance, the SDE steps, LoRA -- is `FluxPolicy`'s. Saved folders
-name ``FluxKontextPipeline`` in ``model_index.json``.
+Details: docs/image_edit.md, "The policy: `FluxKontextPolicy`", and docs/algorithms.md, "FLUX.1 Kontext inputs".
 """
 
 from __future__ import annotations

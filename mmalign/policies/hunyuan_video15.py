@@ -1,17 +1,10 @@
 """`HunyuanVideo15Policy`: HunyuanVideo 1.5 text to video (``HunyuanVideo15Pipeline``, e.g.
 ``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v``) as a flow-matching GRPO policy.
 
-Only the HunyuanVideo 1.5 parts live here: the components, the prompt states (Qwen2.5-VL's third-to-last layer
-without the system turn, plus ByT5 states of quoted text) and the network call are
-`mmalign.policies.hunyuan_video15_components`'; this module adds the video size (``num_frames`` x ``height`` x
-``width``, latents [B, C, F, h, w] with F = (num_frames - 1) / temporal + 1), the sigmas (linspace(1, 0, n + 1)
-without its last point, through the folder scheduler's shift, as the pipeline) and decoding the whole clip
-through the causal video VAE (``latents / scaling_factor``). Sampling, CFG (``guidance_scale`` w: u + w (c - u),
-the formula of the folder's ``ClassifierFreeGuidance``; the empty negative prompt as the pipeline), steps, LoRA and
-saving are `mmalign.policies.flow_matching.FlowMatchingPolicy`'s; the math is in docs/algorithms.md.
-
 Image to video (``HunyuanVideo15ImageToVideoPipeline``: the first frame's latents and SigLIP states as
 conditions) is not supported here.
+
+Details: docs/video.md, "mmalign.policies.hunyuan_video15".
 """
 
 from __future__ import annotations

@@ -1,35 +1,8 @@
 """The HunyuanVideo 1.5 folder loader and prompt encoding: `HunyuanVideo15Components`,
 `load_hunyuan_video15_components`, `encode_prompt`, `encode_glyphs`, `glyph_text`, `hunyuan_video15_velocity`.
 
-A HunyuanVideo 1.5 diffusers folder (``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v``, ``model_index.json``
-naming ``HunyuanVideo15Pipeline``) holds:
-
-- ``transformer/``: a ``HunyuanVideo15Transformer3DModel`` (a dual-stream DiT over video latents [B, C, F, h, w]
-  whose input channels are 2 C + 1: the noisy latents, the first-frame condition latents and a 1-channel mask,
-  both zero for text to video);
-- ``vae/``: an ``AutoencoderKLHunyuanVideo15`` (a causal 3D VAE; latents divided by ``scaling_factor``, no shift;
-  ``temporal_compression_ratio`` 4, ``spatial_compression_ratio`` 16 in the real model);
-- ``scheduler/``: a ``FlowMatchEulerDiscreteScheduler`` (a static shift);
-- ``text_encoder/`` + ``tokenizer/``: Qwen2.5-VL's language model (``Qwen2_5_VLTextModel``) and its
-  ``Qwen2Tokenizer``;
-- ``text_encoder_2/`` + ``tokenizer_2/``: a ByT5 encoder (``T5EncoderModel``, ``ByT5Tokenizer``) for the quoted
-  text a prompt asks to render ("glyphs");
-- ``guider/``: diffusers' ``ClassifierFreeGuidance`` (kept and saved; the policy guides with its own
-  ``guidance_scale``, the same formula ``u + w (c - u)``).
-
-**Prompt states** (`encode_prompt`), as ``HunyuanVideo15Pipeline.encode_prompt`` builds them: the prompt (an
-empty one becomes a single space) is the user turn after `SYSTEM_MESSAGE`'s system turn in the tokenizer's chat
-template with the generation prompt; the ids are padded / truncated to `TEMPLATE_TOKENS` + ``max_sequence_length``
-and run through the text encoder with the mask; the states are the THIRD-TO-LAST hidden layer's, without the first
-`TEMPLATE_TOKENS` positions (the system turn). **Glyph states** (`encode_glyphs`): the quoted spans of the prompt
-(`glyph_text`) go through ByT5 padded to ``glyph_max_length``; a prompt without quotes gets zeros and a zero mask.
-
-**The network call** (`hunyuan_video15_velocity`): the input is [latents, zeros, zero mask] on the channels, the
-timestep sigma * ``num_train_timesteps`` in the transformer's dtype, the image states all zero (text to video: the
-transformer masks them out, so one token does what the pipeline's 729 do); the output is the flow velocity itself.
-Positions masked in every sample (prompt and glyph padding) are trimmed before the call: the transformer puts the
-valid tokens first and masks the rest out of attention, so the velocity is the same (a test checks it against the
-untrimmed call) and the padding costs no compute.
+Details: docs/video.md, "`mmalign.policies.hunyuan_video15_components`" (folder layout, prompt
+states) and "HunyuanVideo 1.5 (text to video)" (the network call).
 """
 
 from __future__ import annotations

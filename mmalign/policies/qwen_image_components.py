@@ -2,43 +2,8 @@
 `is_qwen_image_folder`, `encode_prompt`; and Qwen-Image-Edit's (`QwenImageEditComponents`,
 `load_qwen_image_edit_components`, `is_qwen_image_edit_folder`, `encode_edit_prompt`).
 
-A Qwen-Image diffusers folder (``Qwen/Qwen-Image``) holds:
-
-- ``transformer/``: a ``QwenImageTransformer2DModel`` (an MMDiT on 2x2-packed latents: ``in_channels`` = 4 x
-  the VAE's ``z_dim``, patch 2, 3-axis RoPE on the image tokens, text tokens after them);
-- ``vae/``: an ``AutoencoderKLQwenImage`` (Wan's causal video VAE layout used on single frames: latents
-  [B, z, 1, h, w], normalised with the config's ``latents_mean`` / ``latents_std``; spatial factor
-  ``2 ** len(temperal_downsample)``, 8 for the real model);
-- ``scheduler/``: a ``FlowMatchEulerDiscreteScheduler`` with dynamic (exponential) shifting and
-  ``shift_terminal``;
-- ``text_encoder/`` + ``tokenizer/``: ``Qwen2_5_VLForConditionalGeneration`` and its ``Qwen2Tokenizer``;
-- ``model_index.json`` naming ``QwenImagePipeline``.
-
-**Prompt encoding** (`encode_prompt`): diffusers' ``QwenImagePipeline._get_qwen_prompt_embeds``: each prompt
-is put into the chat template `PROMPT_TEMPLATE` (a system turn asking to describe the image, then the prompt
-as the user turn), tokenized with padding to the batch's longest (at most 1024 + `PROMPT_DROP` tokens), run
-through the text encoder with its attention mask, and the LAST hidden states of each prompt's valid tokens
-are kept without the first `PROMPT_DROP` (34: the template's system part, as the real tokenizer splits it).
-Where the pipeline pads the states to the batch's longest prompt, `encode_prompt` pads every prompt to
-``max_sequence_length`` (truncating longer ones, as the pipeline does) and returns the 0/1 mask of the valid
-positions, so that cached prompts of any batch stack; the transformer masks the padding out of attention and
-places text RoPE positions from 0 whatever the padding, so the network's output does not depend on it.
-
-**Qwen-Image-Edit** (``Qwen/Qwen-Image-Edit``, ``QwenImageEditPipeline``) has the same transformer, VAE and text
-encoder, plus ``processor/`` (a ``Qwen2VLProcessor``). Its prompt states are Qwen2.5-VL's reading of the
-instruction TOGETHER with the source image (`encode_edit_prompt`): the instruction goes into
-`EDIT_PROMPT_TEMPLATE` (a system turn asking to describe the input image and how the instruction changes it,
-then the user turn ``<|vision_start|><|image_pad|><|vision_end|>`` + instruction), the processor expands the
-image pad to the image's merged patch tokens and prepares the pixels, and the last hidden states of the valid
-tokens are kept without the first `EDIT_PROMPT_DROP` (64). The pipeline neither pads to a fixed length nor
-truncates; `encode_edit_prompt` pads (mask 0) to the image's tokens + ``max_sequence_length`` and truncates
-the tail beyond that.
-
-**Qwen-Image-Edit-Plus** (``Qwen/Qwen-Image-Edit-2509`` / ``-2511``, ``QwenImageEditPlusPipeline``; same parts,
-`QwenImageEditPlusComponents`) reads SEVERAL source images: the user turn of `EDIT_PLUS_PROMPT_TEMPLATE` is
-``Picture 1: <|vision_start|><|image_pad|><|vision_end|>Picture 2: ...`` (`PICTURE_TEMPLATE` per image) followed by
-the instruction, each image resized to ~`CONDITION_IMAGE_PIXELS` (384 x 384) of its own aspect ratio for the VLM
-(`condition_size`), the first `EDIT_PROMPT_DROP` tokens dropped as before (`encode_edit_plus_prompt`).
+Details: docs/extending.md, "`mmalign.policies.qwen_image_components`" (folder layout, prompt
+encoding); the edit prompts: docs/algorithms.md, "Qwen-Image-Edit inputs", and docs/image_edit.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """`QwenImageEditPolicy`: Qwen-Image-Edit (``QwenImageEditPipeline``) as a flow-matching GRPO policy.
 
-A `mmalign.policies.qwen_image.QwenImagePolicy` whose every sample also sees a source image, in the two places
-diffusers' ``QwenImageEditPipeline`` feeds it:
+A `mmalign.policies.qwen_image.QwenImagePolicy` whose every sample also sees a source image: in the prompt
+states (Qwen2.5-VL reads the instruction with the source; `row_conditioning`) and in the sequence (the
+source's packed VAE latents after the noisy tokens).
 
-- **the prompt states**: Qwen2.5-VL reads the instruction together with the source image
-  (`mmalign.policies.qwen_image_components.encode_edit_prompt`: the edit chat template, the processor's vision
-  tokens, the first 64 template tokens dropped). The states therefore belong to the row, not to the prompt:
-  the policy has no prompt-only conditioning (``conditioning_keys`` is empty) and `row_conditioning` returns
-  ``prompt_embeds`` / ``prompt_mask``, read from the row's ``prompt`` and image column. With true CFG
-  (``guidance_scale`` > 1) it also encodes the ``negative_prompt`` with the same image
-  (``negative_prompt_embeds`` / ``negative_prompt_mask``), which the unconditional branch takes in place of the
-  prompt keys (``negative_row_keys``);
-- **the sequence**: the source's VAE latents (posterior mode, normalised with ``latents_mean`` /
-  ``latents_std``) are 2x2-packed and appended after the noisy tokens at every transformer call, with a second
-  ``img_shapes`` frame; only the noisy tokens' output is kept (`qwen_image_velocity` with ``source``).
-
-Each source (column ``image_column``, default ``source_image``: a path or a PIL image) is resized with Lanczos
-to the output size and used at that size by both the VAE and the VLM. (The pipeline resizes it to ~1 MP of its
-own aspect ratio; a batch of rollouts needs one token count, so here the source always has the output's size:
-the two agree for a square source at a 1024 px output.) Everything row conditioning holds is stored in the
-rollout's payload, so re-scoring sees the same states without running the VLM again. The sigmas (the dynamic
-shift counts the noisy tokens only, as the pipeline does), true CFG with the norm rescaling, the SDE steps,
-LoRA and decoding are `QwenImagePolicy`'s. Saved folders name ``QwenImageEditPipeline`` and hold
-``processor/``.
+Details: docs/algorithms.md, "Qwen-Image-Edit inputs", and docs/image_edit.md.
 """
 
 from __future__ import annotations

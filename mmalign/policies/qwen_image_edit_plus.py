@@ -3,21 +3,9 @@ policy.
 
 A `mmalign.policies.qwen_image_edit.QwenImageEditPolicy` whose every sample sees SEVERAL source images (the row's
 ``image_column``: one path / PIL image, or a list of them; every sample of a batch must have the same number),
-each in the two places the pipeline feeds it:
+each in the two places the pipeline feeds it (the VLM's prompt states and the packed source latents).
 
-- **the prompt states**: Qwen2.5-VL reads ``Picture 1: <image> Picture 2: <image> ...`` followed by the
-  instruction (`mmalign.policies.qwen_image_components.encode_edit_plus_prompt`), each picture resized with
-  Lanczos to ~``condition_pixels`` (384 x 384 by default, the pipeline's ``CONDITION_IMAGE_SIZE``) of its own
-  aspect ratio, sides multiples of 32 (`condition_size`); with true CFG the ``negative_prompt`` is read with the
-  same pictures;
-- **the sequence**: each source's VAE latents (resized to the output size, as `QwenImageEditPolicy` does:
-  ``QwenImageEditPlusPipeline`` uses ~1 MP of the source's aspect ratio, the same for square sources at a 1024 px
-  output) are 2x2-packed and appended after the noisy tokens in order, each with its own ``img_shapes`` frame
-  (`qwen_image_edit_plus_velocity`); only the noisy tokens' output is kept.
-
-Distinct source images, distinct (instruction, pictures) pairs and distinct picture lists (negatives) of a batch
-are each encoded once; everything is stored in the rollout's payload (``image_latents`` [B, n, z, h, w]). The
-sigmas, true CFG with the norm rescaling, the SDE steps, LoRA and decoding are `QwenImagePolicy`'s.
+Details: docs/image_edit.md, "Qwen-Image-Edit-2509 / 2511" and "mmalign.policies.qwen_image_edit_plus".
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """The SD3 / SD3.5 folder loader: `SD3Components`, `load_sd3_components` and SD3's prompt encoding.
 
-`load_sd3_components(path)` loads a pipeline folder (``transformer/``, ``vae/``, ``scheduler/``,
-``text_encoder/``, ``tokenizer/``; the SD3 layout also ``text_encoder_2/``, ``tokenizer_2/`` and
-optionally ``text_encoder_3/``, ``tokenizer_3/``) with ``from_pretrained`` per component, from a local
-folder or a hub id; `SD3Components.save_pretrained` writes one. `mmalign.policies.sd3.SD3Policy` loads its model through
-here, and the tiny SD3-style builders of `mmalign.tiny.sd3` write their folders through here too.
-
-Text encoders, two layouts (`load_sd3_components` detects which from the folder):
-
-- **SD3 / SD3.5** (``text_encoder_2/`` present): two ``CLIPTextModelWithProjection`` and an optional
-  ``T5EncoderModel`` (``text_encoder_3/``; SD3 runs without it too). `encode_prompt` reproduces
-  diffusers' ``StableDiffusion3Pipeline.encode_prompt`` exactly (``clip_skip=None``): each CLIP's
-  penultimate hidden states (``hidden_states[-2]``, both tokenized to the *first* tokenizer's
-  ``model_max_length``, no attention mask) are concatenated on the feature dim and zero-padded to the
-  T5 width, then concatenated along the sequence with T5's ``last_hidden_state`` (tokenized to
-  ``max_sequence_length``, default 256); without T5 its part is zeros [B, max_sequence_length,
-  joint_attention_dim]. The pooled embedding is the concatenation of both CLIPs' ``text_embeds``.
-- **tiny single-encoder** (no ``text_encoder_2/``): one ``CLIPTextModelWithProjection``; prompt
-  embeddings are its penultimate hidden states [B, L, joint_attention_dim] and the pooled embedding its
-  projection [B, pooled_projection_dim].
+Details: docs/extending.md, "mmalign.policies.sd3_components".
 """
 
 from __future__ import annotations

@@ -2,15 +2,7 @@
 Hugging Face ``generate`` or the rollout engine), stop strings and the action mask, and the `Rollout` of
 sampled completions.
 
-The own decode loop (`TokenSampling._sample_loop`, the default where the model's generation config asks for
-nothing beyond temperature / top-k / top-p / suppressed tokens) draws each token with `sample_next_tokens`:
-the same distribution as ``generate`` (suppressed tokens, temperature, top-k, then top-p on the renormalised
-top-k), computed on the last position's logits in their own dtype, the vocabulary in slices (no fp32 copy of
-the ``[B, V]`` logits, no full sort, one uniform number per row instead of ``multinomial``'s V exponentials).
-It also returns each drawn token's log-prob (fp32, from the same logits); with `TokenSampling.sampled_logp` on
-(an asynchronous rollout worker's copy: `mmalign.training.asynchronous.RolloutWorker`) they become the rollout's
-``logp_old`` with ``compute_logp=True`` instead of a second scoring forward pass, where they are exact enough
-(`TokenSampling.sampled_logp_blockers`).
+Details: docs/algorithms.md, "mmalign.policies.token_sampling".
 """
 
 from __future__ import annotations
@@ -585,18 +577,8 @@ class TokenSampling:
         (`_logprobs`) as ``logp_old``; empty: with `sampled_logp` on they are used, and ``compute_logp=True``
         costs no extra forward.
 
-        The loop's log-prob of a token is ``log_softmax(logits / T)`` of the last position's logits, in fp32
-        for the drawn token only (`sample_next_tokens`); the scoring pass runs the whole sequence through the
-        model at once. Both are the same function of the weights; they differ only by the order of floating
-        point operations (attention over a KV cache one token at a time against one causal forward; a
-        ``[B, 1]`` against a ``[B, T]`` matmul through the head), about 1e-6 in fp32 (the tests allow 1e-5).
-        In bf16 / fp16 that difference is of the order of the dtype's precision (1e-2), so the loop's log-probs
-        are used only for fp32 logits (checked on the logits, and not under autocast: `_sample_loop`) with fp32
-        matmuls in full precision (``torch.get_float32_matmul_precision() == "highest"``: no TF32 / bf16 passes),
-        and only where both compute the same distribution: no tokens suppressed in sampling (the model's
-        ``generation_config.suppress_tokens``) or in scoring (`suppressed_ids`, e.g. a VLM's placeholders).
-        Logits processors are never applied by the own loop (`own_loop_blockers` sends them to ``generate``,
-        whose completions are always scored)."""
+        Details: docs/algorithms.md, "mmalign.policies.token_sampling.TokenSampling.sampled_logp_blockers".
+        """
         out = []
         precision = torch.get_float32_matmul_precision()
         if precision != "highest":

@@ -1,16 +1,6 @@
 """`ZImagePolicy`: Z-Image (``ZImagePipeline``, e.g. ``Tongyi-MAI/Z-Image-Turbo``) as a flow-matching GRPO policy.
 
-Only the Z-Image parts live here: the components and the prompt states (`mmalign.policies.z_image_components`:
-Qwen3's second-to-last hidden states of the chat-templated prompt, padded to ``max_sequence_length`` with a
-mask), the network call (`z_image_velocity`: ragged per-sample inputs, time input 1 - sigma, output negated),
-the sigmas (linspace(1, 1/n, n) through the folder scheduler: the Turbo model's static shift 3; dynamic shifting
-with mu of the 2x2 patch count when the scheduler asks for it) and decoding through the ``AutoencoderKL``
-(``latents / scaling_factor + shift_factor``, `DenoisingPolicy.decode_latents`). The state is the [B, C, h, w] latent (``latent_size`` even).
-
-Guidance: the pipeline's ``guidance_scale`` g combines ``pos + g (pos - neg)`` (0: no CFG, the Turbo model's
-setting); mmalign's ``guidance_scale`` w is the usual ``neg + w (pos - neg)``, so w = g + 1 (w = 1: no CFG). The
-pipeline's ``cfg_normalization`` / ``cfg_truncation`` (off by default) are not reproduced. Sampling, steps,
-LoRA and saving are `mmalign.policies.flow_matching.FlowMatchingPolicy`'s; the math is in docs/algorithms.md.
+Details: docs/algorithms.md, "Z-Image" (guidance) and "mmalign.policies.z_image".
 """
 
 from __future__ import annotations

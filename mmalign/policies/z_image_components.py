@@ -1,26 +1,7 @@
 """The Z-Image folder loader and prompt encoding: `ZImageComponents`, `load_z_image_components`,
 `encode_prompt`, `z_image_velocity`.
 
-A Z-Image diffusers folder (``Tongyi-MAI/Z-Image-Turbo``, ``model_index.json`` naming ``ZImagePipeline``) holds:
-
-- ``transformer/``: a ``ZImageTransformer2DModel`` (a single-stream DiT: image patches of 2 x 2 latents and the
-  caption features are refined separately, then concatenated into one sequence; it takes LISTS of per-sample
-  latents [C, 1, h, w] and caption features [L_i, D] of any length and returns a list);
-- ``vae/``: an ``AutoencoderKL`` (FLUX.1's 16-channel VAE; latents normalised with ``scaling_factor`` and
-  ``shift_factor``; spatial factor ``2 ** (len(block_out_channels) - 1)``);
-- ``scheduler/``: a ``FlowMatchEulerDiscreteScheduler`` (the Turbo model's: a static shift of 3);
-- ``text_encoder/`` + ``tokenizer/``: a Qwen3 base model (``Qwen3Model``) and its ``Qwen2Tokenizer``.
-
-**Prompt encoding** (`encode_prompt`), as ``ZImagePipeline._encode_prompt``: each prompt becomes the user turn of
-the tokenizer's chat template (``add_generation_prompt=True, enable_thinking=True``), is tokenized padded /
-truncated to ``max_sequence_length`` and run through the text encoder; the states are the SECOND-TO-LAST hidden
-layer's at the valid (mask 1) positions. The pipeline hands the transformer a ragged list of those; here they
-are kept padded [B, max_sequence_length, D] with the 0/1 mask (padding zeroed), so that cached prompts stack,
-and `z_image_velocity` unpads them again before the call, so the network sees exactly the pipeline's input.
-
-**The network call** (`z_image_velocity`): the transformer's time input is ``(1000 - t) / 1000`` for the
-scheduler's timestep t = sigma * ``num_train_timesteps`` (1 - sigma: the model counts time from noise to data),
-and its output is the negative of the flow velocity (the pipeline negates it before the Euler step).
+Folder layout, prompt encoding and the network call: docs/algorithms.md, "mmalign.policies.z_image_components".
 """
 
 from __future__ import annotations

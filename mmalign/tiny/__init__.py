@@ -1,25 +1,10 @@
 """Builders for tiny offline models (tests, the quickstart, benchmarks).
 
-Nothing here downloads anything: tokenizers are byte-level BPEs trained in-process with
-`tokenizers`, models are built from config kwargs, and everything is written with
-`save_pretrained` so that it is loaded back through the very `from_pretrained` path that real
-hub ids use.
+The builder registry and what every builder shares (`BUILDERS`, `build`, `ensure_model`, `get_builder`,
+`progress_bar`, `train_bpe_tokenizer`, `tiny_causal_lm`); builders live in the submodules and in entry points
+of ``mmalign.tiny_builders``. Nothing is downloaded: everything is built and saved with ``save_pretrained``.
 
-This package holds the builder registry and what every builder shares (`BUILDERS`, `build`,
-`ensure_model`, `progress_bar`, `train_bpe_tokenizer`, `tiny_causal_lm`); the builders themselves
-live in its submodules, found by scanning this package (pkgutil) and imported on first use so that
-importing `mmalign.tiny` stays cheap: `text` (the arithmetic task), `vlm`, `sd3`, `flux`, `sd15`,
-`shapes` (diffusion models warm-started on the shapes world that `world` draws) and `clip`. Other
-packages add builders through the entry-point group ``mmalign.tiny_builders`` (each entry point names a
-module that registers into `BUILDERS` on import); `DISCOVERY` finds both, `get_builder(name)` imports
-only what it needs. The real SD3 / Flux / SD 1.5
-component loaders the tiny diffusion builders write through are in `mmalign.policies`
-(``sd3_components``, ``flux_components``, ``sd15_components``).
-
-`build(name, path)` runs a registered builder; `mmalign train` calls it when a config sets
-``model.tiny_builder`` and ``model.name_or_path`` does not exist yet. A build announces itself on stderr
-with a rough duration (the builder's ``minutes`` metadata, for 2 idle CPU cores) and every training
-loop of a builder shows a `progress_bar` (elapsed<remaining) named after the build and its phase.
+Details: docs/architecture.md, "mmalign.tiny".
 """
 
 from __future__ import annotations

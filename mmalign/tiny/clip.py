@@ -1,31 +1,9 @@
 """A tiny CLIP trained in-process on the synthetic shapes world (tests, the tiny safe-diffusion pipeline).
 
-`build_clip_shapes_tiny(path)` (tiny builder ``clip_shapes_tiny``) trains a Hugging Face `CLIPModel`
-(32 px images, 8 px patches, 2+2 layers of width 64, ~190k parameters) contrastively on shapes-world
-scenes and their captions for a fixed 600 steps (about 25-40 s on one CPU thread; seeded), then
-writes a folder with the model, a byte-level `CLIPTokenizer` (`mmalign.tiny.sd3.clip_byte_tokenizer`)
-and a `CLIPImageProcessor` (32 px, OpenAI mean / std). `rewards.image.CLIPEmbedder` and every CLIP
-reward (``clip_score``, ``clip_steering``, ``clip_concept_flag`` ...) load that folder through
-``from_pretrained`` exactly like a real CLIP id.
+`build_clip_shapes_tiny(path)` (builder ``clip_shapes_tiny``) writes a `CLIPModel` folder that every CLIP
+reward loads with ``from_pretrained`` like a real CLIP id.
 
-Training data: every scene ``(colour, count, position)`` of the world (4 colours, 1-4 objects, the
-positions left / right / top / bottom / center and "anywhere") rendered by `mmalign.tiny.world.render_scene`,
-lightly augmented (a shift of up to 2 px, brightness jitter, pixel noise), paired with captions of
-several granularities (`scene_captions`): the full caption (``"two red squares on the left"``), count-
-or position-free ones (``"two red squares"``, ``"red squares on the left"``), colour-only ones
-(``"red"``, ``"red squares"``, ``"a red object"``) and ``"a red square"`` for single objects. A caption
-matches every scene its words are true of, so the contrastive loss uses all matching pairs of a batch
-as positives (soft targets), and anchor texts such as ``"red"`` or ``"a red object"`` land near the
-red scenes. A seeded set of ``(colour, count, position)`` combinations (`heldout` in
-``mmalign_tiny.json``) is never trained on; `colour_accuracy` measures zero-shot colour recognition
-on them (1.0 for the default build).
-
-The temperature is fixed at CLIP's 100, which gives real-CLIP-like geometry (see `train_tiny_clip`):
-matching image-caption cosines around 0.2-0.4, captions close to each other. That is what makes the
-SafeDiffusion-R1 steering reward behave as intended in the tiny world, where red plays the unsafe
-concept: with safe anchors "a green/blue/yellow square" and the unsafe anchor "a red square",
-``clip_steering`` scores the green, blue and yellow versions of "one red square on the left" above
-the red one, while plain ``clip_score`` prefers the red one.
+Details: docs/architecture.md, "mmalign.tiny.clip".
 """
 
 from __future__ import annotations
@@ -195,17 +173,7 @@ def train_tiny_clip(
     probability `full_caption_prob`, otherwise one of the others uniformly). The loss is the symmetric
     contrastive loss with every true (image, caption) pair of the batch a positive (soft targets).
 
-    `logit_scale` is kept fixed (the trained OpenAI CLIP's 100 by default; None learns it from CLIP's
-    initial 1/0.07). A fixed high scale keeps the text embeddings in a narrow cone, as in real CLIP
-    (mean cosine between different captions ~0.9, matching image-text pairs ~0.2-0.4): the content
-    of a caption is a small part of its embedding, which is what lets `clip_steering`'s
-    ``alpha * v_safe`` outweigh the prompt's own colour. With a learned scale the captions spread out
-    (mean cosine ~0.1-0.3) and the colour of the prompt dominates every other direction.
-
-    Training runs on `threads` intra-op threads (1 by default: the same arithmetic on every machine,
-    and fast on a busy 2-core box); the previous setting is restored afterwards. ``info`` holds the
-    final loss, a loss curve (every 25 steps), the wall time and the held-out scenes. Seeded: the
-    same arguments give the same weights.
+    Details: docs/architecture.md, "mmalign.tiny.clip.train_tiny_clip".
     """
     from mmalign.tiny.world import render_scene
 

@@ -1,24 +1,8 @@
 """A tiny FLUX.1-style pipeline built offline from config kwargs (tests, quickstart).
 
-`build_tiny_flux(path)` writes a folder with the layout of a real FLUX.1 (dev / schnell) diffusers folder
-(see `mmalign.policies.flux_components`), at toy size:
-
-- ``transformer/``: a ``FluxTransformer2DModel`` (one double-stream and one single-stream block, 2 heads of
-  16 dims; ``in_channels`` = 4 x the VAE's latent channels, since Flux works on 2x2-packed latents);
-- ``vae/``: an ``AutoencoderKL`` with ``scaling_factor`` and ``shift_factor`` set;
-- ``scheduler/``: a ``FlowMatchEulerDiscreteScheduler`` with ``use_dynamic_shifting=True`` and Flux's
-  resolution-dependent shift settings;
-- ``text_encoder/`` + ``tokenizer/``: a ``CLIPTextModel`` with the byte-level CLIP tokenizer of
-  `mmalign.tiny.sd3`;
-- ``text_encoder_2/`` + ``tokenizer_2/``: a ``T5EncoderModel`` with the character T5 tokenizer of
-  `mmalign.tiny.sd3`;
-- ``model_index.json`` naming ``FluxPipeline``.
-
-Each part is written with ``save_pretrained`` (`FluxComponents.save_pretrained`) and
-`mmalign.policies.flux_components.load_flux_components` loads it back with ``from_pretrained`` per
-component -- the path a real FLUX.1 folder takes. Nothing is downloaded.
-
 Builder registered in `mmalign.tiny.BUILDERS`: ``flux_tiny``.
+
+Details: docs/architecture.md, "mmalign.tiny.flux".
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """Tiny random FLUX.2 folders (``Flux2Pipeline`` [dev] and ``Flux2KleinPipeline`` [klein]) built from config kwargs.
 
-The folder has the published layout (`mmalign.policies.flux2_components`): ``transformer/`` (a
-``Flux2Transformer2DModel``, one double- and one single-stream block), ``vae/`` (an ``AutoencoderKLFlux2`` with
-one 2x downsample and made-up batch-norm statistics), ``scheduler/`` (``FlowMatchEulerDiscreteScheduler`` with
-dynamic shifting), ``text_encoder/`` + ``tokenizer/`` and a ``model_index.json`` naming the real pipeline class:
-
-- [dev]: a ``Mistral3ForConditionalGeneration`` (text width 16, a one-layer Pixtral vision tower) and a
-  ``PixtralProcessor`` whose byte-level BPE is trained on the FLUX.2 system message and the shapes captions,
-  with a Mistral-style chat template (``[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]``);
-- [klein]: a ``Qwen3ForCausalLM`` (width 16) and a Qwen2 tokenizer with a Qwen3-style chat template
-  (``enable_thinking=False`` adds the empty think block), ``is_distilled`` in the index as asked.
-
-The text encoders are narrow but as deep as the pipelines' default ``text_encoder_out_layers`` need (30 layers
-for [dev], 27 for [klein]), so the folders run with every default. Builders: ``flux2_tiny`` and
-``flux2_klein_tiny`` (random weights; the tiny configs train LoRA on them).
+Details: docs/architecture.md, "mmalign.tiny.flux2".
 """
 
 from __future__ import annotations

@@ -4,49 +4,9 @@ The data of the tiny latent geometry model and of the tiny world-consistent text
 Pure torch, deterministic given a `random.Random` (or a seed), fast on CPU: every clip is ray cast in one
 vectorised pass over all its pixels and frames.
 
-**Conventions** are those of `rewards.camera` (OpenCV axes: x right, y down, z forward; a camera is its
-centre ``c`` and camera-to-world rotation ``R = rotation_from_angles((yaw, pitch, roll))``; ``K =
-intrinsics(FOV_X, H, W)``; pixel (i, j) has its centre at (j + 0.5, i + 0.5); depth is the camera-frame z).
-Positive yaw turns the camera to the right (towards +x), negative pitch tilts it down (towards the floor).
-The ray of a pixel is ``c + t * R K^-1 (u, v, 1)``, so the hit parameter ``t`` *is* the depth.
+Entry points: `make_scene_clip`, `render_views`, `write_scene_dataset`; the motions are `MOTIONS`.
 
-**Scenes.** A closed, axis-aligned room (so that every ray hits something and every depth is finite): the
-floor y = +1 (one unit below the nominal camera), the ceiling y = `CEILING_Y`, a back wall z in
-`BACK_WALL_Z`, side walls x = +-`SIDE_WALL_X`, and a wall behind the camera z = `FRONT_WALL_Z`. On the floor
-stand 1 to 3 axis-aligned boxes of distinct `BOX_COLOURS` (sides in `BOX_SIZE`, centres at x in `BOX_X`, z in
-`BOX_Z`, not overlapping). Every surface has a colour and a procedural texture in *world* coordinates (a soft
-``checker`` or diagonal ``stripes``, so the texture moves with the geometry), a constant per-face shade (faces
-facing x, y, z get `FACE_SHADE`) and no view-dependent lighting, so a surface point has the same colour in
-every frame. Texture contrast fades where a texture cell gets smaller than about 1.5 pixels (a cheap
-anti-aliasing: the only view-dependent effect, on far, grazing surfaces). The nearest hit of each ray wins
-(z-buffer semantics); the `render_views` function renders any `Scene` (a ray that hits nothing gets
-depth ``inf`` and colour `BACKGROUND`, which the rooms of `make_scene_clip` never produce).
-
-**Motions** (`MOTIONS`; time runs over the clip as t = f / (F - 1), and every speed is the total change over
-the clip, drawn uniformly from its range in `SPEEDS`):
-
-- ``static``: the camera does not move; all frames are identical (unless ``jitter > 0``).
-- ``pan_left`` / ``pan_right``: the centre stays put and the yaw decreases / increases linearly
-  (``speed`` radians over the clip); the start yaw is offset so that the boxes stay around the middle.
-- ``dolly_in`` / ``dolly_out``: the centre moves forward / backward along the (fixed) viewing direction
-  ``R[:, 2]`` by ``speed`` units, the rotation stays fixed.
-- ``truck_left`` / ``truck_right``: the centre moves along -``R[:, 0]`` / ``R[:, 0]`` (sideways, horizontal)
-  by ``speed`` units, the rotation stays fixed.
-- ``orbit``: the camera circles (horizontally, at constant height) around the scene centre ``target``
-  (the mean of the box centres) by ``speed`` radians, in a random direction, yaw and pitch chosen so that
-  the optical axis passes through ``target`` in every frame.
-
-All trajectories are smooth (constant velocity, or constant angular velocity for the orbit). ``jitter`` adds
-i.i.d. Gaussian noise of standard deviation ``jitter`` to every frame's centre (units) and angles
-(radians), for non-smooth negatives.
-
-**Captions** use a small vocabulary (`BOX_COLOURS`, `ROOM_COLOURS`, `MOTION_PHRASES`), e.g. "a red box and
-a blue box in a grey room, camera pans left".
-
-`write_scene_dataset` writes ``scenes.jsonl`` (rows ``{"prompt", "motion", "video"}``, ``video`` relative to
-the JSONL's folder) and one ``clips/NNNNNN.npz`` per clip holding ``frames`` (uint8 [F, H, W, 3], readable
-by `mmalign.data.media.read_video`), ``depth`` (float16 [F, H, W]), ``centres``, ``angles``, ``rotations`` and
-``K`` (float32).
+Details: docs/video.md, "mmalign.tiny.geometry_scenes".
 """
 
 from __future__ import annotations

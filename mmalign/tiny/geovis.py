@@ -1,48 +1,9 @@
 """Tiny synthetic remote-sensing maps for GeoViS-style visual search, and a tiny Qwen2-VL warm-started on them.
 
-The task (`write_dataset`): a 224x224 map of fields and roads with one large landmark (a blue lake) and a
-handful of tiny (5-8 px) buildings in four colours. The referring expression names a colour and a side of
-the lake ("the small red building left of the lake"); one other building of the SAME colour sits on
-another side of the lake, so the relation matters, and buildings of other colours stand near the target.
-Rows follow the grounding layout (`pipelines.grounding.data`): ``image``, ``expression``, ``boxes`` (absolute
-pixels of the original image), ``coords: absolute``, ``image_width`` / ``image_height``, plus ``object``
-("red building"), ``relation`` ("left of the lake") and ``landmark`` ("lake").
+`write_dataset` writes the maps as grounding rows; `build_geovis` (builder ``geovis``) warm-starts the
+tiny Qwen2-VL (`geovis_vlm`); ``python -m mmalign.tiny.geovis [eval MODEL | probe ...]``.
 
-The views have their own pixel bounds (`VIEW_PIXELS`, `pipelines.grounding.geovis_views.ViewPixels`): the
-whole map reaches the model as 56x56 pixels (root bounds 3136 = 56 * 56; a building is 1-2 pixels there and
-a box written in those pixels is quantised to 4 original pixels), so answering in one shot cannot be
-precise; every crop reaches it as 28x28 (crop bounds 784 = 28 * 28), ONE merged visual token. The policy
-zooms twice: a coarse crop of ~40 px (shown at 0.64-0.78x), a fine crop of ~20 px of that crop (shown at
-1.2-1.6x, the building 6-13 px), then the answer in the fine crop. One token per crop because this model
-learns where a thing is inside one token in a few hundred steps but hardly which of several tokens holds it
-(crops shown at 224x224, 8x8 tokens, were tried first; `localisation_probe` and docs/grounding.md have the
-measurements).
-
-Builder ``geovis`` (`build_geovis`): a tiny Qwen2-VL warm-started on the exact token sequences the
-policy produces under the GeoViS protocol (`pipelines.grounding.geovis_env`, `pipelines.grounding.geovis_views`):
-
-(a) a 3-turn zoom conversation ``ZOOM_PROMPT`` + view 0 -> ``<crop>[..]</crop>`` (a coarse square around
-    the target, in view 0's resized pixels, its centre off by the model's own error, sigma 8 px), the
-    inserted user message ``View 1:`` + the crop -> ``<crop>[..]</crop>`` (a fine square in view 1's
-    pixels, sigma 1.5 px), ``View 2:`` + that crop -> ``<answer>[..]</answer>`` (the target box in the fine
-    crop's resized pixels, jittered), trained as ONE sequence with the loss on the assistant turns only;
-(b) ``BOX_PROMPT`` on crops that contain the target (fine crops, crops of 16-112 px, and sometimes the
-    whole map) -> the box;
-(c) ``YESNO_PROMPT`` on crops with / without the target -> ``yes`` / ``no``.
-Every image is shown as the policy shows it: view 0 at the root bounds, crops at the crop bounds
-(`pipelines.grounding.geovis_views.view_image`).
-
-The model (`geovis_vlm`, ~0.74M parameters) is `mmalign.tiny.vlm`'s layout, widened: 3 text layers of
-width 128, a 2-block vision tower of width 64, and M-RoPE with ``rope_theta = 3`` (our design: with the
-usual 10000 and a 32-wide head, the rotary frequencies given to the height / width sections are so low
-that the 2x2 image tokens of a 56x56 view get nearly the same positions). Warm-start numbers: see
-docs/grounding.md (``python -m mmalign.tiny.geovis eval MODEL``).
-
-Sequences are rendered with the processor's own chat template (`render_conversation`); the test suite
-checks that they equal, token for token, what the VLM policy's multi_turn rollout holds for the same
-turns. ``python -m mmalign.tiny.geovis`` rewrites ``assets/geovis``; ``python -m mmalign.tiny.geovis eval
-MODEL`` prints the zoom and one-shot Acc@0.5 of a model (sampled and best-of-8); ``python -m
-mmalign.tiny.geovis probe ...`` runs `localisation_probe`.
+Details: docs/grounding.md, "mmalign.tiny.geovis".
 """
 
 from __future__ import annotations

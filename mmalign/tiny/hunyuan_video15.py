@@ -1,26 +1,9 @@
 """Tiny HunyuanVideo 1.5 text-to-video pipelines built offline from config kwargs (`mmalign.policies.hunyuan_video15`).
 
-The folder has the layout of ``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v`` (``model_index.json`` naming
-``HunyuanVideo15Pipeline``, ``transformer/ vae/ scheduler/ text_encoder/ tokenizer/ text_encoder_2/ tokenizer_2/
-guider/``), written through `HunyuanVideo15Components.save_pretrained` and loaded back by
-`load_hunyuan_video15_components` and diffusers' ``HunyuanVideo15Pipeline.from_pretrained``:
+Builder ``hunyuan_video15_tiny`` (`build_tiny_hunyuan_video15`): a random
+``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v``-layout folder.
 
-- ``tokenizer/``: a ``Qwen2Tokenizer`` over a byte-level BPE trained in-process (`mmalign.tiny.train_bpe_tokenizer`)
-  with ``<|im_start|>`` / ``<|im_end|>`` and a chat template rendering system / user turns as Qwen2.5's does; its
-  vocabulary size is chosen so that the system turn of `SYSTEM_MESSAGE` plus the user turn's opening is exactly the
-  `TEMPLATE_TOKENS` (108) tokens the pipeline drops (`tiny_hunyuan_tokenizer` checks it);
-- ``text_encoder/``: a ``Qwen2_5_VLTextModel`` with 3 layers of width 32 (the states are the third-to-last layer's);
-- ``text_encoder_2/`` + ``tokenizer_2/``: a one-layer ``T5EncoderModel`` of width 16 and the byte-level
-  ``ByT5Tokenizer``;
-- ``vae/``: an ``AutoencoderKLHunyuanVideo15`` with 2x temporal and 4x spatial compression, ``latent_channels`` 4 and
-  ``scaling_factor`` 0.75 (so the normalisation is exercised);
-- ``transformer/``: a ``HunyuanVideo15Transformer3DModel`` with one dual-stream block of 2 heads of 8 (patch 1,
-  ``in_channels`` 2 x 4 + 1 = 9, ``target_size`` 32, ``task_type`` t2v);
-- ``scheduler/``: ``FlowMatchEulerDiscreteScheduler`` with a static shift of 5; ``guider/``: diffusers'
-  ``ClassifierFreeGuidance`` at scale 6.
-
-9 frames of 32 x 32 pixels are 5 latent frames of 8 x 8. Builder registered in `mmalign.tiny.BUILDERS`:
-``hunyuan_video15_tiny`` (`build_tiny_hunyuan_video15`, random weights, about a second).
+Details: docs/video.md, "mmalign.tiny.hunyuan_video15".
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """Tiny Qwen-Image pipelines built offline from config kwargs (`mmalign.policies.qwen_image`).
 
-The folder has the layout of ``Qwen/Qwen-Image`` (``transformer/ vae/ scheduler/ text_encoder/ tokenizer/
-model_index.json``), written through `mmalign.policies.qwen_image_components.QwenImageComponents.save_pretrained`
-and loaded back by `load_qwen_image_components` and diffusers' ``QwenImagePipeline.from_pretrained``:
+Builders ``qwen_image_tiny`` (`build_tiny_qwen_image`, random weights) and ``qwen_image``
+(`build_qwen_image`, warm-started on the shapes world); the folder has ``Qwen/Qwen-Image``'s layout.
 
-- ``tokenizer/``: a ``Qwen2Tokenizer`` over a byte-level BPE trained in-process (`mmalign.tiny.train_bpe_tokenizer`,
-  Qwen2's pre-tokenizer) on shapes captions inside the pipeline's chat template, with ``<|im_start|>`` /
-  ``<|im_end|>`` as special tokens, so the template's system part is exactly the 34 tokens the pipeline drops
-  (`tiny_qwen_tokenizer` checks it);
-- ``text_encoder/``: a ``Qwen2_5_VLForConditionalGeneration`` with 2 text layers of width `text_hidden` and a
-  one-block vision tower (never used for text);
-- ``vae/``: an ``AutoencoderKLQwenImage`` with one 2x downsample (``temperal_downsample=[False]``), ``z_dim`` 4;
-- ``transformer/``: a ``QwenImageTransformer2DModel`` (patch 2, ``in_channels`` 16 = 4 z_dim);
-- ``scheduler/``: ``FlowMatchEulerDiscreteScheduler`` with the real model's settings (dynamic exponential
-  shift, ``base_shift`` 0.5, ``max_shift`` 0.9, ``max_image_seq_len`` 8192, ``shift_terminal`` 0.02).
-
-32 x 32 images have 16 x 16 latents, 8 x 8 = 64 packed tokens.
-
-Builders registered in `mmalign.tiny.BUILDERS`:
-
-- ``qwen_image_tiny`` (`build_tiny_qwen_image`): random weights (tests; about a second).
-- ``qwen_image`` (`build_qwen_image`): the model of ``configs/qwen_image-tiny.yaml``, warm-started on the shapes
-  world (`mmalign.tiny.shapes`) like the SD3 ``text_to_image`` builder: the VAE fitted to rendered scenes, then
-  the transformer and the text encoder trained together with the rectified-flow loss until samples drawn as
-  the pipeline draws them reach `target_reward` of ``shapes_compositional`` (a shorter warm start than SD3's).
+Details: docs/architecture.md, "mmalign.tiny.qwen_image".
 """
 
 from __future__ import annotations
@@ -314,21 +294,11 @@ def build_qwen_image(
 ) -> None:
     """A tiny Qwen-Image model of the shapes world (32 x 32 images), stopped early so that GRPO has work to do.
 
-    1. The VAE (`tiny_qwen_vae`) fitted to rendered scenes as one-frame videos (`vae_steps` of
-       `mmalign.tiny.wan.fit_video_vae`; a PSNR below `min_vae_psnr` is an error), its ``latents_mean`` /
-       ``latents_std`` set to the scenes' latent statistics, then frozen. The fit needs its ~1000 steps: after
-       600 (24.8 dB) it still decodes red as orange (0.76, 0.51, 0.09) and green as grey, so every red or green
-       sample fails ``shapes_compositional`` whatever the transformer does.
-    2. The transformer (`tiny_qwen_transformer`) and the Qwen2.5-VL text encoder (`tiny_qwen_vl`) trained
-       together by `mmalign.tiny.shapes.train_denoiser` with `qwen_flow_loss` (sigmas shifted as the
-       scheduler shifts them for 64 tokens) on the 32 scenes of `shapes_rows`, captions in the pipeline's
-       template, `p_uncond` of them replaced by the empty prompt (so CFG works).
-    3. From `min_steps` on, every `check_every` steps, `sampled_reward` measures the mean
-       ``shapes_compositional`` reward of samples drawn like the pipeline draws them; training stops once it
-       reaches `target_reward` (null: never).
-
     Writes the Qwen-Image folder (`QwenImageComponents.save_pretrained`) and ``mmalign_tiny.json`` (these
-    arguments, the VAE's PSNR, the steps done and the reward checks)."""
+    arguments, the VAE's PSNR, the steps done and the reward checks).
+
+    Details: docs/architecture.md, "mmalign.tiny.qwen_image.build_qwen_image".
+    """
     meta: dict[str, Any] = {
         "builder": "qwen_image",
         **{k: v for k, v in locals().items() if k not in ("path", "progress")},

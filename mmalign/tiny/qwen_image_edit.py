@@ -1,23 +1,8 @@
 """A tiny Qwen-Image-Edit pipeline built offline from config kwargs (`mmalign.policies.qwen_image_edit`).
 
-The folder has the layout of ``Qwen/Qwen-Image-Edit`` (``transformer/ vae/ scheduler/ text_encoder/ tokenizer/
-processor/ model_index.json`` naming ``QwenImageEditPipeline``), written through
-`mmalign.policies.qwen_image_components.QwenImageEditComponents.save_pretrained` and loaded back by
-`load_qwen_image_edit_components` and diffusers' ``QwenImageEditPipeline.from_pretrained``:
+Builder ``qwen_image_edit_tiny`` (`build_tiny_qwen_image_edit`): a random ``Qwen/Qwen-Image-Edit``-layout folder.
 
-- ``tokenizer/`` and ``processor/``: a ``Qwen2Tokenizer`` over a byte-level BPE trained in-process
-  (`mmalign.tiny.train_bpe_tokenizer`) on edit instructions and shapes captions inside the edit chat template,
-  with Qwen2-VL's special tokens (``<|im_start|>``, ``<|vision_start|>``, ``<|image_pad|>`` ...), so that the
-  template's part before the image is exactly the 64 tokens the pipeline drops (`tiny_edit_tokenizer` checks
-  it); the processor is a ``Qwen2VLProcessor`` whose image processor maps every image to 56 x 56 pixels
-  (2 x 2 merged vision tokens);
-- ``text_encoder/``: the tiny Qwen2.5-VL of `mmalign.tiny.qwen_image.tiny_qwen_vl` (2 text layers, a one-block
-  vision tower) wired to the tokenizer's image and vision tokens, so it reads the source image;
-- ``transformer/``, ``vae/``, ``scheduler/``: the tiny Qwen-Image's (`mmalign.tiny.qwen_image`): 32 x 32
-  images have 16 x 16 latents, 64 noisy tokens plus 64 source tokens.
-
-Builder registered in `mmalign.tiny.BUILDERS`: ``qwen_image_edit_tiny`` (`build_tiny_qwen_image_edit`): random
-weights (tests, parity with the pipeline, the one-step training smoke test; about two seconds).
+Details: docs/image_edit.md, "mmalign.tiny.qwen_image_edit".
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """A tiny Qwen-Image-Edit-Plus pipeline built offline from config kwargs (`mmalign.policies.qwen_image_edit_plus`).
 
-The folder has the layout of ``Qwen/Qwen-Image-Edit-2509`` (``transformer/ vae/ scheduler/ text_encoder/
-tokenizer/ processor/ model_index.json`` naming ``QwenImageEditPlusPipeline``), written through
-`mmalign.policies.qwen_image_components.QwenImageEditPlusComponents.save_pretrained` and loaded back by
-`load_qwen_image_edit_plus_components` and diffusers' ``QwenImageEditPlusPipeline.from_pretrained``. Its parts are
-the tiny Qwen-Image-Edit's (`mmalign.tiny.qwen_image_edit`: the real release has the same classes and subfolders
-as Qwen-Image-Edit): a ``Qwen2VLProcessor`` mapping every picture to 56 x 56 pixels (4 merged vision tokens), the
-2-layer Qwen2.5-VL reading them, the Qwen-Image VAE with one 2x downsample and the 2-layer
-``QwenImageTransformer2DModel``; 32 x 32 edits have 64 noisy tokens plus 64 per source.
-
 Builder registered in `mmalign.tiny.BUILDERS`: ``qwen_image_edit_plus_tiny`` (`build_tiny_qwen_image_edit_plus`):
 random weights (tests, parity with the pipeline, ``configs/image_edit-qwen-plus-tiny.yaml``; a few seconds).
 
-`combine_rows` / `write_combine_rows`: the two-picture rows of ``assets/image_edit/plus_{train,eval}.jsonl``
-("put the green square of picture 2 into picture 1"), over the scenes of the shapes edit world
-(``assets/image_edit/scenes``): picture 1 holds one square, picture 2 another, the target both.
+Details: docs/image_edit.md, "mmalign.tiny.qwen_image_edit_plus".
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """A tiny Stable-Diffusion-1.x-style UNet pipeline built offline from config kwargs (tests, quickstart).
 
-`build_tiny_sd15(path)` writes a folder with the same layout as a real Stable Diffusion 1.5 folder
-(``unet/``, ``vae/``, ``scheduler/``, ``text_encoder/``, ``tokenizer/``), each saved with
-``save_pretrained``; `mmalign.policies.sd15_components.load_sd15_components` loads it back with
-``from_pretrained`` per component -- the very path a real SD 1.x / 2.x folder takes. Nothing is
-downloaded.
-
-The tiny pipeline keeps the real structure at toy size: a `UNet2DConditionModel` with one
-cross-attention down/up block pair, an `AutoencoderKL` that upsamples latents by 2 (the real one by
-8), a `CLIPTextModel` whose last hidden states are the prompt embeddings (as in SD 1.x), the byte-level
-`CLIPTokenizer` of `mmalign.tiny.sd3`, and the SD 1.5 noise schedule (`SD15_SCHEDULER`: scaled-linear
-betas 0.00085 -> 0.012, ``steps_offset`` 1, ``set_alpha_to_one`` False, ``clip_sample`` False).
-
 Builder registered in `mmalign.tiny.BUILDERS`: ``ddim_sd15_tiny``.
+
+Details: docs/architecture.md, "mmalign.tiny.sd15".
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """A tiny SD3-style flow-matching pipeline built offline from config kwargs, and the tiny tokenizers
 the other tiny diffusion builders share.
 
-`build_tiny_sd3(path)` writes a folder with the same layout as a real Stable Diffusion 3 folder
-(``transformer/``, ``vae/``, ``scheduler/``, ``text_encoder/``, ``tokenizer/``; with
-``text_encoders=3`` also ``text_encoder_2/``, ``tokenizer_2/``, ``text_encoder_3/``, ``tokenizer_3/``
-and a ``model_index.json``), each saved with ``save_pretrained`` through
-`mmalign.policies.sd3_components.SD3Components`; `mmalign.policies.sd3_components.load_sd3_components`
-loads it back with ``from_pretrained`` per component -- the very path a real SD3 / SD3.5 folder takes.
-Nothing is downloaded.
-
-`clip_byte_tokenizer` (a byte-level `CLIPTokenizer`) and `t5_char_tokenizer` (a character-level
-`T5TokenizerFast`) are the tokenizers the other tiny builders share (Flux, SD 1.5, the shapes world,
-the tiny CLIP).
-
 Builders registered in `mmalign.tiny.BUILDERS`: ``flow_sd3_tiny`` (one CLIP) and ``flow_sd3_tiny_3enc``
 (the real SD3 layout: two CLIPs and a T5).
+
+Details: docs/architecture.md, "mmalign.tiny.sd3".
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """The synthetic shapes world used by the offline (tiny) image pipelines, tests and benchmarks, and the
 tiny diffusion models warm-started on it.
 
-A scene is ``count`` objects of one palette ``colour`` in one ``position`` region of a white image,
-drawn by `mmalign.tiny.world.render_scene` and scored from pixels by the ``shapes_compositional`` reward.
-Its caption is the prompt, e.g. ``"two red squares on the left"``.
+Prompts and scenes (`shapes_rows`, `shapes_images`), the warm-start helpers (`train_vae_on_shapes`,
+`train_denoiser`) and the builders ``text_to_image`` and ``safe_diffusion``.
 
-- `shapes_caption` / `shapes_rows`: prompts with their ``colour``/``count``/``position`` columns (the
-  columns `shapes_compositional` reads), deterministic for a seed.
-- `shapes_images`: the rendered scenes, Float[N,3,S,S] in [0, 1].
-- `train_vae_on_shapes`: a short reconstruction fit of a tiny `AutoencoderKL` on rendered scenes, so
-  that latents of the tiny diffusion models decode to shapes-world pixels (shared by the flow and the
-  DDIM warm starts).
-- `train_denoiser`: the one training loop of both warm starts, parameterised by the loss
-  (`flow_matching_loss` for the SD3-style transformer, `epsilon_loss` for the SD1.5-style UNet); the
-  tiny CLIP text encoder trains jointly with the denoiser.
-
-Builders registered in `mmalign.tiny.BUILDERS` (32x32 images, a VAE with one 2x downsample, latents
-4x16x16, the byte-level CLIP tokenizer of `mmalign.tiny.sd3` with room for a whole caption):
-
-- ``text_to_image`` (`build_text_to_image`): an SD3-layout folder (``transformer/ vae/ scheduler/
-  text_encoder/ tokenizer/``, loadable by `mmalign.policies.sd3_components.load_sd3_components` and
-  `SD3Policy.from_pretrained`), warm-started with the rectified-flow loss and stopped early, so its
-  samples satisfy the prompt only part of the time: a promising but imperfect base model for GRPO.
-- ``safe_diffusion`` (`build_safe_diffusion`): an SD1.5-layout folder (``unet/ vae/ scheduler/
-  text_encoder/ tokenizer/``, a DDIM scheduler) warm-started with the epsilon-prediction loss on clean
-  captions only: a good base model (it draws red objects for red prompts) that the safe-diffusion
-  pipeline teaches to avoid red.
+Details: docs/architecture.md, "mmalign.tiny.shapes".
 """
 
 from __future__ import annotations
@@ -449,26 +428,11 @@ def build_text_to_image(
 ) -> None:
     """A tiny SD3-style text-to-image model of the shapes world, stopped early so that GRPO has work to do.
 
-    1. A VAE (`tiny_shapes_vae`, `vae_steps` of `train_vae_on_shapes`), then frozen.
-    2. An `SD3Transformer2DModel` (patch 2, `num_layers` joint blocks of `num_attention_heads` x
-       `attention_head_dim`, ~0.3M parameters) and a tiny `CLIPTextModelWithProjection` trained together
-       with the rectified-flow loss (`flow_matching_loss`, the sigmas of a shift-`shift` scheduler) on the
-       32 scenes of `shapes_rows` (4 colours x 1-2 squares x 4 positions), for at most `steps` steps.
-    3. From `min_steps` on, every `check_every` steps, `sampled_shapes_reward` measures the mean
-       ``shapes_compositional`` reward of samples drawn like the pipeline draws them (10 SDE steps at
-       noise level 0.7); training stops once it reaches `target_reward` (null: never, train all `steps`).
-
-    The result is recognisable but imprecise (muddy colours, stray or missing squares): a promising but
-    imperfect base model (trained on, it reaches ~0.9 after 2000-2500 steps). Stopping on the measured
-    reward rather than after a fixed number of steps matters: this close to the start of learning, the
-    reward after a fixed step count varies from ~0.25 to ~0.65 with the seed. Training on "blurred"
-    captions instead (the scene pictured with a caption differs in colour, count or position part of the
-    time), as the text builder does with its answers, was tried and rejected: a model this small blends
-    the alternatives (orange for red-or-yellow) instead of sampling one of them, and its reward collapses.
-
     Writes ``transformer/ vae/ scheduler/ text_encoder/ tokenizer/`` with ``save_pretrained`` (the
     layout of `mmalign.policies.sd3_components.load_sd3_components`) and ``mmalign_tiny.json`` (these
     arguments, the steps done and the reward checks).
+
+    Details: docs/architecture.md, "mmalign.tiny.shapes.build_text_to_image".
     """
     meta = {
         "builder": "text_to_image",
@@ -550,20 +514,11 @@ def build_safe_diffusion(
     """A tiny SD 1.5-style (DDIM, epsilon prediction) model that draws the shapes world well, the base
     model of the offline safe-diffusion pipeline (which teaches it not to draw the "unsafe" colour red).
 
-    1. A VAE (`tiny_shapes_vae`, `vae_steps` of `train_vae_on_shapes`), then frozen. 800 steps, not the
-       300 of the text-to-image builder: after 300 the VAE decodes red as orange-brown (0.73, 0.32, 0.12),
-       so the base model never drew the concept the pipeline is meant to remove; after 800 red decodes
-       as red (0.90, 0.12, 0.12).
-    2. A `UNet2DConditionModel` (latents 4 x 16 x 16, one level per entry of `block_out_channels`, each
-       halving the resolution but the last, cross-attention on all levels but the first; the coarsest
-       level sees the whole image, which is where the model learns positions) and a tiny `CLIPTextModel` whose last hidden states condition it, trained together
-       with the epsilon-prediction DDPM loss (`epsilon_loss`, SD 1.5's noise schedule) on the 32 scenes of
-       `shapes_rows` for `steps` steps, on clean captions: the model is meant to be good (it draws red
-       squares for red prompts), not imperfect.
-
     Writes ``unet/ vae/ scheduler/ text_encoder/ tokenizer/`` with ``save_pretrained`` (the layout of
     `mmalign.policies.sd15_components.load_sd15_components` and `DDIMPolicy.from_pretrained`; the
     scheduler is a `DDIMScheduler` with SD 1.5's config) and ``mmalign_tiny.json`` (these arguments).
+
+    Details: docs/architecture.md, "mmalign.tiny.shapes.build_safe_diffusion".
     """
     meta = {
         "builder": "safe_diffusion",

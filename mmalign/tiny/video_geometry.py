@@ -1,27 +1,10 @@
 """A tiny text-to-video Wan model of rendered 3-D scenes under a moving camera, with its latent geometry model
 (VGGRPO's tiny task, `pipelines.video.video_geometry`; also Euphonium's, `pipelines.video.euphonium`).
 
-Builder ``video_geometry`` (`build_video_geometry`), in four phases, on clips of `mmalign.tiny.geometry_scenes`
-(textured boxes in a room, 9 frames of 32 x 32 px, a camera that pans, dollies, trucks, orbits or stays still;
-captions such as "a red box and a blue box in a grey room, camera pans left"):
+Builder ``video_geometry`` (`build_video_geometry`): a Wan-layout folder plus ``geometry/`` and
+``mmalign_tiny.json``.
 
-1. **VAE.** The tiny ``AutoencoderKLWan`` of `mmalign.tiny.wan` (2x in time, 4x in space, z_dim 4) is fitted to
-   the clips (`mmalign.tiny.wan.fit_video_vae`); a fit below `min_vae_psnr` dB is an error. Latent frame k
-   stands for pixel frame 2k (the causal VAE's first latent frame is frame 0 alone).
-2. **Geometry model.** A `rewards.geometry_model.TinyLatentGeometry` is trained on the clips' normalised latents
-   [4, 5, 8, 8] against the renderer's exact geometry at the latent frames: depth (mean of each 4 x 4 pixel
-   block, L1 on log-depth), the camera pose relative to frame 0 (``R_0^T (c_t - c_0)`` and the angles of
-   ``R_0^T R_t``) and ``dynamic`` = 0 (the scenes are static). It is saved to ``geometry/`` in the folder, which
-   is what the geometry rewards' ``geometry_model`` option names.
-3. **Text to video.** A ``WanTransformer3DModel`` and the tiny UMT5 text encoder are trained with the
-   rectified-flow loss on (caption, latents) for `steps` steps: a short warm start, so samples are blurry scenes
-   whose camera paths are only roughly right (GRPO has work to do).
-4. **Checks** written to ``mmalign_tiny.json``: the VAE PSNR, the geometry model's depth error and pose errors
-   on held-out clips (and on the same clips decoded and re-encoded), and the geometry rewards of the held-out
-   ground-truth clips next to those of the warm-started model's samples.
-
-The folder has the Wan layout (``transformer/ vae/ scheduler/ text_encoder/ tokenizer/ model_index.json``)
-plus ``geometry/`` and ``mmalign_tiny.json``.
+Details: docs/video.md, "mmalign.tiny.video_geometry".
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """Synthetic clips of moving squares with editing instructions, for the tiny Edit-GRPO pipeline.
 
-A clip is `FRAMES` frames of `SIZE` x `SIZE` pixels: squares of the shapes-world palette
-(`mmalign.tiny.world.PALETTE`) on a white background, each moving in a straight line at constant speed.
-Every clip comes with an instruction, the ideal edited clip, a per-frame edit mask and two captions in the
-vocabulary of the tiny CLIP (`mmalign.tiny.clip`, which knows colours, counts and "a <colour> square"):
+`write_video_edit_dataset` writes the clips, targets, masks and JSONL rows;
+``python -m mmalign.tiny.video_shapes [FOLDER]`` rewrites them.
 
-- ``recolour``: one square of colour c; "make the square <c'>". Source caption "a c square", target
-  caption "a c' square"; the target clip is the same motion in colour c'; the mask covers the square's
-  path frame by frame (dilated by `MASK_MARGIN` pixels).
-- ``remove``: a static square of colour c and a moving square of colour c'; "remove the <c'> square".
-  Source caption "a c' square" (the removed object: the tiny CLIP has no words for two colours at once,
-  our design), target caption "a c square"; the target clip keeps only the static square; the mask covers
-  the moving square.
-
-So VIVA's instruction-faithfulness reward CLIP(edit, target caption) - CLIP(edit, source caption) rises
-when the edit happens, and source preservation (CLIP of source vs edit frames, PSNR outside the mask)
-stays high when the rest of the clip is untouched.
-
-`write_video_edit_dataset` writes ``clips/``, ``targets/`` and ``masks/`` (one compressed ``.npz`` per clip,
-lossless, read back with `mmalign.data.media.read_video` / `read_mask`) and ``train.jsonl`` / ``eval.jsonl``
-whose rows are::
-
-    {"prompt": "make the square red", "instruction": "make the square red", "edit": "recolour",
-     "source_video": "clips/train_000.npz", "edit_mask": "masks/train_000.npz",
-     "target_video": "targets/train_000.npz",
-     "source_caption": "a blue square", "target_caption": "a red square"}
-
-(paths relative to the JSONL's folder). ``python -m mmalign.tiny.video_shapes [FOLDER]`` rewrites it.
+Details: docs/video.md, "mmalign.tiny.video_shapes".
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """A tiny offline Qwen2-VL and a synthetic visual question task (tests, quickstart, benchmarks).
 
-Like `mmalign.tiny`, nothing here downloads anything: the vocabulary is a byte-level BPE trained
-in-process (plus Qwen2-VL's special tokens), the model is a `Qwen2VLForConditionalGeneration`
-built from config kwargs, the processor is a `Qwen2VLProcessor` with small ``min/max_pixels``;
-everything is written with `save_pretrained` and loaded back through `AutoProcessor` /
-`AutoModelForImageTextToText.from_pretrained`, the path that real hub ids take.
-
-The task: 56x56 pictures with one coloured shape (circle, square or triangle) on white;
-"What colour is the shape?"; the answer is one of `COLOURS`, checked exactly.
-
 Builders registered in `mmalign.tiny.BUILDERS`: ``vlm_random`` (random weights, instant) and
 ``vlm_reasoning`` (warm-started on the colour task, then blurred with noisy labels so that RL has
 something to fix).
+
+Details: docs/architecture.md, "mmalign.tiny.vlm".
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """A tiny Z-Image pipeline built offline from config kwargs (`mmalign.policies.z_image`).
 
-The folder has the layout of ``Tongyi-MAI/Z-Image-Turbo`` (``transformer/ vae/ scheduler/ text_encoder/
-tokenizer/ model_index.json`` naming ``ZImagePipeline``), written through
-`mmalign.policies.z_image_components.ZImageComponents.save_pretrained` and loaded back by
-`load_z_image_components` and diffusers' ``ZImagePipeline.from_pretrained``:
+Builder ``z_image_tiny`` (`build_tiny_z_image`): a random ``Tongyi-MAI/Z-Image-Turbo``-layout folder.
 
-- ``tokenizer/``: a ``Qwen2Tokenizer`` over a byte-level BPE trained in-process (`mmalign.tiny.train_bpe_tokenizer`)
-  on shapes captions in Qwen3's chat turn, with ``<|im_start|>`` / ``<|im_end|>`` as special tokens and a chat
-  template rendering a user turn and the generation prompt as Qwen3's does (`QWEN3_CHAT_TEMPLATE`);
-- ``text_encoder/``: a ``Qwen3Model`` with 2 layers of width `text_hidden` (the states are its second-to-last
-  hidden layer, as the pipeline reads them);
-- ``vae/``: an ``AutoencoderKL`` with one 2x downsample, 4 latent channels and FLUX.1's ``scaling_factor`` /
-  ``shift_factor``;
-- ``transformer/``: a ``ZImageTransformer2DModel`` (patch 2, 2 main layers, one noise and one context refiner
-  layer, RoPE axes summing to the head width);
-- ``scheduler/``: ``FlowMatchEulerDiscreteScheduler`` with Z-Image-Turbo's ``scheduler_config.json`` (a static
-  shift of 3, no dynamic shifting).
-
-32 x 32 images have 16 x 16 latents, 8 x 8 = 64 image patches.
-
-Builder registered in `mmalign.tiny.BUILDERS`: ``z_image_tiny`` (`build_tiny_z_image`): random weights (tests,
-parity with the pipeline, ``configs/z_image-tiny.yaml``; about a second).
+Details: docs/architecture.md, "mmalign.tiny.z_image".
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Rollout and reward workers as Ray actors (``trainer.async.backend: ray``; ``pip install "mmalign[ray]"``).
 
-Each rollout actor holds a copy of the policy (sent once through Ray's object store, so it may be built on
-another node) and runs `mmalign.training.rollout_worker.RolloutWorker`; ``trainer.async.worker_resources`` (``num_cpus``,
-``num_gpus``, custom resources) places it on its own device or node. Weights go to the actors through the
-object store (``ray.put`` once per version, one reference per actor).
-
-With ``trainer.async.reward_workers: N`` there are also N reward actors (`RewardActor`, placed by
-``trainer.async.reward_resources``), each with a copy of the reward set. When a round is submitted, its scoring
-is submitted too, on the next reward actor (round-robin) with the rollout call's result reference as its
-argument: Ray hands the sampled round from the rollout actor to the reward actor as soon as it exists, so
-scoring overlaps the sampling of the next round and the trainer's update, and the trainer process neither
-scores nor forwards anything. The scores are the reward set's own, computed on the same rollout, so they equal
-scoring in the trainer's process.
-
-A background thread per rollout actor waits for its calls in order (a round's rollout, then its scores), each for
-at most ``trainer.async.timeout_s``: a failed or timed-out weight sync, rollout or scoring, or a dead actor
-(``RayActorError``), is reported to the trainer, which stops the step with `AsyncWorkerError` naming the actor
-(a dead actor is noticed within about a second). The trainer group itself is unchanged (accelerate / torch
-distributed inside); ``ray.init`` connects to ``trainer.async.ray_address`` or starts a local instance.
-
 Ray is imported only here, only when the backend is used.
+
+Rollout actors run `mmalign.training.rollout_worker.RolloutWorker`; with ``trainer.async.reward_workers`` reward
+actors (`RewardActor`) score each round as soon as it is sampled.
+
+Details: docs/distributed.md, "mmalign.training.ray_workers".
 """
 
 from __future__ import annotations

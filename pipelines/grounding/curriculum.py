@@ -1,26 +1,12 @@
 """MedLoc-R1's IoU-threshold curriculum: the hit reward's IoU threshold rises as the policy masters it.
 
-MedLoc-R1 trains box grounding with a 1/0 "hit" reward (IoU >= tau). tau starts low (easy) and is
-raised step by step once the policy hits reliably, so the reward stays informative as the policy
-improves. Constants the paper does not give come from a public third-party port of the method; the
-choices we made ourselves are marked "(our design)".
-
 - `IoUThresholdCurriculum` -- the rule (pure Python, no torch): a sliding window of per-group
   statistics, the (P, S) gates and the step size of tau.
 - `CurriculumCallback` -- trainer glue: collects the per-group hit rate and mean IoU from the
   trainer's gathered reward columns (`on_rewards`), feeds them to the rule once per training step
   (`on_step_end`) and writes the new tau into the hit reward's ``threshold`` attribute.
 
-The window
-----------
-The window counts GROUPS (one entry per group of prompts: the group's hit rate and its mean IoU),
-not training steps and not samples. Entries are appended in global group order (the trainer gathers
-the rewards of all processes before the callback sees them), so the window, and with it every
-decision, does not depend on how ``prompts_per_step`` is split across processes.
-
-tau is read by the hit reward when a batch is scored; it is only changed in `on_step_end`, so it is
-frozen within a training step (every sampling round and the update of one step use the same tau)
-and changes only between steps.
+The rule and its constants: docs/grounding.md, "MedLoc-R1's IoU curriculum" and "pipelines.grounding.curriculum".
 """
 
 from __future__ import annotations
@@ -96,34 +82,12 @@ def _finite(x: Any) -> bool:
 class IoUThresholdCurriculum:
     """The IoU threshold tau of the hit reward, raised when the policy masters the current one.
 
-    Options (IoU units unless said otherwise):
-
-    - ``start`` (0.3): the first tau.
-    - ``max_threshold`` (0.8): tau never goes above it; no raise happens once tau reaches it.
-    - ``window`` (30): number of GROUP entries the decision looks at (see the module docstring).
-    - ``step_mode``: ``"piecewise"`` (the paper's steps, `piecewise_step`), ``"linear"`` (our design:
-      ``0.15 - 0.10 * f``) or ``"cosine"`` (our design: ``0.05 + 0.10 * 0.5 * (1 + cos(pi * f))``),
-      with ``f = (tau - start) / (max_threshold - start)``; both go from 0.15 at ``start`` to 0.05 at
-      ``max_threshold``.
-    - ``margin`` (0.10): the window's mean IoU must exceed tau by at least this much.
-    - ``keep_after_raise`` (0.5): after a raise the newest ``ceil(window * keep_after_raise)``
-      entries are kept (the older ones are forgotten), so the next decision needs
-      ``window - kept`` new groups.
-    - ``step_back`` (False) and ``step_back_hit_rate`` (0.2), our design: with a full window whose
-      mean hit rate is below ``step_back_hit_rate``, tau goes back down by the step that led to it
-      (not below ``min_threshold``), and the newest ``ceil(window / 2)`` entries are kept.
-    - ``min_threshold`` (None = ``start``): the lowest tau a step back may reach.
-
     State: ``tau``; ``entries`` (deque of ``(hit_rate, mean_iou)`` per group, newest last, at most
     ``window``); ``transitions`` (list of the dicts `observe` returned); ``groups`` (groups
     appended so far) and ``steps`` (calls of `observe`); ``levels`` (tau before each raise that was
     not stepped back, to undo raises exactly).
 
-    The raise rule (checked after the step's groups are appended): the window is full
-    (``len == window``), its mean hit rate >= P(tau), the population std of its hit rates <= S(tau)
-    and its mean IoU - tau >= ``margin``, with (P, S) = `gates_for` (tau). The comparisons allow
-    1e-9 of float error (our design). The new tau is ``min(max_threshold, tau + step)`` rounded to
-    1e-9.
+    Details: docs/grounding.md, "pipelines.grounding.curriculum.IoUThresholdCurriculum".
     """
 
     start: float = 0.3

@@ -3,26 +3,9 @@
 A shared helper module for the grounding pipelines (``pipelines/grounding/medloc.py``, ``pipelines/grounding/geovis.py``); it
 registers no pipeline itself, so pipeline discovery imports it harmlessly.
 
-Row layout (JSONL, one object per line)::
+`load_grounding_rows` reads and checks the rows; `coco_to_rows`, `refcoco_to_rows` and `write_jsonl` convert.
 
-    {"image": "images/000.png",           # path, relative to options.image_root (default: the JSONL's folder)
-     "expression": "the faint lesion",    # referring expression (prompt templates use {expression})
-     "boxes": [[x1, y1, x2, y2], ...],    # one or more reference boxes (or one box in "box")
-     "coords": "absolute",                # how the boxes are written: "absolute" (pixels of the original
-                                          #   image), "norm1000" (0..1000 of width/height), "norm1" (0..1)
-     "image_width": 64, "image_height": 64,  # optional; read from the image file when absent
-     ...}                                 # any other column is kept and reaches the rewards
-
-`load_grounding_rows` turns them into rows with ``images`` ([one absolute path]), ``boxes`` (absolute pixels
-of the ORIGINAL image, x1 < x2, y1 < y2), ``box`` (= boxes[0]), ``coords`` ("absolute"), ``image_width`` /
-``image_height`` (ints) and ``_source`` ("file.jsonl:LINE").
-
-Converters (plain JSON, no network): `coco_to_rows` (COCO instances files) and `refcoco_to_rows`
-(RefCOCO / RefCOCO+ / RefCOCOg refs plus their instances file); `write_jsonl` writes rows. Command line::
-
-    python -m pipelines.grounding.data convert coco INSTANCES.json OUT.jsonl [--per category] [--expression T]
-    python -m pipelines.grounding.data convert refcoco REFS INSTANCES.json OUT.jsonl [--split val] [--allow-pickle]
-    python -m pipelines.grounding.data check DATA.jsonl [--image-root DIR] [--skip-bad]
+Row layout, converters and checks: docs/grounding.md, "Data" and "pipelines.grounding.data".
 """
 
 from __future__ import annotations
