@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mmalign.algorithms.names import check_names
-from mmalign.app.fixtures import ensure_fixtures
+from mmalign.app.fixtures import check_fixtures_available, ensure_fixtures
 from mmalign.config import Config, ConfigError
 from mmalign.data.rows import DataError, load_rows, missing_data_hint
 from mmalign.registry import RegistryError
@@ -841,18 +841,21 @@ def fit_setup(cfg: Config, components: Any) -> Any:
 
 
 def preflight(cfg: Config, *, resume: bool | None = None, eval_rewards: bool = False) -> None:
-    """Every check of a command that needs no model, cheapest first: the output directory and the trackers'
-    packages (`resume` None: not training, no check), that the data files exist, the reward names and options
+    """Every check of a command that needs no model, cheapest first: the output directory, the trackers'
+    packages and a forward-process objective's settings (`check_flow_objective`) (`resume` None: not training,
+    no check), that the data files exist, the reward names and options
     and the other ``module:attr`` references (`check_code_references`), the model folders and hub ids; in
     training that ``output_dir`` is writable (`check_output_writable`); then the prompts (`check_prompts`:
     empty, images that do not decode, too long for the context, too few distinct ones), from the rows and, for
     a token policy, the tokenizer and config of the model only. The pipeline's ``build`` reads the data files
     again, before its model."""
+    check_fixtures_available(cfg)  # a tiny builder on a wheel install (no mmalign.tiny): needs a checkout
     if resume is not None:
         from mmalign.app.trackers import check_available
 
         check_output_dir(cfg, resume)
         check_available(cfg)  # a tracker in trainer.log_with whose package is missing
+        check_flow_objective(cfg)
     check_data_files(cfg)
     check_reward_specs(cfg.rewards, cfg.source)  # the reward names: module:attr ones are imported here
     if eval_rewards:
@@ -863,6 +866,18 @@ def preflight(cfg: Config, *, resume: bool | None = None, eval_rewards: bool = F
         check_output_writable(cfg)
         check_trainable_sampler(cfg)
     check_prompts(cfg, training=resume is not None)
+
+
+def check_flow_objective(cfg: Config) -> None:
+    """The settings of a forward-process objective (``algorithm.objective``) that the config alone decides,
+    before any model loads (`mmalign.policies.flow_training.ObjectiveSettings.from_config`: ``algorithm.solver``
+    against ``options.noise_level``, the keys and values of ``algorithm.timesteps``, ``algorithm.old_policy`` and
+    ``algorithm.eval_ema``, ``ema_kl_beta``'s type, and a pairwise objective's whole-group batches over the
+    processes the launcher started). A ConfigError naming the file and the key; nothing without an objective."""
+    from mmalign.policies.flow_training import ObjectiveSettings
+    from mmalign.training.distributed import launched_processes
+
+    ObjectiveSettings.from_config(cfg, world=launched_processes())
 
 
 def check_trainable_sampler(cfg: Config) -> None:

@@ -969,6 +969,13 @@ class DenoisingPolicy(Policy):
                 raise RuntimeError("no reference model: build the policy with need_reference=True")
             yield self.ref_model
 
+    @contextmanager
+    def reference_network(self) -> Iterator[torch.nn.Module]:
+        """The reference network for the block (what the KL and Flow-DPO compare with): the adapter-disabled
+        denoiser under LoRA, else the frozen copy; a RuntimeError when the policy keeps neither."""
+        with self._reference() as ref:
+            yield ref
+
     def action_stats(self, rollout: Rollout, *, actions: Tensor | None = None) -> ActionStats:
         """Recompute per-step log-probs with grad (and the mean-difference KL when a reference is used; the
         GRPO-Guard loss weights under ``guard_grad_reweight``) of the trained steps `actions` (column indices,

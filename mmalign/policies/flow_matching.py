@@ -10,9 +10,7 @@ docs/algorithms.md ("Denoising steps with log-prob").
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any, Protocol, Self
 
@@ -20,11 +18,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmalign.algorithms import flow_objectives as fo
 from mmalign.algorithms import sde
-from mmalign.config import ConfigError, LoraConfig
+from mmalign.config import LoraConfig
 from mmalign.data.batch import Rollout
-from mmalign.policies import forward_process as fp
+from mmalign.policies import flow_training
 from mmalign.policies.base import ActionStats, Policy, RunInfo, torch_dtype
 from mmalign.policies.denoising import (
     CPS_LOG_PROBS,
@@ -43,9 +40,6 @@ __all__ = [
     "FlowMatchingPolicy",
     "calculate_mu",
 ]
-
-_DRAW_KEY = "_forward_draw"
-"""The payload key of a microbatch's forward-process draw (sigmas and noise), shared by its chunks."""
 
 SDE_KINDS = FLOW_SDE_KINDS
 """Step kinds a flow-matching policy samples with (`mmalign.algorithms.sde` functions of the flow convention)."""
@@ -321,215 +315,57 @@ class FlowMatchingPolicy(DenoisingPolicy):
         dt = sched["sigmas_next"] - sched["sigmas"]
         return latents + prediction * dt.view(-1, *([1] * (latents.ndim - 1)))
 
-    # ------------------------------------------------------------------ forward-process objectives
+    # ------------------------------------------------------------------ training (a strategy)
     objective: str | None = None
-    """The `mmalign.algorithms.flow_objectives` name this policy trains with (``algorithm.objective``, set by `setup`);
-    None: the policy-gradient path (log-probs of SDE steps)."""
+    """The `mmalign.algorithms.flow_objectives` name this policy trains with (``algorithm.objective``, set by
+    `setup`); None: the policy-gradient path (log-probs of SDE steps)."""
+    training: flow_training.FlowTraining = flow_training.POLICY_GRADIENT
+    """How this policy trains (`mmalign.policies.flow_training`), picked by `setup`: the policy-gradient path
+    (`PolicyGradientTraining`, also before `setup`) or a forward-process objective (`ForwardProcessTraining`)."""
 
     def setup(self, run: RunInfo) -> None:
-        """The policy-gradient path: `DenoisingPolicy.setup`. With ``algorithm.objective`` (DiffusionNFT, AWM):
-        rollouts keep only clean latents (`forward_process.sample_clean` with ``algorithm.solver``; ``euler``
-        and ``dpm2`` need no noise, so ``noise_level`` 0 is allowed), one action per training sigma
-        (``algorithm.timesteps`` over the objective's defaults), ``algorithm.old_policy`` builds the
-        old-policy EMA and ``algorithm.eval_ema`` the EMA of the weights that `save` exports (a `WeightEMA`,
-        preset from the objective's registry metadata; also built for AWM's ``ema_kl_beta`` > 0, which
-        regularises towards it), both of which `callbacks` hands to the trainer (updated after every step,
-        checkpointed). Both paths apply ``model.gradient_checkpointing`` and ``rollout.batch_size``
-        (`DenoisingPolicy.setup`)."""
-        a = run.cfg.algorithm
-        objective = getattr(a, "objective", None)
-        if objective is None:
-            super().setup(run)
-            return
+        """Pick the training strategy from the config (`flow_training.training_for`) and set it up. The
+        policy-gradient path is `DenoisingPolicy.setup`; with ``algorithm.objective`` (DiffusionNFT, AWM,
+        Flow-DPO, ...) rollouts keep only clean latents, one action per training sigma, and the old-policy EMA
+        (``algorithm.old_policy``) and the EMA of the weights (``algorithm.eval_ema``) are trainer callbacks
+        (`ForwardProcessTraining`). Both paths apply ``model.gradient_checkpointing`` and
+        ``rollout.batch_size`` (`setup_common`)."""
+        self.training = flow_training.training_for(run.cfg, world=run.world)
+        self.objective = self.training.objective
+        self.training.setup(self, run)
+
+    def setup_common(self, run: RunInfo) -> None:
+        """What every training strategy sets up: `Policy.setup` (refuses a rollout engine), ``rollout.batch_size``
+        and ``model.gradient_checkpointing``, without the policy-gradient path's refusal of ``noise_level`` 0."""
         Policy.setup(self, run)
         self._setup_memory(run)
-        src = run.cfg.source
-        if a.solver == "sde" and self.sampler.deterministic:
-            raise ConfigError(
-                f"{src}: key 'algorithm.solver': 'sde' samples with the policy's SDE, but "
-                f"'{self.noise_level_key}' is 0; choose 'euler' or 'dpm2', or a noise level > 0"
-            )
-        timesteps = {**fo.timestep_defaults(objective), **dict(a.timesteps)}
-        try:
-            k = fo.num_train_timesteps(
-                self.num_denoising_steps(),
-                timestep_range=timesteps.get("timestep_range", 0.99),
-                num_timesteps=timesteps.get("num_timesteps"),
-            )
-            probe = {**timesteps, "num_timesteps": k, "candidates": fp.training_steps(self)}
-            fo.sample_timesteps(
-                self.schedule()["sigmas"], 1, generator=torch.Generator().manual_seed(0), **probe
-            )
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{src}: key 'algorithm.timesteps': {e}") from None
-        old = None
-        if a.old_policy is not None:
-            try:
-                old = fp.OldPolicy(self, **dict(a.old_policy))
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"{src}: key 'algorithm.old_policy': {e}") from None
-        beta = a.objective_kwargs.get("ema_kl_beta", 0.0) if "v_ema" in fo.inputs(objective) else 0.0
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)):
-            raise ConfigError(
-                f"{src}: key 'algorithm.objective_kwargs.ema_kl_beta': must be a number, got {beta!r}"
-            )
-        self.eval_ema = self._build_eval_ema(run, objective, needed=beta > 0)
-        self.ema_in_loss = beta > 0
-        """The objective reads the EMA weights' velocity (AWM's ``ema_kl_beta`` > 0)."""
-        self.objective = objective
-        self.objective_kwargs = dict(a.objective_kwargs)
-        self.objective_timesteps = timesteps
-        self.num_objective_actions = k
-        """K: the training sigmas (actions) per sample."""
-        self.old_policy = old
-        self.sample_with_old = bool(a.sample_with_old)
-        self.solver = a.solver
-        self.kl_in_action_stats = True  # the v-space KL comes from `action_stats` (when a reference is kept)
-        if "pairs" in fo.inputs(objective):
-            self._check_whole_groups(run)
-        if "v_ref" in fo.inputs(objective) and not self.lora and self.ref_model is None:
-            # the objective reads the reference (Flow-DPO): full fine-tuning needs the frozen copy
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-
-    def _check_whole_groups(self, run: RunInfo) -> None:
-        """A pairwise objective (``flow_dpo``) pairs samples of one group inside a microbatch: every microbatch
-        must hold whole groups (``trainer.minibatch_size`` and ``trainer.microbatch_size`` multiples of the
-        group's samples) and the rows must not be shuffled across microbatches."""
-        from mmalign.algorithms import advantages as adv_lib
-
-        cfg, t = run.cfg, run.cfg.trainer
-        g = cfg.rollout.group_size + adv_lib.extra_samples(cfg.algorithm.estimator)
-        local = (cfg.rollout.prompts_per_step // max(run.world, 1)) * g
-        mini = t.minibatch_size // max(run.world, 1) if t.minibatch_size else local
-        micro = t.microbatch_size or mini
-        for key, size in (("trainer.minibatch_size", mini), ("trainer.microbatch_size", micro)):
-            if size % g:
-                raise ConfigError(
-                    f"{cfg.source}: key '{key}': algorithm.objective {self.objective!r} pairs the "
-                    f"samples of a group, so each process's share ({size}) must be a multiple of the {g} "
-                    "samples of a group"
-                )
-        shuffled = t.shuffle_minibatches and t.num_iterations * math.ceil(local / mini) > 1
-        if shuffled and micro < local:
-            raise ConfigError(
-                f"{cfg.source}: key 'trainer.shuffle_minibatches': algorithm.objective "
-                f"{self.objective!r} pairs the samples of a group inside a microbatch; shuffling "
-                "splits groups: set it to false"
-            )
-
-    def _build_eval_ema(self, run: RunInfo, objective: str, *, needed: bool) -> fp.WeightEMA | None:
-        """``algorithm.eval_ema`` as a `WeightEMA` over the objective's preset (None when unset), or, when the
-        objective regularises towards an EMA (`needed`: AWM's ``ema_kl_beta`` > 0) and none is set, the
-        preset's; the copy is made now, from the weights training starts from."""
-        a = run.cfg.algorithm
-        spec = getattr(a, "eval_ema", None)  # a typed field of AlgorithmConfig (see WeightEMA)
-        if spec is None and not needed:
-            return None
-        if spec is not None and not isinstance(spec, dict):
-            raise ConfigError(
-                f"{run.cfg.source}: key 'algorithm.eval_ema': must be a mapping of WeightEMA options, got {spec!r}"
-            )
-        preset = fo.REGISTRY.meta(objective).get("ema_preset", "diffusion_nft")
-        try:
-            ema = fp.WeightEMA(self, **{"preset": preset, **dict(spec or {})})
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{run.cfg.source}: key 'algorithm.eval_ema': {e}") from None
-        ema.ensure()
-        return ema
 
     def callbacks(self) -> list[Any]:
-        """The old-policy EMA (``algorithm.old_policy``) and the EMA of the weights (``algorithm.eval_ema``) of
-        a forward-process objective, those that are set; else none."""
-        if self.objective is None:
-            return []
-        return [cb for cb in (self.old_policy, self.eval_ema) if cb is not None]
+        """The strategy's trainer callbacks: a forward-process objective's old-policy EMA (``algorithm.old_policy``)
+        and EMA of the weights (``algorithm.eval_ema``), those that are set; else none."""
+        return self.training.callbacks()
 
     def rollout(self, rows: list[dict[str, Any]], group_size: int, *, compute_logp: bool = True) -> Rollout:
-        """The policy-gradient rollout (`DenoisingPolicy.rollout`), or, with an objective, clean latents only
-        (`forward_process.sample_clean`; nothing to score, `compute_logp` is ignored), sampled in chunks of whole
-        groups of at most ``rollout_batch_size`` samples (``rollout.batch_size``)."""
-        if self.objective is None:
-            return super().rollout(rows, group_size, compute_logp=compute_logp)
-        k = getattr(self, "rollout_batch_size", None)
-        per = len(rows) if k is None else max(1, k // group_size)  # whole groups, as the SDE path
-        parts = []
-        for start in range(0, len(rows), per):
-            part = fp.sample_clean(
-                self,
-                rows[start : start + per],
-                group_size,
-                num_actions=self.num_objective_actions,
-                solver=self.solver,
-                weights=self.old_policy if self.sample_with_old else None,
-            )
-            part.group = part.group + start
-            parts.append(part)
-        return Rollout.cat(parts)
+        """The strategy's rollout: SDE steps with log-probs (`DenoisingPolicy.rollout`), or, with an objective,
+        clean latents only, sampled in chunks of whole groups of at most ``rollout_batch_size`` samples."""
+        return self.training.rollout(self, rows, group_size, compute_logp=compute_logp)
 
     def action_stats(self, rollout: Rollout, *, actions: Tensor | None = None) -> ActionStats:
-        """Log-probs of the stored SDE steps (`DenoisingPolicy.action_stats`), or, with an objective, its
-        per-action loss on the forward process of the clean latents: one draw of sigmas and noise per
-        microbatch (kept in its payload, so its chunks share it; a new pass slices a new microbatch and
-        draws again), the old policy's velocity under the EMA (or the current weights, detached), the
-        v-space KL to the reference when one is kept."""
-        if self.objective is None:
-            return super().action_stats(rollout, actions=actions)
-        takes = fo.inputs(self.objective)
-        draw = rollout.payload.get(_DRAW_KEY)
-        if draw is None:
-            draw = fp.draw_forward(
-                self, rollout, timesteps=self.objective_timesteps, generator=self.generator
-            )
-            if "pairs" in takes:  # each group's best vs worst sample, noised alike
-                pairs = fo.best_worst_pairs(rollout.advantages, rollout.group, valid=rollout.mask.any(dim=1))
-                draw = fp.share_pair_draw(draw, pairs)
-            rollout.payload[_DRAW_KEY] = draw
-        rows, scored = None, rollout
-        if "pairs" in takes:  # only the paired samples are scored; the others' loss is 0
-            rows, draw = fp.pair_rows(draw)
-            scored = rollout[rows.tolist()]
-        p = fp.flow_predictions(
-            self,
-            scored,
-            draw=draw,
-            actions=actions,
-            old=self.old_policy,
-            reference=self.need_reference or "v_ref" in takes,
-            ema=self.eval_ema if self.ema_in_loss else None,
-        )
-        inputs = {"pairs": draw.pairs} if "pairs" in takes else {}
-        out = p.objective(self.objective, scored.advantages.to(p.v.device), **self.objective_kwargs, **inputs)
-        kl = fo.velocity_kl(p.v, p.v_ref, 2) if p.v_ref is not None else None
-        metrics = {f"objective/{k}": v for k, v in out.stats.items()}
-        if out.ratio is not None:
-            metrics["objective/ratio"] = out.ratio.detach()
-        loss, clipped = out.per_action, out.clipped
-        if rows is not None:  # back onto every sample of the microbatch (0 where unscored)
-            b, dev = len(rollout), loss.device
-            idx = rows.to(dev)
-
-            def full(x: Tensor) -> Tensor:
-                return torch.zeros((b, *x.shape[1:]), dtype=x.dtype, device=dev).index_copy(0, idx, x)
-
-            loss, clipped = full(loss), full(clipped)
-            kl = full(kl) if kl is not None else None
-            metrics = {k: full(v) for k, v in metrics.items()}
-        return ActionStats(logp=None, loss=loss, clipped=clipped, kl=kl, metrics=metrics)
+        """The strategy's statistics of the actions `actions` (a chunk of `action_chunks`; None: all): the
+        stored SDE steps' log-probs (`DenoisingPolicy.action_stats`), or the objective's per-action loss on the
+        forward process of the clean latents (`ForwardProcessTraining.action_stats`)."""
+        return self.training.action_stats(self, rollout, actions=actions)
 
     def action_chunks(self, rollout: Rollout) -> list[Tensor] | None:
-        """The SDE path's chunks (`DenoisingPolicy.action_chunks`); with an objective, one training sigma per
-        backward (the objectives couple no actions, so the accumulated gradient is the one-piece gradient)."""
-        if self.objective is None:
-            return super().action_chunks(rollout)
-        k = rollout.num_actions
-        return [torch.tensor([j]) for j in range(k)] if k > 1 else None
+        """The strategy's chunks: ``steps_per_backward`` trained steps (`DenoisingPolicy.action_chunks`), or one
+        training sigma per backward with an objective."""
+        return self.training.action_chunks(self, rollout)
 
     def export_weights(self) -> contextlib.AbstractContextManager[None]:
         """The weights `save` writes, swapped in for the block: the EMA of the weights when a forward-process
         objective keeps one (``algorithm.eval_ema``), as DiffusionNFT and Flow-Factory save their EMA; the
         trained weights otherwise (they always stay in the run's checkpoints)."""
-        ema = getattr(self, "eval_ema", None) if self.objective is not None else None
-        return ema.applied() if ema is not None else contextlib.nullcontext()
+        return self.training.export_weights()
 
     def save(self, path: str | Path) -> None:
         """Write every component to `path` (loadable by `from_pretrained`); under LoRA the adapter is merged

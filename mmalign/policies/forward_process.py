@@ -26,7 +26,7 @@ The formulas are in docs/algorithms.md, "Forward-process objectives".
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +141,12 @@ class OldPolicy:
         self.policy = policy
         self.params: list[Tensor] | None = None
         """The old values of ``policy.trainable_parameters()`` (in that order), None until first used."""
+
+    @classmethod
+    def check(cls, **options: Any) -> None:
+        """The TypeError or ValueError the constructor raises for `options`, without a policy (config
+        validation before any model loads)."""
+        cls(None, **options)
 
     def decay(self, step: int) -> float:
         """d at `step` (finished optimizer steps): 0 before ``flat``, then min((step - flat) ramp, cap)."""
@@ -276,6 +282,12 @@ class WeightEMA:
         """The EMA values of ``policy.trainable_parameters()`` (in that order), None until `ensure`."""
         self.updates = 0
         """How many times the copy moved."""
+
+    @classmethod
+    def check(cls, **options: Any) -> None:
+        """The TypeError or ValueError the constructor raises for `options`, without a policy (config
+        validation before any model loads)."""
+        cls(None, **options)
 
     def decay(self, s: int) -> float:
         """d at the authors' step count `s` (see the class docstring)."""
@@ -460,13 +472,15 @@ def sample_clean(
     num_actions: int,
     solver: str = "euler",
     weights: OldPolicy | None = None,
+    sde_rollout: Callable[..., Rollout] | None = None,
 ) -> Rollout:
     """Sample `group_size` clean latents per row with `solver` (`SOLVERS`) and keep no trajectory: the
     payload holds the conditioning (``conditioning_keys`` and ``row_conditioning_keys``) and
     ``clean_latents``; ``mask`` is Bool[B, `num_actions`] (one action per training sigma). ``euler`` and
     ``dpm2`` run every step deterministically from the policy's initial latents (its seeded generator), with
-    the guidance the rollout uses; ``sde`` is the policy's own `rollout` (``sde_kind``). With `weights` the
-    old policy samples (DiffusionNFT samples with its old adapter)."""
+    the guidance the rollout uses; ``sde`` is the policy's own `rollout` (``sde_kind``), or `sde_rollout`
+    (``rows, group_size, compute_logp=False``) when given: a policy whose `rollout` comes here passes its SDE
+    path's. With `weights` the old policy samples (DiffusionNFT samples with its old adapter)."""
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {', '.join(SOLVERS)}; got {solver!r}")
     if num_actions < 1:
@@ -474,7 +488,8 @@ def sample_clean(
     ctx = weights.applied() if weights is not None else nullcontext()
     with ctx:
         if solver == "sde":
-            return _drop_trajectory(policy.rollout(rows, group_size, compute_logp=False), policy, num_actions)
+            sample = policy.rollout if sde_rollout is None else sde_rollout
+            return _drop_trajectory(sample(rows, group_size, compute_logp=False), policy, num_actions)
         prompts, group, columns = group_fields(rows, group_size)
         b, dev = len(prompts), policy.device
         cond = policy.conditioning(prompts)
@@ -670,7 +685,7 @@ def flow_predictions(
             with old.applied():
                 v_old = torch.stack([run(policy.model, j) for j in range(k)], dim=1)
         if reference:
-            with policy._reference() as ref:
+            with policy.reference_network() as ref:
                 v_ref = torch.stack([run(ref, j) for j in range(k)], dim=1)
         if ema is not None:
             with ema.applied():
