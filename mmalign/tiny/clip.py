@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.tiny import BUILDERS, progress_bar
+from mmalign.tiny import BUILDERS
+from mmalign.tiny.warm_start import fit
 
 __all__ = [
     "CLIP_COUNTS",
@@ -211,7 +212,7 @@ def train_tiny_clip(
     )
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
 
-    def step() -> float:
+    def loss_at(_: int) -> torch.Tensor:
         same = by_colour[COLOURS[int(torch.randint(0, len(COLOURS), (1,), generator=g))]]
         idx = [same[int(j)] for j in torch.randint(0, len(same), (n_same,), generator=g)]
         idx += torch.randint(0, len(train), (batch_size - n_same,), generator=g).tolist()
@@ -228,12 +229,7 @@ def train_tiny_clip(
         logits = out.logits_per_image  # [images, texts]
         loss_i = -(pos / pos.sum(1, keepdim=True) * logits.log_softmax(1)).sum(1).mean()
         loss_t = -(pos.T / pos.T.sum(1, keepdim=True) * logits.T.log_softmax(1)).sum(1).mean()
-        loss = (loss_i + loss_t) / 2
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        return float(loss.detach())
+        return (loss_i + loss_t) / 2
 
     model.train()
     loss, curve = float("nan"), []
@@ -241,12 +237,11 @@ def train_tiny_clip(
     if threads:
         torch.set_num_threads(threads)
     try:
-        bar = progress_bar(range(steps), "CLIP on the shapes world", enabled=progress)
-        for i in bar:
-            loss = step()
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            if i % 25 == 0 or i == steps - 1:
-                curve.append(round(loss, 4))
+        losses = fit(
+            opt, steps, loss_at, "CLIP on the shapes world", sched=sched, progress=progress, window=1
+        )
+        curve = [round(v, 4) for i, v in enumerate(losses) if i % 25 == 0 or i == steps - 1]
+        loss = losses[-1] if losses else loss
     finally:
         torch.set_num_threads(prev_threads)
     model.eval()

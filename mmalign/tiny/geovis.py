@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mmalign.tiny import BUILDERS, progress_bar, train_bpe_tokenizer
+from mmalign.tiny import BUILDERS, train_bpe_tokenizer
 from mmalign.tiny.vlm import (
     IM_END,
     IM_START,
@@ -28,6 +28,7 @@ from mmalign.tiny.vlm import (
     qwen2_vl_model,
     special_token_ids,
 )
+from mmalign.tiny.warm_start import fit
 from pipelines.grounding.geovis_env import REFUSAL, ZoomEnvironment, replay
 from pipelines.grounding.geovis_views import (
     BOX_PROMPT,
@@ -625,17 +626,12 @@ def build_geovis(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
     )
-    losses: list[float] = []
-    for _ in progress_bar(range(steps), "GeoViS warm start"):
+
+    def loss_at(_: int) -> torch.Tensor:
         kinds = rng.choices(range(3), weights=mix, k=batch_size)
-        batch = collate([rng.choice(pools[k]) for k in kinds], tok.pad_token_id)
-        loss = model(**batch).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss))
+        return model(**collate([rng.choice(pools[k]) for k in kinds], tok.pad_token_id)).loss
+
+    losses = fit(opt, steps, loss_at, "GeoViS warm start", sched=sched, clip_norm=1.0)
     model.eval()
     model.save_pretrained(path)
     processor.save_pretrained(path)
@@ -864,22 +860,31 @@ def localisation_probe(
         return sum(ious) / len(ious), sum(i >= 0.5 for i in ious) / len(ious), sum(errs) / max(1, len(errs))
 
     reports = []
-    model.train()
-    for step in range(steps):
+
+    def loss_at(_: int) -> torch.Tensor:
         batch = collate([rng.choice(pool)[0] for _ in range(24)], tok.pad_token_id)
         batch["pixel_values"] = batch["pixel_values"].float()
-        loss = model(**batch).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if (step + 1) % report_every == 0:
-            mean_iou, acc, err = score()
-            reports.append({"step": step + 1, "iou": mean_iou, "acc@0.5": acc, "x_err_px": err})
-            print(
-                json.dumps({"display": display, "side": side, "noise": noise, "scene": scene, **reports[-1]})
-            )
+        return model(**batch).loss
+
+    def report(done: int) -> bool:
+        mean_iou, acc, err = score()
+        reports.append({"step": done, "iou": mean_iou, "acc@0.5": acc, "x_err_px": err})
+        print(json.dumps({"display": display, "side": side, "noise": noise, "scene": scene, **reports[-1]}))
+        return False
+
+    model.train()
+    fit(
+        opt,
+        steps,
+        loss_at,
+        "localisation probe",
+        sched=sched,
+        clip_norm=1.0,
+        stop=report,
+        check_every=report_every,
+        check_at_end=True,
+        progress=False,
+    )
     return reports
 
 

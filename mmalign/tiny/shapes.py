@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.tiny import BUILDERS, progress_bar
+from mmalign.tiny import BUILDERS
+from mmalign.tiny.warm_start import fit
 
 __all__ = [
     "COLOURS",
@@ -114,25 +115,20 @@ def train_vae_on_shapes(
     images = shapes_images(rows, size) * 2 - 1
     opt = torch.optim.Adam(vae.parameters(), lr=lr)
     vae.train()
-    loss = torch.tensor(0.0)
-    bar = progress_bar(range(steps), "VAE warm start", enabled=progress)
-    for _ in bar:
-        idx = torch.randint(0, len(images), (batch_size,), generator=g)
-        x = images[idx]
+
+    def loss_at(_: int) -> Tensor:
+        x = images[torch.randint(0, len(images), (batch_size,), generator=g)]
         post = vae.encode(x).latent_dist
-        rec = vae.decode(post.mean).sample
-        loss = torch.nn.functional.mse_loss(rec, x) + kl_weight * post.kl().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        bar.set_postfix(mse=f"{loss.item():.4f}", refresh=False)
+        return torch.nn.functional.mse_loss(vae.decode(post.mean).sample, x) + kl_weight * post.kl().mean()
+
+    losses = fit(opt, steps, loss_at, "VAE warm start", progress=progress, window=1)
     vae.eval()
     with torch.no_grad():
         z = vae.encode(images[:256]).latent_dist.mean
         shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
         std = float((z - shift).std())
     vae.register_to_config(scaling_factor=1.0 / max(std, 1e-6))
-    return float(loss.detach())
+    return losses[-1] if losses else 0.0
 
 
 # ============================================================================ tiny diffusion models
@@ -325,32 +321,33 @@ def train_denoiser(
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     for m in modules:
         m.train()
-    recent: list[float] = []
-    done = 0
-    bar = progress_bar(range(steps), desc, enabled=progress)
-    for step in bar:
+
+    def loss_at(step: int) -> Tensor:
         cosine = 0.5 * (1 + math.cos(math.pi * step / max(1, steps - 1)))
         for group in opt.param_groups:
             group["lr"] = lr * (final_lr_fraction + (1 - final_lr_fraction) * cosine)
         idx = torch.randint(0, len(data.rows), (batch_size,), generator=g)
         ids = data.tokens[idx].clone()
         ids[torch.rand(batch_size, generator=g) < p_uncond] = data.empty
-        loss = loss_fn(data.latents[idx], ids, g)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        done = step + 1
-        recent = (recent + [float(loss.detach())])[-50:]
-        bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}", refresh=False)
-        if stop is not None and done % check_every == 0 and done < steps:
-            with torch.no_grad():
-                halt = stop(done)
-            for m in modules:  # the check may have switched them to inference
-                m.train().requires_grad_(True)
-            if halt:
-                break
-    bar.close()
+        return loss_fn(data.latents[idx], ids, g)
+
+    def check(done: int) -> bool:
+        halt = stop(done)
+        for m in modules:  # the check may have switched them to inference
+            m.train().requires_grad_(True)
+        return halt
+
+    losses = fit(
+        opt,
+        steps,
+        loss_at,
+        desc,
+        clip_norm=1.0,
+        stop=None if stop is None else check,
+        check_every=check_every,
+        progress=progress,
+    )
+    recent, done = losses[-50:], len(losses)
     for m in modules:
         m.eval()
     return sum(recent) / max(1, len(recent)), done

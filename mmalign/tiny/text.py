@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mmalign.tiny import BUILDERS, progress_bar, tiny_causal_lm, train_bpe_tokenizer
+from mmalign.tiny import BUILDERS, tiny_causal_lm, train_bpe_tokenizer
+from mmalign.tiny.warm_start import fit
 
 ARITH_PROMPT = "Q: {question} = ?\nA:"
 
@@ -76,14 +78,16 @@ def build_text_reasoning(
             att[i, : len(s)] = 1
         return ids, att, labels
 
+    def loss_at(noisy: bool) -> Callable[[int], torch.Tensor]:
+        def loss(_: int) -> torch.Tensor:
+            ids, att, labels = batch_of(noisy=noisy)
+            return model(input_ids=ids, attention_mask=att, labels=labels).loss
+
+        return loss
+
     for phase, steps, lr in (("sharp", sharp_steps, 3e-3), ("blur", blur_steps, 1e-3)):
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        for _ in progress_bar(range(steps), f"LM warm start, {phase} phase"):
-            ids, att, labels = batch_of(noisy=phase == "blur")
-            loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        fit(opt, steps, loss_at(phase == "blur"), f"LM warm start, {phase} phase")
     model.eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.tiny import BUILDERS, progress_bar
+from mmalign.tiny import BUILDERS
+from mmalign.tiny.warm_start import fit
 
 __all__ = ["GEOMETRY_SUBFOLDER", "build_video_geometry", "geometry_targets", "write_prompt_files"]
 
@@ -174,13 +175,12 @@ def build_video_geometry(
     opt = torch.optim.AdamW(geometry.parameters(), lr=geometry_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, geometry_steps)
     g = torch.Generator().manual_seed(seed)
-    for _ in progress_bar(range(geometry_steps), "latent geometry model", enabled=progress):
+
+    def geometry_loss(_: int) -> torch.Tensor:
         idx = torch.randint(0, num_clips, (32,), generator=g)
-        loss, _ = _geometry_loss(geometry(z_train[idx]), {k: v[idx] for k, v in t_train.items()}, pose_weight)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
+        return _geometry_loss(geometry(z_train[idx]), {k: v[idx] for k, v in t_train.items()}, pose_weight)[0]
+
+    fit(opt, geometry_steps, geometry_loss, "latent geometry model", sched=sched, progress=progress)
     geometry.eval().requires_grad_(False)
     meta["geometry_held_out"] = _geometry_errors(geometry, z_held, t_held)
     # the same clips through decode and encode again: what the model sees of a generated clip
@@ -204,8 +204,8 @@ def build_video_geometry(
     params = list(transformer.parameters()) + list(text_encoder.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     warm = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
-    loss_v = float("nan")
-    for _ in progress_bar(range(steps), "text-to-video warm start", enabled=progress):
+
+    def video_loss(_: int) -> torch.Tensor:
         idx = torch.randint(0, num_clips, (batch_size,), generator=g)
         x0 = z_train[idx]
         noise = torch.randn(x0.shape, generator=g)
@@ -213,13 +213,12 @@ def build_video_geometry(
         s = sigma.view(-1, 1, 1, 1, 1)
         text = encode_prompt(text_encoder, tokenizer, [captions[i] for i in idx.tolist()], "cpu", max_len)
         pred = transformer((1 - s) * x0 + s * noise, sigma * 1000, text, return_dict=False)[0]
-        loss = (pred - (noise - x0)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        warm.step()
-        loss_v = float(loss.detach())
+        return (pred - (noise - x0)).pow(2).mean()
+
+    losses = fit(
+        opt, steps, video_loss, "text-to-video warm start", sched=warm, clip_norm=1.0, progress=progress
+    )
+    loss_v = losses[-1] if losses else float("nan")
     text_encoder.eval().requires_grad_(False)
     transformer.eval()
     with torch.no_grad():

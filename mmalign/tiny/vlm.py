@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from mmalign.tiny import BUILDERS, EOS, progress_bar, train_bpe_tokenizer
+from mmalign.tiny import BUILDERS, EOS, train_bpe_tokenizer
+from mmalign.tiny.warm_start import fit
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -268,11 +269,13 @@ def build_vlm_reasoning(
 
     for phase, steps, lr in (("sharp", sharp_steps, 3e-3), ("blur", blur_steps, 1e-3)):
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        for _ in progress_bar(range(steps), f"VLM warm start, {phase} phase"):
-            loss = model(**batch(noisy=phase == "blur")).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        noisy = phase == "blur"
+        fit(
+            opt,
+            steps,
+            lambda _, noisy=noisy: model(**batch(noisy=noisy)).loss,
+            f"VLM warm start, {phase} phase",
+        )
     model.eval()
     save_vlm(
         path,
