@@ -3,12 +3,23 @@ video editing).
 
 Only the Wan parts live here: the components (`mmalign.policies.wan_components`), UMT5 prompt states (as
 ``WanPipeline``), video latents [B, C, F, h, w], the transformer call (timestep sigma * num_train_timesteps in
-fp32), the conditions (``none``, ``concat``, ``sdedit``, ``vace``, ``i2v``: row conditioning stored in the
-payload, so re-scoring sees what sampling saw), Wan2.2's two experts (``transformer`` for high noise,
+fp32), the conditions, Wan2.2's two experts (``transformer`` for high noise,
 ``transformer_2`` for low, switched at ``boundary_ratio``; ``train_expert``), the folder's own UniPC scheduler
 for deterministic sampling (`uses_ode_scheduler`) and per-path LRU caches of the source pixels and latents.
 Sampling, CFG, steps and the trainable-step rules are `mmalign.policies.flow_matching.FlowMatchingPolicy`'s.
 docs/video.md describes the conditions and experts; docs/algorithms.md the math.
+
+Each condition (what conditions the video besides the prompt) is a subclass, named in the config by
+``options.condition`` and looked up in `WAN_CONDITION_POLICIES` (`wan_policy_class`):
+
+- ``none``: `WanPolicy` itself, text to video;
+- ``concat``: `WanConcatPolicy`, the source clip's latents concatenated on the input channels (VIVA);
+- ``sdedit``: `WanSDEditPolicy`, the source latents noised to ``sdedit_strength`` and denoised from there;
+- ``vace``: `WanVACEPolicy`, the VACE control tensor of the source, mask and reference frames;
+- ``i2v``: `WanImageToVideoPolicy`, a first frame given per row.
+
+A condition overrides small hooks of `WanPolicy` (`extra_in_channels`, `condition_rows`,
+`condition_inputs`, ...); its row conditioning is stored in the payload, so re-scoring sees what sampling saw.
 
 ``i2v`` (``WanImageToVideoPipeline``): each row's ``image`` column (an image file, or a clip whose first frame
 is taken) is the first frame; ``image_latents`` (the first-frame mask and the VAE latents of the frame followed
@@ -22,7 +33,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import torch
 from torch import Tensor
@@ -49,19 +60,23 @@ __all__ = [
     "PIXEL_CACHE_BYTES",
     "SDEDIT_MIN_FIRST_STEP",
     "TRAIN_EXPERTS",
+    "WAN_CONDITION_POLICIES",
     "WAN_LORA_TARGETS",
+    "WanConcatPolicy",
     "WanExperts",
+    "WanImageToVideoPolicy",
     "WanPolicy",
+    "WanSDEditPolicy",
+    "WanVACEPolicy",
+    "wan_policy_class",
 ]
 
-CONDITIONS = ("none", "concat", "sdedit", "vace", "i2v")
-"""What conditions the video besides the prompt (see the module docstring)."""
 TRAIN_EXPERTS = ("high", "low", "both")
 """Which expert of a two-expert model trains."""
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
 """Attention projections and feed-forward layers of Wan's blocks (``target_modules: all-linear``)."""
 SDEDIT_MIN_FIRST_STEP = 1e-3
-"""``sdedit``: schedule sigmas less than this below the strength are dropped, so the first step (from the
+"""`WanSDEditPolicy`: schedule sigmas less than this below the strength are dropped, so the first step (from the
 strength to the next schedule sigma) is never a near-zero step (whose tiny std would make extreme log-probs)."""
 PIXEL_CACHE_BYTES = 4 * 2**30
 """CPU memory for the source videos / masks / reference frames kept as pixels (by path; least recently used
@@ -169,7 +184,9 @@ class WanExperts(torch.nn.Module):
 
 
 class WanPolicy(FlowMatchingPolicy):
-    """A Wan video transformer (one or two experts) as a GRPO policy. See the module docstring."""
+    """A Wan video transformer (one or two experts) as a GRPO policy: text to video, and the base of the
+    conditioned policies (`WAN_CONDITION_POLICIES`), which override the hooks of the "condition hooks" section.
+    See the module docstring."""
 
     components: WanComponents
     conditioning_keys = ("prompt_embeds",)
@@ -177,6 +194,14 @@ class WanPolicy(FlowMatchingPolicy):
     lora_targets = WAN_LORA_TARGETS
     SCHEDULE_KEYS = ("sigmas", "sigmas_next", "sigma_max_fallback", "expert")
     """`schedule`'s keys; deterministic sampling with the folder's UniPC scheduler adds ``timesteps``."""
+    condition: ClassVar[str] = "none"
+    """The name of the condition in the config (``options.condition``; `WAN_CONDITION_POLICIES`' key)."""
+    needs_source_video: ClassVar[bool] = False
+    """Whether every row must carry a ``source_video`` (the editing conditions)."""
+    vace_transformer: ClassVar[bool] = False
+    """Whether the transformer must be a ``WanVACETransformer3DModel`` (and only then may be one)."""
+    num_reference_frames: int = 0
+    """Latent frames prepended to every sample (VACE's reference frames; dropped before decoding)."""
 
     def __init__(
         self,
@@ -194,10 +219,6 @@ class WanPolicy(FlowMatchingPolicy):
         height: int = 480,
         width: int = 832,
         max_sequence_length: int = WAN_MAX_SEQUENCE_LENGTH,
-        condition: str = "none",
-        sdedit_strength: float = 0.8,
-        conditioning_scale: float = 1.0,
-        num_reference_frames: int = 0,
         ode_scheduler: Any = None,
         image_encoder: torch.nn.Module | None = None,
         image_processor: Any = None,
@@ -208,17 +229,11 @@ class WanPolicy(FlowMatchingPolicy):
         """The parts of a Wan folder (`WanComponents`; `transformer_2` and `boundary_ratio` for Wan2.2's two
         experts, `ode_scheduler` for deterministic sampling, `image_encoder` / `image_processor` for Wan2.1
         image to video). ``num_frames`` x ``height`` x ``width``: the video size in pixels (``WanPipeline``'s
-        defaults); ``condition`` and its options as in the module docstring; `lora`: the trained expert(s)
+        defaults); a condition's own options are its subclass's keywords; `lora`: the trained expert(s)
         already carry an adapter. Sampler settings as `FlowMatchingPolicy`."""
-        self._check_options(
-            condition, train_expert, transformer_2, boundary_ratio, sdedit_strength, num_reference_frames
-        )
+        self._check_options(train_expert, transformer_2, boundary_ratio)
         if max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
-        self.condition = condition
-        self.sdedit_strength = float(sdedit_strength)
-        self.conditioning_scale = float(conditioning_scale)
-        self.num_reference_frames = int(num_reference_frames)
         self.boundary_ratio = boundary_ratio
         self.train_expert = train_expert
         self.max_sequence_length = max_sequence_length
@@ -226,11 +241,7 @@ class WanPolicy(FlowMatchingPolicy):
         self.transformer, self.transformer_2 = transformer, transformer_2
         self.image_encoder, self.image_processor = image_encoder, image_processor
         self._check_model(vae)
-        self.row_conditioning_keys = {
-            "concat": ("source_latents",),
-            "vace": ("control_latents",),
-            "i2v": ("image_latents", "image_embeds") if self._takes_image_embeds() else ("image_latents",),
-        }.get(condition, ())
+        self.row_conditioning_keys = self.condition_keys()
         self._pixels: _LRU = _LRU(PIXEL_CACHE_BYTES)
         self._latents: _LRU = _LRU(LATENT_CACHE_BYTES)
         self._ode_run: Any = None
@@ -294,15 +305,8 @@ class WanPolicy(FlowMatchingPolicy):
     # ------------------------------------------------------------------ checks
     @staticmethod
     def _check_options(
-        condition: str,
-        train_expert: str,
-        transformer_2: torch.nn.Module | None,
-        boundary_ratio: float | None,
-        sdedit_strength: float,
-        num_reference_frames: int,
+        train_expert: str, transformer_2: torch.nn.Module | None, boundary_ratio: float | None
     ) -> None:
-        if condition not in CONDITIONS:
-            raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}; got {condition!r}")
         if train_expert not in TRAIN_EXPERTS:
             raise ValueError(f"train_expert must be one of {', '.join(TRAIN_EXPERTS)}; got {train_expert!r}")
         if (transformer_2 is None) != (boundary_ratio is None):
@@ -317,13 +321,6 @@ class WanPolicy(FlowMatchingPolicy):
             )
         if boundary_ratio is not None and not 0 < boundary_ratio < 1:
             raise ValueError(f"boundary_ratio must be in (0, 1), got {boundary_ratio}")
-        if not 0 < sdedit_strength <= 1:
-            raise ValueError(f"sdedit_strength must be in (0, 1], got {sdedit_strength}")
-        if num_reference_frames < 0 or (num_reference_frames and condition != "vace"):
-            raise ValueError(
-                f"num_reference_frames must be >= 0 and is only used with condition: vace; got "
-                f"{num_reference_frames} with condition {condition!r}"
-            )
 
     def _check_model(self, vae: torch.nn.Module) -> None:
         """Set the VAE factors, check the experts against the condition and the VAE, check the video size."""
@@ -335,8 +332,8 @@ class WanPolicy(FlowMatchingPolicy):
         self._check_image_encoder()
 
     def _takes_image_embeds(self) -> bool:
-        """Whether the transformer takes CLIP image states (``image_dim`` set: Wan2.1 image to video)."""
-        return self.condition == "i2v" and getattr(self.transformer.config, "image_dim", None) is not None
+        """Whether the policy feeds the transformer CLIP image states (image to video with ``image_dim``)."""
+        return False
 
     def _check_image_encoder(self) -> None:
         if self._takes_image_embeds():
@@ -355,20 +352,15 @@ class WanPolicy(FlowMatchingPolicy):
     def _check_architecture(self, transformer: torch.nn.Module, vae: torch.nn.Module) -> None:
         cfg, z = transformer.config, int(vae.config.z_dim)
         is_vace = hasattr(cfg, "vace_layers")
-        if is_vace != (self.condition == "vace"):
+        if is_vace != self.vace_transformer:
             raise ValueError(
                 f"condition {self.condition!r} with a {type(transformer).__name__}: condition vace needs a "
                 "WanVACETransformer3DModel (transformer/config.json _class_name) and a VACE transformer needs "
                 "condition: vace"
             )
-        extra = {"concat": z, "i2v": z + self.temporal_factor}.get(self.condition, 0)
-        want = z + extra
+        want = z + self.extra_in_channels(z)
         if int(cfg.in_channels) != want:
-            why = {
-                "concat": " (noisy latents and source latents concatenated)",
-                "i2v": f" (noisy latents, the {self.temporal_factor}-channel first-frame mask and the image "
-                "latents; Wan2.2 TI2V-5B's first-frame replacement is not supported)",
-            }.get(self.condition, "")
+            why = self.in_channels_note()
             raise ValueError(
                 f"transformer/config.json in_channels={cfg.in_channels}, but condition {self.condition!r} with "
                 f"the VAE's z_dim={z} needs {want}{why}"
@@ -440,14 +432,10 @@ class WanPolicy(FlowMatchingPolicy):
 
     def uses_ode_scheduler(self) -> bool:
         """Whether rollouts step with the folder's own scheduler (UniPC, ``components.ode_scheduler``): the
-        sampler is deterministic (``noise_level`` 0: `mmalign sample` / `mmalign eval`), the folder ships one
-        and the condition is not ``sdedit`` (whose truncated schedule is Euler's). Its sigmas, integer timesteps
-        and multistep updates are then ``WanPipeline``'s; training steps always use the Euler / SDE schedule."""
-        return (
-            self.components.ode_scheduler is not None
-            and self.sampler.deterministic
-            and self.condition != "sdedit"
-        )
+        sampler is deterministic (``noise_level`` 0: `mmalign sample` / `mmalign eval`) and the folder ships
+        one (`WanSDEditPolicy` never: its truncated schedule is Euler's). Its sigmas, integer timesteps and
+        multistep updates are then ``WanPipeline``'s; training steps always use the Euler / SDE schedule."""
+        return self.components.ode_scheduler is not None and self.sampler.deterministic
 
     @property
     def schedule_keys(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -474,22 +462,16 @@ class WanPolicy(FlowMatchingPolicy):
         return sig, self.scheduler.timesteps.detach().to("cpu", torch.float32)
 
     def _run_schedule(self) -> tuple[Tensor, Tensor]:
-        """(sigmas Float[n + 1], timesteps Float[n]) of the n steps a rollout runs: the full schedule, or with
-        ``sdedit`` the strength s followed by the schedule's sigmas below s (see docs/algorithms.md)."""
-        sig, t = self._full_schedule()
-        if self.condition != "sdedit":
-            return sig, t
-        s = torch.tensor([self.sdedit_strength], dtype=torch.float32)
-        below = sig[:-1] < s - SDEDIT_MIN_FIRST_STEP
-        n_train = float(self.scheduler.config.num_train_timesteps)
-        return torch.cat([s, sig[:-1][below], sig[-1:]]), torch.cat([s * n_train, t[below]])
+        """(sigmas Float[n + 1], timesteps Float[n]) of the n steps a rollout runs: the full schedule
+        (`WanSDEditPolicy` truncates it)."""
+        return self._full_schedule()
 
     def num_denoising_steps(self) -> int:
-        """``num_steps``, or with ``sdedit`` the steps from the strength s down."""
+        """``num_steps`` (`WanSDEditPolicy`: the steps from the strength s down)."""
         return len(self._run_schedule()[1])
 
     def sigmas(self) -> Tensor:
-        """Float[num_denoising_steps + 1]: the shifted sigmas from 1 (``sdedit``: from the strength) to 0."""
+        """Float[num_denoising_steps + 1]: the shifted sigmas from 1 (`WanSDEditPolicy`: from the strength) to 0."""
         return self._run_schedule()[0]
 
     def _step_experts(self) -> Tensor:
@@ -524,6 +506,32 @@ class WanPolicy(FlowMatchingPolicy):
             )
         return run.step(prediction, run.timesteps[i], latents, return_dict=False)[0]
 
+    # ------------------------------------------------------------------ condition hooks
+    def extra_in_channels(self, z_dim: int) -> int:
+        """Input channels of the transformer besides the `z_dim` noisy latent channels (none here)."""
+        return 0
+
+    def in_channels_note(self) -> str:
+        """What the transformer's input channels hold, for the in_channels error (empty here)."""
+        return ""
+
+    def condition_keys(self) -> tuple[str, ...]:
+        """``row_conditioning_keys``: the keys `condition_rows` returns (none here); called once the model is
+        checked."""
+        return ()
+
+    def condition_rows(self, columns: dict[str, list[Any]], b: int) -> dict[str, Tensor]:
+        """{key of `condition_keys`: Float[b, ...]} on the policy's device, from the dataset `columns` of `b`
+        samples (stored in the payload, so re-scoring sees what sampling saw)."""
+        return {}
+
+    def condition_inputs(
+        self, latents: Tensor, cond: dict[str, Tensor], dtype: torch.dtype
+    ) -> tuple[Tensor, dict[str, Any]]:
+        """(hidden_states, extra transformer keywords in `dtype`) for the noisy `latents` and the conditioning
+        `cond`: the latents as they are and no keywords here."""
+        return latents, {}
+
     # ------------------------------------------------------------------ rows: sources, masks, references
     def _column(self, columns: dict[str, list[Any]], key: str, b: int) -> list[Any]:
         return list(columns.get(key) or [None] * b)
@@ -546,21 +554,12 @@ class WanPolicy(FlowMatchingPolicy):
             key, lambda: read_mask(path, num_frames=self.num_frames, size=(self.height, self.width))
         )
 
-    def _references(self, value: Any) -> list[Tensor]:
-        """The reference frames of a row, each Float[3, h, w] in [0, 1] at its own size: `value` is a path or
-        a list of paths, each read with `mmalign.data.media.read_video` (every frame of each is a reference)."""
-        from mmalign.data.media import read_video
-
-        paths = [value] if isinstance(value, str | Path) else list(value)
-        stacks = [self._pixels.get_or(("refs", str(p)), lambda p=p: read_video(p)) for p in paths]
-        return [frame for stack in stacks for frame in stack]
-
     def _source_paths(self, columns: dict[str, list[Any]], b: int) -> list[Any]:
         paths = self._column(columns, "source_video", b)
         if any(p is None for p in paths):
             need = (
                 f"condition {self.condition!r} needs"
-                if self.condition != "none"
+                if self.needs_source_video
                 else "some rows carry a source_video, so give one in"
             )
             raise ValueError(
@@ -594,6 +593,220 @@ class WanPolicy(FlowMatchingPolicy):
             )
         return torch.stack(rows).to(self.device)
 
+    # ------------------------------------------------------------------ rollout hooks
+    def row_conditioning(self, columns: dict[str, list[Any]], group: Tensor) -> dict[str, Tensor]:
+        """The condition's tensors of every sample (`condition_rows`), after checking that no row carries
+        reference frames (only `WanVACEPolicy` takes them)."""
+        b = int(group.shape[0])
+        refs = self._column(columns, "reference_frames", b)
+        if any(r is not None and len(r) for r in refs):
+            raise ValueError(
+                "rows carry reference_frames, which only condition: vace (with num_reference_frames) uses"
+            )
+        return self.condition_rows(columns, b)
+
+    def initial_latents(
+        self, group: Tensor, cond: dict[str, Tensor], columns: dict[str, list[Any]]
+    ) -> Tensor:
+        """Noise (`WanSDEditPolicy` starts from the noised source latents)."""
+        return self._initial_noise(group)
+
+    def rollout_outputs(self, rollout: Rollout) -> None:
+        """``source_videos`` and ``edit_masks`` for the rewards, when the rows carry them."""
+        b = len(rollout.prompts)
+        videos = self.source_videos(rollout.columns, b)
+        if videos is not None:
+            rollout.outputs["source_videos"] = videos
+        masks = self.edit_masks(rollout.columns, b)
+        if masks is not None:
+            rollout.outputs["edit_masks"] = masks
+
+    def rollout_stats(self, rollout: Rollout) -> dict[str, Tensor]:
+        """With two experts: the share of each sample's trained steps each expert produced."""
+        if self.transformer_2 is None or "expert" not in rollout.payload:
+            return {}
+        e = rollout.payload["expert"].float()
+        return {"expert_high_share": (e == 0).float().mean(dim=1), "expert_low_share": e.mean(dim=1)}
+
+    # ------------------------------------------------------------------ model
+    def velocity(
+        self, model: torch.nn.Module, latents: Tensor, sched: dict[str, Tensor], cond: dict[str, Tensor]
+    ) -> Tensor:
+        """One transformer call on the condition's inputs (`condition_inputs`); two experts: each sample's step
+        expert. The timestep is sigma * num_train_timesteps (fp32), or the folder scheduler's
+        integer timestep while `uses_ode_scheduler`. An ``expand_timesteps`` folder (TI2V-5B) gets one timestep
+        per sample (text to video; its image conditioning is not supported)."""
+        # the patch embedding's dtype, not the first parameter's: that one (scale_shift_table) diffusers keeps in
+        # fp32 (_keep_in_fp32_modules), and fp32 inputs fail in the bf16 patch convolution outside autocast
+        # (`mmalign eval` / `sample` of a bf16 model)
+        dtype = next(m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Conv3d))
+        if "timesteps" in sched:
+            t = sched["timesteps"]
+        else:
+            t = sched["sigmas"] * float(self.scheduler.config.num_train_timesteps)
+        x, kw = self.condition_inputs(latents, cond, dtype)
+        if self.transformer_2 is not None:
+            kw["expert"] = sched["expert"]
+        return model(
+            hidden_states=x.to(dtype),
+            timestep=t.float(),
+            encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+            return_dict=False,
+            **kw,
+        )[0]
+
+    # ------------------------------------------------------------------ decoding and saving
+    def decode_latents(self, z: Tensor) -> Tensor:
+        """Float[B, F, 3, H, W] in [0, 1] on the CPU: the whole clip through the Wan VAE (without the VACE
+        reference frames), un-normalised with ``latents_mean`` / ``latents_std`` as ``WanPipeline``."""
+        return decode_video(self.vae, z[:, :, self.num_reference_frames :])
+
+    def _merged(self, module: torch.nn.Module, path: Path, subfolder: str) -> torch.nn.Module:
+        """`module` as saved in ``path/subfolder``: with a LoRA adapter, also written alone to
+        ``path/<subfolder>_lora`` and merged into a returned copy; else the module itself."""
+        if not getattr(module, "_hf_peft_config_loaded", False):
+            return module
+        module.save_lora_adapter(str(path / f"{subfolder}_lora"))
+        merged = copy.deepcopy(module)
+        merged.fuse_lora()
+        merged.unload_lora()
+        return merged
+
+    def save(self, path: str | Path) -> None:
+        """Write the whole Wan folder (loadable by `WanPolicy.from_pretrained` and diffusers' ``WanPipeline``
+        / ``WanVACEPipeline``). Under LoRA each adapted expert is merged into a copy, and its adapter also
+        saved alone in ``transformer_lora/`` / ``transformer_2_lora/``. The weights are `export_weights`' (the
+        evaluation EMA of a forward-process objective, when it keeps one)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        with self.export_weights():
+            t2 = (
+                self._merged(self.transformer_2, path, "transformer_2")
+                if self.transformer_2 is not None
+                else None
+            )
+            self.components.save_pretrained(
+                path, transformer=self._merged(self.transformer, path, "transformer"), transformer_2=t2
+            )
+
+
+class WanConcatPolicy(WanPolicy):
+    """``condition: concat`` (VIVA): the source clip's VAE latents concatenated to the noisy latents on the
+    channels, so the transformer takes 2 z_dim input channels; every row needs a ``source_video``."""
+
+    condition = "concat"
+    needs_source_video = True
+
+    def extra_in_channels(self, z_dim: int) -> int:
+        """The source latents' `z_dim` channels."""
+        return z_dim
+
+    def in_channels_note(self) -> str:
+        return " (noisy latents and source latents concatenated)"
+
+    def condition_keys(self) -> tuple[str, ...]:
+        return ("source_latents",)
+
+    def condition_rows(self, columns: dict[str, list[Any]], b: int) -> dict[str, Tensor]:
+        """``source_latents`` Float[b, z, F_lat, h, w] (`source_latents`)."""
+        return {"source_latents": self.source_latents(columns, b)}
+
+    def condition_inputs(
+        self, latents: Tensor, cond: dict[str, Tensor], dtype: torch.dtype
+    ) -> tuple[Tensor, dict[str, Any]]:
+        """[noisy latents | source latents] on the channels."""
+        return torch.cat([latents, cond["source_latents"].to(latents)], dim=1), {}
+
+
+class WanSDEditPolicy(WanPolicy):
+    """``condition: sdedit`` (any Wan checkpoint): the source latents noised to the strength s,
+    x = (1 - s) z + s eps, then denoised along the schedule's sigmas below s (see docs/algorithms.md); every
+    row needs a ``source_video``. Sampling always steps with Euler (never the folder's UniPC scheduler)."""
+
+    condition = "sdedit"
+    needs_source_video = True
+
+    def __init__(self, *args: Any, sdedit_strength: float = 0.8, **kwargs: Any) -> None:
+        """`sdedit_strength`: s in (0, 1] (1: pure noise, the whole schedule); the rest as `WanPolicy`."""
+        if not 0 < sdedit_strength <= 1:
+            raise ValueError(f"sdedit_strength must be in (0, 1], got {sdedit_strength}")
+        self.sdedit_strength = float(sdedit_strength)
+        super().__init__(*args, **kwargs)
+
+    def uses_ode_scheduler(self) -> bool:
+        """Never: the truncated schedule is the Euler scheduler's."""
+        return False
+
+    def _run_schedule(self) -> tuple[Tensor, Tensor]:
+        """The strength s followed by the full schedule's sigmas below s - `SDEDIT_MIN_FIRST_STEP` (and their
+        timesteps; s's timestep is s * num_train_timesteps)."""
+        sig, t = self._full_schedule()
+        s = torch.tensor([self.sdedit_strength], dtype=torch.float32)
+        below = sig[:-1] < s - SDEDIT_MIN_FIRST_STEP
+        n_train = float(self.scheduler.config.num_train_timesteps)
+        return torch.cat([s, sig[:-1][below], sig[-1:]]), torch.cat([s * n_train, t[below]])
+
+    def initial_latents(
+        self, group: Tensor, cond: dict[str, Tensor], columns: dict[str, list[Any]]
+    ) -> Tensor:
+        """The source latents noised to the strength s: (1 - s) z + s eps."""
+        noise = self._initial_noise(group)
+        z = self.source_latents(columns, int(group.shape[0])).to(noise)
+        s = float(self.sigmas()[0])  # the strength, as fp32
+        return (1 - s) * z + s * noise
+
+
+class WanVACEPolicy(WanPolicy):
+    """``condition: vace`` (``WanVACEPipeline``, a ``WanVACETransformer3DModel``): the VACE control tensor of
+    every row's ``source_video``, ``edit_mask`` and, with ``num_reference_frames``, ``reference_frames``
+    (`wan_components.vace_control_tensor`) goes to the VACE blocks, scaled by ``conditioning_scale``."""
+
+    condition = "vace"
+    needs_source_video = True
+    vace_transformer = True
+
+    def __init__(
+        self, *args: Any, conditioning_scale: float = 1.0, num_reference_frames: int = 0, **kwargs: Any
+    ) -> None:
+        """`conditioning_scale`: the VACE blocks' scale; `num_reference_frames` R >= 0: every row's
+        ``reference_frames`` hold R frames, prepended as R latent frames. The rest as `WanPolicy`."""
+        if num_reference_frames < 0:
+            raise ValueError(f"num_reference_frames must be >= 0, got {num_reference_frames}")
+        self.conditioning_scale = float(conditioning_scale)
+        self.num_reference_frames = int(num_reference_frames)
+        super().__init__(*args, **kwargs)
+
+    def condition_keys(self) -> tuple[str, ...]:
+        return ("control_latents",)
+
+    def row_conditioning(self, columns: dict[str, list[Any]], group: Tensor) -> dict[str, Tensor]:
+        """``control_latents`` of every sample (`control_latents`; rows may carry reference frames)."""
+        return self.condition_rows(columns, int(group.shape[0]))
+
+    def condition_rows(self, columns: dict[str, list[Any]], b: int) -> dict[str, Tensor]:
+        return {"control_latents": self.control_latents(columns, b)}
+
+    def condition_inputs(
+        self, latents: Tensor, cond: dict[str, Tensor], dtype: torch.dtype
+    ) -> tuple[Tensor, dict[str, Any]]:
+        """The latents as they are; the control tensor and one ``conditioning_scale`` per VACE layer."""
+        n_layers = len(self.transformer.config.vace_layers)
+        return latents, {
+            "control_hidden_states": cond["control_latents"].to(dtype),
+            "control_hidden_states_scale": torch.full(
+                (n_layers,), self.conditioning_scale, device=latents.device, dtype=dtype
+            ),
+        }
+
+    def _references(self, value: Any) -> list[Tensor]:
+        """The reference frames of a row, each Float[3, h, w] in [0, 1] at its own size: `value` is a path or
+        a list of paths, each read with `mmalign.data.media.read_video` (every frame of each is a reference)."""
+        from mmalign.data.media import read_video
+
+        paths = [value] if isinstance(value, str | Path) else list(value)
+        stacks = [self._pixels.get_or(("refs", str(p)), lambda p=p: read_video(p)) for p in paths]
+        return [frame for stack in stacks for frame in stack]
+
     def control_latents(self, columns: dict[str, list[Any]], b: int) -> Tensor:
         """Float[B, 2 z + s^2, F_lat, h, w] on the policy's device: the VACE control tensor of every row
         (`wan_components.vace_control_tensor`), cached per (video, mask, references)."""
@@ -623,7 +836,41 @@ class WanPolicy(FlowMatchingPolicy):
             rows.append(self._latents.get_or(key, make))
         return torch.stack(rows).to(self.device)
 
-    # ------------------------------------------------------------------ rollout hooks
+
+class WanImageToVideoPolicy(WanPolicy):
+    """``condition: i2v`` (``WanImageToVideoPipeline``): every row's ``image`` is the first frame (see the
+    module docstring); the transformer takes z_dim + temporal factor + z_dim input channels."""
+
+    condition = "i2v"
+
+    def _takes_image_embeds(self) -> bool:
+        """Whether the transformer takes CLIP image states (``image_dim`` set: Wan2.1 image to video)."""
+        return getattr(self.transformer.config, "image_dim", None) is not None
+
+    def extra_in_channels(self, z_dim: int) -> int:
+        """The temporal-factor channels of the first-frame mask and the `z_dim` of the image latents."""
+        return z_dim + self.temporal_factor
+
+    def in_channels_note(self) -> str:
+        return (
+            f" (noisy latents, the {self.temporal_factor}-channel first-frame mask and the image latents; "
+            "Wan2.2 TI2V-5B's first-frame replacement is not supported)"
+        )
+
+    def condition_keys(self) -> tuple[str, ...]:
+        return ("image_latents", "image_embeds") if self._takes_image_embeds() else ("image_latents",)
+
+    def condition_rows(self, columns: dict[str, list[Any]], b: int) -> dict[str, Tensor]:
+        return self.image_conditioning(columns, b)
+
+    def condition_inputs(
+        self, latents: Tensor, cond: dict[str, Tensor], dtype: torch.dtype
+    ) -> tuple[Tensor, dict[str, Any]]:
+        """[noisy latents | mask and image latents] on the channels; the CLIP image states when stored."""
+        x = torch.cat([latents, cond["image_latents"].to(latents)], dim=1)
+        kw = {"encoder_hidden_states_image": cond["image_embeds"].to(dtype)} if "image_embeds" in cond else {}
+        return x, kw
+
     def _first_frame(self, path: Any) -> Tensor:
         """Float[3, H, W] in [0, 1] of a row's ``image`` at the policy's size: an image file (``.png`` ...) or
         the first frame of anything `mmalign.data.media.read_video` reads, resized as it resizes."""
@@ -682,122 +929,19 @@ class WanPolicy(FlowMatchingPolicy):
                 )
         return {k: torch.stack(v).to(self.device) for k, v in out.items() if v}
 
-    def row_conditioning(self, columns: dict[str, list[Any]], group: Tensor) -> dict[str, Tensor]:
-        """``source_latents`` (concat), ``control_latents`` (vace) or ``image_latents`` (+ ``image_embeds``;
-        i2v) of every sample; nothing otherwise."""
-        b = int(group.shape[0])
-        refs = self._column(columns, "reference_frames", b)
-        if self.condition != "vace" and any(r is not None and len(r) for r in refs):
-            raise ValueError(
-                "rows carry reference_frames, which only condition: vace (with num_reference_frames) uses"
-            )
-        if self.condition == "concat":
-            return {"source_latents": self.source_latents(columns, b)}
-        if self.condition == "vace":
-            return {"control_latents": self.control_latents(columns, b)}
-        if self.condition == "i2v":
-            return self.image_conditioning(columns, b)
-        return {}
 
-    def initial_latents(
-        self, group: Tensor, cond: dict[str, Tensor], columns: dict[str, list[Any]]
-    ) -> Tensor:
-        """Noise; with ``sdedit`` the source latents noised to the strength s: (1 - s) z + s eps."""
-        noise = self._initial_noise(group)
-        if self.condition != "sdedit":
-            return noise
-        z = self.source_latents(columns, int(group.shape[0])).to(noise)
-        s = float(self.sigmas()[0])  # the strength, as fp32
-        return (1 - s) * z + s * noise
+WAN_CONDITION_POLICIES: dict[str, type[WanPolicy]] = {
+    cls.condition: cls
+    for cls in (WanPolicy, WanConcatPolicy, WanSDEditPolicy, WanVACEPolicy, WanImageToVideoPolicy)
+}
+"""The policy class of every ``options.condition`` name (add a new condition's subclass here)."""
+CONDITIONS = tuple(WAN_CONDITION_POLICIES)
+"""The condition names (see the module docstring)."""
 
-    def rollout_outputs(self, rollout: Rollout) -> None:
-        """``source_videos`` and ``edit_masks`` for the rewards, when the rows carry them."""
-        b = len(rollout.prompts)
-        videos = self.source_videos(rollout.columns, b)
-        if videos is not None:
-            rollout.outputs["source_videos"] = videos
-        masks = self.edit_masks(rollout.columns, b)
-        if masks is not None:
-            rollout.outputs["edit_masks"] = masks
 
-    def rollout_stats(self, rollout: Rollout) -> dict[str, Tensor]:
-        """With two experts: the share of each sample's trained steps each expert produced."""
-        if self.transformer_2 is None or "expert" not in rollout.payload:
-            return {}
-        e = rollout.payload["expert"].float()
-        return {"expert_high_share": (e == 0).float().mean(dim=1), "expert_low_share": e.mean(dim=1)}
-
-    # ------------------------------------------------------------------ model
-    def velocity(
-        self, model: torch.nn.Module, latents: Tensor, sched: dict[str, Tensor], cond: dict[str, Tensor]
-    ) -> Tensor:
-        """One transformer call with the source latents (concat) or the image latents (i2v) concatenated on the
-        channels, the control tensor (vace) or the CLIP image states (i2v with ``image_dim``); two experts: each
-        sample's step expert. The timestep is sigma * num_train_timesteps (fp32), or the folder scheduler's
-        integer timestep while `uses_ode_scheduler`. An ``expand_timesteps`` folder (TI2V-5B) gets one timestep
-        per sample (text to video; its image conditioning is not supported)."""
-        # the patch embedding's dtype, not the first parameter's: that one (scale_shift_table) diffusers keeps in
-        # fp32 (_keep_in_fp32_modules), and fp32 inputs fail in the bf16 patch convolution outside autocast
-        # (`mmalign eval` / `sample` of a bf16 model)
-        dtype = next(m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Conv3d))
-        if "timesteps" in sched:
-            t = sched["timesteps"]
-        else:
-            t = sched["sigmas"] * float(self.scheduler.config.num_train_timesteps)
-        x = latents
-        if self.condition == "concat":
-            x = torch.cat([x, cond["source_latents"].to(x)], dim=1)
-        if self.condition == "i2v":
-            x = torch.cat([x, cond["image_latents"].to(x)], dim=1)
-        kw: dict[str, Any] = {}
-        if "image_embeds" in cond:
-            kw["encoder_hidden_states_image"] = cond["image_embeds"].to(dtype)
-        if self.condition == "vace":
-            n_layers = len(self.transformer.config.vace_layers)
-            kw["control_hidden_states"] = cond["control_latents"].to(dtype)
-            kw["control_hidden_states_scale"] = torch.full(
-                (n_layers,), self.conditioning_scale, device=x.device, dtype=dtype
-            )
-        if self.transformer_2 is not None:
-            kw["expert"] = sched["expert"]
-        return model(
-            hidden_states=x.to(dtype),
-            timestep=t.float(),
-            encoder_hidden_states=cond["prompt_embeds"].to(dtype),
-            return_dict=False,
-            **kw,
-        )[0]
-
-    # ------------------------------------------------------------------ decoding and saving
-    def decode_latents(self, z: Tensor) -> Tensor:
-        """Float[B, F, 3, H, W] in [0, 1] on the CPU: the whole clip through the Wan VAE (without the VACE
-        reference frames), un-normalised with ``latents_mean`` / ``latents_std`` as ``WanPipeline``."""
-        return decode_video(self.vae, z[:, :, self.num_reference_frames :])
-
-    def _merged(self, module: torch.nn.Module, path: Path, subfolder: str) -> torch.nn.Module:
-        """`module` as saved in ``path/subfolder``: with a LoRA adapter, also written alone to
-        ``path/<subfolder>_lora`` and merged into a returned copy; else the module itself."""
-        if not getattr(module, "_hf_peft_config_loaded", False):
-            return module
-        module.save_lora_adapter(str(path / f"{subfolder}_lora"))
-        merged = copy.deepcopy(module)
-        merged.fuse_lora()
-        merged.unload_lora()
-        return merged
-
-    def save(self, path: str | Path) -> None:
-        """Write the whole Wan folder (loadable by `WanPolicy.from_pretrained` and diffusers' ``WanPipeline``
-        / ``WanVACEPipeline``). Under LoRA each adapted expert is merged into a copy, and its adapter also
-        saved alone in ``transformer_lora/`` / ``transformer_2_lora/``. The weights are `export_weights`' (the
-        evaluation EMA of a forward-process objective, when it keeps one)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        with self.export_weights():
-            t2 = (
-                self._merged(self.transformer_2, path, "transformer_2")
-                if self.transformer_2 is not None
-                else None
-            )
-            self.components.save_pretrained(
-                path, transformer=self._merged(self.transformer, path, "transformer"), transformer_2=t2
-            )
+def wan_policy_class(condition: str) -> type[WanPolicy]:
+    """The `WanPolicy` subclass of the condition named `condition` (`WAN_CONDITION_POLICIES`); an unknown name
+    is a ValueError listing the known ones."""
+    if condition not in WAN_CONDITION_POLICIES:
+        raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}; got {condition!r}")
+    return WAN_CONDITION_POLICIES[condition]

@@ -223,7 +223,7 @@ def build_image_to_video(
     }
     from diffusers import UniPCMultistepScheduler
 
-    from mmalign.policies.wan import WanPolicy
+    from mmalign.policies.wan import wan_policy_class
     from mmalign.policies.wan_components import encode_video, i2v_condition
     from mmalign.tiny.shapes import ShapesLatents, train_denoiser
     from mmalign.tiny.wan import fitted_tiny_wan, tiny_wan_transformer
@@ -279,9 +279,8 @@ def build_image_to_video(
         def reached_target(step: int) -> bool:
             if step < min_steps:
                 return False
-            policy = WanPolicy.from_components(
+            policy = wan_policy_class("i2v").from_components(
                 comp,
-                condition="i2v",
                 num_frames=FRAMES,
                 height=SIZE,
                 width=SIZE,

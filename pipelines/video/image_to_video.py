@@ -1,12 +1,13 @@
 """Image to video: a Wan image-to-video model (``WanImageToVideoPipeline``) trained with Flow-GRPO on video rewards.
 
-Each row holds a first frame and a prompt; `mmalign.policies.wan.WanPolicy` with ``condition: i2v`` samples
-``rollout.group_size`` clips that start from that frame (one action = one stochastic denoising step), the
-first-frame latents and mask (and, for Wan2.1 I2V, the CLIP image states) conditioning every step as in the
-diffusers pipeline; the video rewards score the decoded clips (first-frame consistency, fidelity to a
-``target_video``, smoothness, prompt alignment). Data: JSONL rows ``{"prompt", "image", "target_video"?, ...}``;
-a bad row is a `DataError` naming file:line. Models, formats and the deterministic UniPC evaluation:
-docs/video.md, "Image to video"; the conditioning formula: docs/algorithms.md.
+Each row holds a first frame and a prompt; `mmalign.policies.wan.WanImageToVideoPolicy` (the ``i2v``
+condition) samples ``rollout.group_size`` clips that start from that frame (one action = one stochastic
+denoising step), the first-frame latents and mask (and, for Wan2.1 I2V, the CLIP image states) conditioning
+every step as in the diffusers pipeline; the video rewards score the decoded clips (first-frame consistency,
+fidelity to a ``target_video``, smoothness, prompt alignment). Data: JSONL rows
+``{"prompt", "image", "target_video"?, ...}``; a bad row is a `DataError` naming file:line. Models, formats and
+the deterministic UniPC evaluation: docs/video.md, "Image to video"; the conditioning formula:
+docs/algorithms.md.
 """
 
 from __future__ import annotations

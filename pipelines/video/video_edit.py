@@ -1,6 +1,6 @@
 """Edit-GRPO (VIVA): instruction-based video editing with a Wan video flow policy and video rewards.
 
-Each row holds a source clip and an instruction; `mmalign.policies.wan.WanPolicy` samples
+Each row holds a source clip and an instruction; a `mmalign.policies.wan.WanPolicy` samples
 ``rollout.group_size`` edits with the Flow-GRPO SDE (one action = one stochastic denoising step), the rewards
 score the decoded edits (VIVA's ``instruction_faithfulness``, ``source_preservation``, ``video_preference``;
 ``algorithm.estimator: gdpo`` normalises each within its group) and `GroupTrainer` updates the transformer.
@@ -79,10 +79,13 @@ def load_edit_rows(
 
 
 def build_video_policy(cfg: Config) -> Any:
-    """The `mmalign.policies.wan.WanPolicy` described by `cfg.model` and the `options:` section
+    """The `mmalign.policies.wan.WanPolicy` subclass of ``options.condition`` (``WanConcatPolicy``,
+    ``WanSDEditPolicy``, ``WanVACEPolicy``) described by `cfg.model` and the `options:` section
     (`pipelines.video.wan.build_wan_policy` with the editing settings)."""
     opts = video_edit_options(cfg)
-    return build_wan_policy(cfg, opts, condition=opts.condition, sdedit_strength=opts.sdedit_strength)
+    # the strength is an option of the sdedit condition only (`mmalign.policies.wan.WanSDEditPolicy`)
+    extra = {"sdedit_strength": opts.sdedit_strength} if opts.condition == "sdedit" else {}
+    return build_wan_policy(cfg, opts, condition=opts.condition, **extra)
 
 
 @register_pipeline("video_edit", options=VideoEditOptions)

@@ -1,6 +1,6 @@
 """What the Wan video pipelines share (`video_edit`, `video_geometry`, `euphonium`, `image_to_video`): the video
-options of the ``options:`` section (`WanVideoOptions`) and building the `mmalign.policies.wan.WanPolicy` they
-describe (`build_wan_policy`). Not a pipeline itself."""
+options of the ``options:`` section (`WanVideoOptions`) and building the `mmalign.policies.wan.WanPolicy` (or the
+subclass of a condition) they describe (`build_wan_policy`). Not a pipeline itself."""
 
 from __future__ import annotations
 
@@ -53,20 +53,32 @@ class WanVideoOptions(SamplerSettings):
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
 
 
-def build_wan_policy(cfg: Config, opts: WanVideoOptions, policy_class: Any = None, **extra: Any) -> Any:
+def build_wan_policy(
+    cfg: Config,
+    opts: WanVideoOptions,
+    policy_class: Any = None,
+    *,
+    condition: str | None = None,
+    **extra: Any,
+) -> Any:
     """The video policy described by `cfg.model` and `opts`: `policy_class` (default: the model's video family,
-    `mmalign.policies.families.policy_class_for`; `mmalign.policies.wan.WanPolicy` for Wan) loaded through
-    ``from_pretrained`` (a real folder or hub id, or the tiny folder `mmalign.app.fixtures` built), with
-    ``model.lora`` adapters, the reference kept when ``algorithm.kl_coef`` > 0, and `extra` keyword arguments
-    (a pipeline's own settings: ``condition`` ...). Each process's sampler seed is ``options.seed + RANK``.
-    The tiny folders of ``model.tiny_builder`` and ``options.reward_models`` are built by the app layer."""
+    `mmalign.policies.families.policy_class_for`; `mmalign.policies.wan.WanPolicy` for Wan; with a `condition`
+    name, Wan's subclass for it, `mmalign.policies.wan.wan_policy_class`) loaded through ``from_pretrained`` (a
+    real folder or hub id, or the tiny folder `mmalign.app.fixtures` built), with ``model.lora`` adapters, the
+    reference kept when ``algorithm.kl_coef`` > 0, and `extra` keyword arguments (a pipeline's own settings:
+    ``sdedit_strength`` ...). Each process's sampler seed is ``options.seed + RANK``. The tiny folders of
+    ``model.tiny_builder`` and ``options.reward_models`` are built by the app layer."""
     path = cfg.model.name_or_path
+    if condition is not None and policy_class is not None:
+        raise TypeError("build_wan_policy: give policy_class or condition, not both")
     if policy_class is None:  # the model's video family (`mmalign.policies.families`; Wan by default)
         from mmalign.policies.families import policy_class_for
 
         policy_class = policy_class_for(path, "video")
     seed = process_seed(opts.seed)
     try:
+        if condition is not None:
+            policy_class = _conditioned(policy_class, condition, path)
         return policy_class.from_pretrained(
             path,
             dtype=cfg.model.dtype,
@@ -83,3 +95,17 @@ def build_wan_policy(cfg: Config, opts: WanVideoOptions, policy_class: Any = Non
         )
     except ValueError as e:  # the policy's checks name the option; say which file holds it
         raise ValueError(f"{cfg.source}: options: {e}") from e
+
+
+def _conditioned(family_class: type, condition: str, path: str) -> type:
+    """Wan's policy class for `condition` (`mmalign.policies.wan.wan_policy_class`; an unknown name is a
+    ValueError); a ValueError for a model of another video family, which has no conditions."""
+    from mmalign.policies.wan import WanPolicy, wan_policy_class
+
+    cls = wan_policy_class(condition)
+    if not issubclass(family_class, WanPolicy):
+        raise ValueError(
+            f"condition {condition!r} needs a Wan model; model.name_or_path {path} loads as "
+            f"{family_class.__name__}, which has no conditions"
+        )
+    return cls

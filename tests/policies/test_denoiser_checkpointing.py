@@ -93,12 +93,12 @@ def _ddim(dirs: dict[str, Any], **kw: Any) -> DenoisingPolicy:
     return DDIMPolicy.from_pretrained(dirs["sd15"], num_steps=3, seed=0, guidance_scale=2.0, **kw)
 
 
-def _wan(name: str, **options: Any) -> Callable[..., DenoisingPolicy]:
+def _wan(name: str, condition: str = "none") -> Callable[..., DenoisingPolicy]:
     def load(dirs: dict[str, Any], **kw: Any) -> DenoisingPolicy:
-        from mmalign.policies.wan import WanPolicy
+        from mmalign.policies.wan import wan_policy_class
 
-        return WanPolicy.from_pretrained(
-            dirs["wan"][name], num_steps=3, seed=0, guidance_scale=2.0, **WAN_SIZE, **options, **kw
+        return wan_policy_class(condition).from_pretrained(
+            dirs["wan"][name], num_steps=3, seed=0, guidance_scale=2.0, **WAN_SIZE, **kw
         )
 
     return load

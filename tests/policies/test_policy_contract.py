@@ -258,10 +258,11 @@ def _ddim_policy(path: Path, **kw: Any) -> Policy:
     return DDIMPolicy.from_pretrained(path, num_steps=NUM_STEPS, seed=0, **kw)
 
 
-def _wan_policy(path: Path, **kw: Any) -> Policy:
-    from mmalign.policies.wan import WanPolicy
+def _wan_policy(path: Path, condition: str = "none", **kw: Any) -> Policy:
+    from mmalign.policies.wan import wan_policy_class
 
-    return WanPolicy.from_pretrained(path, num_steps=NUM_STEPS, seed=0, **WAN_SIZE, **kw)
+    cls = wan_policy_class(condition)
+    return cls.from_pretrained(path, num_steps=NUM_STEPS, seed=0, **WAN_SIZE, **kw)
 
 
 def _qwen_image_policy(path: Path, **kw: Any) -> Policy:
@@ -289,10 +290,10 @@ def _qwen_edit_policy(path: Path, **kw: Any) -> Policy:
 
 def _wan_i2v_policy(path: Path, **kw: Any) -> Policy:
     """Wan2.1-style image to video: the CLIP image states need the 512 text tokens diffusers' attention assumes."""
-    from mmalign.policies.wan import WanPolicy
+    from mmalign.policies.wan import WanImageToVideoPolicy
 
     size = {**WAN_SIZE, "max_sequence_length": 512}
-    return WanPolicy.from_pretrained(path, num_steps=NUM_STEPS, seed=0, condition="i2v", **size, **kw)
+    return WanImageToVideoPolicy.from_pretrained(path, num_steps=NUM_STEPS, seed=0, **size, **kw)
 
 
 def _wan_edit_policy(condition: str) -> Callable[..., Policy]:

@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from mmalign.config import LoraConfig
-from mmalign.policies.wan import WanExperts, WanPolicy
+from mmalign.policies.wan import (
+    CONDITIONS,
+    WanConcatPolicy,
+    WanExperts,
+    WanImageToVideoPolicy,
+    WanPolicy,
+    WanSDEditPolicy,
+    WanVACEPolicy,
+    wan_policy_class,
+)
 from mmalign.policies.wan_components import (
     encode_video,
     load_wan_components,
@@ -70,10 +79,11 @@ def rows(media: dict[str, str]) -> list[dict[str, object]]:
     ]
 
 
-def make(path, **kw) -> WanPolicy:
+def make(path, condition: str = "none", **kw) -> WanPolicy:
+    """The policy class of `condition` (as the pipelines pick it) loaded from `path` at the tiny size."""
     for k, v in {**SIZE, "num_steps": 4, "seed": 0}.items():
         kw.setdefault(k, v)
-    return WanPolicy.from_pretrained(path, **kw)
+    return wan_policy_class(condition).from_pretrained(path, **kw)
 
 
 # ----------------------------------------------------------------------------- folders, factors, prompts
@@ -169,6 +179,58 @@ def test_latent_shape_and_size_checks(folders):
         make(folders["vace"], condition="concat")
     with pytest.raises(ValueError, match="two-expert"):
         make(folders["t2v"], train_expert="high")
+
+
+# ----------------------------------------------------------------------------- conditions as classes
+
+
+def test_every_condition_name_has_its_class():
+    classes = {
+        "none": WanPolicy,
+        "concat": WanConcatPolicy,
+        "sdedit": WanSDEditPolicy,
+        "vace": WanVACEPolicy,
+        "i2v": WanImageToVideoPolicy,
+    }
+    assert CONDITIONS == tuple(classes)
+    for name, cls in classes.items():
+        assert wan_policy_class(name) is cls and cls.condition == name
+    with pytest.raises(
+        ValueError, match="condition must be one of none, concat, sdedit, vace, i2v; got 'blur'"
+    ):
+        wan_policy_class("blur")
+
+
+def test_condition_hooks_set_channels_keys_and_schedule(folders):
+    t2v, concat, i2v = (
+        make(folders["t2v"]),
+        make(folders["concat"], "concat"),
+        make(folders["i2v_noclip"], "i2v"),
+    )
+    vace = make(folders["vace"], "vace")
+    sdedit = make(folders["t2v"], "sdedit", sdedit_strength=0.6, num_steps=10)
+    # the transformers' own in_channels (mmalign.tiny.wan) with the VAE's z_dim 4 and temporal factor 2
+    assert [p.extra_in_channels(4) for p in (t2v, concat, i2v, vace, sdedit)] == [0, 4, 6, 0, 0]
+    assert int(concat.transformer.config.in_channels) == 8 and int(i2v.transformer.config.in_channels) == 10
+    assert [p.row_conditioning_keys for p in (t2v, concat, i2v, vace, sdedit)] == [
+        (),
+        ("source_latents",),
+        ("image_latents",),
+        ("control_latents",),
+        (),
+    ]
+    full = make(folders["t2v"], num_steps=10).sigmas()  # the same folder as text to video: the whole schedule
+    torch.testing.assert_close(sdedit.sigmas(), torch.cat([torch.tensor([0.6]), full[full < 0.6 - 1e-3]]))
+    # a deterministic sampler on a folder with UniPC: the folder's scheduler, but never for SDEdit (Euler)
+    assert make(folders["t2v_unipc"], noise_level=0.0).uses_ode_scheduler() is True
+    assert make(folders["t2v_unipc"], "sdedit", noise_level=0.0).uses_ode_scheduler() is False
+    # an option belongs to its condition's class only
+    with pytest.raises(TypeError, match="sdedit_strength"):
+        make(folders["t2v"], sdedit_strength=0.6)
+    with pytest.raises(TypeError, match="num_reference_frames"):
+        make(folders["concat"], "concat", num_reference_frames=1)
+    with pytest.raises(ValueError, match="num_reference_frames must be >= 0"):
+        make(folders["vace"], "vace", num_reference_frames=-1)
 
 
 # ----------------------------------------------------------------------------- rollout and scoring

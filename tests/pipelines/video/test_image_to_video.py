@@ -16,7 +16,7 @@ import pipelines
 from mmalign.config import load_config
 from mmalign.data.media import read_video, write_array
 from mmalign.data.rows import DataError
-from mmalign.policies.wan import WanPolicy
+from mmalign.policies.wan import WanImageToVideoPolicy
 from mmalign.tiny.wan_i2v import DIRECTIONS, FRAMES, SPEED, make_i2v_clip, write_i2v_dataset
 from mmalign.training.trainer import GroupTrainer
 from pipelines.video.image_to_video import ImageToVideoOptions, load_i2v_rows
@@ -111,11 +111,7 @@ def test_pipeline_builds_and_trains_a_step(random_i2v: Path, tmp_path: Path) -> 
     )
     setup = pipelines.get("image_to_video")(cfg)
     pol = setup.policy
-    assert (
-        isinstance(pol, WanPolicy)
-        and pol.condition == "i2v"
-        and pol.row_conditioning_keys == ("image_latents",)
-    )
+    assert isinstance(pol, WanImageToVideoPolicy) and pol.row_conditioning_keys == ("image_latents",)
     assert pol.uses_ode_scheduler() is False and pol.components.ode_scheduler is not None
     assert len(setup.data) == 64 and len(setup.eval_data) == 16 and setup.sample_columns == ["image"]
     before = {k: v.clone() for k, v in pol.trainable_state_dict().items()}

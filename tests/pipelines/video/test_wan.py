@@ -1,5 +1,6 @@
 """What the Wan video pipelines share (`pipelines.video.wan`): the checks of `WanVideoOptions`, the per-process
-sampler seed (`mmalign.training.seeding.process_seed`) and `build_wan_policy` on a tiny random Wan folder."""
+sampler seed (`mmalign.training.seeding.process_seed`) and `build_wan_policy` on a tiny random Wan folder (the
+condition's policy class, the errors naming the config file)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mmalign.config import load_config
+from mmalign.policies.wan import WanConcatPolicy
 from mmalign.training.seeding import process_seed
 from pipelines.video.video_edit import VideoEditOptions
 from pipelines.video.wan import WanVideoOptions, build_wan_policy
@@ -55,6 +57,24 @@ def test_build_wan_policy_uses_the_options_and_the_rank_seed(
 
     ensure_fixtures(cfg)  # the tiny folder, built by the app layer as `mmalign train` does
     policy = build_wan_policy(cfg, opts, condition="concat")
+    assert type(policy) is WanConcatPolicy and policy.row_conditioning_keys == ("source_latents",)
     assert (policy.num_frames, policy.height, policy.width) == (opts.num_frames, opts.height, opts.width)
     assert policy.sampler.seed == 8  # options.seed + RANK
     assert policy.sampler.num_steps == opts.num_steps
+
+
+def test_build_wan_policy_condition_errors_name_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_config(REPO / "configs" / "video_edit-tiny.yaml")
+    with pytest.raises(
+        ValueError, match=r"video_edit-tiny.yaml: options: condition must be one of none, concat"
+    ):
+        build_wan_policy(cfg, cfg.options, condition="blur")
+
+    class OtherVideoFamily:  # a video family without conditions (HunyuanVideo 1.5)
+        pass
+
+    import mmalign.policies.families as families
+
+    monkeypatch.setattr(families, "policy_class_for", lambda path, task: OtherVideoFamily)
+    with pytest.raises(ValueError, match="condition 'concat' needs a Wan model.*OtherVideoFamily"):
+        build_wan_policy(cfg, cfg.options, condition="concat")
