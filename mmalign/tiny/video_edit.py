@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.tiny import BUILDERS, progress_bar
+from mmalign.tiny import BUILDERS
+from mmalign.tiny.warm_start import fit
 
 __all__ = ["build_video_edit", "edit_success"]
 
@@ -159,9 +160,8 @@ def build_video_edit(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
     g = torch.Generator().manual_seed(seed)
     checks: list[tuple[int, float, float]] = []
-    done, loss_v = 0, float("nan")
-    bar = progress_bar(range(steps), "video editor warm start, may stop early", enabled=progress)
-    for step in bar:
+
+    def loss_at(_: int) -> Tensor:
         idx = torch.randint(0, num_clips, (batch_size,), generator=g)
         x0, src = z_tgt[idx], z_src[idx]
         noise = torch.randn(x0.shape, generator=g)
@@ -169,24 +169,36 @@ def build_video_edit(
         s = sigma.view(-1, 1, 1, 1, 1)
         text = encode_prompt(text_encoder, tokenizer, [instructions[i] for i in idx.tolist()], "cpu", max_len)
         pred = _predict(transformer, (1 - s) * x0 + s * noise, src, sigma, text)
-        loss = (pred - (noise - x0)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        done, loss_v = step + 1, float(loss.detach())
-        if target_success is not None and done >= min_steps and done % check_every == 0:
-            with torch.no_grad():
-                text_h = encode_prompt(text_encoder, tokenizer, [c.instruction for c in held], "cpu", max_len)
-                from mmalign.policies.wan_components import decode_video
+        return (pred - (noise - x0)).pow(2).mean()
 
-                videos = decode_video(vae, _sample(transformer, h_src, text_h, 10, shift, seed))
-            success, psnr = edit_success(videos, held)
-            checks.append((done, round(success, 4), round(psnr, 2)))
-            bar.set_postfix(edited=f"{success:.2f}", psnr_outside=f"{psnr:.1f}", refresh=False)
-            if success >= target_success:
-                break
+    def check(done: int) -> bool:
+        if done < min_steps:
+            return False
+        from mmalign.policies.wan_components import decode_video
+
+        text_h = encode_prompt(text_encoder, tokenizer, [c.instruction for c in held], "cpu", max_len)
+        videos = decode_video(vae, _sample(transformer, h_src, text_h, 10, shift, seed))
+        success, psnr = edit_success(videos, held)
+        checks.append((done, round(success, 4), round(psnr, 2)))
+        return success >= target_success
+
+    def status() -> dict[str, str]:
+        return {"edited": f"{checks[-1][1]:.2f}", "psnr_outside": f"{checks[-1][2]:.1f}"} if checks else {}
+
+    losses = fit(
+        opt,
+        steps,
+        loss_at,
+        "video editor warm start, may stop early",
+        sched=sched,
+        clip_norm=1.0,
+        stop=None if target_success is None else check,
+        check_every=check_every,
+        check_at_end=True,
+        progress=progress,
+        show=status,
+    )
+    done, loss_v = len(losses), (losses[-1] if losses else float("nan"))
     text_encoder.eval().requires_grad_(False)
     transformer.eval()
     comp.transformer = transformer

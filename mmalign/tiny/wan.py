@@ -45,7 +45,8 @@ import torch
 from torch import Tensor
 
 from mmalign.policies.wan_components import WanComponents
-from mmalign.tiny import BUILDERS, progress_bar
+from mmalign.tiny import BUILDERS
+from mmalign.tiny.warm_start import fit
 
 __all__ = [
     "CONDITIONS",
@@ -257,16 +258,16 @@ def fit_video_vae(
     decoder = vae.decoder  # type: ignore[union-attr]
     hook = decoder.register_forward_hook(lambda m, i, out: out.clamp(-1, 1) + (out - out.detach()))
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+
+    def loss_at(_: int) -> Tensor:
+        idx = torch.randint(0, videos.shape[0], (batch_size,), generator=g)
+        x = videos[idx].movedim(2, 1) * 2 - 1
+        post = vae.encode(x).latent_dist  # type: ignore[operator]
+        rec = vae.decode(post.mode(), return_dict=False)[0]  # type: ignore[operator]
+        return (rec - x).pow(2).mean() + 1e-6 * post.kl().mean()
+
     try:
-        for _ in progress_bar(range(steps), "video VAE", enabled=progress):
-            idx = torch.randint(0, videos.shape[0], (batch_size,), generator=g)
-            x = videos[idx].movedim(2, 1) * 2 - 1
-            post = vae.encode(x).latent_dist  # type: ignore[operator]
-            rec = vae.decode(post.mode(), return_dict=False)[0]  # type: ignore[operator]
-            loss = (rec - x).pow(2).mean() + 1e-6 * post.kl().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        fit(opt, steps, loss_at, "video VAE", progress=progress)
     finally:
         hook.remove()
     vae.eval().requires_grad_(False)

@@ -30,11 +30,12 @@ def fit(
     check_at_end: bool = False,
     progress: bool | None = True,
     window: int = 50,
+    show: Callable[[], dict[str, str]] | None = None,
 ) -> list[float]:
     """Train for `steps` steps (fewer when `stop(done)`, called without grad every `check_every` steps
     before the last, and at the last too with `check_at_end`, returns True) and return each step's loss. `clip_norm` clips the gradient norm of the
     optimiser's parameters; `sched` steps after the optimiser; the bar shows the mean of the last `window`
-    losses."""
+    losses and what `show()` returns."""
     params = [p for group in opt.param_groups for p in group["params"]]
     losses: list[float] = []
     bar = progress_bar(range(steps), desc, enabled=progress)
@@ -49,7 +50,7 @@ def fit(
             sched.step()
         losses.append(float(loss.detach()))
         recent = losses[-window:]
-        bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}", refresh=False)
+        bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}", **(show() if show else {}), refresh=False)
         done = step + 1
         if stop is not None and done % check_every == 0 and (done < steps or check_at_end):
             with torch.no_grad():
