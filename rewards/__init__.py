@@ -4,6 +4,13 @@
 names; ``load_reward(spec, **options)`` builds one from a name, an entry point of group
 ``mmalign.rewards`` or a ``package.module:Class`` path (``resolve(spec)``: what it names, nothing built);
 ``RewardSet`` evaluates a config's list, ``check_reward_specs`` checks one without building it.
+
+The modules imported below register the built-in rewards; every other reward is found on lookup through
+the entry points of group ``mmalign.rewards`` (one per name, naming the module that registers it): a
+third-party package's, and this project's offline shapes-world rewards (``shapes_compositional``,
+``shapes_layout``, ``shapes_edit_accuracy``, ``colour_present``), which live with their fixtures in
+`mmalign.tiny.world_rewards` (a source checkout only; pyproject.toml declares their entry points), so that
+this package never imports `mmalign.tiny`.
 """
 
 from . import geneval as geneval  # registers geneval and geneval_local, GenEval's checks (rewards/geneval.py)
@@ -41,12 +48,11 @@ from .image import (
     JpegCompressibility,
     JpegIncompressibility,
     PreferenceScore,
-    ShapesCompositional,
 )
 from .multimodal import BMAS, BoxIoU, MixedAccuracy, MultipleChoice
 from .ocr import OCRReward  # ocr; EasyOCR is imported on the first call
 from .process import SamplerProcessReward
-from .safety import ClassifierFlag, ClipConceptFlag, ClipSteering, ColourPresent
+from .safety import ClassifierFlag, ClipConceptFlag, ClipSteering
 from .search import CropKeepsTarget, SearchFormat, ToolUseBonus, TurnsUsed
 from .text import AnswerAccuracy, FormatReward, OverlongPenalty
 
@@ -60,12 +66,10 @@ __all__ = [
     "JpegCompressibility",
     "JpegIncompressibility",
     "PreferenceScore",
-    "ShapesCompositional",
     "ClassifierFlag",
     "ClipConceptFlag",
     "ClipSteering",
     "CropKeepsTarget",
-    "ColourPresent",
     "ENTRY_POINT_GROUP",
     "REGISTRY",
     "BMAS",

@@ -17,7 +17,8 @@ import math
 import re
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -59,6 +60,8 @@ Box = tuple[float, float, float, float]
 Size = tuple[float, float]
 
 log = logging.getLogger(__name__)
+
+_R = TypeVar("_R", bound="Reward")
 
 _LAST_WARNED: dict[str, weakref.ref[Any]] = {}
 """The batch each kind of parse failure was last logged for (`_BoxReward._warn`), so that the several box
@@ -394,8 +397,37 @@ def _check_unit(reward: str, option: str, value: Any) -> float:
     return t
 
 
+def _box_options(cls: type[_R]) -> type[_R]:
+    """Make the box reward `cls` a keyword-only dataclass: its annotated class attributes are its options, after
+    the ones it inherits, and the generated ``__init__`` takes them all (the signature `rewards.base.load_reward`
+    checks a config's options against). Instances keep identity equality and `Reward`'s repr."""
+    return dataclass(eq=False, repr=False, kw_only=True)(cls)
+
+
+class _UnitOption:
+    """A box reward option that is a number in [0, 1] whenever it is set, at construction and after it (a
+    curriculum changes ``iou_at``'s ``threshold`` between calls); the default of a dataclass field."""
+
+    def __init__(self, default: float) -> None:
+        self.default = default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.option, self.attr = name, f"_{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> float:
+        return self.default if obj is None else getattr(obj, self.attr)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj, self.attr, _check_unit(obj.name, self.option, value))
+
+
+@_box_options
 class _BoxReward(Reward):
     """Shared machinery of the box rewards (options, reference and prediction reading, unparsed log).
+
+    The options every box reward takes are this dataclass's fields, declared once; a box reward adds its own
+    as fields of its subclass (decorated with `_box_options`) and checks them in ``__post_init__`` after
+    this one's checks.
 
     Options: ``box_column`` ("boxes"; when that column is absent, "box" is used): one reference box or a
     list of them, [x1, y1, x2, y2] in absolute pixels of the ORIGINAL image (strings are parsed too;
@@ -415,61 +447,33 @@ class _BoxReward(Reward):
     unparsed_score = 0.0  # the score of a completion without a box (the worst value of the reward)
     _warned_unparsed = False  # set by `_warn` on this instance's first completions without a box
 
-    def __init__(
-        self,
-        *,
-        box_column: str = "boxes",
-        coords: str = "absolute",
-        width_column: str = "image_width",
-        height_column: str = "image_height",
-        resized_width_column: str = "resized_width",
-        resized_height_column: str = "resized_height",
-        tag: str = "answer",
-        box_key: str | None = None,
-    ) -> None:
-        """The options every box reward takes (a reward with no options of its own inherits this)."""
-        self._init_common(
-            box_column,
-            coords,
-            width_column,
-            height_column,
-            resized_width_column,
-            resized_height_column,
-            tag,
-            box_key,
-        )
+    box_column: str = "boxes"
+    coords: str = "absolute"
+    width_column: str = "image_width"
+    height_column: str = "image_height"
+    resized_width_column: str = "resized_width"
+    resized_height_column: str = "resized_height"
+    tag: str = "answer"
+    box_key: str | None = None
 
-    def _init_common(
-        self,
-        box_column: str,
-        coords: str,
-        width_column: str,
-        height_column: str,
-        resized_width_column: str,
-        resized_height_column: str,
-        tag: str,
-        box_key: str | None,
-    ) -> None:
+    def __post_init__(self) -> None:
+        """Check the shared options (a ValueError naming the reward and the option); ``coords`` is resolved
+        to its convention (a family alias becomes e.g. "norm1000")."""
         n = self.name
-        for opt, val in (
-            ("box_column", box_column),
-            ("width_column", width_column),
-            ("height_column", height_column),
-            ("resized_width_column", resized_width_column),
-            ("resized_height_column", resized_height_column),
-            ("tag", tag),
+        for opt in (
+            "box_column",
+            "width_column",
+            "height_column",
+            "resized_width_column",
+            "resized_height_column",
+            "tag",
         ):
-            _check_str(n, opt, val)
-        _check_str(n, "box_key", box_key, optional=True)
+            _check_str(n, opt, getattr(self, opt))
+        _check_str(n, "box_key", self.box_key, optional=True)
         try:
-            self.coords = resolve_convention(coords)
+            self.coords = resolve_convention(self.coords)
         except ValueError as e:
             raise ValueError(f"reward {n!r}: option coords: {e}") from None
-        self.box_column = box_column
-        self.width_column, self.height_column = width_column, height_column
-        self.resized_width_column, self.resized_height_column = resized_width_column, resized_height_column
-        self.tag = tag
-        self.box_key = box_key
         self.last_metrics: dict[str, float] = {}
         self.last_unparsed = 0
 
@@ -652,6 +656,7 @@ _COMMON_DOC = """
 
 
 @register_reward("box_iou")
+@_box_options
 class BoxIoU(_BoxReward):
     """IoU of the completion's bounding box with the best-matching reference box.
 
@@ -677,35 +682,16 @@ class BoxIoU(_BoxReward):
 
     __doc__ = (__doc__ or "") + _COMMON_DOC
 
-    def __init__(
-        self,
-        *,
-        box_column: str = "boxes",
-        coords: str = "absolute",
-        width_column: str = "image_width",
-        height_column: str = "image_height",
-        resized_width_column: str = "resized_width",
-        resized_height_column: str = "resized_height",
-        tag: str = "answer",
-        box_key: str | None = None,
-        threshold: float | None = None,
-        dense: bool = True,
-    ) -> None:
-        self._init_common(
-            box_column,
-            coords,
-            width_column,
-            height_column,
-            resized_width_column,
-            resized_height_column,
-            tag,
-            box_key,
-        )
-        self.threshold = None if threshold is None else _check_unit(self.name, "threshold", threshold)
-        _check_bool(self.name, "dense", dense)
-        if not dense and threshold is None:
+    threshold: float | None = None
+    dense: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.threshold is not None:
+            self.threshold = _check_unit(self.name, "threshold", self.threshold)
+        _check_bool(self.name, "dense", self.dense)
+        if not self.dense and self.threshold is None:
             raise ValueError(f"reward {self.name!r}: dense=False (a 1/0 reward) needs a threshold")
-        self.dense = dense
 
     def score_iou(self, value: float) -> float:
         if self.threshold is None:
@@ -718,6 +704,7 @@ class BoxIoU(_BoxReward):
 
 
 @register_reward("box_giou")
+@_box_options
 class BoxGIoU(_BoxReward):
     """Generalised IoU of the completion's box with the best-matching reference, mapped to [0, 1].
 
@@ -731,32 +718,12 @@ class BoxGIoU(_BoxReward):
 
     __doc__ = (__doc__ or "") + _COMMON_DOC
 
-    def __init__(
-        self,
-        *,
-        box_column: str = "boxes",
-        coords: str = "absolute",
-        width_column: str = "image_width",
-        height_column: str = "image_height",
-        resized_width_column: str = "resized_width",
-        resized_height_column: str = "resized_height",
-        tag: str = "answer",
-        box_key: str | None = None,
-        raw: bool = False,
-    ) -> None:
-        self._init_common(
-            box_column,
-            coords,
-            width_column,
-            height_column,
-            resized_width_column,
-            resized_height_column,
-            tag,
-            box_key,
-        )
-        _check_bool(self.name, "raw", raw)
-        self.raw = raw
-        self.unparsed_score = -1.0 if raw else 0.0
+    raw: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_bool(self.name, "raw", self.raw)
+        self.unparsed_score = -1.0 if self.raw else 0.0
 
     def score(self, preds: list[Box], refs: list[Box], original: Size | None) -> float:
         g = max(giou(preds[-1], r) for r in refs)
@@ -767,6 +734,7 @@ CENTER_FORMS = ("exp", "linear")
 
 
 @register_reward("box_center")
+@_box_options
 class BoxCenter(_BoxReward):
     """Centre-distance reward: exp(-d / D) (or max(0, 1 - d / D)), d = distance of the box centres.
 
@@ -780,32 +748,12 @@ class BoxCenter(_BoxReward):
     __doc__ = (__doc__ or "") + _COMMON_DOC
     needs_original_size = True
 
-    def __init__(
-        self,
-        *,
-        box_column: str = "boxes",
-        coords: str = "absolute",
-        width_column: str = "image_width",
-        height_column: str = "image_height",
-        resized_width_column: str = "resized_width",
-        resized_height_column: str = "resized_height",
-        tag: str = "answer",
-        box_key: str | None = None,
-        form: str = "exp",
-    ) -> None:
-        self._init_common(
-            box_column,
-            coords,
-            width_column,
-            height_column,
-            resized_width_column,
-            resized_height_column,
-            tag,
-            box_key,
-        )
-        if form not in CENTER_FORMS:
-            raise ValueError(f"reward {self.name!r}: option form={form!r}; choose one of {CENTER_FORMS}")
-        self.form = form
+    form: str = "exp"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.form not in CENTER_FORMS:
+            raise ValueError(f"reward {self.name!r}: option form={self.form!r}; choose one of {CENTER_FORMS}")
 
     def score(self, preds: list[Box], refs: list[Box], original: Size | None) -> float:
         assert original is not None
@@ -815,6 +763,7 @@ class BoxCenter(_BoxReward):
 
 
 @register_reward("iou_at")
+@_box_options
 class IoUAt(_BoxReward):
     """1.0 if the IoU of the completion's box with the best-matching reference is >= threshold, else 0.0.
 
@@ -824,39 +773,7 @@ class IoUAt(_BoxReward):
 
     __doc__ = (__doc__ or "") + _COMMON_DOC
 
-    def __init__(
-        self,
-        *,
-        box_column: str = "boxes",
-        coords: str = "absolute",
-        width_column: str = "image_width",
-        height_column: str = "image_height",
-        resized_width_column: str = "resized_width",
-        resized_height_column: str = "resized_height",
-        tag: str = "answer",
-        box_key: str | None = None,
-        threshold: float = 0.5,
-    ) -> None:
-        self._init_common(
-            box_column,
-            coords,
-            width_column,
-            height_column,
-            resized_width_column,
-            resized_height_column,
-            tag,
-            box_key,
-        )
-        self.threshold = threshold
-
-    @property
-    def threshold(self) -> float:
-        """The IoU a box needs for reward 1 (in [0, 1])."""
-        return self._threshold
-
-    @threshold.setter
-    def threshold(self, value: float) -> None:
-        self._threshold = _check_unit(self.name, "threshold", value)
+    threshold: float = _UnitOption(0.5)  # type: ignore[assignment]  # the IoU a box needs for reward 1
 
     def score(self, preds: list[Box], refs: list[Box], original: Size | None) -> float:
         return float(best_iou(preds[-1], refs) >= self._threshold)

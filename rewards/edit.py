@@ -1,5 +1,4 @@
-"""Image-editing rewards: `clip_directional`, `image_vlm_judge`, `image_psnr`, `image_ssim`,
-`shapes_edit_accuracy`.
+"""Image-editing rewards: `clip_directional`, `image_vlm_judge`, `image_psnr`, `image_ssim`.
 
 - ``clip_directional`` (instruction following): the CLIP directional similarity
   ``cos(E_img(edit) - E_img(source), E_txt(target caption) - E_txt(source caption))`` with L2-normalised
@@ -9,8 +8,8 @@
 - ``image_psnr`` / ``image_ssim`` (preservation): PSNR and SSIM of the edit against its source, by default
   only OUTSIDE the edit region; the pixel math is ``video_psnr`` / ``video_ssim``'s (`rewards.video`) on
   one-frame videos.
-- ``shapes_edit_accuracy``: the edit world of `mmalign.tiny.image_edit` scored from the pixels: is every
-  square of the target scene there in its colour, and is everything else background?
+- (``shapes_edit_accuracy``, the offline edit world of `mmalign.tiny.image_edit` scored from the pixels, lives
+  with that world's fixtures: `mmalign.tiny.world_rewards`, built on `box_mask` and `fraction_boxes`.)
 
 Inputs. Every reward reads the edits from ``batch.outputs["images"]`` (Float[B,3,H,W] in [0, 1]). The
 source image is ``outputs["source_images"]`` (Float[B,3,H,W], same size) when present, else the dataset
@@ -34,25 +33,20 @@ import torch
 from torch import Tensor
 
 from .base import Reward, RewardBatch, register_reward
-from .image import CLIPEmbedder, batch_images, colour_mask
+from .image import CLIPEmbedder, batch_images
 from .video import REGIONS, VideoPSNR, VideoSSIM, VlmJudge
 
 __all__ = [
     "EDIT_JUDGE_QUESTIONS",
-    "SHAPES_EDIT_MODES",
     "ClipDirectional",
     "ImageVlmJudge",
     "ImagePSNR",
     "ImageSSIM",
-    "ShapesEditAccuracy",
     "box_mask",
     "edit_masks",
+    "fraction_boxes",
     "source_images",
 ]
-
-
-SHAPES_EDIT_MODES = ("checks", "exact", "soft")
-"""How ``shapes_edit_accuracy`` turns its checks into a number (see `ShapesEditAccuracy`)."""
 
 
 def _missing(v: Any) -> bool:
@@ -103,8 +97,9 @@ def source_images(reward: Reward, batch: RewardBatch, images: Tensor, column: st
     return out, found
 
 
-def _boxes(value: Any, where: str) -> list[list[float]]:
-    """One box or a list of boxes as a list of [x0, y0, x1, y1] fractions (checked)."""
+def fraction_boxes(value: Any, where: str) -> list[list[float]]:
+    """One box or a list of boxes as a list of [x0, y0, x1, y1] fractions of the image; a ValueError starting
+    with `where` (the reward, row and column) for anything else."""
     if isinstance(value, Sequence) and len(value) == 4 and all(isinstance(v, int | float) for v in value):
         value = [value]
     if not isinstance(value, Sequence) or not value:
@@ -175,7 +170,9 @@ def edit_masks(
             continue
         boxes = boxes_col[i] if boxes_col is not None else None
         if not _missing(boxes):
-            out[i] = box_mask(_boxes(boxes, f"reward {reward.name!r}: row {i}: column {bbox_column!r}"), h, w)
+            out[i] = box_mask(
+                fraction_boxes(boxes, f"reward {reward.name!r}: row {i}: column {bbox_column!r}"), h, w
+            )
             found[i] = True
     return out, found
 
@@ -411,123 +408,3 @@ class ImageSSIM(_OneFrame):
         self.region = _check_region(self, region)
         self.metric = VideoSSIM(region=region, window=window, sigma=sigma, device=device)
         self._setup(source_column, mask_column, bbox_column)
-
-
-# =========================================================================== the shapes edit world
-@register_reward("shapes_edit_accuracy")
-class ShapesEditAccuracy(Reward):
-    """Shapes edit world: the share of checks the pixels pass (each target square there, the rest background).
-
-    The column `objects_column` (``target_objects``) lists the target scene's squares, each
-    ``{"colour": <palette colour>, "box": [x0, y0, x1, y1]}`` (fractions, as ``edit_bbox``). Checks:
-
-    - one per square: at least `min_fill` of the pixels of its box are within `threshold` (Euclidean RGB
-      distance in [0, 1], as ``shapes_compositional``) of its palette colour;
-    - one for the rest: at least `min_background` of the pixels outside every box (widened by `margin`
-      pixels, where the edges of a drawn square may blur) are within `threshold` of the `background` colour.
-
-    So "make the red square blue" passes when the blue square is where the red one was, the other squares are
-    unchanged and no red is left anywhere else. ``mode``:
-
-    - ``"checks"`` (default): the share of passed checks (one per square plus one);
-    - ``"exact"``: 1 when every check passes, else 0 (the edit accuracy);
-    - ``"soft"``: the mean of the measured shares themselves (each square's share of pixels of its colour, the
-      background's share of background pixels) instead of pass / fail: continuous, so the samples of a group
-      rarely tie (a denser training signal); 1 for a perfect edit.
-
-    ``last_metrics``: ``objects_ok`` (share of square checks passed), ``background_ok`` and ``exact`` (share of
-    samples that pass every check), whatever the mode. A row without the column (None) scores NaN.
-    """
-
-    needs = {"images"}
-
-    def __init__(
-        self,
-        *,
-        objects_column: str = "target_objects",
-        threshold: float = 0.25,
-        min_fill: float = 0.6,
-        min_background: float = 0.95,
-        margin: int = 1,
-        background: Sequence[float] = (255, 255, 255),
-        mode: str = "checks",
-        device: str | None = None,
-    ) -> None:
-        if mode not in SHAPES_EDIT_MODES:
-            raise ValueError(
-                f"reward {self.name!r}: mode must be one of {list(SHAPES_EDIT_MODES)}, got {mode!r}"
-            )
-        for key, v in (("min_fill", min_fill), ("min_background", min_background)):
-            if not 0 <= float(v) <= 1:
-                raise ValueError(f"reward {self.name!r}: {key} must be in [0, 1], got {v}")
-        if int(margin) < 0:
-            raise ValueError(f"reward {self.name!r}: margin must be >= 0, got {margin}")
-        if len(background) != 3:
-            raise ValueError(f"reward {self.name!r}: background must be an RGB triple, got {background!r}")
-        self.objects_column = objects_column
-        self.threshold, self.min_fill, self.min_background = (
-            float(threshold),
-            float(min_fill),
-            float(min_background),
-        )
-        self.margin = int(margin)
-        self.background = [float(v) for v in background]
-        self.mode = mode
-        self.device = device
-
-    def __call__(self, batch: RewardBatch) -> Tensor:
-        from mmalign.tiny.world import check_colour
-
-        images = batch_images(self, batch).detach().float()
-        if self.device is not None:
-            images = images.to(self.device)
-        if self.objects_column not in batch.columns:
-            raise KeyError(
-                f"reward {self.name!r}: objects column {self.objects_column!r} is not in the dataset; "
-                f"columns: {sorted(batch.columns) or 'none'}"
-            )
-        b, _, h, w = images.shape
-        out = torch.full((b,), math.nan)
-        bg = colour_mask(images, self.background, self.threshold)  # [B,H,W]
-        obj_ok, obj_n, bg_ok, exact, scored = 0, 0, 0, 0, 0
-        for i, objects in enumerate(batch.columns[self.objects_column]):
-            if objects is None:
-                continue
-            if not isinstance(objects, Sequence) or isinstance(objects, str):
-                raise ValueError(
-                    f"reward {self.name!r}: row {i}: column {self.objects_column!r} must be a list of "
-                    f"{{'colour', 'box'}} objects, got {str(objects)[:80]!r}"
-                )
-            where = f"reward {self.name!r}: row {i}: column {self.objects_column!r}"
-            passed, shares, boxes = [], [], []
-            for obj in objects:
-                if not isinstance(obj, dict) or "colour" not in obj or "box" not in obj:
-                    raise ValueError(
-                        f"{where}: each object is {{'colour': ..., 'box': [x0, y0, x1, y1]}}, got {obj!r}"
-                    )
-                check_colour(obj["colour"])
-                box = _boxes(obj["box"], where)
-                boxes += box
-                inside = box_mask(box, h, w).bool().to(images.device)
-                fill = colour_mask(images[i : i + 1], obj["colour"], self.threshold)[0][inside]
-                shares.append(float(fill.float().mean()) if fill.numel() else 0.0)
-                passed.append(bool(fill.numel() and shares[-1] >= self.min_fill))
-            rest = ~box_mask(boxes, h, w, self.margin).bool().to(images.device) if boxes else None
-            keep = bg[i] if rest is None else bg[i][rest]
-            shares.append(float(keep.float().mean()) if keep.numel() else 1.0)
-            background_ok = shares[-1] >= self.min_background
-            checks = [*passed, background_ok]
-            all_ok = all(checks)
-            if self.mode == "exact":
-                out[i] = float(all_ok)
-            else:
-                out[i] = sum(shares if self.mode == "soft" else checks) / len(checks)
-            obj_ok, obj_n = obj_ok + sum(passed), obj_n + len(passed)
-            bg_ok, exact, scored = bg_ok + background_ok, exact + all_ok, scored + 1
-        if scored:
-            self.last_metrics = {
-                "objects_ok": obj_ok / max(1, obj_n),
-                "background_ok": bg_ok / scored,
-                "exact": exact / scored,
-            }
-        return out

@@ -1,15 +1,10 @@
-"""Image rewards: `jpeg_compressibility`, `jpeg_incompressibility`, `saturation`, `shapes_compositional`,
-`shapes_layout`, `clip_score`, `aesthetic`, `preference`.
+"""Image rewards: `jpeg_compressibility`, `jpeg_incompressibility`, `saturation`, `clip_score`, `aesthetic`,
+`preference`.
 
 - ``jpeg_compressibility`` / ``jpeg_incompressibility`` (DDPO): minus / plus the JPEG size in kB.
 - ``saturation``: the mean HSV colour saturation of the image, a reward that is easy to hack (paint
   everything in vivid colours); configs/text_to_image-hacked-tiny.yaml trains on it to show the
   over-optimisation watchdog (docs/overoptimisation.md).
-- ``shapes_compositional``: a verifiable reward for a synthetic "shapes world" measured from the
-  pixels (colour present, number of objects, where they are). The world itself (its `PALETTE`, its
-  `POSITIONS` and `render_scene`, which draws such scenes) is `mmalign.tiny.world`.
-- ``shapes_layout``: the same count / position checks on objects of any colour (for steering
-  rewards that may change the colour but should keep the scene).
 - ``clip_score``: CLIP image-text cosine similarity (x100 by default).
 - ``aesthetic``: an MLP on normalised CLIP image embeddings (LAION-aesthetic style).
 - ``preference``: PickScore / HPS style, ``logit_scale * cos(image, prompt)`` with a CLIP model.
@@ -22,14 +17,16 @@ image processor (``yuvalkirstain/PickScore_v1``) takes them from ``processor`` (
 ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``); the aesthetic MLP is a local file or ``mlp_path`` (hub id) +
 ``mlp_file`` (a file of that repository).
 The helpers `jpeg_size_kb`, `colour_mask`, `connected_components` and `CLIPEmbedder` are
-public so pipelines and tests can use them on their own.
+public so pipelines and tests can use them on their own; the rewards of the synthetic shapes world
+(``shapes_compositional``, ``shapes_layout``) measure colour with the pixel helpers and live with that world's
+fixtures (`mmalign.tiny.world_rewards`, found through the ``mmalign.rewards`` entry points).
 """
 
 from __future__ import annotations
 
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +34,6 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
-
-from mmalign.tiny.world import POSITIONS, check_colour
 
 from .base import Reward, RewardBatch, register_reward
 
@@ -56,8 +51,6 @@ __all__ = [
     "PICKSCORE_PROCESSOR",
     "PreferenceScore",
     "Saturation",
-    "ShapesCompositional",
-    "ShapesLayout",
     "aesthetic_mlp",
     "colour_mask",
     "connected_components",
@@ -157,11 +150,14 @@ class Saturation(Reward):
             return self.scale * hsv_saturation(batch_images(self, batch)).cpu()
 
 
-# =========================================================================== shapes world
-def colour_mask(images: Tensor, colour: str | Sequence[float], threshold: float = 0.25) -> Tensor:
-    """Bool[B,H,W]: pixels within Euclidean distance `threshold` (RGB in [0,1]) of `colour`."""
-    rgb = check_colour(colour) if isinstance(colour, str) else colour
-    c = torch.tensor(rgb, dtype=torch.float32, device=images.device)
+# =========================================================================== colour blobs
+def colour_mask(images: Tensor, colour: Sequence[float], threshold: float = 0.25) -> Tensor:
+    """Bool[B,H,W]: pixels within Euclidean distance `threshold` (RGB in [0,1]) of `colour`, an RGB triple
+    in [0, 255] (when a value exceeds 1) or in [0, 1]. A colour name is a TypeError: names belong to a palette
+    (the shapes world's: `mmalign.tiny.world_rewards.palette_mask`)."""
+    if isinstance(colour, str):
+        raise TypeError(f"colour_mask: colour must be an RGB triple, got the name {colour!r}")
+    c = torch.tensor(colour, dtype=torch.float32, device=images.device)
     if c.max() > 1:
         c = c / 255.0
     return (images.float() - c.view(1, 3, 1, 1)).norm(dim=1) < threshold
@@ -200,126 +196,6 @@ def connected_components(mask: Tensor, min_pixels: int = 1) -> tuple[Tensor, lis
         counts.append(int(keep.numel()))
         labels[i] = torch.where(torch.isin(lab[i], keep) & mask[i], lab[i], labels[i])
     return labels, counts
-
-
-def _position_ok(position: str, cx: float, cy: float) -> bool:
-    lo, hi = 1 / 3, 2 / 3
-    return {
-        "left": cx < lo,
-        "right": cx > hi,
-        "top": cy < lo,
-        "bottom": cy > hi,
-        "center": lo <= cx <= hi and lo <= cy <= hi,
-    }[position]
-
-
-def _missing(v: Any) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v)) or v == ""
-
-
-@register_reward("shapes_compositional")
-class ShapesCompositional(Reward):
-    """Shapes world: the weighted fraction of the colour / count / position checks the pixels satisfy."""
-
-    needs = {"images"}
-
-    def __init__(
-        self,
-        *,
-        colour_column: str = "colour",
-        count_column: str = "count",
-        position_column: str = "position",
-        weights: Mapping[str, float] | None = None,
-        threshold: float = 0.25,
-        min_pixels: int = 4,
-        device: str | None = None,
-    ) -> None:
-        self.columns = {"colour": colour_column, "count": count_column, "position": position_column}
-        self.weights = {"colour": 1.0, "count": 1.0, "position": 1.0}
-        unknown = sorted(set(weights or {}) - set(self.weights))
-        if unknown:
-            raise ValueError(
-                f"reward {self.name!r}: unknown weight key(s) {unknown}; keys: colour, count, position"
-            )
-        self.weights.update({k: float(v) for k, v in (weights or {}).items()})
-        self.threshold = float(threshold)
-        self.min_pixels = int(min_pixels)
-        self.device = device
-
-    def _col(self, batch: RewardBatch, key: str, required: bool) -> list[Any]:
-        name = self.columns[key]
-        if name in batch.columns:
-            return batch.columns[name]
-        if required:
-            raise KeyError(
-                f"reward {self.name!r}: {key} column {name!r} is not in the dataset; "
-                f"available columns: {sorted(batch.columns) or 'none'}"
-            )
-        return [None] * len(batch)
-
-    def __call__(self, batch: RewardBatch) -> Tensor:
-        images = batch_images(self, batch).detach().float()
-        if self.device is not None:
-            images = images.to(self.device)
-        colours = self._col(batch, "colour", True)
-        counts = self._col(batch, "count", False)
-        positions = self._col(batch, "position", False)
-        out = torch.full((len(batch),), math.nan)
-        with torch.no_grad():
-            for name in {self._key(c) for c in colours if not _missing(c)}:
-                rows = [i for i, c in enumerate(colours) if not _missing(c) and self._key(c) == name]
-                mask = self._mask(images[rows], name)
-                labels, found = connected_components(mask, self.min_pixels)
-                h, w = mask.shape[1:]
-                for j, i in enumerate(rows):
-                    want_n = None if _missing(counts[i]) else int(counts[i])
-                    want_pos = None if _missing(positions[i]) else str(positions[i])
-                    if want_pos is not None and want_pos not in POSITIONS:
-                        raise ValueError(
-                            f"reward {self.name!r}: row {i}: unknown position {want_pos!r}; one of {POSITIONS}"
-                        )
-                    checks: list[tuple[str, bool]] = []
-                    present = found[j] > 0
-                    checks.append(("colour", present if want_n != 0 else not present))
-                    if want_n is not None:
-                        checks.append(("count", found[j] == want_n))
-                    if want_pos is not None and want_n != 0:
-                        ok = False
-                        if present:
-                            ys, xs = torch.nonzero(labels[j] >= 0, as_tuple=True)
-                            cx, cy = (
-                                (xs.float().mean().item() + 0.5) / w,
-                                (ys.float().mean().item() + 0.5) / h,
-                            )
-                            ok = _position_ok(want_pos, cx, cy)
-                        checks.append(("position", ok))
-                    total = sum(self.weights[k] for k, _ in checks)
-                    if total > 0:
-                        out[i] = sum(self.weights[k] for k, ok in checks if ok) / total
-        return out
-
-    def _key(self, colour: str) -> str:
-        """Rows scored together share this key (their colour)."""
-        return colour
-
-    def _mask(self, images: Tensor, key: str) -> Tensor:
-        """Bool[B,H,W]: the pixels that belong to objects of `key`."""
-        return colour_mask(images, key, self.threshold)
-
-
-@register_reward("shapes_layout")
-class ShapesLayout(ShapesCompositional):
-    """Shapes world, colour ignored: the count / position checks of `shapes_compositional` on the objects of
-    any colour (pixels farther than `threshold` from the white background), and "an object is present".
-
-    For concept steering (safe diffusion): a red square turned blue keeps its layout reward, an erased one
-    loses it, so steering cannot win by blanking the image."""
-
-    def _key(self, colour: str) -> str:
-        return "any"
-
-    def _mask(self, images: Tensor, key: str) -> Tensor:
-        return (images.float() - 1.0).norm(dim=1) >= self.threshold
 
 
 # =========================================================================== CLIP

@@ -1,4 +1,4 @@
-"""Safety rewards and flaggers: `clip_steering`, `clip_concept_flag`, `colour_present`, `classifier_flag`.
+"""Safety rewards and flaggers: `clip_steering`, `clip_concept_flag`, `classifier_flag`.
 
 - ``clip_steering`` (SafeDiffusion-R1, docs/algorithms.md "Safe diffusion"): the CLIP similarity of the
   image to the prompt pushed along a "safe" direction of text space,
@@ -6,7 +6,7 @@
   ``v_safe = normalize(mean z(safe anchors) - mean z(unsafe anchors))`` (z: L2-normalised CLIP
   embeddings). Applied to every prompt, safe and unsafe alike.
 
-The other three are *flaggers*: rewards whose value is 1.0 when the image is flagged (shows the
+The other two are *flaggers*: rewards whose value is 1.0 when the image is flagged (shows the
 concept to avoid) and 0.0 when not, so that "the share of flagged images" of an evaluation is the
 mean of the column, and they plug into the same registry and config format as every reward (use a
 negative weight to train against them):
@@ -15,12 +15,12 @@ negative weight to train against them):
   cosine to the `unsafe_concepts` texts exceeds its highest cosine to the `safe_concepts` texts by
   more than `margin`. Threshold rule (when `threshold` is set; then `safe_concepts` must be left
   out): flagged when the highest cosine to the `unsafe_concepts` exceeds `threshold`.
-- ``colour_present``: the synthetic shapes world's "unsafe concept" -- flagged when the image holds
-  a 4-connected blob of at least `min_pixels` pixels of palette `colour` (`rewards.image.colour_mask`
-  and `connected_components`, as ``shapes_compositional`` measures colour).
 - ``classifier_flag``: a Hugging Face image-classification model by path
   (``AutoModelForImageClassification`` + ``AutoImageProcessor``, e.g. an NSFW detector); flagged when
   the probability of any of `flag_labels` is at least `threshold`.
+
+The offline shapes world's flagger, ``colour_present`` (its stand-in "unsafe concept"), lives with that
+world's fixtures: `mmalign.tiny.world_rewards`.
 
 Models load once, at construction; a missing local path is a `FileNotFoundError` naming the path
 that was looked for (nothing is downloaded unless a hub id, not a path, is given explicitly).
@@ -36,21 +36,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.tiny.world import PALETTE
-
 from .base import Reward, RewardBatch, register_reward
 from .image import (
     CLIPEmbedder,
     batch_images,
     batch_prompts,
-    colour_mask,
-    connected_components,
     local_path,
     looks_local,
     to_pil,
 )
 
-__all__ = ["ClassifierFlag", "ClipConceptFlag", "ClipSteering", "ColourPresent", "steering_direction"]
+__all__ = ["ClassifierFlag", "ClipConceptFlag", "ClipSteering", "steering_direction"]
 
 
 def _texts(reward: Reward | str, key: str, value: Any, required: bool = True) -> list[str]:
@@ -191,40 +187,6 @@ class ClipConceptFlag(Reward):
         s = self.scores(batch_images(self, batch))
         cut = self.margin if self.threshold is None else self.threshold
         return (s > cut).float()
-
-
-@register_reward("colour_present")
-class ColourPresent(Reward):
-    """Shapes-world flag: 1.0 when the image holds a blob of >= `min_pixels` connected pixels of palette `colour`."""
-
-    needs = {"images"}
-
-    def __init__(
-        self, *, colour: str, min_pixels: int = 4, threshold: float = 0.25, device: str | None = None
-    ) -> None:
-        """`colour`: a palette name (``mmalign.tiny.world.PALETTE``); `threshold`: the RGB distance (in
-        [0, 1]) within which a pixel counts as that colour; `min_pixels`: the smallest 4-connected blob that
-        counts."""
-        if colour not in PALETTE:
-            raise ValueError(
-                f"reward {self.name!r}: unknown colour {colour!r}; the palette: {', '.join(PALETTE)}"
-            )
-        if int(min_pixels) < 1:
-            raise ValueError(f"reward {self.name!r}: min_pixels must be >= 1, got {min_pixels}")
-        self.colour = colour
-        self.min_pixels = int(min_pixels)
-        self.threshold = float(threshold)
-        self.device = device
-
-    def __call__(self, batch: RewardBatch) -> Tensor:
-        images = batch_images(self, batch).detach().float()
-        if self.device is not None:
-            images = images.to(self.device)
-        if images.shape[0] == 0:
-            return torch.zeros(0)
-        mask = colour_mask(images, self.colour, self.threshold)
-        _, counts = connected_components(mask, self.min_pixels)
-        return torch.tensor([1.0 if n > 0 else 0.0 for n in counts])
 
 
 @register_reward("classifier_flag")

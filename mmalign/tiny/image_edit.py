@@ -294,10 +294,10 @@ def edit_t5_tokenizer() -> Any:
 
 
 def edit_accuracy(images: Tensor, examples: Sequence[EditExample], *, strict: bool = True) -> float:
-    """Mean ``shapes_edit_accuracy`` (`rewards.edit.ShapesEditAccuracy`, default options) of edited `images`
-    Float[N,3,H,W] against `examples`' target scenes; with `strict` the share edited exactly right."""
+    """Mean ``shapes_edit_accuracy`` (`mmalign.tiny.world_rewards.ShapesEditAccuracy`, default options) of
+    edited `images` Float[N,3,H,W] against `examples`' target scenes; with `strict` the share edited exactly right."""
+    from mmalign.tiny.world_rewards import ShapesEditAccuracy
     from rewards import RewardBatch
-    from rewards.edit import ShapesEditAccuracy
 
     objects = [example_row(e)["target_objects"] for e in examples]
     batch = RewardBatch(prompts=[e.instruction for e in examples], outputs={"images": images}, columns={})

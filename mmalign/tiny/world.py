@@ -2,8 +2,9 @@
 
 A scene is ``count`` objects of one `PALETTE` colour inside one of the `POSITIONS` regions (or anywhere)
 of a white image. The tiny shapes-world models (`mmalign.tiny.shapes`, `mmalign.tiny.clip`) are trained
-on rendered scenes; the ``shapes_compositional`` and ``colour_present`` rewards (`rewards.image`,
-`rewards.safety`) score images of this world from their pixels, with this palette and these positions.
+on rendered scenes; the ``shapes_compositional``, ``shapes_layout``, ``shapes_edit_accuracy`` and
+``colour_present`` rewards (`mmalign.tiny.world_rewards`) score images of this world from their pixels, with
+this palette and these positions.
 Light to import: PIL, NumPy and torch only.
 """
 

@@ -107,6 +107,13 @@ def test_tiny_builders_import_no_tool_and_rewards_only_the_world_definitions() -
     assert used <= {"mmalign.tiny.world"}, used
 
 
+def test_rewards_import_nothing_from_the_fixtures() -> None:
+    """``rewards/`` imports nothing from ``mmalign.tiny``, the world definitions included: the shapes-world rewards
+    live there (`mmalign.tiny.world_rewards`) and reach the reward registry through ``mmalign.rewards`` entry
+    points, so a wheel without the fixtures still imports every reward module."""
+    assert violations(sorted((REPO / "rewards").rglob("*.py")), ("mmalign.tiny",)) == []
+
+
 # ----------------------------------------------------------------------------- second pass (issue 35)
 PROJECT = ("mmalign", "rewards", "pipelines")
 EVERYWHERE = sorted(p for d in (*PROJECT, "benchmarks") for p in (REPO / d).rglob("*.py"))

@@ -5,6 +5,8 @@ Every expected number is worked out by hand in the comment next to it (never wit
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import math
 from typing import Any
@@ -238,6 +240,45 @@ class TestMath:
 
 
 # ================================================================================ rewards
+SHARED_BOX_OPTIONS = {
+    "box_column": "boxes",
+    "coords": "absolute",
+    "width_column": "image_width",
+    "height_column": "image_height",
+    "resized_width_column": "resized_width",
+    "resized_height_column": "resized_height",
+    "tag": "answer",
+    "box_key": None,
+}
+
+
+def test_box_rewards_declare_the_shared_options_once() -> None:
+    """Every box reward takes the shared options (same names, order and defaults, keyword-only) and then its
+    own; the shared ones are one declaration (the same dataclass fields in every reward), not a copy each."""
+    own = {
+        "box_iou": {"threshold": None, "dense": True},
+        "box_giou": {"raw": False},
+        "box_center": {"form": "exp"},
+        "iou_at": {"threshold": 0.5},
+        "box_f1": {},
+        "iou_sweep": {},
+    }
+    assert set(own) == set(BOX_REWARDS)
+    shared_fields = dataclasses.fields(rewards.get("iou_sweep"))
+    for name, extra in own.items():
+        cls = rewards.get(name)
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        assert {p.name: p.default for p in params} == {**SHARED_BOX_OPTIONS, **extra}, name
+        assert list({p.name: p for p in params}) == [*SHARED_BOX_OPTIONS, *extra], name
+        assert all(p.kind is p.KEYWORD_ONLY for p in params), name
+        fields = dataclasses.fields(cls)
+        assert len(fields) == len(SHARED_BOX_OPTIONS) + len(extra), name
+        assert all(a is b for a, b in zip(fields, shared_fields, strict=False)), name
+        reward = cls(**({"threshold": 0.5} if name == "box_iou" else {}))
+        assert reward == reward and reward != cls(**({"threshold": 0.5} if name == "box_iou" else {}))
+        assert repr(reward) == f"{cls.__name__}(name={name!r})"
+
+
 def test_registered_with_summaries() -> None:
     names = rewards.names()
     for name in BOX_REWARDS:

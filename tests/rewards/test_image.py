@@ -1,4 +1,5 @@
-"""Image rewards (rewards/image.py): JPEG size, the shapes world, CLIP score, aesthetic MLP, preference.
+"""Image rewards (rewards/image.py; the shapes world's in mmalign/tiny/world_rewards.py): JPEG size, the shapes world,
+CLIP score, aesthetic MLP, preference.
 
 Every model here is tiny, built from config kwargs and saved to tmp_path: nothing is downloaded.
 """
@@ -6,6 +7,9 @@ Every model here is tiny, built from config kwargs and saved to tmp_path: nothin
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +46,40 @@ def test_registered_with_summaries() -> None:
         "aesthetic",
         "preference",
     ):
-        cls = rewards.get(name)
+        cls = rewards.resolve(name)  # the shapes-world ones through their entry points (mmalign.tiny)
         assert cls.name == name and "images" in cls.needs
         doc = (cls.__doc__ or "").strip()
         assert doc and "\n" not in doc.splitlines()[0] and len(doc.splitlines()[0]) > 10
     assert rewards.get("clip_score").needs == {"images", "prompts"}
+
+
+SHAPES_WORLD_REWARDS = ("shapes_compositional", "shapes_layout", "shapes_edit_accuracy", "colour_present")
+
+
+def test_shapes_world_rewards_load_through_their_entry_points(tmp_path: Path) -> None:
+    """The shapes-world rewards live with their fixtures (`mmalign.tiny.world_rewards`): a fresh interpreter
+    that imports ``rewards`` has none of them registered and no `mmalign.tiny` module loaded, and looking one up
+    by name imports it through its ``mmalign.rewards`` entry point (pyproject.toml)."""
+    declared = {ep.name: ep.value for ep in entry_points(group=rewards.ENTRY_POINT_GROUP)}
+    assert {n: declared.get(n) for n in SHAPES_WORLD_REWARDS} == dict.fromkeys(
+        SHAPES_WORLD_REWARDS, "mmalign.tiny.world_rewards"
+    ), "reinstall the package (pip install -e . --no-deps) to register the entry points"
+    code = f"""
+import sys
+import rewards
+names = {SHAPES_WORLD_REWARDS!r}
+assert not [m for m in sys.modules if m.startswith("mmalign.tiny")], "import rewards imported mmalign.tiny"
+assert not set(names) & set(rewards.names()), "registered before any lookup"
+for name in names:
+    reward = rewards.load_reward(name, **({{"colour": "red"}} if name == "colour_present" else {{}}))
+    assert type(reward).__module__ == "mmalign.tiny.world_rewards", (name, type(reward))
+print("looked up", len(names))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert "looked up 4" in out.stdout
 
 
 # =========================================================================== saturation
@@ -188,7 +221,9 @@ class TestShapes:
         # near red (within the threshold), on the right
         b[:, 12:18, 24:30] = torch.tensor([0.95, 0.05, 0.05]).view(3, 1, 1)
         images = torch.stack([a, b])
-        mask = colour_mask(images, "red")
+        mask = colour_mask(images, PALETTE["red"])
+        with pytest.raises(TypeError, match="RGB triple"):  # names are the shapes world's palette_mask
+            colour_mask(images, "red")
         _, counts = connected_components(mask, min_pixels=1)
         assert counts == [4, 1]
         labels, counts = connected_components(mask, min_pixels=4)
