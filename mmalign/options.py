@@ -114,9 +114,12 @@ def describe(hint: Any) -> str:
         return " or ".join(describe(a) for a in typing.get_args(hint))
     if hint is type(None) or hint is None:
         return "None"
-    if origin is not None:
-        return getattr(origin, "__name__", str(origin))
-    return getattr(hint, "__name__", str(hint))
+    base = origin if origin is not None else hint
+    if base in (list, tuple, cabc.Sequence):
+        return "list"  # what a config writes for any of them
+    if base in (dict, cabc.Mapping):
+        return "dict"
+    return getattr(base, "__name__", str(base))
 
 
 def _conforms(value: Any, hint: Any) -> bool | None:

@@ -208,7 +208,7 @@ def check_options(
     declared = options_class(fn, skip)
     if declared is not None:
         for option, problem in check_values(declared, options):
-            raise TypeError(f"reward {name!r}: option {option!r} {problem}")
+            raise ValueError(f"reward {name!r}: option {option!r} {problem}")
     missing = [
         p.name
         for p in params

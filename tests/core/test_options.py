@@ -62,7 +62,7 @@ def test_the_dataclass_mirrors_the_signature() -> None:
         ({"steps": 2.5}, [("steps", "must be int, got float 2.5")]),
         ({"flag": 1}, [("flag", "must be bool, got int 1")]),
         ({"name": 3}, [("name", "must be str or None, got int 3")]),
-        ({"clip": "x"}, [("clip", "must be float or Sequence, got str 'x'")]),
+        ({"clip": "x"}, [("clip", "must be float or list, got str 'x'")]),
         ({"table": [1]}, [("table", "must be dict or None, got list [1]")]),
         ({"items": {"a": 1}}, [("items", "must be list, got dict {'a': 1}")]),
         ({"anything": "five"}, [("anything", "must be float, got str 'five'")]),

@@ -247,7 +247,7 @@ class TestFormat:
             load_reward("format", pattern="a", tags=["a"])
         with pytest.raises(ValueError, match="invalid pattern"):
             load_reward("format", pattern="(unclosed")
-        with pytest.raises(TypeError, match="option 'tags' must be Sequence or None, got str 'answer'"):
+        with pytest.raises(ValueError, match="option 'tags' must be list or None, got str 'answer'"):
             load_reward("format", tags="answer")  # checked against the annotation before the constructor runs
 
 

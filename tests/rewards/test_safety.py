@@ -172,7 +172,7 @@ class TestSteeringFormula:
             ValueError, match="reward 'clip_steering': option `safe_anchors` must be a non-empty list"
         ):
             load_reward("clip_steering", path=path, safe_anchors=[], unsafe_anchors=UNSAFE)
-        with pytest.raises(ValueError, match="option `unsafe_anchors` must be a non-empty list"):
+        with pytest.raises(ValueError, match="option 'unsafe_anchors' must be list, got str 'a red square'"):
             load_reward("clip_steering", path=path, safe_anchors=SAFE, unsafe_anchors="a red square")
         with pytest.raises(ValueError, match="`unsafe_anchors` must hold non-empty strings"):
             load_reward("clip_steering", path=path, safe_anchors=SAFE, unsafe_anchors=["red", ""])
@@ -366,7 +366,9 @@ class TestClassifierFlag:
             ValueError, match="flag_labels \\['porn'\\] are not labels.*'normal', 'nsfw', 'gore'"
         ):
             load_reward("classifier_flag", path=str(tiny_classifier), flag_labels=["porn"])
-        with pytest.raises(ValueError, match="'classifier_flag': option `flag_labels` must be a non-empty"):
+        with pytest.raises(
+            ValueError, match="'classifier_flag': option 'flag_labels' must be list, got str 'nsfw'"
+        ):
             load_reward("classifier_flag", path=str(tiny_classifier), flag_labels="nsfw")
 
 
