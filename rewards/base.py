@@ -276,8 +276,9 @@ def register_reward(name: str, **meta: Any) -> Callable[[Any], Any]:
 
 
 def get(name: str) -> Any:
-    """The registered reward class (or function) called `name`; `RegistryError` (a KeyError) if unknown."""
-    return REGISTRY.get(name)
+    """The reward class (or function) registered as `name`, loading the ``mmalign.rewards`` entry point of that
+    name first if it is not registered yet; `RegistryError` (a KeyError) if unknown."""
+    return DISCOVERY.get(name)
 
 
 def names() -> list[str]:
