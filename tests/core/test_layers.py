@@ -4,7 +4,8 @@
   tiny-model builder (``mmalign.tiny``), no reward family (``rewards``) and no pipeline (``pipelines``);
 - ``rewards/`` imports no pipeline and no tool;
 - ``pipelines/`` imports no tool, and no pipeline imports another pipeline's private (``_``) name;
-- ``mmalign/tiny/`` (fixtures for every layer) imports no tool; rewards use only its world definitions.
+- ``mmalign/tiny/`` (fixtures for every layer) imports no tool; rewards import nothing from it (its shapes-world rewards come in through the
+  ``mmalign.rewards`` entry points).
 """
 
 from __future__ import annotations
