@@ -50,7 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmalign.tiny import BUILDERS, progress_bar
+from mmalign.tiny import BUILDERS
+from mmalign.tiny.warm_start import fit
 
 __all__ = [
     "ASSETS",
@@ -313,19 +314,18 @@ def _fit_vae(
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(vae.parameters(), lr=lr)
     vae.train()
-    loss = torch.tensor(float("nan"))
-    for _ in progress_bar(range(steps), "VAE", enabled=progress):
+
+    def loss_at(_: int) -> Tensor:
         x = images[torch.randint(0, len(images), (batch_size,), generator=g)]
         post = vae.encode(x).latent_dist
-        loss = torch.nn.functional.mse_loss(vae.decode(post.mean).sample, x) + 1e-6 * post.kl().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        return torch.nn.functional.mse_loss(vae.decode(post.mean).sample, x) + 1e-6 * post.kl().mean()
+
+    losses = fit(opt, steps, loss_at, "VAE", progress=progress, window=1)
     vae.eval().requires_grad_(False)
     with torch.no_grad():
         z = vae.encode(images).latent_dist.mean
     vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=1.0 / max(float(z.std()), 1e-6))
-    return float(loss.detach())
+    return losses[-1] if losses else float("nan")
 
 
 @BUILDERS.register("image_edit", minutes=6, phases=2)
@@ -498,9 +498,8 @@ def build_image_edit(
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     history: list[tuple[int, float, float]] = []
-    done, recent = 0, []
-    bar = progress_bar(range(steps), "editor" + (", may stop early" if target_accuracy is not None else ""))
-    for step in bar:
+
+    def loss_at(_: int) -> Tensor:
         for m in modules:
             m.train()
         idx = torch.randint(0, len(train), (batch_size,), generator=g)
@@ -509,24 +508,30 @@ def build_image_edit(
         sigma = shifted(torch.rand(batch_size, generator=g))
         s = sigma.view(-1, 1, 1, 1)
         v = velocity((1 - s) * x0 + s * noise, src, sigma, clip_ids[idx], t5_ids[idx])
-        loss = torch.nn.functional.mse_loss(v, noise - x0)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        done, recent = step + 1, [*recent, float(loss.detach())][-50:]
-        if target_accuracy is not None and done >= min_steps and done % check_every == 0:
-            for m in modules:
-                m.eval()
-            images = decode(sample(check_src, check_clip, check_t5))
-            exact, graded = edit_accuracy(images, checks), edit_accuracy(images, checks, strict=False)
-            history.append((done, round(exact, 4), round(graded, 4)))
-            bar.set_postfix(
-                loss=f"{sum(recent) / max(1, len(recent)):.3f}", exact=f"{exact:.2f}", refresh=False
-            )
-            if exact >= target_accuracy:
-                break
-    bar.close()
+        return torch.nn.functional.mse_loss(v, noise - x0)
+
+    def check(done: int) -> bool:
+        if done < min_steps:
+            return False
+        for m in modules:
+            m.eval()
+        images = decode(sample(check_src, check_clip, check_t5))
+        exact, graded = edit_accuracy(images, checks), edit_accuracy(images, checks, strict=False)
+        history.append((done, round(exact, 4), round(graded, 4)))
+        return exact >= target_accuracy
+
+    losses = fit(
+        opt,
+        steps,
+        loss_at,
+        "editor" + (", may stop early" if target_accuracy is not None else ""),
+        clip_norm=1.0,
+        stop=None if target_accuracy is None else check,
+        check_every=check_every,
+        check_at_end=True,
+        show=lambda: {"exact": f"{history[-1][1]:.2f}"} if history else {},
+    )
+    done, recent = len(losses), losses[-50:]
     for m in modules:
         m.eval().requires_grad_(False)
     path = Path(path)
