@@ -26,6 +26,7 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,6 +48,8 @@ from mmalign.app.plan_models import (
     resolve_model,
 )
 from mmalign.config import Config, ConfigError
+from mmalign.policies.families import TASKS as FAMILY_TASKS
+from mmalign.policies.families import Family, PlanRequest, PlanShapes, PlanSpec, plan_family
 
 GiB = 1024**3
 DEFAULT_PROMPT_TOKENS = 256
@@ -851,18 +854,11 @@ def plan_token(
 
 
 # ----------------------------------------------------------------------------- diffusion policies
-TWO_BRANCH = {
-    "SD3Transformer2DModel",
-    "WanTransformer3DModel",
-    "WanVACETransformer3DModel",
-    "QwenImageTransformer2DModel",
-    "UNet2DConditionModel",
-    "ZImageTransformer2DModel",
-}
-
-
 @dataclass
 class DiffusionShapes:
+    """One sample of a diffusion config as planned: the family's `PlanShapes` (`sample`, its fields copied) plus
+    the denoising steps, the trained steps and the CFG branches of training and rollout."""
+
     latent: tuple[int, ...]
     text_tokens: int
     image_tokens: int
@@ -873,27 +869,68 @@ class DiffusionShapes:
     pixels: tuple[int, ...]
     reference_tokens: int = 0
     """Packed tokens of a reference image the denoiser attends to besides the latents (FLUX.1 Kontext's source)."""
+    sample: PlanShapes | None = None
+    """One sample as the family's `PlanSpec` describes it (what its ``inputs`` take)."""
 
 
-def _vae_factor(spec: ModelSpec) -> int:
-    vae = spec.components.get("vae")
-    if vae is None:
-        return 8
-    if "block_out_channels" in vae.config:
-        return 2 ** (len(vae.config["block_out_channels"]) - 1)
-    return 8
+@dataclass(frozen=True)
+class Denoiser:
+    """The family `mmalign plan` simulates a diffusion model as (`families.plan_family`): its `PlanSpec`, the
+    ``all-linear`` LoRA targets and whether CFG runs two branches (the policy class's ``lora_targets`` and
+    ``two_branch_cfg``)."""
+
+    family: Family
+    plan: PlanSpec
+    lora_targets: tuple[str, ...]
+    two_branch_cfg: bool
 
 
-EDIT_DENOISERS = ("FluxTransformer2DModel", "QwenImageTransformer2DModel")
-"""Denoisers whose `image_edit` policy appends the source image's tokens to the sequence."""
+def denoiser_family(cfg: Config, spec: ModelSpec) -> Denoiser:
+    """The `Denoiser` of a diffusion config: its model's family for the pipeline's task (``text_to_image`` and
+    ``image_edit`` pipelines are tasks of their own name; any other pipeline: the family that names the
+    denoiser class)."""
+    cls = spec.components[spec.denoiser].cls
+    task = cfg.pipeline if cfg.pipeline in FAMILY_TASKS else None
+    family = plan_family(cfg.model.name_or_path, cls, task)
+    plan_spec = family.plan_spec()
+    policy = family.policy_class()
+    targets = getattr(policy, "lora_targets", None) or plan_spec.lora_targets or ()
+    return Denoiser(family, plan_spec, tuple(targets), bool(getattr(policy, "two_branch_cfg", True)))
+
+
+class _Options(Mapping[str, Any]):
+    """The config's ``options`` section (a mapping or the pipeline's typed options) as a read-only mapping."""
+
+    _MISSING = object()
+
+    def __init__(self, cfg: Config) -> None:
+        self._cfg = cfg
+
+    def __getitem__(self, name: str) -> Any:
+        value = _opt(self._cfg, name, self._MISSING)
+        if value is self._MISSING:
+            raise KeyError(name)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        opts = self._cfg.options
+        return iter(opts if isinstance(opts, dict) else (vars(opts) if opts is not None else {}))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def plan_request(cfg: Config, spec: ModelSpec, task: str) -> PlanRequest:
+    """What a `PlanSpec` is asked with: the config's options and the component configs of `spec`."""
+    components = {name: comp.config for name, comp in spec.components.items()}
+    return PlanRequest(_Options(cfg), components, spec.denoiser, task)
 
 
 def diffusion_shapes(cfg: Config, spec: ModelSpec) -> DiffusionShapes:
-    """Latent shape of one sample, tokens, trained steps per sample and CFG branches of a diffusion config."""
-    den = spec.components[spec.denoiser]
-    c = den.config
-    cls = den.cls
-    factor = _vae_factor(spec)
+    """Latent shape of one sample, tokens (the family's `PlanSpec.shapes`), trained steps per sample and CFG
+    branches of a diffusion config."""
+    den = denoiser_family(cfg, spec)
+    sample = den.plan.shapes(plan_request(cfg, spec, den.family.task))
     num_steps = int(_opt(cfg, "num_steps", 10))
     guidance = float(_opt(cfg, "guidance_scale", 1.0))
     window = _opt(cfg, "window_size")
@@ -901,226 +938,20 @@ def diffusion_shapes(cfg: Config, spec: ModelSpec) -> DiffusionShapes:
     trained = (
         int(window) if window else max(1, math.ceil(float(_opt(cfg, "train_fraction", 1.0)) * n_trainable))
     )
-    two = cls in TWO_BRANCH and guidance > 1.0
+    two = den.two_branch_cfg and guidance > 1.0
     train_two = two and bool(_opt(cfg, "train_guidance", True))
-    if cls.startswith("Wan"):
-        frames = int(_opt(cfg, "num_frames", 17))
-        h, w = int(_opt(cfg, "height", 480)), int(_opt(cfg, "width", 832))
-        lf = (frames - 1) // 4 + 1
-        ch = int(c.get("out_channels") or c.get("in_channels", 16))
-        latent = (ch, lf, h // 8, w // 8)
-        ps = c.get("patch_size", [1, 2, 2])
-        img_tokens = lf // ps[0] * (h // 8 // ps[1]) * (w // 8 // ps[2])
-        text = int(_opt(cfg, "max_sequence_length", 512))
-        pixels = (frames, 3, h, w)
-    elif cls == "UNet2DConditionModel":
-        size = int(_opt(cfg, "latent_size") or c.get("sample_size", 64))
-        latent = (int(c.get("in_channels", 4)), size, size)
-        img_tokens = size * size
-        text = 77
-        pixels = (3, size * factor, size * factor)
-    else:
-        res = _opt(cfg, "resolution")
-        if cls == "QwenImageTransformer2DModel":
-            size = int(res or 1024) // 8
-            ch = int(c.get("out_channels", 16))
-            text = int(_opt(cfg, "max_sequence_length") or 512)
-        elif (
-            cls == "ZImageTransformer2DModel"
-        ):  # Z-Image: 2x2 patches of the VAE latents, Qwen3 prompt states
-            size = int(res or 1024) // factor
-            ch = int(c.get("in_channels", 16))
-            text = int(_opt(cfg, "max_sequence_length") or 512)
-        elif cls == "Flux2Transformer2DModel":  # FLUX.2: the VAE latents patchified 2x2 (Flux2PolicyBase)
-            size = int(res or 1024) // factor
-            ch = int(c.get("in_channels", 128))
-            text = int(_opt(cfg, "max_sequence_length") or 512)
-        elif cls == "FluxTransformer2DModel":
-            vae_size = (
-                spec.components["vae"].config.get("sample_size", 1024) if "vae" in spec.components else 1024
-            )
-            size = int(res or vae_size) // factor
-            ch = int(c.get("in_channels", 64)) // 4
-            text = int(_opt(cfg, "max_sequence_length") or 512)
-        else:
-            size = int(res) // factor if res else int(c.get("sample_size", 128))
-            ch = int(c.get("in_channels", 16))
-            t5 = int(_opt(cfg, "max_sequence_length") or 256)
-            clip = (
-                int(spec.components["text_encoder"].config.get("max_position_embeddings", 77))
-                if "text_encoder" in spec.components
-                else 77
-            )
-            text = clip + t5  # without T5 its part of the prompt states is zeros of the same length
-        latent = (ch, size // 2, size // 2) if cls == "Flux2Transformer2DModel" else (ch, size, size)
-        patch = (
-            int(c.get("patch_size", 2))
-            if cls not in ("FluxTransformer2DModel", "Flux2Transformer2DModel")
-            else 2
-        )
-        img_tokens = (size // patch) ** 2
-        pixels = (3, size * factor, size * factor)
-    # image editing: the source's packed tokens are appended to the noisy ones (FLUX.1 Kontext, Qwen-Image-Edit)
-    ref = img_tokens if cfg.pipeline == "image_edit" and cls in EDIT_DENOISERS else 0
-    if ref and cls == "QwenImageTransformer2DModel":
-        # Qwen-Image-Edit's prompt states also hold the source's vision tokens (Qwen2.5-VL: 14 px patches
-        # merged 2 x 2, the image resized to a multiple of 28 px); Qwen-Image-Edit-Plus shows the VLM each source
-        # at ~384 x 384 (CONDITION_IMAGE_PIXELS) after a "Picture 1: " label (one source per row assumed here)
-        from mmalign.policies.qwen_image_components import CONDITION_IMAGE_PIXELS
-
-        plus = _edit_plus(cfg)
-        shown = int(math.sqrt(CONDITION_IMAGE_PIXELS)) if plus else size * factor
-        side = max(28, round(shown / 28) * 28)
-        text += (side // 28) ** 2 + (PLUS_LABEL_TOKENS if plus else 0)
     return DiffusionShapes(
-        latent,
-        text,
-        img_tokens + ref,
+        sample.latent,
+        sample.text_tokens,
+        sample.image_tokens,
         trained,
         num_steps,
         2 if train_two else 1,
         2 if two else 1,
-        pixels,
-        ref,
+        sample.pixels,
+        sample.reference_tokens,
+        sample,
     )
-
-
-PLUS_LABEL_TOKENS = 6
-"""Tokens of a Qwen-Image-Edit-Plus picture label around its vision tokens ("Picture 1: ", vision start / end)."""
-
-
-def _edit_plus(cfg: Config) -> bool:
-    """Whether ``model.name_or_path`` is a Qwen-Image-Edit-Plus model (its family in
-    `mmalign.policies.families`)."""
-    from mmalign.policies.families import family_for
-
-    try:
-        return family_for(cfg.model.name_or_path, "image_edit").name == "qwen_image_edit_plus"
-    except ConfigError:
-        return False
-
-
-def _denoiser_inputs(spec: ModelSpec, sh: DiffusionShapes, batch: int, dtype: torch.dtype) -> dict[str, Any]:
-    """Keyword inputs of one denoiser call on `batch` rows (as the policies' ``velocity`` / ``predict`` build them)."""
-    den = spec.components[spec.denoiser]
-    c, cls = den.config, den.cls
-
-    def e(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dt, device="meta")
-
-    if cls == "SD3Transformer2DModel":
-        return dict(
-            hidden_states=e(batch, *sh.latent),
-            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("joint_attention_dim", 4096))),
-            pooled_projections=e(batch, int(c.get("pooled_projection_dim", 2048))),
-            timestep=e(batch),
-            return_dict=False,
-        )
-    if cls == "FluxTransformer2DModel":
-        ch, h, w = sh.latent
-        n = (h // 2) * (w // 2) + sh.reference_tokens
-        kw = dict(
-            hidden_states=e(batch, n, ch * 4),
-            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("joint_attention_dim", 4096))),
-            pooled_projections=e(batch, int(c.get("pooled_projection_dim", 768))),
-            timestep=e(batch),
-            txt_ids=e(sh.text_tokens, 3),
-            img_ids=e(n, 3),
-            return_dict=False,
-        )
-        if c.get("guidance_embeds"):
-            kw["guidance"] = e(batch, dt=torch.float32)
-        return kw
-    if cls == "Flux2Transformer2DModel":  # as Flux2PolicyBase.velocity
-        ch, h, w = sh.latent
-        kw = dict(
-            hidden_states=e(batch, h * w, ch),
-            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("joint_attention_dim", 15360))),
-            timestep=e(batch),
-            txt_ids=torch.empty((sh.text_tokens, 4), dtype=torch.long, device="meta"),
-            img_ids=torch.empty((h * w, 4), dtype=torch.long, device="meta"),
-            return_dict=False,
-        )
-        if c.get("guidance_embeds", True):
-            kw["guidance"] = e(batch, dt=torch.float32)
-        return kw
-    if cls.startswith("Wan"):
-        ch, lf, h, w = sh.latent
-        kw = dict(
-            hidden_states=e(batch, int(c.get("in_channels", ch)), lf, h, w),
-            timestep=e(batch, dt=torch.float32),
-            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("text_dim", 4096))),
-            return_dict=False,
-        )
-        if c.get("image_dim"):  # image to video: the CLIP image states (257 tokens of ViT-H/14)
-            kw["encoder_hidden_states_image"] = e(batch, 257, int(c["image_dim"]))
-        if cls == "WanVACETransformer3DModel":
-            n_layers = len(c.get("vace_layers", []))
-            kw["control_hidden_states"] = e(batch, int(c.get("vace_in_channels", 96)), lf, h, w)
-            kw["control_hidden_states_scale"] = e(n_layers)
-        return kw
-    if cls == "QwenImageTransformer2DModel":
-        ch, h, w = sh.latent
-        frames = [(1, h // 2, w // 2)] * (2 if sh.reference_tokens else 1)  # + the edit's source image
-        return dict(
-            hidden_states=e(batch, (h // 2) * (w // 2) + sh.reference_tokens, ch * 4),
-            timestep=e(batch),
-            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("joint_attention_dim", 3584))),
-            encoder_hidden_states_mask=torch.ones((batch, sh.text_tokens), dtype=torch.bool, device="meta"),
-            img_shapes=[frames] * batch,
-            return_dict=False,
-        )
-    if cls == "ZImageTransformer2DModel":  # as z_image_velocity: per-sample lists
-        ch, h, w = sh.latent
-        return dict(
-            x=[e(ch, 1, h, w) for _ in range(batch)],
-            t=e(batch),
-            cap_feats=[e(sh.text_tokens, int(c.get("cap_feat_dim", 2560))) for _ in range(batch)],
-            return_dict=False,
-        )
-    if cls == "UNet2DConditionModel":
-        return dict(
-            sample=e(batch, *sh.latent),
-            timestep=e(batch),
-            encoder_hidden_states=e(batch, sh.text_tokens, int(c.get("cross_attention_dim", 768))),
-            return_dict=False,
-        )
-    raise ConfigError(f"{den.source}: `mmalign plan` does not know how to call a {cls}")
-
-
-def _lora_targets_diffusion(cls: str) -> tuple[str, ...]:
-    """The ``all-linear`` LoRA targets of the policy that trains a `cls` denoiser."""
-    if cls == "SD3Transformer2DModel":
-        from mmalign.policies.sd3 import LORA_TARGETS
-
-        return tuple(LORA_TARGETS)
-    if cls == "FluxTransformer2DModel":
-        from mmalign.policies.flux import FLUX_LORA_TARGETS
-
-        return tuple(FLUX_LORA_TARGETS)
-    if cls.startswith("Wan"):
-        from mmalign.policies import wan
-
-        return tuple(
-            getattr(
-                wan, "WAN_LORA_TARGETS", ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
-            )
-        )
-    if cls == "Flux2Transformer2DModel":
-        from mmalign.policies.flux2 import FLUX2_LORA_TARGETS
-
-        return tuple(FLUX2_LORA_TARGETS)
-    if cls == "QwenImageTransformer2DModel":
-        from mmalign.policies.qwen_image import QWEN_IMAGE_LORA_TARGETS
-
-        return tuple(QWEN_IMAGE_LORA_TARGETS)
-    if cls == "ZImageTransformer2DModel":
-        from mmalign.policies.z_image import Z_IMAGE_LORA_TARGETS
-
-        return tuple(Z_IMAGE_LORA_TARGETS)
-    from mmalign.policies.ddim import LORA_TARGETS as DDIM_TARGETS
-
-    return tuple(DDIM_TARGETS)
 
 
 def steps_kept_per_backward(cfg: Config, steps: int) -> int:
@@ -1144,9 +975,8 @@ def diffusion_model(cfg: Config, spec: ModelSpec, dtype: torch.dtype) -> torch.n
     """The denoiser on the meta device with the config's LoRA (`mmalign.policies.denoising.add_lora`)."""
     from mmalign.policies.denoising import add_lora
 
-    den = spec.components[spec.denoiser]
-    model = build_meta(den, dtype)
-    if not add_lora(model, cfg.model.lora, _lora_targets_diffusion(den.cls)):
+    model = build_meta(spec.components[spec.denoiser], dtype)
+    if not add_lora(model, cfg.model.lora, denoiser_family(cfg, spec).lora_targets):
         model.requires_grad_(True)
     if cfg.model.gradient_checkpointing and getattr(model, "_supports_gradient_checkpointing", False):
         model.enable_gradient_checkpointing()  # as `DenoisingPolicy.set_gradient_checkpointing`
@@ -1172,8 +1002,7 @@ def vae_decode_rows(cfg: Config, spec: ModelSpec, local_batch: int) -> int:
 
     k = _opt(cfg, "vae_decode_batch", "auto")
     if k == "auto":
-        video = spec.components[spec.denoiser].cls.startswith("Wan")
-        k = AUTO_DECODE_VIDEOS if video else AUTO_DECODE_IMAGES
+        k = AUTO_DECODE_VIDEOS if denoiser_family(cfg, spec).plan.video else AUTO_DECODE_IMAGES
     return local_batch if k is None else max(1, min(int(k), local_batch))
 
 
@@ -1181,16 +1010,16 @@ def _frozen_components(
     cfg: Config, spec: ModelSpec, dtype: torch.dtype
 ) -> tuple[int, torch.nn.Module | None, int]:
     """Bytes of the frozen components (text encoders, VAE; SD3's T5 only with ``options.load_t5``), the VAE
-    on the meta device, and the largest `_conversion_bytes` among them. The Wan and Qwen-Image VAEs load in
-    fp32, as their component loaders do."""
+    on the meta device, and the largest `_conversion_bytes` among them. A VAE loads in fp32 where the family
+    says so (`PlanSpec.vae_fp32`: Wan, Qwen-Image), as its component loader does."""
     total, vae, converted = 0, None, 0
-    den_cls = spec.components[spec.denoiser].cls
+    vae_fp32 = denoiser_family(cfg, spec).plan.vae_fp32
     for name, comp in spec.components.items():
         if name == spec.denoiser or name in ("scheduler", "tokenizer", "geometry"):
             continue
         if name == "text_encoder_3" and not _opt(cfg, "load_t5", True):
             continue
-        fp32 = name == "vae" and (den_cls.startswith("Wan") or den_cls == "QwenImageTransformer2DModel")
+        fp32 = name == "vae" and vae_fp32
         try:
             module = build_meta(comp, torch.float32 if fp32 else dtype)
         except Exception:  # an auxiliary folder that is not a model class we can build: not counted
@@ -1202,17 +1031,15 @@ def _frozen_components(
     return total, vae, converted
 
 
-def _vae_decode_bytes(
-    vae: torch.nn.Module | None, sh: DiffusionShapes, params: list[torch.Tensor]
-) -> tuple[int, float]:
-    """(peak bytes, FLOPs) of decoding one sample's latents with the VAE (no grad), recorded on the meta
-    device; 0 when the VAE cannot be run there."""
+def _vae_decode_bytes(vae: torch.nn.Module | None, latent: tuple[int, ...]) -> tuple[int, float]:
+    """(peak bytes, FLOPs) of decoding one sample's VAE `latent` (no grad), recorded on the meta device; 0 when
+    the VAE cannot be run there."""
     if vae is None:
         return 0, 0.0
     dt = next(vae.parameters()).dtype
     try:
         with recording(list(vae.parameters())) as (rec, attn), torch.no_grad(), rec.phase("vae"):
-            z = torch.empty((1, *sh.latent), dtype=dt, device="meta")
+            z = torch.empty((1, *latent), dtype=dt, device="meta")
             vae.decode(z, return_dict=False)
         return rec.peaks["vae"].total, _flops(rec, attn)
     except Exception:
@@ -1230,26 +1057,28 @@ def _memo(key: tuple, make: Any) -> Any:
     return _MEMO[key]
 
 
-def _denoiser_pass(
+def denoiser_pass(
     model: torch.nn.Module,
-    spec: ModelSpec,
-    sh: DiffusionShapes,
+    config: Mapping[str, Any],
+    den: Denoiser,
+    sample: PlanShapes,
     batch: int,
     dtype: torch.dtype,
     *,
     grad: bool,
     steps: int,
 ) -> tuple[Recorder, float, list[int]]:
-    """Record `steps` denoiser forwards on `batch` rows kept for one backward (with `grad`), then the
-    backward; returns (recorder, FLOPs, bytes live after each forward)."""
+    """Record `steps` forwards of the meta denoiser `model` (`config`: its config.json values) on `batch` rows of
+    `sample` (inputs: the family's `PlanSpec.inputs`) kept for one backward (with `grad`), then the backward;
+    returns (recorder, FLOPs, bytes live after each forward)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    with recording(params) as (rec, attn):
+    with recording(params, known_values=den.plan.meta_values) as (rec, attn):
         rec.watch_grads(trainable)
         with rec.phase("train"), torch.set_grad_enabled(grad):
             outs, kept = [], []
             for _ in range(steps):
-                out = model(**_denoiser_inputs(spec, sh, batch, dtype))[0]
+                out = model(**den.plan.inputs(config, sample, batch, dtype))[0]
                 if isinstance(out, list):  # per-sample outputs (Z-Image)
                     out = torch.stack(out)
                 outs.append(out.float().mean())
@@ -1270,6 +1099,8 @@ def plan_diffusion(
     (`mmalign.policies.denoising.DenoisingPolicy._score`); the rollout runs all local samples at once."""
     notes: list[str] = []
     b = batching(cfg, hw.gpus)
+    den = denoiser_family(cfg, spec)
+    den_config = spec.components[spec.denoiser].config
     sh = diffusion_shapes(cfg, spec)
     dtype = _torch_dtype(cfg.model.dtype)
     cdtype = _compute_dtype(cfg)
@@ -1305,7 +1136,8 @@ def plan_diffusion(
     # two trained steps of one row, kept for one backward: what one more step keeps is the difference
     shape_key = (*base_key, str(cdtype), sh.latent, sh.text_tokens, sh.reference_tokens, cfg.pipeline)
     rec, f2, kept = _memo(
-        ("train", *shape_key), lambda: _denoiser_pass(sim, spec, sh, 1, cdtype, grad=True, steps=2)
+        ("train", *shape_key),
+        lambda: denoiser_pass(sim, den_config, den, sh.sample, 1, cdtype, grad=True, steps=2),
     )
     per_step = kept[1] - kept[0]
     peak = rec.peaks["train"]
@@ -1330,7 +1162,8 @@ def plan_diffusion(
     chunk = rollout_chunk(cfg, b.local_batch)
     roll_rows = chunk * sh.rollout_branches
     rec_r, f_r, _ = _memo(
-        ("rollout", *shape_key), lambda: _denoiser_pass(sim, spec, sh, 1, cdtype, grad=False, steps=1)
+        ("rollout", *shape_key),
+        lambda: denoiser_pass(sim, den_config, den, sh.sample, 1, cdtype, grad=False, steps=1),
     )
     if detach:  # the unconditional branch's forward without grad
         train_flops += f_r * mb * steps * b.forwards_with_grad
@@ -1339,8 +1172,9 @@ def plan_diffusion(
     fwd_row = rec_r.peaks["train"].total
     latent_bytes = math.prod(sh.latent) * 4
     stored = b.local_batch * latent_bytes * (2 * sh.trained_steps + 2)
+    vae_latent = den.plan.vae_latent(sh.sample) if den.plan.vae_latent else sh.latent
     vae_peak, vae_flops = _memo(
-        ("vae", cfg.model.name_or_path, sh.latent), lambda: _vae_decode_bytes(vae, sh, [])
+        ("vae", cfg.model.name_or_path, vae_latent), lambda: _vae_decode_bytes(vae, vae_latent)
     )
     decode_rows = vae_decode_rows(cfg, spec, b.local_batch)
     rollout_weights = st.weights + (st.block if hw.shards > 1 else 0)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mmalign.config import ConfigError
@@ -148,39 +148,11 @@ def _hub_cache_folder(repo: str) -> Path | None:
     return Path(path)
 
 
-NOT_MODELLED = {
-    "HunyuanVideo15Transformer3DModel": "its forward branches on the values of its inputs (all-zero image states, "
-    "boolean-mask indexing), so it cannot run on the meta device the planner uses",
-}
-"""Denoiser classes the planner cannot simulate yet, with why (`mmalign plan` refuses them naming the reason)."""
-
-NOT_MODELLED_IDS = {"hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v": "HunyuanVideo15Transformer3DModel"}
-"""Hub ids of real configs whose denoiser is in `NOT_MODELLED` (so they need no architecture-table entry)."""
-
-
-def check_modelled(spec: ModelSpec) -> None:
-    """A `ConfigError` when the model's denoiser is one the planner cannot simulate (`NOT_MODELLED`)."""
-    for comp in spec.components.values():
-        if comp.cls in NOT_MODELLED:
-            raise ConfigError(
-                f"mmalign plan: {spec.name} ({comp.cls}) is not modelled by the planner yet: {NOT_MODELLED[comp.cls]}; "
-                "measure a step on the GPU instead (benchmarks/gpu_acceptance.py, docs/plan.md)"
-            )
-
-
 def resolve_model(name_or_path: str) -> ModelSpec:
     """The `ModelSpec` of ``model.name_or_path``: a local folder, else the hub cache, else the table."""
-    if name_or_path in NOT_MODELLED_IDS:
-        cls = NOT_MODELLED_IDS[name_or_path]
-        raise ConfigError(
-            f"mmalign plan: {name_or_path} ({cls}) is not modelled by the planner yet: {NOT_MODELLED[cls]}; "
-            "measure a step on the GPU instead (benchmarks/gpu_acceptance.py, docs/plan.md)"
-        )
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        spec = spec_from_folder(path, name_or_path)
-        check_modelled(spec)
-        return spec
+        return spec_from_folder(path, name_or_path)
     cached = _hub_cache_folder(name_or_path) if "/" in name_or_path else None
     if cached is not None:
         try:
@@ -188,7 +160,6 @@ def resolve_model(name_or_path: str) -> ModelSpec:
         except ConfigError:
             spec = None
         if spec is not None:
-            check_modelled(spec)
             return spec
     table = load_table()
     entry = table["models"].get(name_or_path)
@@ -367,6 +338,149 @@ def _all_nonzero(t: torch.Tensor, as_tuple: bool = False) -> Any:
         return (idx,) if as_tuple else idx.view(n, 1)
     full = torch.empty((n, t.dim()), dtype=torch.long, device="meta")
     return tuple(full.unbind(1)) if as_tuple else full
+
+
+# ----------------------------------------------------------------------------- constant meta tensors
+_FILLS: dict[Any, Any] = {
+    torch.zeros: 0,
+    torch.ones: 1,
+    torch.zeros_like: 0,
+    torch.ones_like: 1,
+    torch.Tensor.new_zeros: 0,
+    torch.Tensor.new_ones: 1,
+}
+_FULLS = (torch.full, torch.full_like, torch.Tensor.new_full)
+_INPLACE = {
+    "__setitem__",
+    "__iadd__",
+    "__isub__",
+    "__imul__",
+    "__itruediv__",
+    "__iand__",
+    "__ior__",
+    "__ixor__",
+}
+KNOWN_LIMIT = 2**24
+"""Most elements of a constant tensor `KnownValues` computes with on the CPU (beyond: its value is forgotten)."""
+
+
+class KnownValues(TorchFunctionMode):
+    """Fill values of constant meta tensors, for a forward that reads values (`families.PlanSpec.meta_values`):
+    a tensor made by ``torch.zeros`` / ``ones`` / ``full`` (and their ``_like`` / ``new_`` forms) inside the mode
+    has a known fill. An operation whose meta arguments all have known fills runs on CPU stand-ins of them (filled
+    tensors of the same shapes), so a Python branch on its result (``if torch.all(x == 0)``, ``.item()``) takes
+    the path a real run takes; its tensor results come back as meta tensors of the same shapes, with their fills
+    when uniform. Boolean-mask indexing of any tensor by a mask of known fill keeps every row (True) or none
+    (False). An in-place operation forgets (or updates) the fill of what it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: Any = WeakIdKeyDictionary()
+
+    def _known(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type == "meta" and t in self.values
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        fill = _FILLS.get(func)
+        if fill is None and func in _FULLS:
+            fill = kwargs.get("fill_value", args[-1] if args else None)
+        if fill is not None:
+            out = func(*args, **kwargs)
+            if (
+                isinstance(out, torch.Tensor)
+                and out.device.type == "meta"
+                and isinstance(fill, int | float | bool)
+            ):
+                self.values[out] = fill
+            return out
+        if func is torch.Tensor.__iter__ and self._known(args[0]):
+            return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0],), {}))
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and self._known(args[1]):
+            picked = self._mask_rows(args[0], args[1])
+            if picked is not None:
+                return picked
+        metas = [
+            t
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.device.type == "meta"
+        ]
+        getter = getattr(func, "__name__", "") == "__get__"
+        if metas and not getter and all(self._known(t) and t.numel() <= KNOWN_LIMIT for t in metas):
+            return self._on_cpu(func, args, kwargs)
+        name = getattr(func, "__name__", "")
+        if metas and (name in _INPLACE or (name.endswith("_") and not name.endswith("__"))):
+            self.values.pop(metas[0], None)
+        return func(*args, **kwargs)
+
+    def _mask_rows(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """``x[mask]`` for a boolean mask of known fill over x's leading dimensions (a copy, as the gather is)."""
+        k = mask.dim()
+        if mask.dtype != torch.bool or k == 0 or tuple(x.shape[:k]) != tuple(mask.shape) or self._known(x):
+            return None
+        rows = mask.numel() if self.values[mask] else 0
+        return x.flatten(0, k - 1)[:rows].clone()
+
+    def _on_cpu(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """`func` on the meta tensors (what the recorder sees: views stay views) with the fills its CPU run on the
+        stand-ins gives; where meta cannot answer (a Python value of the data, ``nonzero``), the CPU run's
+        result (tensors as meta tensors of its shapes)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        stand_ins: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def real(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                cpu = torch.full(tuple(t.shape), self.values[t], dtype=t.dtype)
+                stand_ins.append((t, cpu))
+                return cpu
+            if (isinstance(t, torch.device) and t.type == "meta") or (isinstance(t, str) and t == "meta"):
+                return torch.device("cpu")
+            return t
+
+        with _disable_current_modes():  # the recorder does not count the CPU stand-ins
+            cpu_out = func(*tree_map(real, args), **tree_map(real, kwargs))
+            cpu_leaves = tree_flatten(cpu_out)[0]
+            fills = [_fill(t) if isinstance(t, torch.Tensor) else None for t in cpu_leaves]
+            for meta, cpu in stand_ins:  # in place: the stand-in now holds what the tensor would
+                value = _fill(cpu)
+                if value is None:
+                    self.values.pop(meta, None)
+                else:
+                    self.values[meta] = value
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError):  # a value meta tensors do not have
+            out = None
+        leaves = tree_flatten(out)[0] if out is not None else []
+        same = (
+            out is not None
+            and len(leaves) == len(cpu_leaves)
+            and all(
+                not isinstance(c, torch.Tensor) or (isinstance(m, torch.Tensor) and m.shape == c.shape)
+                for m, c in zip(leaves, cpu_leaves, strict=True)
+            )
+        )
+        if not same:
+            made = {
+                id(t): torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                for t in cpu_leaves
+                if isinstance(t, torch.Tensor)
+            }
+            out = tree_map(lambda t: made.get(id(t), t) if isinstance(t, torch.Tensor) else t, cpu_out)
+            leaves = tree_flatten(out)[0]
+        for m, value in zip(leaves, fills, strict=True):
+            if isinstance(m, torch.Tensor) and m.device.type == "meta" and value is not None:
+                self.values[m] = value
+        return out
+
+
+def _fill(t: torch.Tensor) -> Any:
+    """The value every element of CPU tensor `t` holds, None when they differ (or there are none)."""
+    if t.numel() == 0:
+        return None
+    first = t.reshape(-1)[0]
+    return first.item() if bool((t == first).all()) else None
 
 
 # ----------------------------------------------------------------------------- memory recorder
@@ -575,17 +689,24 @@ def meta_autocast() -> Iterator[None]:
 
 
 @contextmanager
-def recording(params: list[torch.Tensor]) -> Iterator[tuple[Recorder, FusedAttention]]:
+def recording(
+    params: list[torch.Tensor], *, known_values: bool = False
+) -> Iterator[tuple[Recorder, FusedAttention]]:
     """(recorder, attention stand-in) active inside the block; `params` (and the buffers of their registered
     modules) are not counted. FLOPs are counted by the recorder with ``FlopCounterMode``'s formulas (the mode
-    itself is not used: its module tracking keeps tensors alive across passes)."""
+    itself is not used: its module tracking keeps tensors alive across passes). `known_values`: track the fills
+    of constant meta tensors (`KnownValues`)."""
     rec = Recorder()
     rec.ignore(params)
     owners = {id(p) for p in params}
     rec.ignore([b for m in _modules_of(params) for b in m.buffers() if id(b) not in owners])
     attn = FusedAttention()
     with meta_autocast(), attn, rec:
-        yield rec, attn
+        if not known_values:
+            yield rec, attn
+            return
+        with KnownValues():
+            yield rec, attn
 
 
 _MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()

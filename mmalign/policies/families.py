@@ -6,29 +6,127 @@ classes (for folders without an index) and the substrings of a hub id that name 
 read. `family_for` decides in that order: pipeline class (any task: a model of another task is refused, naming
 the pipeline that trains it), transformer class (this task's families), the longest hub-id hint, the task's
 default. A third-party family is a policy subclass plus one `register_family` call.
+
+For `mmalign plan`, a family also describes its denoiser (`Family.plan`, a `PlanSpec` or ``"module:attr"`` naming
+one, imported only when planned): the latent and token counts of one sample (`PlanShapes`, from a `PlanRequest`:
+the run's options and the model's component configs), the keyword inputs of one denoiser call on the meta device,
+and how its rollout decodes. The policy class answers the rest (``lora_targets``, ``two_branch_cfg``), so the
+planner simulates a registered family with no edit of its own. `plan_family` is the planner's lookup.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mmalign.errors import ConfigError
 
-__all__ = ["Family", "families", "family_for", "pipeline_class", "policy_class_for", "register_family"]
+__all__ = [
+    "Family",
+    "PlanRequest",
+    "PlanShapes",
+    "PlanSpec",
+    "families",
+    "family_for",
+    "pipeline_class",
+    "plan_family",
+    "policy_class_for",
+    "register_family",
+    "vae_factor",
+]
 
 TASKS = ("text_to_image", "image_edit", "video")
 """The tasks a family serves (``video`` covers text to video, image to video and video editing)."""
 
 
 @dataclass(frozen=True)
+class PlanRequest:
+    """What a family's `PlanSpec` is asked with: `options` (the config's ``options`` section as a mapping),
+    `components` (each component's config.json values by folder name: ``transformer`` / ``unet``, ``vae``,
+    ``text_encoder``, ...), the name of the trained `denoiser` component, and the `task` it is planned for."""
+
+    options: Mapping[str, Any]
+    components: Mapping[str, Mapping[str, Any]]
+    denoiser: str
+    task: str
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """``options.<name>`` of the config, else `default`."""
+        return self.options.get(name, default)
+
+    @property
+    def config(self) -> Mapping[str, Any]:
+        """The denoiser's config.json values."""
+        return self.components[self.denoiser]
+
+    def component(self, name: str) -> Mapping[str, Any] | None:
+        """The config.json values of component `name`, None when the model has no such component."""
+        return self.components.get(name)
+
+
+@dataclass(frozen=True)
+class PlanShapes:
+    """One sample as the denoiser sees it: the `latent` it denoises (the shape the policy's ``latent_shape`` gives,
+    without the batch), the `text_tokens` of its prompt states (every token valid: the planner's worst case), the
+    `image_tokens` of its sequence (the reference image's included), the decoded `pixels`, the
+    `reference_tokens` of a source image appended to the sequence (image editing) and, for a denoiser that takes
+    the states of several text encoders, `text_parts`: the text tokens of each (summing to `text_tokens`)."""
+
+    latent: tuple[int, ...]
+    text_tokens: int
+    image_tokens: int
+    pixels: tuple[int, ...]
+    reference_tokens: int = 0
+    text_parts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """A family's denoiser as `mmalign plan` simulates it.
+
+    `shapes(request) -> PlanShapes`: one sample's latent and token counts. `inputs(config, shapes, batch, dtype)`:
+    the keyword arguments of one denoiser call on `batch` rows, as the policy's ``velocity`` builds them, with
+    tensors on the ``meta`` device (`config`: the denoiser's config.json values). `vae_latent(shapes)`: the latent
+    one sample's VAE decode takes (default: ``shapes.latent``). `video`: the rollout decodes clips (the ``auto``
+    decode chunk is one clip). `vae_fp32`: the VAE loads in fp32 whatever ``model.dtype``. `lora_targets`: the
+    ``all-linear`` LoRA targets when the policy class has no ``lora_targets``. `meta_values`: the denoiser's
+    forward reads the values of constant tensors (all-zero states, all-valid masks: ``if torch.all(x == 0)``,
+    boolean-mask indexing), so the planner tracks the fill values of the tensors ``torch.zeros`` / ``ones`` /
+    ``full`` make while it runs (the inputs among them); `inputs` must then make its constant tensors so."""
+
+    shapes: Callable[[PlanRequest], PlanShapes]
+    inputs: Callable[..., dict[str, Any]]
+    vae_latent: Callable[[PlanShapes], tuple[int, ...]] | None = None
+    video: bool = False
+    vae_fp32: bool = False
+    lora_targets: tuple[str, ...] | None = None
+    meta_values: bool = False
+
+
+def vae_factor(request: PlanRequest) -> int:
+    """Pixels per latent along a side of an ``AutoencoderKL``-style VAE: 2 ** (len(block_out_channels) - 1) of the
+    ``vae`` component, 8 when it has no such list (or there is no VAE)."""
+    vae = request.component("vae")
+    if vae is not None and "block_out_channels" in vae:
+        return 2 ** (len(vae["block_out_channels"]) - 1)
+    return 8
+
+
+def _resolve(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family: `name`, the `task` it serves, its `policy` (``"module:Class"``), the ``model_index.json``
-    pipeline classes and transformer classes that identify it, lowercase hub-id `hints`, and whether it is the
-    task's `default` (chosen when nothing else decides)."""
+    pipeline classes and transformer classes that identify it, lowercase hub-id `hints`, whether it is the
+    task's `default` (chosen when nothing else decides), and its `plan` (a `PlanSpec` or ``"module:attr"``
+    naming one; None: `mmalign plan` cannot simulate it)."""
 
     name: str
     task: str
@@ -37,11 +135,21 @@ class Family:
     transformers: tuple[str, ...] = ()
     hints: tuple[str, ...] = ()
     default: bool = False
+    plan: PlanSpec | str | None = None
 
     def policy_class(self) -> type:
         """Import and return the policy class."""
-        module, _, attr = self.policy.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return _resolve(self.policy)
+
+    def plan_spec(self) -> PlanSpec:
+        """The family's `PlanSpec` (imported when named by a string); a `ConfigError` when it registers none."""
+        if self.plan is None:
+            raise ConfigError(
+                f"mmalign plan: family {self.name!r} ({self.policy}) registers no planner description "
+                "(Family.plan, a mmalign.policies.families.PlanSpec); measure a step on the device instead "
+                "(benchmarks/gpu_acceptance.py, docs/plan.md)"
+            )
+        return _resolve(self.plan) if isinstance(self.plan, str) else self.plan
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -145,6 +253,30 @@ def family_for(name_or_path: str | Path, task: str) -> Family:
     raise ConfigError(f"{key}: no registered family trains {name_or_path} for {task}")
 
 
+def plan_family(name_or_path: str | Path, denoiser_class: str, task: str | None = None) -> Family:
+    """The family `mmalign plan` simulates for a model whose trained component is a `denoiser_class`: `family_for`
+    of `task` (each task in turn when None) when that family names the class among its ``transformers`` (or names
+    none), else the first family that names the class (a denoiser that a pipeline option, not the model folder,
+    selects: the DDIM UNet). A `ConfigError` when no family names it."""
+    for t in (task,) if task is not None else TASKS:
+        try:
+            fam = family_for(name_or_path, t)
+        except ConfigError:
+            continue
+        if not fam.transformers or denoiser_class in fam.transformers:
+            return fam
+    for fam in _FAMILIES.values():
+        if denoiser_class in fam.transformers and (task is None or fam.task == task):
+            return fam
+    for fam in _FAMILIES.values():
+        if denoiser_class in fam.transformers:
+            return fam
+    raise ConfigError(
+        f"mmalign plan: no registered family trains a {denoiser_class} ({name_or_path}); a new family is a policy "
+        "subclass plus one mmalign.policies.families.register_family call with a PlanSpec (docs/extending.md)"
+    )
+
+
 def policy_class_for(name_or_path: str | Path, task: str) -> type:
     """The policy class of `family_for(name_or_path, task)`."""
     return family_for(name_or_path, task).policy_class()
@@ -159,6 +291,7 @@ for _family in (
         transformers=("SD3Transformer2DModel",),
         hints=("stable-diffusion-3", "sd3"),
         default=True,
+        plan="mmalign.policies.family_plans:SD3_PLAN",
     ),
     Family(
         "flux",
@@ -167,6 +300,7 @@ for _family in (
         pipelines=("FluxPipeline",),
         transformers=("FluxTransformer2DModel",),
         hints=("flux",),
+        plan="mmalign.policies.family_plans:FLUX_PLAN",
     ),
     Family(
         "qwen_image",
@@ -175,6 +309,7 @@ for _family in (
         pipelines=("QwenImagePipeline",),
         transformers=("QwenImageTransformer2DModel",),
         hints=("qwen-image", "qwen_image"),
+        plan="mmalign.policies.family_plans:QWEN_IMAGE_PLAN",
     ),
     Family(
         "flux2",
@@ -183,6 +318,7 @@ for _family in (
         pipelines=("Flux2Pipeline",),
         transformers=("Flux2Transformer2DModel",),
         hints=("flux.2", "flux2"),
+        plan="mmalign.policies.family_plans:FLUX2_PLAN",
     ),
     Family(
         "flux2_klein",
@@ -190,6 +326,7 @@ for _family in (
         "mmalign.policies.flux2:Flux2KleinPolicy",
         pipelines=("Flux2KleinPipeline",),
         hints=("flux.2-klein", "flux2-klein", "flux2_klein"),
+        plan="mmalign.policies.family_plans:FLUX2_PLAN",
     ),
     Family(
         "z_image",
@@ -198,6 +335,7 @@ for _family in (
         pipelines=("ZImagePipeline",),
         transformers=("ZImageTransformer2DModel",),
         hints=("z-image", "z_image"),
+        plan="mmalign.policies.family_plans:Z_IMAGE_PLAN",
     ),
     Family(
         "flux_kontext",
@@ -207,6 +345,7 @@ for _family in (
         transformers=("FluxTransformer2DModel",),
         hints=("kontext",),
         default=True,
+        plan="mmalign.policies.family_plans:FLUX_KONTEXT_PLAN",
     ),
     Family(
         "qwen_image_edit",
@@ -215,6 +354,7 @@ for _family in (
         pipelines=("QwenImageEditPipeline",),
         transformers=("QwenImageTransformer2DModel",),
         hints=("qwen-image-edit", "qwen_image_edit"),
+        plan="mmalign.policies.family_plans:QWEN_IMAGE_EDIT_PLAN",
     ),
     Family(
         "qwen_image_edit_plus",
@@ -227,6 +367,7 @@ for _family in (
             "qwen-image-edit-plus",
             "qwen_image_edit_plus",
         ),
+        plan="mmalign.policies.family_plans:QWEN_IMAGE_EDIT_PLUS_PLAN",
     ),
     Family(
         "wan",
@@ -236,6 +377,7 @@ for _family in (
         transformers=("WanTransformer3DModel", "WanVACETransformer3DModel"),
         hints=("wan2", "wan-ai"),
         default=True,
+        plan="mmalign.policies.family_plans:WAN_PLAN",
     ),
     Family(
         "hunyuan_video15",
@@ -244,6 +386,16 @@ for _family in (
         pipelines=("HunyuanVideo15Pipeline",),
         transformers=("HunyuanVideo15Transformer3DModel",),
         hints=("hunyuanvideo-1.5", "hunyuanvideo1.5", "hunyuan_video15", "hunyuanvideo15"),
+        plan="mmalign.policies.family_plans:HUNYUAN_VIDEO15_PLAN",
+    ),
+    # the UNet of SD 1.x / 2.x that DDIMPolicy trains (``options.policy: ddim`` of safe_diffusion picks it, not the
+    # folder: no pipeline class or hub hint, so `family_for` never returns it); listed for `plan_family`
+    Family(
+        "sd_unet",
+        "text_to_image",
+        "mmalign.policies.ddim:DDIMPolicy",
+        transformers=("UNet2DConditionModel",),
+        plan="mmalign.policies.family_plans:SD_UNET_PLAN",
     ),
 ):
     register_family(_family)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -226,9 +227,7 @@ def test_every_real_config_names_a_known_model() -> None:
     """The model of every non-tiny config is in the table (so `mmalign plan` works offline for all of them)."""
     import yaml
 
-    from mmalign.app.plan_models import NOT_MODELLED_IDS
-
-    known = set(load_table()["models"]) | set(NOT_MODELLED_IDS)  # those: refused by name (next test)
+    known = set(load_table()["models"])
     for path in sorted((REPO / "configs").glob("*.yaml")):
         if path.name.endswith("-tiny.yaml"):
             continue
@@ -236,12 +235,16 @@ def test_every_real_config_names_a_known_model() -> None:
         assert name in known, f"{path.name}: {name}"
 
 
-def test_a_denoiser_the_planner_cannot_simulate_is_refused_naming_why() -> None:
-    from mmalign.app.plan_models import NOT_MODELLED_IDS
+def test_a_family_without_a_plan_spec_is_refused_naming_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registered family that describes no denoiser for the planner (``Family.plan`` None) is a `ConfigError`
+    naming the family and what to register, not a crash inside the simulation."""
+    from mmalign.policies import families
 
-    for name in NOT_MODELLED_IDS:
-        with pytest.raises(ConfigError, match="not modelled by the planner yet: its forward branches"):
-            resolve_model(name)
+    monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
+    families.register_family(replace(families._FAMILIES["sd3"], plan=None))
+    cfg = _real("text_to_image.yaml")
+    with pytest.raises(ConfigError, match="family 'sd3' .* registers no planner description"):
+        plan_mod.plan(cfg, plan_mod.Hardware(plan_mod.DEVICES["h100"]))
 
 
 def test_unknown_model_is_a_config_error(tmp_path: Path) -> None:
@@ -322,13 +325,8 @@ TINY = sorted(p.name for p in (REPO / "configs").glob("*-tiny.yaml"))
 def test_every_tiny_config_plans(
     name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`mmalign plan configs/<x>-tiny.yaml` prints the table; a tiny config fits one H100 (a denoiser the planner
-    cannot simulate, `plan_models.NOT_MODELLED`, is refused naming why)."""
+    """`mmalign plan configs/<x>-tiny.yaml` prints the table; a tiny config fits one H100."""
     monkeypatch.chdir(REPO)
-    if name.startswith("hunyuan_video15"):
-        with pytest.raises(ConfigError, match="not modelled by the planner yet"):
-            _run([f"configs/{name}", "--no-fixes"], capsys)
-        return
     rc, out = _run([f"configs/{name}", "--no-fixes"], capsys)
     assert rc == 0, out
     assert "| **peak allocated by torch** |" in out and "FLOPs per step" in out

@@ -49,18 +49,27 @@ def test_z_image_shapes_and_fit() -> None:
     assert sh.rollout_branches == 1 and sh.trained_steps == 1
     guided = plan_mod.diffusion_shapes(_real("z_image.yaml", "options.guidance_scale=3.0"), spec)
     assert guided.rollout_branches == 2
-    assert "feed_forward.w2" in plan_mod._lora_targets_diffusion("ZImageTransformer2DModel")
+    assert plan_mod.denoiser_family(cfg, spec).family.name == "z_image"
+    assert "feed_forward.w2" in plan_mod.denoiser_family(cfg, spec).lora_targets  # the policy's lora_targets
 
 
 def test_qwen_image_edit_plus_shapes_and_fit() -> None:
     """One picture per row: its 1024 packed tokens follow the 1024 noisy ones (512 px); the prompt states hold the
     picture's vision tokens at the pipeline's 384 x 384 condition size (the Qwen2.5-VL processor rounds 384 to
     392 px: 28 x 28 patches merged 2 x 2 = 196 tokens), its "Picture 1: " label and the instruction."""
+    from mmalign.policies.family_plans import PLUS_LABEL_TOKENS
+
     cfg = _real("image_edit-qwen-plus.yaml")
-    sh = plan_mod.diffusion_shapes(cfg, resolve_model(cfg.model.name_or_path))
+    spec = resolve_model(cfg.model.name_or_path)
+    sh = plan_mod.diffusion_shapes(cfg, spec)
     assert sh.reference_tokens == 1024 and sh.image_tokens == 2048
-    assert sh.text_tokens == cfg.options.max_sequence_length + 196 + plan_mod.PLUS_LABEL_TOKENS
-    assert plan_mod._edit_plus(cfg) and not plan_mod._edit_plus(_real("image_edit-qwen.yaml"))
+    assert sh.text_tokens == cfg.options.max_sequence_length + 196 + PLUS_LABEL_TOKENS
+    assert plan_mod.denoiser_family(cfg, spec).family.name == "qwen_image_edit_plus"
+    plain = _real("image_edit-qwen.yaml")
+    assert (
+        plan_mod.denoiser_family(plain, resolve_model(plain.model.name_or_path)).family.name
+        == "qwen_image_edit"
+    )
 
 
 @pytest.mark.slow
