@@ -127,6 +127,18 @@ def _mapping(src: str, key: str, value: Any, what: str) -> dict[str, Any]:
     return dict(value)
 
 
+def _class_options(src: str, key: str, value: Any, cls: type, what: str, **fixed: Any) -> dict[str, Any]:
+    """`value` (the config's `key`) as the options of `cls`: a mapping of names `cls` declares, with values its
+    ``check`` accepts (with `fixed` added); a `ConfigError` naming the key otherwise."""
+    options = _mapping(src, key, value, cls.__name__)
+    check_options(src, key, what, options, declared_options(cls.__init__, 2))
+    try:
+        cls.check(**{**fixed, **options})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{src}: key '{key}': {e}") from None
+    return options
+
+
 def _check_timesteps(src: str, timesteps: dict[str, Any]) -> None:
     """The ``algorithm.timesteps`` values a config alone decides (the schedule is checked at set-up)."""
     strategy = timesteps.get("strategy", "schedule_subset")
@@ -229,13 +241,7 @@ class ObjectiveSettings:
         _check_timesteps(src, timesteps)
         old = getattr(a, "old_policy", None)
         if old is not None:
-            old = _mapping(src, "algorithm.old_policy", old, "OldPolicy")
-            declared = declared_options(fp.OldPolicy.__init__, 2)
-            check_options(src, "algorithm.old_policy", "the old policy", old, declared)
-            try:
-                fp.OldPolicy.check(**old)
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"{src}: key 'algorithm.old_policy': {e}") from None
+            old = _class_options(src, "algorithm.old_policy", old, fp.OldPolicy, "the old policy")
         kwargs = dict(getattr(a, "objective_kwargs", None) or {})
         beta = kwargs.get("ema_kl_beta", 0.0) if "v_ema" in fo.inputs(objective) else 0.0
         if isinstance(beta, bool) or not isinstance(beta, int | float):
@@ -245,13 +251,9 @@ class ObjectiveSettings:
         preset = str(fo.REGISTRY.meta(objective).get("ema_preset", "diffusion_nft"))
         ema = getattr(a, "eval_ema", None)
         if ema is not None:
-            ema = _mapping(src, "algorithm.eval_ema", ema, "WeightEMA")
-            declared = declared_options(fp.WeightEMA.__init__, 2)
-            check_options(src, "algorithm.eval_ema", "the EMA of the weights", ema, declared)
-            try:
-                fp.WeightEMA.check(**{"preset": preset, **ema})
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"{src}: key 'algorithm.eval_ema': {e}") from None
+            ema = _class_options(
+                src, "algorithm.eval_ema", ema, fp.WeightEMA, "the EMA of the weights", preset=preset
+            )
         if "pairs" in fo.inputs(objective):
             _check_whole_groups(cfg, objective, world)
         return cls(
