@@ -856,6 +856,7 @@ def preflight(cfg: Config, *, resume: bool | None = None, eval_rewards: bool = F
         check_output_dir(cfg, resume)
         check_available(cfg)  # a tracker in trainer.log_with whose package is missing
         check_flow_objective(cfg)
+        check_training_setup(cfg)
     check_data_files(cfg)
     check_reward_specs(cfg.rewards, cfg.source)  # the reward names: module:attr ones are imported here
     if eval_rewards:
@@ -878,6 +879,21 @@ def check_flow_objective(cfg: Config) -> None:
     from mmalign.training.distributed import launched_processes
 
     ObjectiveSettings.from_config(cfg, world=launched_processes())
+
+
+def check_training_setup(cfg: Config) -> None:
+    """What the trainer would refuse about a config once its model had loaded, checked before: the batches
+    over the processes the launcher started (`mmalign.training.distributed.check_batches`) and the group
+    filter's options (`mmalign.algorithms.filters.build_filter`, which builds nothing heavy)."""
+    from mmalign.algorithms import filters
+    from mmalign.training.distributed import check_batches, launched_processes
+
+    check_batches(cfg, launched_processes())
+    a = cfg.algorithm
+    try:
+        filters.build_filter(a.filter, **a.filter_kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{cfg.source}: key 'algorithm.filter_kwargs': {e}") from None
 
 
 def check_trainable_sampler(cfg: Config) -> None:

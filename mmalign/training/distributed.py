@@ -275,6 +275,22 @@ def launched_processes() -> int:
         return 1
 
 
+def check_batches(cfg: Any, world: int) -> None:
+    """``rollout.prompts_per_step`` and ``trainer.minibatch_size`` split evenly over `world` processes; a
+    `ConfigError` naming the key otherwise (the trainer checks it, and the command line's preflight before any
+    model loads, with `launched_processes`)."""
+    from mmalign.errors import ConfigError
+
+    r, t = cfg.rollout, cfg.trainer
+    if r.prompts_per_step % world:
+        raise ConfigError(
+            f"{cfg.source}: key 'rollout.prompts_per_step' ({r.prompts_per_step}) must be divisible by "
+            f"the number of processes ({world})"
+        )
+    if t.minibatch_size and t.minibatch_size % world:
+        raise ConfigError(f"{cfg.source}: key 'trainer.minibatch_size' must be divisible by the number of processes")
+
+
 def check_launch(distributed_type: Any, num_processes: int) -> None:
     """Refuse a DeepSpeed launch (not supported: use FSDP2), and a launch of ``WORLD_SIZE`` > 1 processes that
     accelerate did not set up as that many."""

@@ -62,7 +62,7 @@ from mmalign.policies.base import RunInfo
 from mmalign.training import checkpoint, outputs, rundir, runlock
 from mmalign.training import distributed as dist_lib
 from mmalign.training.callbacks import TrainerCallback
-from mmalign.training.distributed import is_fsdp2
+from mmalign.training.distributed import check_batches, is_fsdp2
 from mmalign.training.resume import ConfigChange
 from mmalign.training.rounds import round_source
 from mmalign.training.seeding import (
@@ -113,14 +113,9 @@ class GroupTrainer:
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
         self.out = Path(cfg.output_dir)
-        r = cfg.rollout
 
         check_names(self.cfg)  # registry names, checked up front with the config key in the message
-        if r.prompts_per_step % self.world:
-            raise ConfigError(
-                f"{cfg.source}: key 'rollout.prompts_per_step' ({r.prompts_per_step}) must be divisible by "
-                f"the number of processes ({self.world})"
-            )
+        check_batches(cfg, self.world)
         self._set_algorithm()
         updates_per_pass = self._set_batching()
         self._set_optimization(updates_per_pass)
@@ -171,16 +166,12 @@ class GroupTrainer:
 
     def _set_batching(self) -> int:
         """Prompts, minibatches and microbatches per process; returns the optimizer updates per pass over a rollout."""
-        cfg, r, t = self.cfg, self.cfg.rollout, self.cfg.trainer
+        r, t = self.cfg.rollout, self.cfg.trainer
         self.local_prompts = r.prompts_per_step // self.world
         self.samples_per_group = r.group_size + self.estimation.extra_samples
         local_batch = self.local_prompts * self.samples_per_group
         self.minibatch = (t.minibatch_size // self.world) if t.minibatch_size else None
         self.microbatch = t.microbatch_size or self.minibatch or local_batch
-        if t.minibatch_size and t.minibatch_size % self.world:
-            raise ConfigError(
-                f"{cfg.source}: key 'trainer.minibatch_size' must be divisible by the number of processes"
-            )
         updates_per_pass = math.ceil(local_batch / self.minibatch) if self.minibatch else 1
         return updates_per_pass
 
