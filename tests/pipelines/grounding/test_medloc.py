@@ -142,6 +142,30 @@ def test_every_answer_has_the_same_token_count_and_positions_match_the_model() -
     assert "forward" not in vars(model.model.visual.patch_embed) and not model.model.visual._forward_hooks
 
 
+def test_jitter_box_moves_each_corner_by_the_given_spread() -> None:
+    """The jittered warm-start targets: independent whole-pixel offsets of std `px` per coordinate (the
+    std of a rounded N(0, px^2) is sqrt(px^2 + 1/12) by Sheppard's correction), clipped to the 56x56 input,
+    never an empty box; px 0 leaves the box (and the generator) untouched."""
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    box = [20, 20, 36, 36]
+    offsets = [[a - b for a, b in zip(medloc.jitter_box(box, 3.0, rng), box)] for _ in range(4000)]
+    for k in range(4):
+        column = [o[k] for o in offsets]
+        assert all(isinstance(v, int) for v in column)
+        assert abs(statistics.fmean(column)) < 0.15
+        assert abs(statistics.pstdev(column) - math.sqrt(9 + 1 / 12)) < 0.12
+    # the four offsets of one box are independent: their correlation is near 0
+    assert abs(statistics.correlation([o[0] for o in offsets], [o[2] for o in offsets])) < 0.05
+    for _ in range(500):
+        x1, y1, x2, y2 = medloc.jitter_box([0, 50, 3, 56], 6.0, rng)
+        assert 0 <= x1 < x2 <= medloc.RESIZED and 0 <= y1 < y2 <= medloc.RESIZED
+    state = rng.getstate()
+    assert medloc.jitter_box(box, 0.0, rng) == box and rng.getstate() == state
+
+
 def test_evaluate_reports_sampled_best_of_n_and_greedy(random_vlm_model_dir: Path, tmp_path: Path) -> None:
     jsonl = medloc.write_dataset(tmp_path, n_train=3, n_eval=1, seed=2)
     out = medloc.evaluate(random_vlm_model_dir, jsonl, samples=2, batch=2)
@@ -238,9 +262,9 @@ def test_two_steps_log_curriculum_metrics(random_vlm_model_dir: Path, tmp_path: 
 
 @pytest.mark.slow
 def test_grpo_raises_acc_at_0_5_on_the_tiny_config(tmp_path: Path) -> None:
-    """The tiny config with the hit reward at a fixed tau = 0.5 (the curriculum off, so the reward is
-    Acc@0.5 itself): the last 10 steps score clearly more than the first 10. Builds the tiny model on first
-    use (minutes) into assets/models/medloc-tiny."""
+    """The tiny config with the hit reward at a fixed tau = 0.5 (the curriculum off, so the hit reward is
+    Acc@0.5 itself; the plain IoU is trained on beside it): the hit rate of the last 10 steps is clearly
+    above the first 10's. Builds the tiny model if assets/models/medloc-tiny is missing (minutes)."""
     cfg = load_config(
         CONFIG,
         [
@@ -256,16 +280,17 @@ def test_grpo_raises_acc_at_0_5_on_the_tiny_config(tmp_path: Path) -> None:
     history = GroupTrainer(cfg, pipelines.get(cfg.pipeline)(cfg)).train()
     acc = [m["reward/iou_at/mean"] for m in history]
     first, last = sum(acc[:10]) / 10, sum(acc[-10:]) / 10
-    assert last > first + 0.08, (first, last)  # measured: 0.21 -> 0.34 (seed 0)
+    assert last > first + 0.08, (first, last)  # measured: 0.175 -> 0.305 (seed 0)
 
 
 @pytest.mark.slow
 def test_grpo_raises_held_out_mean_iou_on_the_tiny_config(tmp_path: Path) -> None:
-    """The tiny config as shipped (hit reward with the IoU curriculum): the sampled boxes of the trained
-    policy on the 64 held-out scans (8 answers each at temperature 1, `medloc.evaluate`) have a clearly
-    higher mean IoU than the warm start's. Measured (seed 0): 0.332 -> 0.403. The gain is capped by what the
-    warm start localises: its greedy answers reach 0.49 and the best of 8 samples 0.56 (issue 36, item 5:
-    docs in the tinylearn notes). About 2 minutes of training on an idle core; builds the model if missing."""
+    """The tiny config as shipped (hit reward with the IoU curriculum plus the plain IoU): the sampled boxes
+    of the trained policy on the 64 held-out scans (8 answers each at temperature 1, `medloc.evaluate`) have
+    a clearly higher mean IoU and Acc@0.5 than the warm start's. Measured (seed 0): mean IoU 0.273 -> 0.390,
+    Acc@0.5 0.119 -> 0.264 (seed 1: 0.414 / 0.336). The gain is capped by what the warm start localises: GRPO
+    turns its samples into its greedy box (0.48), so the builder's jitter leaves that headroom (issue 36,
+    item 5). About 2-4 minutes of training on one core; builds the model if missing."""
     cfg = load_config(
         CONFIG,
         [
@@ -281,5 +306,5 @@ def test_grpo_raises_held_out_mean_iou_on_the_tiny_config(tmp_path: Path) -> Non
     torch.set_num_threads(1)
     base = medloc.evaluate(cfg.model.name_or_path, ASSETS / "eval.jsonl")
     trained = medloc.evaluate(tmp_path / "run" / "final", ASSETS / "eval.jsonl")
-    assert trained["mean_iou"] > base["mean_iou"] + 0.05, (base, trained)
-    assert trained["acc@0.5"] > base["acc@0.5"] + 0.04, (base, trained)
+    assert trained["mean_iou"] > base["mean_iou"] + 0.09, (base, trained)
+    assert trained["acc@0.5"] > base["acc@0.5"] + 0.10, (base, trained)
