@@ -54,8 +54,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmalign.tiny import BUILDERS, progress_bar
+from mmalign.tiny import BUILDERS
 from mmalign.tiny.vlm import IM_END, IM_START, save_vlm, tiny_vlm, tiny_vlm_processor
+from mmalign.tiny.warm_start import fit
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE_SIZE = 64
@@ -392,13 +393,7 @@ def _train(params: list[torch.nn.Parameter], steps: int, lr: float, what: str, l
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1.0 - s / max(steps, 1))
     )
-    for _ in progress_bar(range(steps), what):
-        loss = loss_fn()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+    fit(opt, steps, lambda _: loss_fn(), what, sched=sched, clip_norm=1.0)
 
 
 @BUILDERS.register("medloc", minutes=4, phases=3)

@@ -288,7 +288,9 @@ def check_batches(cfg: Any, world: int) -> None:
             f"the number of processes ({world})"
         )
     if t.minibatch_size and t.minibatch_size % world:
-        raise ConfigError(f"{cfg.source}: key 'trainer.minibatch_size' must be divisible by the number of processes")
+        raise ConfigError(
+            f"{cfg.source}: key 'trainer.minibatch_size' must be divisible by the number of processes"
+        )
 
 
 def check_launch(distributed_type: Any, num_processes: int) -> None:
