@@ -283,6 +283,22 @@ class StepContext:
     """The dataset columns per sample (what a reward reads)."""
 
 
+ADAPTABLE_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+"""The layer types a LoRA adapter is put on."""
+
+
+def adaptable_targets(model: torch.nn.Module, suffixes: list[str] | tuple[str, ...]) -> list[str]:
+    """LoRA target names for `model`: `suffixes` as given when every module they name (as peft matches them:
+    a name equal to one, or ending in ``.`` + one) is an adaptable layer; otherwise the full names of the
+    adaptable layers they name. So a suffix that names a layer in one block type and a container in another
+    (FLUX.2's ``attn.to_out``: the single blocks' output Linear, the double blocks' ModuleList) adapts the layer."""
+    modules = dict(model.named_modules())
+    named = [n for n in modules if any(n == s or n.endswith("." + s) for s in suffixes)]
+    if all(isinstance(modules[n], ADAPTABLE_LAYERS) for n in named):
+        return list(suffixes)
+    return [n for n in named if isinstance(modules[n], ADAPTABLE_LAYERS)]
+
+
 def add_lora(denoiser: torch.nn.Module, lora: Any, all_linear: tuple[str, ...] | list[str]) -> bool:
     """Freeze `denoiser` and give it a peft LoRA adapter (diffusers ``add_adapter``) when ``lora.enabled``
     (`mmalign.config.LoraConfig`; ``target_modules: all-linear`` means the model's `all_linear` list).
@@ -292,6 +308,8 @@ def add_lora(denoiser: torch.nn.Module, lora: Any, all_linear: tuple[str, ...] |
     from peft import LoraConfig as PeftLoraConfig
 
     targets = list(all_linear) if lora.target_modules == "all-linear" else lora.target_modules
+    if isinstance(targets, list | tuple):
+        targets = adaptable_targets(denoiser, targets)
     denoiser.requires_grad_(False)
     denoiser.add_adapter(
         PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)

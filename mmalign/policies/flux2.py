@@ -42,10 +42,12 @@ FLUX2_LORA_TARGETS = (
     "add_v_proj",
     "to_add_out",
     "to_qkv_mlp_proj",
+    "attn.to_out",
 )
 """The double-stream blocks' attention projections (FLUX.1's targets) and the single-stream blocks' fused
-QKV+MLP input projection (``target_modules: all-linear``). The single blocks' output ``attn.to_out`` is not a
-suffix target: it would also name the double blocks' ``to_out`` module list, which peft cannot adapt."""
+QKV+MLP input projection and output projection ``attn.to_out`` (``target_modules: all-linear``). In the double
+blocks ``attn.to_out`` is a module list, which `denoising.adaptable_targets` leaves out (its ``to_out.0`` is a
+target already)."""
 
 
 def empirical_mu(image_seq_len: int, num_steps: int) -> float:

@@ -262,3 +262,33 @@ def test_settings_are_checked(dev_dir: Path) -> None:
     assert make(Flux2Policy, dev_dir, latent_size=None).latent_size == 512  # 1024 px over the tiny VAE's 2
     pol = make(Flux2Policy, dev_dir, text_encoder_out_layers=[1, 2, 3])
     assert pol.encode_prompt(PROMPTS).shape == (2, SEQ, 48)
+
+
+def test_all_linear_adapts_the_single_blocks_output(klein_dir: Path) -> None:
+    """``all-linear`` on FLUX.2 adapts every single block's ``attn.to_out`` Linear (a module list of the same
+    suffix in the double blocks is left out, its ``to_out.0`` adapted instead), counted independently here."""
+    pol = make(
+        Flux2KleinPolicy, klein_dir, lora=LoraConfig(enabled=True, r=2, alpha=4, target_modules="all-linear")
+    )
+    adapted = {n.removesuffix(".lora_A") for n, _ in pol.model.named_modules() if n.endswith(".lora_A")}
+    adapted = {n.removesuffix(".base_layer") for n in adapted}
+    singles = pol.model.config.num_single_layers
+    doubles = pol.model.config.num_layers
+    assert {f"single_transformer_blocks.{i}.attn.to_out" for i in range(singles)} <= adapted
+    assert {f"single_transformer_blocks.{i}.attn.to_qkv_mlp_proj" for i in range(singles)} <= adapted
+    assert {f"transformer_blocks.{i}.attn.to_out.0" for i in range(doubles)} <= adapted
+    assert not any(n.endswith("attn.to_out") and n.startswith("transformer_blocks") for n in adapted)
+
+
+def test_adaptable_targets_keeps_plain_suffixes_and_resolves_containers() -> None:
+    from mmalign.policies.denoising import adaptable_targets
+
+    class Block(torch.nn.Module):
+        def __init__(self, listed: bool) -> None:
+            super().__init__()
+            self.to_out = torch.nn.ModuleList([torch.nn.Linear(2, 2)]) if listed else torch.nn.Linear(2, 2)
+            self.to_q = torch.nn.Linear(2, 2)
+
+    model = torch.nn.ModuleDict({"joint": Block(True), "solo": Block(False)})
+    assert adaptable_targets(model, ["to_q", "to_out.0"]) == ["to_q", "to_out.0"]  # all layers: as given
+    assert adaptable_targets(model, ["to_q", "to_out"]) == ["joint.to_q", "solo.to_out", "solo.to_q"]
