@@ -883,12 +883,15 @@ def check_flow_objective(cfg: Config) -> None:
 
 def check_training_setup(cfg: Config) -> None:
     """What the trainer would refuse about a config once its model had loaded, checked before: the batches
-    over the processes the launcher started (`mmalign.training.distributed.check_batches`) and the group
+    over the processes the launcher started (`mmalign.training.distributed.check_batches`), the round hooks'
+    options (`algorithm.group_refill`) and the group
     filter's options (`mmalign.algorithms.filters.build_filter`, which builds nothing heavy)."""
     from mmalign.algorithms import filters
+    from mmalign.algorithms.round_hooks import build_round_hooks
     from mmalign.training.distributed import check_batches, launched_processes
 
     check_batches(cfg, launched_processes())
+    build_round_hooks(cfg, [1.0] * max(1, len(cfg.rewards)))  # their options (e.g. algorithm.group_refill)
     a = cfg.algorithm
     try:
         filters.build_filter(a.filter, **a.filter_kwargs)

@@ -35,6 +35,7 @@ def validate(tmp_path: Path, *overrides: str) -> None:
         ("3", ["rollout.prompts_per_step=4"], "key 'rollout.prompts_per_step' (4) must be divisible by the number of processes (3)"),
         ("2", ["rollout.prompts_per_step=4", "trainer.minibatch_size=5"], "key 'trainer.minibatch_size' must be divisible"),
         ("1", ["algorithm.filter=dynamic_sampling", "algorithm.filter_kwargs={max_rounds: 0}"], "key 'algorithm.filter_kwargs'"),
+        ("1", ["algorithm.group_refill={replay: true, prefix_fractions: [2]}"], "key 'algorithm.group_refill': group refill: prefix_fractions"),
     ],
 )  # fmt: skip
 def test_refused_before_any_model(tmp_path, monkeypatch, no_model, world, overrides, expected) -> None:
