@@ -416,7 +416,8 @@ class Config:
     seed: int = 0
     """Seeds Python, NumPy and torch for the run (saved with every checkpoint)."""
     overwrite: bool = False
-    """Allow training into an `output_dir` that already holds a run (its metrics are replaced)."""
+    """Allow training into an `output_dir` that already holds a run (its metrics are replaced). A non-empty
+    folder that holds no run is refused even so (`mmalign.training.rundir.foreign_problem`)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

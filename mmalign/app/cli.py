@@ -610,6 +610,7 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     import shutil
 
     from mmalign import tiny
+    from mmalign.config import ConfigError
 
     paths = tiny_model_paths()
     if args.tiny_command == "list":
@@ -619,6 +620,11 @@ def cmd_tiny(args: argparse.Namespace) -> int:
         return 0
     tiny.DISCOVERY.get(args.name)  # an unknown name: RegistryError listing the builders
     out = Path(args.out or paths.get(args.name) or f"assets/models/{args.name}")
+    if (out.exists() or out.is_symlink()) and not (out.is_dir() and (out / tiny.MARK_FILE).is_file()):
+        raise ConfigError(  # a rebuild replaces only a folder a tiny build wrote (it holds MARK_FILE)
+            f"mmalign tiny build: {out} exists and is not a tiny model mmalign built (no {tiny.MARK_FILE} in "
+            "it), so it is not replaced; choose another --out or remove it yourself"
+        )
     fresh = tiny.build(args.name, out.with_name(out.name + ".new"))
     if out.exists():
         shutil.rmtree(out)

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 BUILDERS: Registry[Callable[[Path], None]] = Registry("tiny model builder")
 
 ENTRY_POINT_GROUP = "mmalign.tiny_builders"
+MARK_FILE = "mmalign_tiny.json"
+"""What every built tiny model folder holds (its builder and arguments): `mmalign tiny build` replaces only such a folder."""
 
 DISCOVERY = Discovery(BUILDERS, __name__, ENTRY_POINT_GROUP)
 """Finds the builders: the submodules of this package, then the ``mmalign.tiny_builders`` entry points."""
@@ -216,12 +218,8 @@ def build(name: str, path: str | Path, *, announce: bool = True) -> Path:
     tmp.mkdir(parents=True)
     with _building(path.name, int(meta.get("phases", 0))):
         builder(tmp)
-    if not (
-        tmp / "mmalign_tiny.json"
-    ).exists():  # a builder that records nothing itself: its name and defaults
-        (tmp / "mmalign_tiny.json").write_text(
-            json.dumps(_builder_defaults(name), indent=1, default=str) + "\n"
-        )
+    if not (tmp / MARK_FILE).exists():  # a builder that records nothing itself: its name and defaults
+        (tmp / MARK_FILE).write_text(json.dumps(_builder_defaults(name), indent=1, default=str) + "\n")
     tmp.rename(path)  # appears whole or not at all
     if announce:
         print(

@@ -72,7 +72,7 @@ def _set_up_output_dir(t: Any, resume: bool) -> None:
         with rundir.writing(t.out):
             t.out.mkdir(parents=True, exist_ok=True)
         resolved = yaml.safe_dump(t.cfg.to_dict(), sort_keys=False)
-        rundir.write_atomic(t.out / rundir.CONFIG_FILE, resolved)
+        rundir.write_atomic(t.out / rundir.CONFIG_FILE, rundir.CONFIG_HEADER + resolved)
     t.accelerator.wait_for_everyone()
 
 

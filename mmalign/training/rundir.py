@@ -33,6 +33,7 @@ from torch import Tensor
 from mmalign.config import Config, ConfigError
 from mmalign.data.media import save_frame_strip, save_image, save_video
 from mmalign.errors import CheckpointError, MetricsError, RunWriteError
+from mmalign.training.runlock import LOCK_FILE
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ DISTRIBUTED_FILE = "distributed.json"
 by multi-process runs, removed by a one-process run in the same folder."""
 RUN_OUTPUTS = (METRICS_FILE, SAMPLES_DIR, CHECKPOINTS_DIR, FINAL_DIR, DISTRIBUTED_FILE)
 """What ``overwrite=true`` clears from an existing run directory."""
+CONFIG_HEADER = "# mmalign run: the resolved config of this run, written by `mmalign train`\n"
+"""The first line of the ``config.yaml`` a run writes: what marks a folder as a run's (`holds_run`)."""
 
 
 def step_name(step: int) -> str:
@@ -83,6 +86,9 @@ def check_output_dir(cfg: Config, resume: bool) -> None:
                 f"--resume: no complete checkpoint in {out / CHECKPOINTS_DIR}; run without --resume"
             )
         return
+    foreign = foreign_problem(out)
+    if foreign:
+        raise ConfigError(f"{cfg.source}: key 'output_dir': {foreign}")
     metrics = out / METRICS_FILE
     if metrics.is_file() and metrics.stat().st_size > 0 and not cfg.overwrite:
         raise ConfigError(
@@ -91,12 +97,70 @@ def check_output_dir(cfg: Config, resume: bool) -> None:
         )
 
 
-def clear_run(output_dir: str | Path) -> None:
-    """Remove what a previous run wrote (`RUN_OUTPUTS`); other files in the folder stay."""
+def holds_run(output_dir: str | Path) -> bool:
+    """Whether the folder holds an mmalign run: a ``config.yaml`` that begins with `CONFIG_HEADER`, or (a run
+    written before the header) a ``metrics.jsonl`` whose first line is a step's row, or a complete checkpoint."""
     out = Path(output_dir)
+    if _first_line(out / CONFIG_FILE) == CONFIG_HEADER.rstrip("\n"):
+        return True
+    first = _first_line(out / METRICS_FILE)
+    if first:
+        with contextlib.suppress(ValueError):
+            row = json.loads(first)
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                return True
+    return latest_checkpoint(out) is not None
+
+
+def _first_line(path: Path, limit: int = 65536) -> str | None:
+    """The first line of a regular file (at most `limit` bytes read), or None."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        with path.open("rb") as f:
+            head = f.read(limit)
+    except OSError:
+        return None
+    return head.split(b"\n", 1)[0].decode("utf-8", "replace").rstrip("\r")
+
+
+def foreign_problem(output_dir: str | Path) -> str | None:
+    """Why a run may not write into `output_dir` (None when it may): the folder is not empty (its run lock
+    aside) and holds no mmalign run (`holds_run`). A run writes ``config.yaml``, ``metrics.jsonl``,
+    ``samples/``, ``checkpoints/`` and ``final/`` there and ``overwrite=true`` removes those names, so a folder of
+    other files (a home folder, a dataset, a link to ``/etc``) is refused, with or without ``overwrite``."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return None
+    try:
+        names = sorted(
+            p.name for p in out.iterdir() if p.name != LOCK_FILE
+        )  # (the CLI locks, creating it, first)
+    except OSError as e:
+        return f"{out} cannot be listed ({e.strerror or e})"
+    if not names or holds_run(out):
+        return None
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (
+        f"{out} is not empty and holds no mmalign run (it has {shown}). A run writes config.yaml, "
+        f"{METRICS_FILE}, {SAMPLES_DIR}/, {CHECKPOINTS_DIR}/ and {FINAL_DIR}/ into its output_dir (and "
+        "overwrite=true removes them), so it needs a new or empty folder, or one a run wrote: choose another "
+        "output_dir=..."
+    )
+
+
+def clear_run(output_dir: str | Path) -> None:
+    """Remove what a previous run wrote (`RUN_OUTPUTS`); other files in the folder stay. Refuses (`ConfigError`)
+    a folder of other files (`foreign_problem`); a link among those names is removed, not followed."""
+    out = Path(output_dir)
+    problem = foreign_problem(out)
+    if problem:
+        raise ConfigError(f"overwrite=true removes nothing: {problem}")
     for name in RUN_OUTPUTS:
         p = out / name
-        if p.is_dir():
+        if p.is_symlink():
+            p.unlink()
+        elif p.is_dir():
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()

@@ -422,7 +422,7 @@ def test_components_are_built_from_the_seed(tmp_path, random_text_model_dir):
 
 def test_tiny_list_and_build(tmp_path, capsys, monkeypatch):
     """``mmalign tiny list`` names the builders and the shipped folders; ``tiny build`` replaces a folder
-    only once the new one is complete."""
+    only once the new one is complete, and only a folder a tiny build wrote (never a folder of other files)."""
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     assert main(["tiny", "list"]) == 0
     out = capsys.readouterr().out
@@ -430,6 +430,11 @@ def test_tiny_list_and_build(tmp_path, capsys, monkeypatch):
     target = tmp_path / "tiny-lm"
     target.mkdir()
     (target / "old.txt").write_text("old")
+    capsys.readouterr()
+    assert main(["tiny", "build", "vlm_random", "--out", str(target)]) == 1
+    assert "is not a tiny model mmalign built (no mmalign_tiny.json in it)" in capsys.readouterr().err
+    assert (target / "old.txt").read_text() == "old" and not target.with_name("tiny-lm.new").exists()
+    (target / "mmalign_tiny.json").write_text("{}")  # an earlier build of this folder
     assert main(["tiny", "build", "vlm_random", "--out", str(target)]) == 0
     assert not (target / "old.txt").exists() and (target / "config.json").is_file()
     assert not target.with_name("tiny-lm.new").exists()
@@ -645,6 +650,10 @@ def test_interrupt_names_the_checkpoint_and_the_command(capsys, tmp_path, monkey
     removed = next(r.getMessage() for r in caplog.records if "overwrite=true" in r.getMessage())
     assert removed.startswith(f"overwrite=true: removing the previous run in {out}: ")
     assert "metrics.jsonl (2 rows)" in removed and "checkpoints/ (step_000001, step_000002)" in removed
+    from mmalign.training import rundir
+
+    written = (out / rundir.CONFIG_FILE).read_text()  # the header marks the folder as a run's (`holds_run`)
+    assert written.startswith(rundir.CONFIG_HEADER) and yaml.safe_load(written)["output_dir"] == str(out)
 
 
 def test_eval_and_sample_take_no_lock_and_warn_without_a_checkpoint(capsys, tmp_path):

@@ -427,7 +427,8 @@ def test_check_output_dir(tmp_path):
     out = Path(cfg.output_dir)
     rundir.check_output_dir(cfg, resume=False)  # no folder yet
     out.mkdir()
-    (out / "metrics.jsonl").write_text("")  # an empty metrics file is no run
+    (out / "config.yaml").write_text(rundir.CONFIG_HEADER + "pipeline: text_reasoning\n")
+    (out / "metrics.jsonl").write_text("")  # a run that ended before its first step: no rows to keep
     rundir.check_output_dir(cfg, resume=False)
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match="already holds a run"):
@@ -447,6 +448,46 @@ def test_check_output_dir(tmp_path):
     )
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         rundir.check_output_dir(file_cfg, resume=False)
+
+
+def test_a_folder_of_other_files_is_never_a_run_directory(tmp_path, capsys, no_model):
+    """A non-empty output_dir that holds no mmalign run (a data folder, a home folder, a link to /etc, a user's own
+    config.yaml) is refused with and without overwrite=true, before anything is written or removed; overwrite=true's
+    `clear_run` refuses it too. A run's folder (header config, old runs' metrics rows, a complete checkpoint) and
+    a folder holding only the run lock are accepted."""
+    cfg_path, out = tiny_config(tmp_path, "text_reasoning")
+    out.mkdir()
+    (out / "samples").mkdir()  # names a run writes, but not a run's
+    (out / "samples" / "holiday.png").write_bytes(b"png")
+    (out / "metrics.jsonl").write_text("my,own,csv\n")
+    (out / "config.yaml").write_text("lr: 3\n")
+    before = snapshot(out)
+    for extra in ([], ["overwrite=true"]):
+        rc, _, err = run_main(capsys, "train", str(cfg_path), *extra)
+        assert rc == 1
+        one_error_line(err, "key 'output_dir'", f"{out} is not empty and holds no mmalign run", "config.yaml")
+        assert snapshot(out) == before
+    with pytest.raises(ConfigError, match="overwrite=true removes nothing"):
+        rundir.clear_run(out)
+    assert snapshot(out) == before
+    link = tmp_path / "link"
+    link.symlink_to(out, target_is_directory=True)
+    assert "holds no mmalign run" in rundir.foreign_problem(link)
+
+    assert rundir.foreign_problem(tmp_path / "absent") is None
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / ".lock").write_text("{}")
+    assert rundir.foreign_problem(tmp_path / "locked") is None
+    (out / "config.yaml").write_text(rundir.CONFIG_HEADER + "pipeline: text_reasoning\n")
+    assert rundir.holds_run(out) and rundir.foreign_problem(out) is None
+    old = tmp_path / "old"
+    old_run(old, checkpoint=False)  # written before the header: recognised by its metrics rows
+    assert rundir.holds_run(old)
+    (old / "metrics.jsonl").write_text("")
+    assert not rundir.holds_run(old)
+    (old / "checkpoints" / "step_000001").mkdir(parents=True)
+    (old / "checkpoints" / "step_000001" / "COMPLETE").write_text("1")
+    assert rundir.holds_run(old)
 
 
 # ----------------------------------------------------------------------------- first-run progress
