@@ -14,33 +14,17 @@ import torch
 import pipelines
 from mmalign.app.evaluation import evaluate_run
 from mmalign.app.run import build_trainer
-from mmalign.config import ConfigError, load_config
+from mmalign.config import ConfigError
 from mmalign.policies import forward_process as fp
+from tests.policies.tiny_t2i import SMALL, t2i_config
+from tests.policies.tiny_t2i import make_trainer as make
 
 REPO = Path(__file__).resolve().parents[2]
 DPO = REPO / "configs" / "text_to_image-dpo-tiny.yaml"
-SMALL = ["rollout.prompts_per_step=2", "rollout.group_size=4", "options.num_steps=4"]
 
 
 def cfg(out: Path, *extra: str):
-    return load_config(
-        DPO,
-        [
-            f"model.name_or_path={REPO / 'assets' / 'models' / 'text_to_image-tiny'}",
-            f"data.train={REPO / 'assets' / 'text_to_image' / 'train.jsonl'}",
-            f"data.eval={REPO / 'assets' / 'text_to_image' / 'eval.jsonl'}",
-            f"output_dir={out}",
-            "trainer.progress_bar=false",
-            "trainer.sample_every=1000",
-            "trainer.save_every=1000",
-            *extra,
-        ],
-    )
-
-
-def make(c):
-    torch.manual_seed(c.seed)  # the LoRA adapter's random A is drawn before the trainer seeds
-    return build_trainer(c, pipelines.get(c.pipeline)(c))
+    return t2i_config(DPO, out, "trainer.save_every=1000", *extra)
 
 
 def rows(n: int = 2) -> list[dict]:

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import pipelines
 from mmalign.app.evaluation import load_weights
-from mmalign.app.run import build_trainer
-from mmalign.config import ConfigError, load_config
+from mmalign.config import ConfigError
 from mmalign.policies import forward_process as fp
+from tests.policies.tiny_t2i import SMALL
+from tests.policies.tiny_t2i import make_trainer as make
+from tests.policies.tiny_t2i import t2i_config as cfg
 
 REPO = Path(__file__).resolve().parents[2]
 NFT = REPO / "configs" / "text_to_image-nft-tiny.yaml"
@@ -26,29 +27,6 @@ AWM = [
     "options.seed=0",
     "algorithm.old_policy={decay_type: 0}",
 ]
-SMALL = ["rollout.prompts_per_step=2", "rollout.group_size=4", "options.num_steps=4"]
-
-
-def cfg(base: Path, out: Path, *extra: str):
-    return load_config(
-        base,
-        [
-            f"model.name_or_path={REPO / 'assets' / 'models' / 'text_to_image-tiny'}",
-            f"data.train={REPO / 'assets' / 'text_to_image' / 'train.jsonl'}",
-            f"data.eval={REPO / 'assets' / 'text_to_image' / 'eval.jsonl'}",
-            f"output_dir={out}",
-            "trainer.progress_bar=false",
-            "trainer.sample_every=1000",
-            *extra,
-        ],
-    )
-
-
-def make(c, resume: bool = False):
-    # the pipeline adds the LoRA adapter (random A) before the trainer seeds the process: seed it here so that
-    # two fresh runs in one process start from the same weights
-    torch.manual_seed(c.seed)
-    return build_trainer(c, pipelines.get(c.pipeline)(c), resume=resume)
 
 
 def strip_time(m: dict) -> dict:

@@ -14,40 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
-import pipelines
 from mmalign.algorithms import flow_objectives as fo
-from mmalign.app.run import build_trainer
-from mmalign.config import ConfigError, load_config
+from mmalign.config import ConfigError
 from mmalign.policies import flow_matching, flow_training
 from mmalign.policies import forward_process as fp
+from tests.policies.tiny_t2i import SMALL, t2i_config
+from tests.policies.tiny_t2i import make_trainer as make
 
 REPO = Path(__file__).resolve().parents[2]
 NFT = REPO / "configs" / "text_to_image-nft-tiny.yaml"
 DPO = REPO / "configs" / "text_to_image-dpo-tiny.yaml"
 TINY = REPO / "configs" / "text_to_image-tiny.yaml"
-SMALL = ["rollout.prompts_per_step=2", "rollout.group_size=4", "options.num_steps=4", "trainer.steps=1"]
 
 
 def cfg(base: Path, out: Path, *extra: str):
-    return load_config(
-        base,
-        [
-            f"model.name_or_path={REPO / 'assets' / 'models' / 'text_to_image-tiny'}",
-            f"data.train={REPO / 'assets' / 'text_to_image' / 'train.jsonl'}",
-            f"data.eval={REPO / 'assets' / 'text_to_image' / 'eval.jsonl'}",
-            f"output_dir={out}",
-            "trainer.progress_bar=false",
-            "trainer.sample_every=1000",
-            "trainer.save_every=1000",
-            *SMALL,
-            *extra,
-        ],
-    )
-
-
-def make(c):
-    torch.manual_seed(c.seed)
-    return build_trainer(c, pipelines.get(c.pipeline)(c))
+    return t2i_config(base, out, "trainer.save_every=1000", *SMALL, "trainer.steps=1", *extra)
 
 
 def test_flow_matching_policy_has_no_objective_branch() -> None:
