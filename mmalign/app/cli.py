@@ -609,8 +609,11 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     once the new one is complete."""
     import shutil
 
-    from mmalign import tiny
+    from mmalign.app.fixtures import require_fixtures
     from mmalign.config import ConfigError
+
+    require_fixtures(f"mmalign tiny {args.tiny_command}")
+    from mmalign import tiny
 
     paths = tiny_model_paths()
     if args.tiny_command == "list":

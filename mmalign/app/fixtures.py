@@ -18,7 +18,14 @@ from typing import Any
 from mmalign.config import Config
 from mmalign.errors import MmalignError
 
-__all__ = ["FixturesUnavailableError", "check_fixtures_available", "ensure_fixtures", "fixture_models"]
+__all__ = [
+    "FixturesUnavailableError",
+    "check_fixtures_available",
+    "ensure_fixtures",
+    "fixture_models",
+    "fixtures_installed",
+    "require_fixtures",
+]
 
 FIXTURES_PACKAGE = "mmalign.tiny"
 
@@ -49,14 +56,27 @@ def _reward_models(cfg: Config) -> dict[str, Any]:
 def check_fixtures_available(cfg: Config) -> None:
     """Nothing when `cfg` names no tiny builder or `mmalign.tiny` can be imported; else a
     `FixturesUnavailableError` naming the config file, the keys that name builders and what to do."""
-    if not fixture_models(cfg):
-        return
-    try:
-        found = find_spec(FIXTURES_PACKAGE) is not None
-    except ModuleNotFoundError:  # pragma: no cover - mmalign itself is importable here
-        found = False
-    if not found:
+    if fixture_models(cfg) and not fixtures_installed():
         raise FixturesUnavailableError(_unavailable_message(cfg))
+
+
+def fixtures_installed() -> bool:
+    """Whether `mmalign.tiny` can be imported (a source checkout) or not (the wheel)."""
+    try:
+        return find_spec(FIXTURES_PACKAGE) is not None
+    except ModuleNotFoundError:  # pragma: no cover - mmalign itself is importable here
+        return False
+
+
+def require_fixtures(command: str) -> None:
+    """Nothing on a source checkout; on a wheel install (no `mmalign.tiny`) a `FixturesUnavailableError` saying
+    that `command` needs the offline fixtures of a source checkout."""
+    if not fixtures_installed():
+        raise FixturesUnavailableError(
+            f"{command} needs the offline fixtures ({FIXTURES_PACKAGE}: the tiny model builders), which come "
+            "only with a source checkout, not with the mmalign wheel installed here: install from a clone of the "
+            "repository (`pip install -e .` in it)"
+        )
 
 
 def _unavailable_message(cfg: Config) -> str:

@@ -1292,6 +1292,9 @@ def plan(cfg: Config, hw: Hardware, *, prompt_tokens: int | None = None) -> Step
     if not cfg.model.name_or_path:
         raise ConfigError(f"{cfg.source}: key 'model.name_or_path' is empty")
     if cfg.model.tiny_builder:  # a tiny config's model is built on first use, as `mmalign train` does
+        from mmalign.app.fixtures import check_fixtures_available
+
+        check_fixtures_available(cfg)  # a wheel install has no builders: one error line naming the config
         from mmalign.tiny import ensure_model
 
         ensure_model(cfg.model.name_or_path, cfg.model.tiny_builder)

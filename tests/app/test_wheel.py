@@ -82,6 +82,24 @@ def test_train_on_a_wheel_install_says_so_before_any_other_check(
     assert not (tmp_path / "run").exists()
 
 
+def test_tiny_and_plan_on_a_wheel_install_say_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``mmalign tiny list|build`` and ``mmalign plan`` of a tiny config: one error line naming the source
+    checkout, not an ImportError's traceback; nothing is built."""
+    without_fixtures(monkeypatch)
+    for argv in (
+        ["tiny", "list"],
+        ["tiny", "build", "text_reasoning", "--out", str(tmp_path / "m")],
+        ["plan", str(ROOT / "configs" / "text_reasoning-tiny.yaml"), f"model.name_or_path={tmp_path / 'm'}"],
+    ):
+        rc = main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 1 and len(err) == 1, (argv, err)
+        assert err[0].startswith("mmalign: error: ") and "source checkout" in err[0], (argv, err)
+    assert not (tmp_path / "m").exists()
+
+
 def run(*cmd: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=600)
 
