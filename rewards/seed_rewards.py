@@ -8,12 +8,12 @@ Details: docs/reward_plugins.md, "rewards.seed_rewards".
 
 from __future__ import annotations
 
+import hashlib
 import math
-import random
 import re
 import sqlite3
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -188,10 +188,11 @@ class BootstrappedPairwise(Reward):
     """Writing-Zero's BRPO reward: each sample judged against a reference response drawn from its own group.
 
     "Writing-Zero: Bridge the Gap Between Non-verifiable Problems and Verifiable Rewards"; from the abstract
-    ((our reading) the scores): per group one sample is drawn uniformly as the temporary reference (a
-    ``random.Random(seed)`` stream, advanced every call); every other sample i gets ``win`` if
-    judge(prompt, y_i, y_ref) > 0.5, ``loss`` if < 0.5, ``tie`` at 0.5; the reference itself gets ``tie``.
-    A group of one sample gets NaN.
+    ((our reading) the scores): per group one sample is drawn uniformly as the temporary reference; every other
+    sample i gets ``win`` if judge(prompt, y_i, y_ref) > 0.5, ``loss`` if < 0.5, ``tie`` at 0.5; the reference
+    itself gets ``tie``. A group of one sample gets NaN. The draw is a hash of `seed`, the prompt and the group's
+    texts (`reference_index`), not a stream: the reward holds no state, so a resumed run draws what the
+    uninterrupted one drew.
     """
 
     needs = {"texts"}
@@ -200,7 +201,7 @@ class BootstrappedPairwise(Reward):
         self, *, judge: str | Judge, seed: int = 0, win: float = 1.0, loss: float = -1.0, tie: float = 0.0
     ) -> None:
         self.judge = _judge(judge, "bootstrapped_pairwise")
-        self.rng = random.Random(seed)
+        self.seed = int(seed)
         self.win, self.loss, self.tie = float(win), float(loss), float(tie)
 
     def __call__(self, batch: RewardBatch) -> Tensor:
@@ -210,7 +211,7 @@ class BootstrappedPairwise(Reward):
         for members in _groups(batch).values():
             if len(members) < 2:
                 continue
-            ref = members[self.rng.randrange(len(members))]
+            ref = members[reference_index(self.seed, batch.prompts[members[0]], [texts[i] for i in members])]
             self.last_references.append(ref)
             for i in members:
                 if i == ref:
@@ -219,6 +220,13 @@ class BootstrappedPairwise(Reward):
                 p = float(self.judge(batch.prompts[i], texts[i], texts[ref]))
                 out[i] = self.win if p > 0.5 else self.loss if p < 0.5 else self.tie
         return torch.tensor(out, dtype=torch.float32)
+
+
+def reference_index(seed: int, prompt: str, texts: Sequence[str]) -> int:
+    """The group member `bootstrapped_pairwise` takes as reference: the first 8 bytes of the SHA-256 of the seed,
+    the prompt and the texts (NUL-separated), as a big-endian integer, modulo the group size."""
+    h = hashlib.sha256("\0".join([str(seed), prompt, *texts]).encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(h[:8], "big") % len(texts)
 
 
 _UNIT_SPLIT = re.compile(r"[.;!?\n]+")

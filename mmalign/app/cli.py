@@ -402,7 +402,9 @@ def _write_samples(
     import torch
 
     out = (
-        Path(args.out) if args.out else Path(cfg.output_dir) / "samples_cli" / (ckpt.name if ckpt else "base")
+        Path(args.out)
+        if args.out
+        else Path(cfg.output_dir) / rundir.CLI_SAMPLES_DIR / (ckpt.name if ckpt else "base")
     )
     out.mkdir(parents=True, exist_ok=True)
     prompts = [p for _, ps, _, _, _ in chunks for p in ps]
@@ -429,6 +431,7 @@ def _write_samples(
 def cmd_eval(args: argparse.Namespace) -> int:
     """Before/after report: the base model and a checkpoint scored on the evaluation prompts."""
     from mmalign.app.evaluation import evaluate_run, format_report, resolve_checkpoint, write_report
+    from mmalign.training import rundir
 
     cfg, build = _prepare(args, eval_rewards=True)
     state = _process_state(cfg)
@@ -437,7 +440,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:  # (the first process says it when there is none)
         ckpt = resolve_checkpoint(cfg.output_dir, args.checkpoint)
     components = build(cfg)
-    out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval.json"
+    out = Path(args.out) if args.out else Path(cfg.output_dir) / rundir.EVAL_FILE
     report = evaluate_run(
         cfg,
         components,

@@ -56,6 +56,13 @@ DISTRIBUTED_FILE = "distributed.json"
 by multi-process runs, removed by a one-process run in the same folder."""
 RUN_OUTPUTS = (METRICS_FILE, SAMPLES_DIR, CHECKPOINTS_DIR, FINAL_DIR, DISTRIBUTED_FILE)
 """What ``overwrite=true`` clears from an existing run directory."""
+EVAL_FILE = "eval.json"
+"""Where `mmalign eval` writes its report by default."""
+CLI_SAMPLES_DIR = "samples_cli"
+"""Where `mmalign sample` writes by default (one folder per checkpoint)."""
+READER_OUTPUTS = (EVAL_FILE, CLI_SAMPLES_DIR, LOCK_FILE)
+"""What the readers (and the lock) put in a run's folder, before a run may exist there (``eval --checkpoint base``
+first is the README's before/after): a folder holding only these counts as empty for a new run."""
 CONFIG_HEADER = "# mmalign run: the resolved config of this run, written by `mmalign train`\n"
 """The first line of the ``config.yaml`` a run writes: what marks a folder as a run's (`holds_run`)."""
 
@@ -125,7 +132,7 @@ def _first_line(path: Path, limit: int = 65536) -> str | None:
 
 
 def foreign_problem(output_dir: str | Path) -> str | None:
-    """Why a run may not write into `output_dir` (None when it may): the folder is not empty (its run lock
+    """Why a run may not write into `output_dir` (None when it may): the folder is not empty (`READER_OUTPUTS`
     aside) and holds no mmalign run (`holds_run`). A run writes ``config.yaml``, ``metrics.jsonl``,
     ``samples/``, ``checkpoints/`` and ``final/`` there and ``overwrite=true`` removes those names, so a folder of
     other files (a home folder, a dataset, a link to ``/etc``) is refused, with or without ``overwrite``."""
@@ -133,9 +140,7 @@ def foreign_problem(output_dir: str | Path) -> str | None:
     if not out.is_dir():
         return None
     try:
-        names = sorted(
-            p.name for p in out.iterdir() if p.name != LOCK_FILE
-        )  # (the CLI locks, creating it, first)
+        names = sorted(p.name for p in out.iterdir() if p.name not in READER_OUTPUTS)
     except OSError as e:
         return f"{out} cannot be listed ({e.strerror or e})"
     if not names or holds_run(out):

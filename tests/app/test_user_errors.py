@@ -475,9 +475,11 @@ def test_a_folder_of_other_files_is_never_a_run_directory(tmp_path, capsys, no_m
     assert "holds no mmalign run" in rundir.foreign_problem(link)
 
     assert rundir.foreign_problem(tmp_path / "absent") is None
-    (tmp_path / "locked").mkdir()
-    (tmp_path / "locked" / ".lock").write_text("{}")
-    assert rundir.foreign_problem(tmp_path / "locked") is None
+    readers = tmp_path / "evaluated"  # `mmalign eval --checkpoint base` before the first run: the README's before
+    (readers / "samples_cli" / "base").mkdir(parents=True)
+    (readers / "eval.json").write_text("{}")
+    (readers / ".lock").write_text("{}")
+    assert rundir.foreign_problem(readers) is None
     (out / "config.yaml").write_text(rundir.CONFIG_HEADER + "pipeline: text_reasoning\n")
     assert rundir.holds_run(out) and rundir.foreign_problem(out) is None
     old = tmp_path / "old"

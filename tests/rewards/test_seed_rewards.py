@@ -68,18 +68,36 @@ def test_tournament_bracket_scores_rounds_won():
 
 
 def test_bootstrapped_pairwise_against_a_reference_of_the_group():
-    texts = ["a", "aaa", "aa", "aaaa", "bb", "b"]
-    r = load_reward("bootstrapped_pairwise", judge=longer_wins, seed=3)
-    out = r(batch(texts, [0, 0, 0, 0, 1, 1])).tolist()
-    ref0, ref1 = r.last_references
-    import random
+    import hashlib
 
-    rng = random.Random(3)
-    assert (ref0, ref1) == (rng.randrange(4), 4 + rng.randrange(2))
+    texts = ["a", "aaa", "aa", "aaaa", "bb", "b"]
+    b = batch(texts, [0, 0, 0, 0, 1, 1])
+    r = load_reward("bootstrapped_pairwise", judge=longer_wins, seed=3)
+    out = r(b).tolist()
+    ref0, ref1 = r.last_references
+
+    def drawn(prompt: str, group: list[str]) -> int:  # the documented draw, written out
+        key = "\0".join(["3", prompt, *group]).encode()
+        return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % len(group)
+
+    assert (ref0, ref1) == (drawn(b.prompts[0], texts[:4]), 4 + drawn(b.prompts[4], texts[4:]))
     for i in range(6):
         ref = ref0 if i < 4 else ref1
         want = 0.0 if i == ref else (1.0 if len(texts[i]) > len(texts[ref]) else -1.0)
         assert out[i] == want
+    # no state: a second call and a fresh reward (a resumed run) draw the same references
+    assert r(b).tolist() == out and r.last_references == [ref0, ref1]
+    fresh = load_reward("bootstrapped_pairwise", judge=longer_wins, seed=3)
+    assert fresh(b).tolist() == out and fresh.last_references == [ref0, ref1]
+
+
+def test_bootstrapped_pairwise_draws_each_member_about_equally_often():
+    from rewards.seed_rewards import reference_index
+
+    counts = [0] * 4
+    for k in range(4000):
+        counts[reference_index(0, f"prompt {k}", ["w", "x", "y", "z"])] += 1
+    assert all(900 < c < 1100 for c in counts), counts  # 1000 +- 3.2 sigma
 
 
 def test_set_equivalence_is_the_f1_of_matched_units():
