@@ -932,13 +932,15 @@ def diffusion_shapes(cfg: Config, spec: ModelSpec) -> DiffusionShapes:
     den = denoiser_family(cfg, spec)
     sample = den.plan.shapes(plan_request(cfg, spec, den.family.task))
     num_steps = int(_opt(cfg, "num_steps", 10))
-    guidance = float(_opt(cfg, "guidance_scale", 1.0))
+    # the two-branch CFG scale, as `FlowMatchingPolicy._cfg_scale`: a family whose guidance_scale is a distilled
+    # guidance input (FLUX.1) runs two branches only for true CFG (``true_cfg_scale`` > 1)
+    guidance = float(_opt(cfg, "guidance_scale" if den.two_branch_cfg else "true_cfg_scale", 1.0))
     window = _opt(cfg, "window_size")
     n_trainable = num_steps - (1 if _opt(cfg, "sde_kind", "flow_sde") == "cps" else 0)
     trained = (
         int(window) if window else max(1, math.ceil(float(_opt(cfg, "train_fraction", 1.0)) * n_trainable))
     )
-    two = den.two_branch_cfg and guidance > 1.0
+    two = guidance > 1.0
     train_two = two and bool(_opt(cfg, "train_guidance", True))
     return DiffusionShapes(
         sample.latent,

@@ -79,3 +79,23 @@ def test_the_real_configs_fit_one_h100(config: str) -> None:
     configs' own settings fit one H100 80GB (planned 21.7 / 24.9 GiB and 58.3 / 64.0 GiB train / rollout)."""
     p = plan_mod.plan(_real(config), plan_mod.Hardware(plan_mod.DEVICES["h100"]))
     assert p.fits
+
+
+def test_flux1_plans_true_cfg_as_two_branches() -> None:
+    """FLUX.1's ``guidance_scale`` is its distilled guidance input (one forward per step); true CFG
+    (``true_cfg_scale`` > 1, diffusers' ``FluxPipeline``) runs a negative branch too, so the plan counts two
+    branches in the rollout and, as `FluxPolicy` trains with guidance, in training. An SD3 config's branches
+    still follow ``guidance_scale``."""
+    flux = ("model.name_or_path=black-forest-labs/FLUX.1-dev", "options.guidance_scale=3.5")
+    cfg = _real("text_to_image.yaml", *flux)
+    spec = resolve_model(cfg.model.name_or_path)
+    assert not plan_mod.denoiser_family(cfg, spec).two_branch_cfg
+    one = plan_mod.diffusion_shapes(cfg, spec)
+    assert (one.rollout_branches, one.train_branches) == (1, 1)
+    true_cfg = plan_mod.diffusion_shapes(
+        _real("text_to_image.yaml", *flux, "options.true_cfg_scale=2.0", "options.negative_prompt=blurry"),
+        spec,
+    )
+    assert (true_cfg.rollout_branches, true_cfg.train_branches) == (2, 2)
+    sd3 = _real("text_to_image.yaml")
+    assert plan_mod.diffusion_shapes(sd3, resolve_model(sd3.model.name_or_path)).rollout_branches == 2
