@@ -650,6 +650,39 @@ def _vision_bytes(
     return (per_block * depth if grad else n * (3 * h + 3 * f) * s), flops
 
 
+@dataclass
+class _TokenRun:
+    """What the three phases of a token plan share: the config, the model on the meta device and its shapes."""
+
+    cfg: Config
+    spec: ModelSpec
+    model: torch.nn.Module
+    b: Any
+    sh: Any
+    dtype: torch.dtype
+    chunk: Any
+    shared: bool
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())
+
+    def score(self, batch: int, *, grad: bool, unique: int) -> torch.Tensor:
+        return _score(
+            self.model,
+            self.spec,
+            self.sh,
+            batch,
+            dtype=self.dtype,
+            chunk=self.chunk,
+            grad=grad,
+            shared=self.shared,
+            unique=unique,
+            temperature=self.cfg.rollout.temperature,
+            cfg_model=self.cfg.model,
+        )
+
+
 def plan_token(
     cfg: Config, spec: ModelSpec, hw: Hardware, prompt_tokens: int
 ) -> tuple[Phase, Phase, dict[str, Any], int, int, list[str], int]:
@@ -676,46 +709,60 @@ def plan_token(
         chunk = None
         notes.append("FSDP2: the chunked log-prob head is off (full [B, T, V] logits), as the policies do")
     shared = cfg.model.shared_prefix and not cfg.model.gradient_checkpointing
+    run = _TokenRun(cfg, spec, model, b, sh, dtype, chunk, shared)
+
+    frozen = 0
+    if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled:
+        frozen += param_bytes(model)
+        notes.append("algorithm.kl_coef > 0 without LoRA: a frozen reference copy of the model is kept")
+    st = _static(model, frozen, hw)
+    train_mem, where, train_moments, train_flops_micro = _token_train(run, st)
+    nograd_peak, nograd_flops = _token_scoring(run)
+    roll_mem, roll_where, roll_moments, gen_flops, t_gen = _token_rollout(run, st, hw, nograd_peak)
+    notes.append(
+        "rollout time: the larger of FLOPs at the MFU and one read of the weights and the KV cache per "
+        "generated token (decoding is bandwidth-bound)"
+    )
+    train_flops = train_flops_micro * b.forwards_with_grad + nograd_flops
+    s = torch.finfo(dtype).bits // 8
+    t_train = train_flops / (hw.mfu * (hw.device.flops_bf16 if s == 2 else hw.device.flops_fp32))
+    shapes = dict(
+        prompt_tokens=sh.prompt,
+        image_tokens=sh.image_tokens,
+        completion_tokens=sh.completion,
+        microbatch=b.microbatch,
+        microbatches_per_step=b.forwards_with_grad,
+        generation_batch=sh.generation_batch,
+        logprob_head=f"chunked ({chunk} tokens)" if chunk else "full logits",
+        shared_prefix=shared,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+    )
+    train = Phase("train", train_mem, where, train_flops, t_train, train_moments)
+    roll = Phase("rollout", roll_mem, roll_where, gen_flops, t_gen, roll_moments)
+    converted = _conversion_bytes(spec.components["model"], model, dtype)
+    trainable = param_numel(model, trainable=True)
+    return train, roll, shapes, param_numel(model), trainable, notes, converted
+
+
+def _token_train(run: _TokenRun, st: Static) -> tuple[Memory, str, Any, float]:
+    """The train step of a token plan: microbatches' forward + backward on the meta device, recorded; the second
+    (when a minibatch has more than one) starts with the first one's gradients in place (the steady state).
+    Returns (memory, where, moments, FLOPs of one microbatch)."""
+    cfg, spec, b, sh, dtype = run.cfg, run.spec, run.b, run.sh, run.dtype
     mb = b.microbatch
     unique = (
         mb
         if b.shuffled
         else min(mb, math.ceil(mb / b.samples_per_group) + (1 if mb % b.samples_per_group else 0))
     )
-    temp = cfg.rollout.temperature
-    vlm_train_vision = (
-        spec.kind == "vlm" and not cfg.model.lora.enabled and not _opt(cfg, "freeze_vision", False)
-    )
-
-    frozen = 0
-    ref_copy = cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled
-    if ref_copy:
-        frozen += param_bytes(model)
-        notes.append("algorithm.kl_coef > 0 without LoRA: a frozen reference copy of the model is kept")
-    st = _static(model, frozen, hw)
-
-    # -- microbatches: forward + backward on the meta device, recorded; the second (when a minibatch has
-    # more than one) starts with the first one's gradients in place: the steady state
-    params = [p for p in model.parameters()]
+    params = run.params
     trainable = [p for p in params if p.requires_grad]
     n_sim = 2 if b.micro_per_minibatch > 1 else 1
     with recording(params) as (rec, attn):
         rec.watch_grads(trainable)
         for i in range(n_sim):
             with rec.phase(f"micro{i + 1}"):
-                logp = _score(
-                    model,
-                    spec,
-                    sh,
-                    mb,
-                    dtype=dtype,
-                    chunk=chunk,
-                    grad=True,
-                    shared=shared,
-                    unique=unique,
-                    temperature=temp,
-                    cfg_model=cfg.model,
-                )
+                logp = run.score(mb, grad=True, unique=unique)
                 logp.sum().backward()
                 del logp
         train_flops_micro = _flops(rec, attn) / n_sim
@@ -724,6 +771,7 @@ def plan_token(
         p.grad = None
     total, grads_at_peak = peak.total, peak.grads
     if spec.kind == "vlm":
+        vlm_train_vision = not cfg.model.lora.enabled and not _opt(cfg, "freeze_vision", False)
         vb, vf = _vision_bytes(spec, sh.patches, mb, dtype, grad=vlm_train_vision)
         embeds = (
             mb
@@ -738,45 +786,45 @@ def plan_token(
     train_moments = _train_moments(
         st, *_train_candidates(st, total, grads_at_peak), peak.heap + vision, peak.heap_high + vision
     )
-    # -- no-grad scoring (logp_old, reference log-probs) of the whole local batch
-    nograd_flops = 0.0
-    nograd_peak = 0
-    scoring_batch = b.local_batch
-    if b.need_logp_old or cfg.algorithm.kl_coef > 0:
+    return train_mem, where, train_moments, train_flops_micro
 
-        def score_all() -> tuple[int, float]:
-            with recording(params) as (rec2, attn2):
-                with rec2.phase("score"):
-                    _score(
-                        model,
-                        spec,
-                        sh,
-                        scoring_batch,
-                        dtype=dtype,
-                        chunk=chunk,
-                        grad=False,
-                        shared=shared,
-                        unique=b.local_prompts,
-                        temperature=temp,
-                        cfg_model=cfg.model,
-                    )
-                return rec2.peaks["score"].total, _flops(rec2, attn2)
 
-        key = (
-            id(model),
-            "score",
-            scoring_batch,
-            sh.prompt,
-            sh.completion,
-            chunk,
-            shared,
-            b.local_prompts,
-            temp,
-        )
-        nograd_peak, nograd_flops = _memo(key, score_all)
-        passes = int(b.need_logp_old) + int(cfg.algorithm.kl_coef > 0)
-        nograd_flops *= passes
-    # -- generation: KV cache of the generation batch at full length, plus the prefill's temporaries
+def _token_scoring(run: _TokenRun) -> tuple[int, float]:
+    """(peak bytes, FLOPs) of the no-grad scoring of the whole local batch (``logp_old``, the reference
+    log-probs); (0, 0) when the config needs neither."""
+    cfg, b, sh = run.cfg, run.b, run.sh
+    if not (b.need_logp_old or cfg.algorithm.kl_coef > 0):
+        return 0, 0.0
+
+    def score_all() -> tuple[int, float]:
+        with recording(run.params) as (rec2, attn2):
+            with rec2.phase("score"):
+                run.score(b.local_batch, grad=False, unique=b.local_prompts)
+            return rec2.peaks["score"].total, _flops(rec2, attn2)
+
+    temp = cfg.rollout.temperature
+    key = (
+        id(run.model),
+        "score",
+        b.local_batch,
+        sh.prompt,
+        sh.completion,
+        run.chunk,
+        run.shared,
+        b.local_prompts,
+        temp,
+    )
+    nograd_peak, nograd_flops = _memo(key, score_all)
+    passes = int(b.need_logp_old) + int(cfg.algorithm.kl_coef > 0)
+    return nograd_peak, nograd_flops * passes
+
+
+def _token_rollout(
+    run: _TokenRun, st: Static, hw: Hardware, nograd_peak: int
+) -> tuple[Memory, str, Any, float, float]:
+    """The rollout of a token plan: the KV cache of the generation batch at full length plus the prefill's
+    temporaries, against the no-grad scoring's peak. Returns (memory, where, moments, FLOPs, seconds)."""
+    cfg, spec, b, sh, dtype, model = run.cfg, run.spec, run.b, run.sh, run.dtype, run.model
     tc = _text_config(spec)
     layers = int(tc["num_hidden_layers"])
     heads = int(tc["num_attention_heads"])
@@ -791,7 +839,7 @@ def plan_token(
     prefill_batch = min(g, math.ceil(g / b.samples_per_group) + 1)
 
     def prefill() -> tuple[int, float]:
-        with recording(params) as (rec3, attn3):
+        with recording(run.params) as (rec3, attn3):
             with rec3.phase("prefill"), torch.no_grad():
                 model(**_text_inputs(spec, model, prefill_batch, sh.prompt, dtype), logits_to_keep=1)
             return rec3.peaks["prefill"].total, _flops(rec3, attn3)
@@ -808,11 +856,11 @@ def plan_token(
     score_mem = Memory(rollout_weights, st.frozen, 0, st.optimizer, nograd_peak, 0)
     candidates = [(gen_mem, "generation (KV cache at full length)"), (prefill_mem, "prefill")]
     if nograd_peak:
-        candidates.append((score_mem, f"log-probs of the {scoring_batch} rollout samples (no grad)"))
+        candidates.append((score_mem, f"log-probs of the {b.local_batch} rollout samples (no grad)"))
     roll_mem, roll_where = max(candidates, key=lambda x: x[0].total)
     roll_moments = [_rollout_moment(w, m, st) for m, w in candidates]
 
-    # -- FLOPs and time
+    # FLOPs and time: decoding is bandwidth-bound
     non_embed = param_numel(model) - vocab * int(tc["hidden_size"]) * (
         1 if tc.get("tie_word_embeddings") else 2
     )
@@ -826,31 +874,10 @@ def plan_token(
     gen_flops = n_gen_batches * (prefill_flops * math.ceil(g / prefill_batch) + decode_flops) + (
         vis_roll[1] * b.local_prompts / max(1, prefill_batch)
     )
-    train_flops = train_flops_micro * b.forwards_with_grad + nograd_flops
     peak_flops = hw.device.flops_bf16 if s == 2 else hw.device.flops_fp32
-    weight_read = param_bytes(model)
-    decode_bytes = n_gen_batches * sh.completion * (weight_read + kv / 2)
-    t_train = train_flops / (hw.mfu * peak_flops)
+    decode_bytes = n_gen_batches * sh.completion * (param_bytes(model) + kv / 2)
     t_gen = max(gen_flops / (hw.mfu * peak_flops), decode_bytes / hw.device.bandwidth)
-    notes.append(
-        "rollout time: the larger of FLOPs at the MFU and one read of the weights and the KV cache per "
-        "generated token (decoding is bandwidth-bound)"
-    )
-    shapes = dict(
-        prompt_tokens=sh.prompt,
-        image_tokens=sh.image_tokens,
-        completion_tokens=sh.completion,
-        microbatch=mb,
-        microbatches_per_step=b.forwards_with_grad,
-        generation_batch=g,
-        logprob_head=f"chunked ({chunk} tokens)" if chunk else "full logits",
-        shared_prefix=shared,
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
-    )
-    train = Phase("train", train_mem, where, train_flops, t_train, train_moments)
-    roll = Phase("rollout", roll_mem, roll_where, gen_flops, t_gen, roll_moments)
-    converted = _conversion_bytes(spec.components["model"], model, dtype)
-    return train, roll, shapes, param_numel(model), param_numel(model, trainable=True), notes, converted
+    return roll_mem, roll_where, roll_moments, gen_flops, t_gen
 
 
 # ----------------------------------------------------------------------------- diffusion policies
