@@ -388,6 +388,19 @@ for _family in (
         hints=("hunyuanvideo-1.5", "hunyuanvideo1.5", "hunyuan_video15", "hunyuanvideo15"),
         plan="mmalign.policies.family_plans:HUNYUAN_VIDEO15_PLAN",
     ),
+    Family(
+        "hunyuan_video15_i2v",
+        "video",
+        "mmalign.policies.hunyuan_video15:HunyuanVideo15ImageToVideoPolicy",
+        pipelines=("HunyuanVideo15ImageToVideoPipeline",),
+        hints=(
+            "hunyuanvideo-1.5-480p_i2v",
+            "hunyuanvideo-1.5-720p_i2v",
+            "hunyuanvideo-1.5-diffusers-480p_i2v",
+            "hunyuanvideo-1.5-diffusers-720p_i2v",
+        ),
+        plan="mmalign.policies.family_plans:HUNYUAN_VIDEO15_I2V_PLAN",
+    ),
     # the UNet of SD 1.x / 2.x that DDIMPolicy trains (``options.policy: ddim`` of safe_diffusion picks it, not the
     # folder: no pipeline class or hub hint, so `family_for` never returns it); listed for `plan_family`
     Family(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "FLUX2_PLAN",
     "FLUX_KONTEXT_PLAN",
     "FLUX_PLAN",
+    "HUNYUAN_VIDEO15_I2V_PLAN",
     "HUNYUAN_VIDEO15_PLAN",
     "PLUS_LABEL_TOKENS",
     "QWEN_IMAGE_EDIT_PLAN",
@@ -316,4 +318,37 @@ def _hunyuan_video15_inputs(
 
 HUNYUAN_VIDEO15_PLAN = PlanSpec(
     _hunyuan_video15_shapes, _hunyuan_video15_inputs, video=True, vae_fp32=True, meta_values=True
+)
+
+
+def _hunyuan_video15_i2v_shapes(req: PlanRequest) -> PlanShapes:
+    """`_hunyuan_video15_shapes` plus the first frame's SigLIP states in the context: (image_size / patch_size)^2 of
+    the ``image_encoder`` component (729 for SigLIP so400m at 384 px; `IMAGE_TOKENS` when the folder's configs
+    hold no image encoder), all valid."""
+    from mmalign.policies.hunyuan_video15_components import IMAGE_TOKENS
+
+    sh = _hunyuan_video15_shapes(req)
+    enc = req.component("image_encoder") or {}
+    enc = enc.get("vision_config", enc)  # a full SiglipConfig nests the vision tower's values
+    size, patch = enc.get("image_size"), enc.get("patch_size")
+    image = (int(size) // int(patch)) ** 2 if size and patch else IMAGE_TOKENS
+    return replace(sh, text_tokens=sh.text_tokens + image, text_parts=(*sh.text_parts, image))
+
+
+def _hunyuan_video15_i2v_inputs(
+    c: Mapping[str, Any], sh: PlanShapes, batch: int, dtype: torch.dtype
+) -> dict[str, Any]:
+    """As ``hunyuan_video15_velocity`` for image to video: the text-to-video inputs with the SigLIP states of the
+    first frame as the image states (made with ``torch.ones``, so the forward's ``torch.all(image_embeds == 0)``
+    sees non-zero states and keeps every image token)."""
+    *text, image = sh.text_parts
+    out = _hunyuan_video15_inputs(c, replace(sh, text_tokens=sum(text), text_parts=tuple(text)), batch, dtype)
+    out["image_embeds"] = torch.ones(
+        (batch, image, int(c.get("image_embed_dim", 1152))), dtype=dtype, device="meta"
+    )
+    return out
+
+
+HUNYUAN_VIDEO15_I2V_PLAN = PlanSpec(
+    _hunyuan_video15_i2v_shapes, _hunyuan_video15_i2v_inputs, video=True, vae_fp32=True, meta_values=True
 )

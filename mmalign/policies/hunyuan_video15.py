@@ -1,8 +1,9 @@
 """`HunyuanVideo15Policy`: HunyuanVideo 1.5 text to video (``HunyuanVideo15Pipeline``, e.g.
-``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v``) as a flow-matching GRPO policy.
-
-Image to video (``HunyuanVideo15ImageToVideoPipeline``: the first frame's latents and SigLIP states as
-conditions) is not supported here.
+``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v``) as a flow-matching GRPO policy, and
+`HunyuanVideo15ImageToVideoPolicy`, image to video (``HunyuanVideo15ImageToVideoPipeline``, e.g.
+``hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v``): each row's ``image`` is the first frame; its VAE latents
+(on latent frame 0 of the condition channels, with a mask of ones there) and its SigLIP states (the transformer's
+image states) condition every step, in both CFG branches, as in the diffusers pipeline.
 
 Details: docs/video.md, "mmalign.policies.hunyuan_video15".
 """
@@ -22,11 +23,21 @@ from mmalign.policies.hunyuan_video15_components import (
     GLYPH_MAX_LENGTH,
     MAX_SEQUENCE_LENGTH,
     HunyuanVideo15Components,
+    HunyuanVideo15ImageToVideoComponents,
+    encode_first_frame,
+    encode_image,
     hunyuan_video15_velocity,
     load_hunyuan_video15_components,
+    load_hunyuan_video15_i2v_components,
 )
 
-__all__ = ["DEFAULT_NUM_FRAMES", "HUNYUAN_VIDEO15_LORA_TARGETS", "HunyuanVideo15Policy"]
+__all__ = [
+    "DEFAULT_NUM_FRAMES",
+    "HUNYUAN_VIDEO15_LORA_TARGETS",
+    "HunyuanVideo15ImageToVideoPolicy",
+    "HunyuanVideo15Policy",
+    "read_first_frame",
+]
 
 HUNYUAN_VIDEO15_LORA_TARGETS = (
     "to_q",
@@ -116,6 +127,16 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
         )
         self.text_encoder_2 = text_encoder_2
         self.tokenizer_2 = tokenizer_2
+        self.freeze_unreachable()
+
+    def freeze_unreachable(self) -> None:
+        """Freeze what never reaches the velocity: the last dual-stream block's text-stream output layers
+        (``attn.to_add_out`` and ``ff_context``, with any LoRA adapter on them), whose result the transformer
+        drops. They get no gradient either way, so one process trains the same; DDP (several processes) requires
+        every trainable parameter to get one."""
+        last = self.model.transformer_blocks[-1]
+        for module in (last.attn.to_add_out, last.ff_context):
+            module.requires_grad_(False)
 
     @staticmethod
     def default_size(transformer: torch.nn.Module, spatial_factor: int) -> tuple[int, int]:
@@ -201,3 +222,95 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
         z = z / float(vae.config.scaling_factor)
         video = vae.decode(z.to(next(vae.parameters()).dtype), return_dict=False)[0].float()
         return (video / 2 + 0.5).clamp(0, 1).movedim(1, 2).cpu()
+
+
+def read_first_frame(path: str | Path, height: int, width: int) -> Tensor:
+    """Float[3, height, width] in [0, 1]: a row's ``image``, an image file (``.png`` ...) or the first frame of
+    anything `mmalign.data.media.read_video` reads, scaled to cover height x width and centre-cropped (the
+    pipeline's ``resize_mode="crop"``; an image of that size is kept as it is)."""
+    from mmalign.data.media import IMAGE_SUFFIXES, load_rgb, read_video
+
+    p = Path(path)
+    if p.suffix.lower() in IMAGE_SUFFIXES:
+        frame = torch.from_numpy(np.array(load_rgb(p))).permute(2, 0, 1).float()[None] / 255.0
+    else:
+        frame = read_video(p)[:1]
+    h, w = frame.shape[-2:]
+    if (h, w) == (height, width):
+        return frame[0]
+    scale = max(height / h, width / w)
+    nh, nw = max(height, round(h * scale)), max(width, round(w * scale))
+    frame = torch.nn.functional.interpolate(
+        frame, size=(nh, nw), mode="bilinear", align_corners=False, antialias=True
+    ).clamp(0, 1)
+    top, left = (nh - height) // 2, (nw - width) // 2
+    return frame[0, :, top : top + height, left : left + width]
+
+
+class HunyuanVideo15ImageToVideoPolicy(HunyuanVideo15Policy):
+    """A ``HunyuanVideo15ImageToVideoPipeline`` folder as a GRPO policy (see the module docstring): every row's
+    ``image`` column is the first frame; its ``image_latents`` Float[C, 1, h, w] and ``image_embeds``
+    Float[N, D] are row conditioning (stored in the payload, so re-scoring sees what sampling saw)."""
+
+    components: HunyuanVideo15ImageToVideoComponents
+    row_conditioning_keys = ("image_latents", "image_embeds")
+    image_column = "image"
+    """The row column holding the first frame."""
+
+    def __init__(
+        self,
+        *args: Any,
+        image_encoder: torch.nn.Module | None = None,
+        feature_extractor: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """`HunyuanVideo15Policy`'s parts plus the folder's SigLIP `image_encoder` and `feature_extractor`."""
+        if image_encoder is None or feature_extractor is None:
+            raise ValueError(
+                "HunyuanVideo 1.5 image to video needs the model folder's image_encoder/ (SiglipVisionModel) and "
+                "feature_extractor/ (SiglipImageProcessor); model.name_or_path names a folder without them"
+            )
+        super().__init__(*args, **kwargs)
+        base = self.components
+        self.components = HunyuanVideo15ImageToVideoComponents(
+            **{name: getattr(base, name) for name in HunyuanVideo15Components.parts},
+            image_encoder=image_encoder,
+            feature_extractor=feature_extractor,
+        )
+        image_encoder.eval().requires_grad_(False)
+        self.image_encoder, self.feature_extractor = image_encoder, feature_extractor
+        d, want = int(image_encoder.config.hidden_size), int(self.model.config.image_embed_dim)
+        if d != want:
+            raise ValueError(
+                f"image_encoder/config.json hidden_size={d}, but transformer/config.json image_embed_dim={want}"
+            )
+
+    @classmethod
+    def load_components(
+        cls, name_or_path: str | Path, *, dtype: torch.dtype, **options: Any
+    ) -> HunyuanVideo15ImageToVideoComponents:
+        """`load_hunyuan_video15_i2v_components` of a folder or hub id."""
+        return load_hunyuan_video15_i2v_components(name_or_path, dtype=dtype)
+
+    def first_frames(self, columns: dict[str, list[Any]], b: int) -> tuple[list[str], dict[str, Tensor]]:
+        """(the `b` rows' ``image`` paths, {path: Float[3, H, W] in [0, 1]} of each distinct one, `read_first_frame`
+        at the policy's size)."""
+        paths = list(columns.get(self.image_column) or [None] * b)
+        if any(p is None for p in paths):
+            raise ValueError(
+                "HunyuanVideo 1.5 image to video needs an image in every row (column 'image': an image file, or a "
+                "clip whose first frame is used)"
+            )
+        paths = [str(p) for p in paths]
+        return paths, {p: read_first_frame(p, self.height, self.width) for p in dict.fromkeys(paths)}
+
+    def row_conditioning(self, columns: dict[str, list[Any]], group: Tensor) -> dict[str, Tensor]:
+        """``image_latents`` Float[B, C, 1, h, w] (`encode_first_frame`) and ``image_embeds`` Float[B, N, D]
+        (`encode_image`, fp32) of each row's first frame, each distinct image encoded once."""
+        paths, frames = self.first_frames(columns, int(group.shape[0]))
+        order = list(frames)
+        unique = torch.stack([frames[p] for p in order])
+        index = torch.tensor([order.index(p) for p in paths])
+        latents = encode_first_frame(self.vae, unique)[index]
+        embeds = encode_image(self.image_encoder, self.feature_extractor, unique).float()[index]
+        return {"image_latents": latents.to(self.device), "image_embeds": embeds.to(self.device)}

@@ -1,5 +1,7 @@
 """The HunyuanVideo 1.5 folder loader and prompt encoding: `HunyuanVideo15Components`,
-`load_hunyuan_video15_components`, `encode_prompt`, `encode_glyphs`, `glyph_text`, `hunyuan_video15_velocity`.
+`load_hunyuan_video15_components`, `encode_prompt`, `encode_glyphs`, `glyph_text`, `hunyuan_video15_velocity`;
+for image to video (``HunyuanVideo15ImageToVideoPipeline``) `HunyuanVideo15ImageToVideoComponents`,
+`load_hunyuan_video15_i2v_components`, `encode_image` (SigLIP states) and `encode_first_frame` (VAE latents).
 
 Details: docs/video.md, "`mmalign.policies.hunyuan_video15_components`" (folder layout, prompt
 states) and "HunyuanVideo 1.5 (text to video)" (the network call).
@@ -27,11 +29,15 @@ __all__ = [
     "SYSTEM_MESSAGE",
     "TEMPLATE_TOKENS",
     "HunyuanVideo15Components",
+    "HunyuanVideo15ImageToVideoComponents",
+    "encode_first_frame",
     "encode_glyphs",
+    "encode_image",
     "encode_prompt",
     "glyph_text",
     "hunyuan_video15_velocity",
     "load_hunyuan_video15_components",
+    "load_hunyuan_video15_i2v_components",
     "trim_padding",
 ]
 
@@ -161,6 +167,29 @@ def trim_padding(states: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return states[:, :n], mask[:, :n]
 
 
+@torch.no_grad()
+def encode_image(image_encoder: torch.nn.Module, feature_extractor: Any, images: Tensor) -> Tensor:
+    """Float[B, N, D] in the encoder's dtype: ``HunyuanVideo15ImageToVideoPipeline._get_image_embeds``, the last
+    hidden states of the SigLIP vision tower on `feature_extractor`'s input (resized to the encoder's size) of
+    first frames Float[B, 3, H, W] in [0, 1], handed over as uint8 arrays as a PIL image of the same pixels is."""
+    arrays = [(im.permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy() for im in images]
+    param = next(image_encoder.parameters())
+    inputs = feature_extractor(images=arrays, do_resize=True, return_tensors="pt", do_convert_rgb=True)
+    pixels = inputs["pixel_values"].to(device=param.device, dtype=param.dtype)
+    return image_encoder(pixel_values=pixels).last_hidden_state
+
+
+@torch.no_grad()
+def encode_first_frame(vae: torch.nn.Module, images: Tensor) -> Tensor:
+    """Float[B, C, 1, h, w] (fp32): ``HunyuanVideo15ImageToVideoPipeline._get_image_latents``, the VAE posterior
+    mode of first frames Float[B, 3, H, W] in [0, 1] (as [-1, 1] one-frame clips) times ``scaling_factor``, one
+    image per call as the pipeline encodes (the VAE's mid-block attention mask assumes a batch of one)."""
+    param = next(vae.parameters())
+    clips = (images.float() * 2 - 1)[:, :, None].to(device=param.device, dtype=param.dtype)
+    latents = torch.cat([vae.encode(clip[None]).latent_dist.mode() for clip in clips])
+    return (latents * float(vae.config.scaling_factor)).float()
+
+
 def hunyuan_video15_velocity(
     model: torch.nn.Module,
     latents: Tensor,
@@ -172,22 +201,33 @@ def hunyuan_video15_velocity(
     trim: bool = True,
 ) -> Tensor:
     """Float[B, C, F, h, w]: the flow velocity of one ``HunyuanVideo15Transformer3DModel`` call at video latents
-    [B, C, F, h, w] and noise levels `sigmas` Float[B], text to video: the channels [latents, zeros, zero mask],
+    [B, C, F, h, w] and noise levels `sigmas` Float[B]. Text to video: the channels [latents, zeros, zero mask],
     the timestep sigma * `num_train_timesteps` in the transformer's dtype, `image_tokens` all-zero image states
     (masked out by the transformer: the pipeline's `IMAGE_TOKENS` give the same velocity), the prompt and glyph
-    states and masks of `cond` (``prompt_embeds``, ``prompt_mask``, ``glyph_embeds``, ``glyph_mask``). With
-    `trim`, the padding positions masked in every sample are dropped first (`trim_padding`): the transformer
-    masks them out, so only the compute changes."""
-    dtype = model.x_embedder.proj.weight.dtype
+    states and masks of `cond` (``prompt_embeds``, ``prompt_mask``, ``glyph_embeds``, ``glyph_mask``). Image to
+    video (`cond` also holds ``image_latents`` Float[B, C, 1, h, w] and ``image_embeds`` Float[B, N, D]): the
+    channels [latents, the first frame's latents then zeros, a mask of ones on latent frame 0] and the SigLIP
+    states as the image states, as ``HunyuanVideo15ImageToVideoPipeline`` builds them. With `trim`, the padding
+    positions masked in every sample are dropped first (`trim_padding`): the transformer masks them out, so only
+    the compute changes. `model` may be a DDP wrapper (the attributes are read from its ``module``)."""
+    net = getattr(model, "module", model)
+    dtype = net.x_embedder.proj.weight.dtype
     pe, pm, ge, gm = cond["prompt_embeds"], cond["prompt_mask"], cond["glyph_embeds"], cond["glyph_mask"]
     if trim:
         pe, pm = trim_padding(pe, pm)
         ge, gm = trim_padding(ge, gm)
     b, _, f, h, w = latents.shape
     x = latents.to(dtype)
-    x = torch.cat([x, torch.zeros_like(x), x.new_zeros((b, 1, f, h, w))], dim=1)
+    condition, mask = torch.zeros_like(x), x.new_zeros((b, 1, f, h, w))
+    if "image_latents" in cond:  # the first frame's latents on latent frame 0, marked by the mask
+        condition[:, :, :1] = cond["image_latents"].to(x)
+        mask[:, :, 0] = 1.0
+    x = torch.cat([x, condition, mask], dim=1)
     t = (sigmas.float() * float(num_train_timesteps)).to(dtype)
-    image = torch.zeros(b, image_tokens, int(model.config.image_embed_dim), dtype=dtype, device=x.device)
+    if "image_embeds" in cond:
+        image = cond["image_embeds"].to(device=x.device, dtype=dtype)
+    else:
+        image = torch.zeros(b, image_tokens, int(net.config.image_embed_dim), dtype=dtype, device=x.device)
     out = model(
         hidden_states=x,
         timestep=t.to(x.device),
@@ -239,7 +279,7 @@ class HunyuanVideo15Components:
 
     def save_pretrained(self, path: str | Path, *, transformer: torch.nn.Module | None = None) -> None:
         """Write every component to its subfolder of `path` (`transformer` overrides the one saved, e.g. a merged
-        LoRA copy) and a ``model_index.json`` naming ``HunyuanVideo15Pipeline``."""
+        LoRA copy) and a ``model_index.json`` naming `pipeline_class`."""
         import diffusers
 
         path = Path(path)
@@ -281,4 +321,41 @@ def load_hunyuan_video15_components(
         text_encoder_2=T5EncoderModel.from_pretrained(path, subfolder="text_encoder_2", dtype=dtype),
         tokenizer_2=ByT5Tokenizer.from_pretrained(path, subfolder="tokenizer_2"),
         guider=ClassifierFreeGuidance.from_pretrained(path, subfolder="guider"),
+    )
+
+
+I2V_PARTS = (*PARTS, "image_encoder", "feature_extractor")
+
+
+@dataclass
+class HunyuanVideo15ImageToVideoComponents(HunyuanVideo15Components):
+    """The loaded pieces of a HunyuanVideo 1.5 image-to-video folder: the text-to-video ones plus the SigLIP
+    vision tower (``image_encoder``) and its ``feature_extractor``."""
+
+    image_encoder: torch.nn.Module | None = None
+    feature_extractor: Any = None
+
+    pipeline_class: ClassVar[str] = "HunyuanVideo15ImageToVideoPipeline"
+    parts: ClassVar[tuple[str, ...]] = I2V_PARTS
+
+    def text_encoders(self) -> list[torch.nn.Module]:
+        """The frozen encoders: Qwen2.5-VL, ByT5 and the SigLIP image encoder."""
+        return [self.text_encoder, self.text_encoder_2, self.image_encoder]
+
+
+def load_hunyuan_video15_i2v_components(
+    path: str | Path, *, dtype: torch.dtype = torch.float32
+) -> HunyuanVideo15ImageToVideoComponents:
+    """`load_hunyuan_video15_components` of the image-to-video folder (or hub id) `path` plus its
+    ``image_encoder`` (``SiglipVisionModel`` in `dtype`) and ``feature_extractor`` (``SiglipImageProcessor``)."""
+    from dataclasses import fields
+
+    from transformers import SiglipImageProcessor, SiglipVisionModel
+
+    base = load_hunyuan_video15_components(path, dtype=dtype)
+    path = str(path)
+    return HunyuanVideo15ImageToVideoComponents(
+        **{f.name: getattr(base, f.name) for f in fields(base)},
+        image_encoder=SiglipVisionModel.from_pretrained(path, subfolder="image_encoder", dtype=dtype),
+        feature_extractor=SiglipImageProcessor.from_pretrained(path, subfolder="feature_extractor"),
     )

@@ -1,7 +1,9 @@
 """Tiny HunyuanVideo 1.5 text-to-video pipelines built offline from config kwargs (`mmalign.policies.hunyuan_video15`).
 
-Builder ``hunyuan_video15_tiny`` (`build_tiny_hunyuan_video15`): a random
-``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v``-layout folder.
+Builders ``hunyuan_video15_tiny`` (`build_tiny_hunyuan_video15`): a random
+``hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v``-layout folder; ``hunyuan_video15_i2v_tiny``
+(`build_tiny_hunyuan_video15_i2v`): the image-to-video layout (``HunyuanVideo15ImageToVideoPipeline``, plus a SigLIP
+``image_encoder/`` and ``feature_extractor/``), as ``hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v``.
 
 Details: docs/video.md, "mmalign.tiny.hunyuan_video15".
 """
@@ -18,16 +20,20 @@ from mmalign.policies.hunyuan_video15_components import (
     SYSTEM_MESSAGE,
     TEMPLATE_TOKENS,
     HunyuanVideo15Components,
+    HunyuanVideo15ImageToVideoComponents,
 )
 from mmalign.tiny import BUILDERS, train_bpe_tokenizer
 
 __all__ = [
     "QWEN25_CHAT_TEMPLATE",
     "build_tiny_hunyuan_video15",
+    "build_tiny_hunyuan_video15_i2v",
     "tiny_hunyuan_tokenizer",
     "tiny_hunyuan_transformer",
     "tiny_hunyuan_vae",
     "tiny_hunyuan_video15_components",
+    "tiny_hunyuan_video15_i2v_components",
+    "tiny_siglip",
 ]
 
 QWEN25_CHAT_TEMPLATE = (
@@ -135,9 +141,14 @@ def tiny_hunyuan_vae(latent_channels: int = 4) -> torch.nn.Module:
 
 
 def tiny_hunyuan_transformer(
-    latent_channels: int = 4, text_hidden: int = 32, glyph_hidden: int = 16, num_layers: int = 1
+    latent_channels: int = 4,
+    text_hidden: int = 32,
+    glyph_hidden: int = 16,
+    num_layers: int = 1,
+    task_type: str = "t2v",
 ) -> torch.nn.Module:
-    """A random ``HunyuanVideo15Transformer3DModel`` for text to video (2 heads of 8, patch 1, RoPE axes 2/2/4)."""
+    """A random ``HunyuanVideo15Transformer3DModel`` (2 heads of 8, patch 1, RoPE axes 2/2/4, 16-wide image
+    states) of `task_type` (``t2v`` or ``i2v``: the same network, as in the converted checkpoints)."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     return HunyuanVideo15Transformer3DModel(
@@ -155,7 +166,7 @@ def tiny_hunyuan_transformer(
         image_embed_dim=16,
         rope_axes_dim=(2, 2, 4),
         target_size=32,
-        task_type="t2v",
+        task_type=task_type,
     )
 
 
@@ -179,6 +190,50 @@ def tiny_hunyuan_video15_components(*, latent_channels: int = 4, seed: int = 0) 
     )
 
 
+def tiny_siglip(hidden: int = 16, image_size: int = 32, patch: int = 8) -> tuple[torch.nn.Module, Any]:
+    """(a random one-layer ``SiglipVisionModel`` of width `hidden` on `image_size` px in `patch` px patches, its
+    ``SiglipImageProcessor`` resizing to that size): the tiny SigLIP of the image-to-video folder."""
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    model = SiglipVisionModel(
+        SiglipVisionConfig(
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=image_size,
+            patch_size=patch,
+        )
+    )
+    return model, SiglipImageProcessor(size={"height": image_size, "width": image_size})
+
+
+def tiny_hunyuan_video15_i2v_components(
+    *, latent_channels: int = 4, seed: int = 0
+) -> HunyuanVideo15ImageToVideoComponents:
+    """Random tiny HunyuanVideo 1.5 image-to-video components: `tiny_hunyuan_video15_components`' parts (an
+    ``i2v`` transformer) plus `tiny_siglip`, deterministic for `seed`."""
+    from dataclasses import fields
+
+    base = tiny_hunyuan_video15_components(latent_channels=latent_channels, seed=seed)
+    base.transformer = tiny_hunyuan_transformer(latent_channels, task_type="i2v")
+    image_encoder, feature_extractor = tiny_siglip(int(base.transformer.config.image_embed_dim))
+    return HunyuanVideo15ImageToVideoComponents(
+        **{f.name: getattr(base, f.name) for f in fields(base)},
+        image_encoder=image_encoder,
+        feature_extractor=feature_extractor,
+    )
+
+
+def build_tiny_hunyuan_video15_i2v(path: str | Path, *, latent_channels: int = 4, seed: int = 0) -> Path:
+    """Write a random tiny HunyuanVideo 1.5 image-to-video folder at `path`
+    (`tiny_hunyuan_video15_i2v_components`; ``model_index.json`` names ``HunyuanVideo15ImageToVideoPipeline``);
+    returns `path`."""
+    path = Path(path)
+    tiny_hunyuan_video15_i2v_components(latent_channels=latent_channels, seed=seed).save_pretrained(path)
+    return path
+
+
 def build_tiny_hunyuan_video15(path: str | Path, *, latent_channels: int = 4, seed: int = 0) -> Path:
     """Write a random tiny HunyuanVideo 1.5 folder at `path` (`tiny_hunyuan_video15_components`); returns `path`."""
     path = Path(path)
@@ -189,3 +244,8 @@ def build_tiny_hunyuan_video15(path: str | Path, *, latent_channels: int = 4, se
 @BUILDERS.register("hunyuan_video15_tiny", minutes=0.05)
 def _build_random(path: Path) -> None:
     build_tiny_hunyuan_video15(path)
+
+
+@BUILDERS.register("hunyuan_video15_i2v_tiny", minutes=0.05)
+def _build_random_i2v(path: Path) -> None:
+    build_tiny_hunyuan_video15_i2v(path)

@@ -690,6 +690,15 @@ def hunyuan_video15_t2v(path: Path) -> None:
     build_tiny_hunyuan_video15(path)
 
 
+@standin("hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v")
+def hunyuan_video15_i2v(path: Path) -> None:
+    """HunyuanVideo 1.5 480p I2V: `mmalign.tiny.hunyuan_video15.build_tiny_hunyuan_video15_i2v` (``model_index.json``
+    naming ``HunyuanVideo15ImageToVideoPipeline``, plus a SigLIP ``image_encoder/`` and ``feature_extractor/``)."""
+    from mmalign.tiny.hunyuan_video15 import build_tiny_hunyuan_video15_i2v
+
+    build_tiny_hunyuan_video15_i2v(path)
+
+
 # ----------------------------------------------------------------------------- reward models
 
 

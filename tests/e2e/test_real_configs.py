@@ -113,6 +113,7 @@ SIZES: dict[str, Entry] = {
     "video_edit": Entry("wan2.1-vace", [*_VIDEO, "options.num_frames=9"], full=False),
     "image_to_video": Entry("wan2.1-i2v", _VIDEO, full=False),
     "hunyuan_video15": Entry("hunyuanvideo-1.5", [*_VIDEO, "options.num_frames=9"], full=False),
+    "image_to_video-hunyuan": Entry("hunyuanvideo-1.5-i2v", [*_VIDEO, "options.num_frames=9"], full=False),
 }
 """The one place listing what differs from the real configs when they run here (sizes, and the device where a
 config names ``cuda``). Data paths are not overridden (see the module docstring)."""
@@ -150,6 +151,7 @@ FAMILIES = {
     "wan2.1-vace",
     "wan2.1-i2v",
     "hunyuanvideo-1.5",
+    "hunyuanvideo-1.5-i2v",
 }
 """The policy families of the real configs: each has a config in the default (non-slow) selection."""
 
