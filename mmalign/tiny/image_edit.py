@@ -28,8 +28,9 @@ every part built from config kwargs and written with ``save_pretrained``:
    latents packed and appended to the sequence with position ids whose first coordinate is 1 (what
    `mmalign.policies.flux_kontext.FluxKontextPolicy` and diffusers' ``FluxKontextPipeline`` run);
 3. early stop: from `min_steps` on, every `check_every` steps, `edit_accuracy` of RL rows (not trained on)
-   sampled deterministically (Euler, 8 steps) is measured; training stops once it reaches `target_accuracy`,
-   so the editor is promising but imperfect and GRPO has work to do.
+   sampled deterministically (Euler, 8 steps) is measured, with `kept_accuracy` (is the square the instruction
+   does not name left as it was); training stops once `patience` checks in a row reach `target_accuracy`
+   (one lucky check does not stop it), so the editor is promising but imperfect and GRPO has work to do.
 
 The folder (``transformer/ vae/ scheduler/ text_encoder/ tokenizer/ text_encoder_2/ tokenizer_2/``,
 ``model_index.json`` naming ``FluxKontextPipeline``) loads with `FluxKontextPolicy.from_pretrained` and with
@@ -67,6 +68,7 @@ __all__ = [
     "edit_accuracy",
     "edit_examples",
     "example_row",
+    "kept_accuracy",
     "scene_name",
     "slot_box",
     "split_examples",
@@ -306,6 +308,26 @@ def edit_accuracy(images: Tensor, examples: Sequence[EditExample], *, strict: bo
     return float(ShapesEditAccuracy(mode="exact" if strict else "checks")(batch).mean())
 
 
+def kept_accuracy(images: Tensor, examples: Sequence[EditExample], *, min_fill: float = 0.6) -> float:
+    """The share of the squares the instruction does not name (two-square scenes) that edited `images`
+    Float[N,3,H,W] keep: at least `min_fill` of their box within 0.25 (RGB distance in [0, 1]) of their colour,
+    as ``shapes_edit_accuracy`` checks a square. NaN when no example has such a square."""
+    from mmalign.tiny.world import check_colour
+
+    kept, total = 0, 0
+    for image, example in zip(images, examples, strict=True):
+        for sq in example.source:
+            if sq == example.before:
+                continue
+            size = image.shape[-1]
+            x0, y0, x1, y1 = slot_box(sq.slot, size)
+            rgb = torch.tensor(check_colour(sq.colour), dtype=image.dtype).view(3, 1, 1) / 255
+            close = (image[:, y0:y1, x0:x1] - rgb).norm(dim=0) < 0.25
+            kept += int(float(close.float().mean()) >= min_fill)
+            total += 1
+    return kept / total if total else math.nan
+
+
 def _fit_vae(
     vae: torch.nn.Module, images: Tensor, *, steps: int, batch_size: int, lr: float, seed: int, progress: bool
 ) -> float:
@@ -328,18 +350,19 @@ def _fit_vae(
     return losses[-1] if losses else float("nan")
 
 
-@BUILDERS.register("image_edit", minutes=6, phases=2)
+@BUILDERS.register("image_edit", minutes=10, phases=2)
 def build_image_edit(
     path: Path,
     *,
     vae_steps: int = 500,
     vae_batch_size: int = 16,
     vae_lr: float = 3e-3,
-    steps: int = 3000,
+    steps: int = 2000,
     min_steps: int = 300,
     check_every: int = 50,
-    target_accuracy: float | None = 0.3,
-    num_checks: int = 8,
+    target_accuracy: float | None = 0.45,
+    num_checks: int = 16,
+    patience: int = 2,
     lr: float = 2e-3,
     batch_size: int = 32,
     num_layers: int = 2,
@@ -358,9 +381,14 @@ def build_image_edit(
     The warm start trains on the warm-start split of `split_examples` only (never on the RL rows of
     ``train.jsonl`` nor the held-out rows of ``eval.jsonl``); the check set is the first `num_checks` RL rows of
     each kind: the check samples them with `check_steps` Euler steps from seeded noise and stops once the strict
-    `edit_accuracy` reaches `target_accuracy` (null: train all `steps`). The instruction is encoded as the policy
-    encodes it: T5 states padded to `max_sequence_length` tokens (the tiny config's
+    `edit_accuracy` reaches `target_accuracy` at `patience` checks in a row (null: train all `steps`); each
+    check records (step, exact, graded, `kept_accuracy`) in ``mmalign_tiny.json``'s ``checks``. The
+    instruction is encoded as the policy encodes it: T5 states padded to `max_sequence_length` tokens (the tiny config's
     ``options.max_sequence_length``), the CLIP pooled output, and the distilled guidance input `guidance`."""
+    if patience < 1:
+        raise ValueError(
+            f"image_edit builder: patience must be >= 1 (checks in a row at the target), got {patience}"
+        )
     meta: dict[str, Any] = {
         "builder": "image_edit",
         **{k: v for k, v in locals().items() if k not in ("path", "progress")},
@@ -497,7 +525,7 @@ def build_image_edit(
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
-    history: list[tuple[int, float, float]] = []
+    history: list[tuple[int, float, float, float]] = []
 
     def loss_at(_: int) -> Tensor:
         for m in modules:
@@ -517,8 +545,9 @@ def build_image_edit(
             m.eval()
         images = decode(sample(check_src, check_clip, check_t5))
         exact, graded = edit_accuracy(images, checks), edit_accuracy(images, checks, strict=False)
-        history.append((done, round(exact, 4), round(graded, 4)))
-        return exact >= target_accuracy
+        history.append((done, round(exact, 4), round(graded, 4), round(kept_accuracy(images, checks), 4)))
+        recent = [h[1] for h in history[-patience:]]
+        return len(recent) == patience and min(recent) >= target_accuracy
 
     losses = fit(
         opt,
@@ -529,7 +558,7 @@ def build_image_edit(
         stop=None if target_accuracy is None else check,
         check_every=check_every,
         check_at_end=True,
-        show=lambda: {"exact": f"{history[-1][1]:.2f}"} if history else {},
+        show=lambda: {"exact": f"{history[-1][1]:.2f}", "kept": f"{history[-1][3]:.2f}"} if history else {},
     )
     done, recent = len(losses), losses[-50:]
     for m in modules:

@@ -237,7 +237,10 @@ def test_the_shipped_editor_is_what_its_builder_writes(quick_model: Path) -> Non
     arch = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim", "text_hidden")
     defaults = json.loads((quick_model / "mmalign_tiny.json").read_text())
     assert {k: meta[k] for k in arch} == {k: defaults[k] for k in arch}
-    assert meta["target_accuracy"] == 0.3 and meta["checks"][-1][1] >= 0.3  # it stopped at the target
+    # it stopped once `patience` checks in a row reached the target
+    last = meta["checks"][-meta["patience"] :]
+    assert meta["target_accuracy"] == 0.45 and len(last) == meta["patience"] == 2
+    assert all(check[1] >= meta["target_accuracy"] for check in last), meta["checks"]
     pipe = FluxKontextPipeline.from_pretrained(shipped)
     pol = FluxKontextPolicy.from_pretrained(shipped, max_sequence_length=12, num_steps=2)
     assert pol.pixel_size() == tiny_edit.SIZE and pol.latent_size == 16
@@ -326,16 +329,17 @@ def test_a_qwen_image_edit_folder_trains_one_step(quick_model: Path, tmp_path: P
 
 @pytest.mark.slow
 def test_held_out_edit_accuracy_rises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """configs/image_edit-tiny.yaml for the first half of its steps (60 of 120) on the shipped editor (built if
-    missing), then `mmalign eval`'s code (`evaluate_run`: base and the step-60 checkpoint from the same seeded
-    noise, ODE sampling) on the 48 held-out edits: the training reward (soft ``shapes_edit_accuracy``) rises
-    (measured 0.673 -> 0.710), the strict edit accuracy does not fall (0.302 -> 0.323) and neither does the
-    preservation outside the edit region (PSNR 26.1 -> 27.3 dB). 3-15 min on 2 shared CPU cores."""
+    """configs/image_edit-tiny.yaml (all 120 steps) on the shipped editor (built if missing), then `mmalign
+    eval`'s code (`evaluate_run`: base and the step-120 checkpoint from the same seeded noise, ODE sampling) on
+    the 48 held-out edits: the strict edit accuracy rises by more than 0.05 (measured 0.422 -> 0.505), moves by
+    more than 0.12 (0.250 -> 0.492), the training reward (soft ``shapes_edit_accuracy``) by more than 0.025
+    (0.727 -> 0.778), and the preservation outside the edit region does not fall (PSNR 28.7 -> 29.6 dB).
+    9-13 min on 2 shared CPU cores."""
     from mmalign.app.evaluation import evaluate_run, resolve_checkpoint
     from mmalign.tiny import ensure_model
 
     monkeypatch.chdir(REPO)  # the config's relative paths
-    steps = 60
+    steps = 120
     cfg = load_config(
         TINY,
         [
@@ -353,6 +357,8 @@ def test_held_out_edit_accuracy_rises(tmp_path: Path, monkeypatch: pytest.Monkey
     report = evaluate_run(cfg, pipelines.get("image_edit")(cfg), checkpoint=checkpoint, progress=False)
     base, trained = report["base"]["all"], report["trained"]["all"]
     assert report["prompts"] == 48 and report["sampler"]["sampler"] == "ode"
-    assert trained["shapes_edit_accuracy"] > base["shapes_edit_accuracy"] + 0.02, (base, trained)
-    assert trained["edit_accuracy"] >= base["edit_accuracy"], (base, trained)
+    assert trained["edit_accuracy"] > base["edit_accuracy"] + 0.05, (base, trained)
+    moves = report["base"]["move"]["edit_accuracy"], report["trained"]["move"]["edit_accuracy"]
+    assert moves[1] > moves[0] + 0.12, moves
+    assert trained["shapes_edit_accuracy"] > base["shapes_edit_accuracy"] + 0.025, (base, trained)
     assert trained["psnr_outside"] > base["psnr_outside"] - 0.5, (base, trained)
