@@ -16,35 +16,12 @@ from mmalign.app import plan as plan_mod
 from mmalign.app.plan_models import param_bytes, resolve_model, spec_from_folder
 from mmalign.config import config_from_dict
 from mmalign.policies.families import PlanRequest, plan_family
+from tests.app.test_plan_families import HUNYUAN_SMALL, HUNYUAN_VAE
 
 REPO = Path(__file__).resolve().parents[2]
-TRANSFORMER = {
-    "_class_name": "HunyuanVideo15Transformer3DModel",
-    "in_channels": 9,
-    "out_channels": 4,
-    "num_attention_heads": 4,
-    "attention_head_dim": 32,
-    "num_layers": 2,
-    "num_refiner_layers": 1,
-    "mlp_ratio": 2.0,
-    "patch_size": 1,
-    "patch_size_t": 1,
-    "qk_norm": "rms_norm",
-    "text_embed_dim": 32,
-    "text_embed_2_dim": 16,
-    "image_embed_dim": 16,
-    "rope_theta": 256.0,
-    "rope_axes_dim": [8, 12, 12],
-    "target_size": 64,
-    "task_type": "i2v",
-}
-VAE = {
-    "_class_name": "AutoencoderKLHunyuanVideo15",
-    "latent_channels": 4,
-    "block_out_channels": [8, 8, 16],
-    "spatial_compression_ratio": 4,
-    "temporal_compression_ratio": 2,
-}
+TRANSFORMER = {**HUNYUAN_SMALL, "task_type": "i2v"}
+"""The 2-block text-to-video test transformer of test_plan_families as the image-to-video task."""
+VAE = HUNYUAN_VAE
 SIGLIP = {"_class_name": "SiglipVisionModel", "model_type": "siglip_vision_model", "hidden_size": 16}
 OPTIONS = {"num_frames": 9, "height": 64, "width": 64, "max_sequence_length": 40, "glyph_max_length": 16}
 

@@ -23,6 +23,7 @@ from mmalign.policies.hunyuan_video15 import (
     read_first_frame,
 )
 from mmalign.policies.hunyuan_video15_components import GLYPH_MAX_LENGTH, MAX_SEQUENCE_LENGTH
+from tests.policies.test_hunyuan_video15_policy import set_pipe
 
 SEQ, GLYPH = 40, 16
 SIZE = {"num_frames": 9, "height": 32, "width": 32}
@@ -63,11 +64,6 @@ def make(path: Path, **kw) -> HunyuanVideo15ImageToVideoPolicy:
     }.items():
         kw.setdefault(k, v)
     return HunyuanVideo15ImageToVideoPolicy.from_pretrained(path, **kw)
-
-
-def set_pipe(pipe, *, seq: int, glyph: int, guidance: float) -> None:
-    pipe.tokenizer_max_length, pipe.tokenizer_2_max_length = seq, glyph
-    pipe.guider.guidance_scale = guidance
 
 
 def columns(rows: list[dict], repeat: int = 1) -> dict[str, list]:
