@@ -299,15 +299,14 @@ def test_cli_eval_reports_before_and_after_per_edit(trained_run, run_mmalign) ->
     assert report["trained"]["recolour"]["samples"] == report["trained"]["remove"]["samples"] == 4
 
 
-@pytest.mark.slow  # the whole tiny run: 80 steps, ~14 min on 2 busy cores
-def test_held_out_instruction_faithfulness_rises_to_the_vae_ceiling(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.slow  # the whole tiny run: 80 steps, ~19 min on 2 busy cores
+def test_held_out_instruction_faithfulness_rises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """configs/video_edit-tiny.yaml as shipped, then `mmalign eval`'s code (`evaluate_run`: base and the final
-    checkpoint from the same seeded noise, ODE) on the 16 held-out clips. Recolour edits have headroom and
-    gain clearly (R_IF measured 10.74 -> 12.29); remove edits already score what the editor's VAE lets an
-    ideal edit score (ideal targets through the VAE: recolour 12.40, remove 11.07; measured 11.22 -> 11.13),
-    so they only must not fall; preservation outside the mask holds (R_SP 0.981 -> 0.982)."""
+    checkpoint from the same seeded noise, ODE) on the 16 held-out clips. Measured with the shipped editor:
+    R_IF 6.38 -> 7.41 (recolour 0.51 -> 2.48, remove 12.24 -> 12.33), R_SP 0.985 -> 0.990, PSNR outside the
+    edit mask 22.2 -> 25.5 dB. The editor's VAE leaves room above both kinds (ideal edits through it score
+    R_IF 15.1 recolour, 14.0 remove; tests/tiny/test_video_edit.py), so the rise is GRPO's, not a ceiling's;
+    the asserts keep about half of each measured gain as a margin."""
     import pipelines
     from mmalign.app.evaluation import evaluate_run, resolve_checkpoint
     from mmalign.tiny import ensure_model
@@ -323,6 +322,8 @@ def test_held_out_instruction_faithfulness_rises_to_the_vae_ceiling(
     report = evaluate_run(cfg, pipelines.get("video_edit")(cfg), checkpoint=checkpoint, progress=False)
     base, trained = report["base"], report["trained"]
     rif = "instruction_faithfulness"
+    assert trained["all"][rif] > base["all"][rif] + 0.5, (base["all"], trained["all"])
     assert trained["recolour"][rif] > base["recolour"][rif] + 1.0, (base["recolour"], trained["recolour"])
-    assert trained["remove"][rif] > base["remove"][rif] - 0.5, (base["remove"], trained["remove"])
-    assert trained["all"]["source_preservation"] > base["all"]["source_preservation"] - 0.005
+    assert trained["remove"][rif] > base["remove"][rif] - 0.3, (base["remove"], trained["remove"])
+    assert trained["all"]["source_preservation"] > base["all"]["source_preservation"]
+    assert trained["all"]["psnr_outside"] > base["all"]["psnr_outside"] + 1.0
