@@ -475,7 +475,8 @@ def test_a_folder_of_other_files_is_never_a_run_directory(tmp_path, capsys, no_m
     assert "holds no mmalign run" in rundir.foreign_problem(link)
 
     assert rundir.foreign_problem(tmp_path / "absent") is None
-    readers = tmp_path / "evaluated"  # `mmalign eval --checkpoint base` before the first run: the README's before
+    # `mmalign eval --checkpoint base` before the first run (the README's "before"): not a foreign folder
+    readers = tmp_path / "evaluated"
     (readers / "samples_cli" / "base").mkdir(parents=True)
     (readers / "eval.json").write_text("{}")
     (readers / ".lock").write_text("{}")
