@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from mmalign.algorithms.names import needs_reference
 from mmalign.config import Config
+from mmalign.errors import ConfigError
 from mmalign.policies.denoising import FLOW_SDE_KINDS, SamplerSettings
 from mmalign.training.seeding import process_seed
 
@@ -75,6 +76,12 @@ def build_wan_policy(
         from mmalign.policies.families import policy_class_for
 
         policy_class = policy_class_for(path, "video")
+        if condition is None and getattr(policy_class, "image_column", None):
+            raise ConfigError(
+                f"{cfg.source}: key 'model.name_or_path': {path} is an image-to-video model "
+                f"({policy_class.__name__}: every clip starts from a row's {policy_class.image_column!r}); the "
+                f"{cfg.pipeline} pipeline generates from text: train it with the image_to_video pipeline"
+            )
     seed = process_seed(opts.seed)
     try:
         if condition is not None:

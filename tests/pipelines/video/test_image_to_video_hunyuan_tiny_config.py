@@ -74,3 +74,21 @@ def test_a_text_to_video_hunyuan_folder_is_refused(tmp_path: Path) -> None:
     cfg = load_config(CONFIG, [f"model.name_or_path={model}", f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match="model.name_or_path.*text-to-video"):
         pipelines.get(cfg.pipeline)(cfg)
+
+
+def test_an_image_to_video_folder_is_refused_by_the_text_to_video_pipeline(tmp_path: Path) -> None:
+    """The text-to-video config (video_geometry pipeline) on the I2V folder: a ConfigError naming the key, at build
+    time, not at the first rollout."""
+    import pipelines
+    from mmalign.config import load_config
+    from mmalign.errors import ConfigError
+
+    model = REPO / "assets" / "models" / "image_to_video-hunyuan-tiny"
+    t2v = REPO / "configs" / "hunyuan_video15-tiny.yaml"
+    cfg = load_config(
+        t2v, [f"model.name_or_path={model}", "model.tiny_builder=null", f"output_dir={tmp_path / 'r'}"]
+    )
+    with pytest.raises(
+        ConfigError, match="model.name_or_path.*image-to-video model.*image_to_video pipeline"
+    ):
+        pipelines.get(cfg.pipeline)(cfg)
