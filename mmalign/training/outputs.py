@@ -21,7 +21,7 @@ from mmalign.algorithms import advantages as adv_lib
 from mmalign.algorithms import filters as filter_lib
 from mmalign.data.batch import Rollout
 from mmalign.data.rows import DataError
-from mmalign.errors import NonFiniteError, RunWriteError, TrainingError
+from mmalign.errors import ConfigError, NonFiniteError, RunWriteError, TrainingError
 from mmalign.training import rundir, runlock
 from mmalign.training.resume import resume_changes
 
@@ -44,9 +44,13 @@ def prepare_output_dir(t: Any, resume: bool) -> None:
     """Take the run lock (`mmalign.training.runlock`; the main process), check the output directory, then, resuming:
     refuse a config change a resume cannot apply (`resume_changes`, before anything is loaded), load the
     newest checkpoint that verifies and drop the metrics of later steps; with ``overwrite``: remove the
-    previous run, saying what (a warning). Then write ``config.yaml``. A failure releases the lock."""
-    take_run_lock(t)
+    previous run, saying what (a warning). Then write ``config.yaml``. A failure releases the lock.
+
+    Every process checks the output directory (`rundir.check_output_dir`) inside `take_run_lock`, before the
+    processes meet there: after it, the main process writes and removes files in the folder, which another
+    process checking it then could take for a folder of other files."""
     try:
+        take_run_lock(t, resume)
         _set_up_output_dir(t, resume)
     except BaseException:
         t.release_run_lock()
@@ -54,7 +58,7 @@ def prepare_output_dir(t: Any, resume: bool) -> None:
 
 
 def _set_up_output_dir(t: Any, resume: bool) -> None:
-    rundir.check_output_dir(t.cfg, resume)  # (the CLI made the same check before building the model)
+    # (the output directory was checked in take_run_lock, as the CLI checked it before building the model)
     if resume:
         changes = resume_changes(t.out, t.cfg)
         # the newest checkpoint whose files match its manifest and load; the ones skipped are logged
@@ -98,21 +102,29 @@ def _clear_previous_run(t: Any) -> None:
     rundir.clear_run(t.out)
 
 
-def take_run_lock(t: Any) -> None:
+def take_run_lock(t: Any, resume: bool | None = None) -> None:
     """The main process takes the run lock (`mmalign.training.runlock.acquire`, re-entrant: `mmalign train` took it
-    before the model loaded) unless it holds it; a `RunLockedError` is raised on every process."""
-    problem: str | None = None
+    before the model loaded) unless it holds it; with `resume` given, every process then checks the output
+    directory (`mmalign.training.rundir.check_output_dir`). The processes meet here (a gather), and the first
+    problem any of them found is raised on every process: a `RunLockedError`, or the `ConfigError` of the check."""
+    problem: tuple[str, str] | None = None
     if t.is_main and t.run_lock is None:
         try:
             t.run_lock = runlock.acquire(t.out)
         except runlock.RunLockedError as e:
-            problem = str(e)
+            problem = ("lock", str(e))
+    if problem is None and resume is not None:
+        try:
+            rundir.check_output_dir(t.cfg, resume)
+        except ConfigError as e:
+            problem = ("config", str(e))
     if t.world > 1:
         from accelerate.utils import gather_object
 
-        problem = gather_object([problem])[0]  # the main process's answer, on every process
+        problem = next((p for p in gather_object([problem]) if p is not None), None)  # rank order
     if problem is not None:
-        raise runlock.RunLockedError(problem)
+        kind, message = problem
+        raise runlock.RunLockedError(message) if kind == "lock" else ConfigError(message)
 
 
 def check_nan_rewards(t: Any, g_rewards: Tensor) -> None:

@@ -140,7 +140,9 @@ def foreign_problem(output_dir: str | Path) -> str | None:
     if not out.is_dir():
         return None
     try:
-        names = sorted(p.name for p in out.iterdir() if p.name not in READER_OUTPUTS)
+        names = sorted(
+            p.name for p in out.iterdir() if p.name not in READER_OUTPUTS and not _write_leftover(p.name)
+        )
     except OSError as e:
         return f"{out} cannot be listed ({e.strerror or e})"
     if not names or holds_run(out):
@@ -152,6 +154,13 @@ def foreign_problem(output_dir: str | Path) -> str | None:
         "overwrite=true removes them), so it needs a new or empty folder, or one a run wrote: choose another "
         "output_dir=..."
     )
+
+
+def _write_leftover(name: str) -> bool:
+    """`name` is the temp file of a `write_atomic` of a run's own file (``.config.yaml.tmp-PID``): written by
+    the run, or left by one killed while writing; not a sign of a folder of other files."""
+    match = re.fullmatch(r"\.(.+)\.tmp-\d+", name)
+    return match is not None and match.group(1) in (CONFIG_FILE, *RUN_OUTPUTS)
 
 
 def clear_run(output_dir: str | Path) -> None:

@@ -481,6 +481,12 @@ def test_a_folder_of_other_files_is_never_a_run_directory(tmp_path, capsys, no_m
     (readers / "eval.json").write_text("{}")
     (readers / ".lock").write_text("{}")
     assert rundir.foreign_problem(readers) is None
+    # the temp file of a run's atomic write (written now by the main process, or left by a kill): a run's
+    (readers / ".config.yaml.tmp-4242").write_text(rundir.CONFIG_HEADER)
+    (readers / ".metrics.jsonl.tmp-7").write_text("")
+    assert rundir.foreign_problem(readers) is None
+    (readers / ".notes.txt.tmp-7").write_text("")  # not a name a run writes
+    assert "holds no mmalign run (it has .notes.txt.tmp-7)" in rundir.foreign_problem(readers)
     (out / "config.yaml").write_text(rundir.CONFIG_HEADER + "pipeline: text_reasoning\n")
     assert rundir.holds_run(out) and rundir.foreign_problem(out) is None
     old = tmp_path / "old"
