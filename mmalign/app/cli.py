@@ -631,7 +631,11 @@ def cmd_tiny(args: argparse.Namespace) -> int:
             f"mmalign tiny build: {out} exists and is not a tiny model mmalign built (no {tiny.MARK_FILE} in "
             "it), so it is not replaced; choose another --out or remove it yourself"
         )
-    fresh = tiny.build(args.name, out.with_name(out.name + ".new"))
+    staged = out.with_name(out.name + ".new")
+    tiny.remove_stale(
+        staged, tiny.MARK_FILE, what="a tiny build's staged copy"
+    )  # a rebuild killed before the swap
+    fresh = tiny.build(args.name, staged)
     if out.exists():
         shutil.rmtree(out)
     fresh.rename(out)

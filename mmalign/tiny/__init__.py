@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mmalign.errors import ConfigError
 from mmalign.registry import Discovery, Registry
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,9 @@ BUILDERS: Registry[Callable[[Path], None]] = Registry("tiny model builder")
 ENTRY_POINT_GROUP = "mmalign.tiny_builders"
 MARK_FILE = "mmalign_tiny.json"
 """What every built tiny model folder holds (its builder and arguments): `mmalign tiny build` replaces only such a folder."""
+BUILDING_MARK = ".mmalign_building"
+"""What a tiny build's ``<folder>.building`` holds while it is written (the builder's pid): `build` removes a
+``.building`` folder a killed build left, and nothing else of that name."""
 
 DISCOVERY = Discovery(BUILDERS, __name__, ENTRY_POINT_GROUP)
 """Finds the builders: the submodules of this package, then the ``mmalign.tiny_builders`` entry points."""
@@ -195,6 +200,37 @@ def _builder_defaults(name: str) -> dict[str, Any]:
     return {"builder": name, **defaults} if defaults else {"builder": name, "options": {}}
 
 
+def remove_stale(folder: Path, mark: str, *, what: str) -> None:
+    """Remove `folder`, `what` a killed build left, when it is one: a folder holding the file `mark` (for
+    `BUILDING_MARK`, the pid in it no longer running). Anything else there (a user's folder, a link, a build
+    still running) is refused with a `ConfigError` naming it; nothing is removed."""
+    if not (folder.exists() or folder.is_symlink()):
+        return
+    marked = not folder.is_symlink() and folder.is_dir() and (folder / mark).is_file()
+    if not marked:
+        raise ConfigError(
+            f"{folder} exists and is not {what} (no {mark} in it), so it is not removed: move it away, or build "
+            "somewhere else"
+        )
+    if mark == BUILDING_MARK:
+        pid = (folder / mark).read_text().strip()
+        if pid.isdigit() and int(pid) != os.getpid() and _running(int(pid)):
+            raise ConfigError(f"{folder}: another tiny build (pid {pid}) is writing it; wait for it to end")
+    import shutil
+
+    shutil.rmtree(folder)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def build(name: str, path: str | Path, *, announce: bool = True) -> Path:
     """Run the tiny builder `name`, writing a `from_pretrained`-loadable folder at `path`.
 
@@ -211,15 +247,14 @@ def build(name: str, path: str | Path, *, announce: bool = True) -> Path:
         )
     t0 = time.perf_counter()
     tmp = path.with_name(path.name + ".building")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
+    remove_stale(tmp, BUILDING_MARK, what="an unfinished tiny build")
     tmp.mkdir(parents=True)
+    (tmp / BUILDING_MARK).write_text(f"{os.getpid()}\n")
     with _building(path.name, int(meta.get("phases", 0))):
         builder(tmp)
     if not (tmp / MARK_FILE).exists():  # a builder that records nothing itself: its name and defaults
         (tmp / MARK_FILE).write_text(json.dumps(_builder_defaults(name), indent=1, default=str) + "\n")
+    (tmp / BUILDING_MARK).unlink()
     tmp.rename(path)  # appears whole or not at all
     if announce:
         print(

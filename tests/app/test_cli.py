@@ -442,6 +442,55 @@ def test_tiny_list_and_build(tmp_path, capsys, monkeypatch):
     assert "no_such_builder" in capsys.readouterr().err
 
 
+def test_tiny_build_removes_only_what_a_killed_build_left(tmp_path, capsys):
+    """``<out>.building`` (and `mmalign tiny build`'s ``<out>.new``) beside the folder: a killed build's is removed
+    and the build goes on; a folder of that name a build did not write, or one a running build is writing, is
+    refused, naming it, and kept."""
+    import subprocess
+    import sys
+
+    from mmalign import tiny
+
+    target = tmp_path / "tiny-lm"
+    building = target.with_name("tiny-lm.building")
+    building.mkdir()
+    (building / "thesis.tex").write_text("mine")  # a user's folder that happens to have the name
+    with pytest.raises(ConfigError, match=r"tiny-lm.building exists and is not an unfinished tiny build"):
+        tiny.build("vlm_random", target, announce=False)
+    assert (building / "thesis.tex").read_text() == "mine" and not target.exists()
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    (building / tiny.BUILDING_MARK).write_text(dead.stdout)  # left by a build that was killed
+    (building / "model.safetensors").write_text("half")
+    tiny.build("vlm_random", target, announce=False)
+    assert (target / "config.json").is_file() and not building.exists()
+    assert not (target / tiny.BUILDING_MARK).exists()
+
+    other = tmp_path / "other"
+    running = other.with_name("other.building")
+    running.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (running / tiny.BUILDING_MARK).write_text(f"{sleeper.pid}\n")
+        with pytest.raises(ConfigError, match=rf"another tiny build \(pid {sleeper.pid}\) is writing it"):
+            tiny.build("vlm_random", other, announce=False)
+        assert running.is_dir()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+    staged = target.with_name("tiny-lm.new")  # a rebuild killed between its build and the swap
+    staged.mkdir()
+    (staged / "notes.txt").write_text("mine")
+    assert main(["tiny", "build", "vlm_random", "--out", str(target)]) == 1
+    assert "tiny-lm.new exists and is not a tiny build's staged copy" in capsys.readouterr().err
+    (staged / tiny.MARK_FILE).write_text("{}")
+    assert main(["tiny", "build", "vlm_random", "--out", str(target)]) == 0
+    assert not staged.exists() and (target / "config.json").is_file()
+
+
 def test_help_lists_the_tool_commands_without_importing_them():
     """`mmalign --help` (and every other command) builds its parser without the planner, probe and parity
     modules (they import torch: a second at start-up); the command being run gets its full parser."""
