@@ -79,3 +79,37 @@ def test_a_tiny_config_loads_its_shipped_model_without_building(
     cfg = load_config(f"configs/{config}")
     setup = pipelines.get(cfg.pipeline)(cfg)
     assert setup.policy.trainable_parameters()
+
+
+def _unstamped(d: dict) -> dict:
+    """`d` without the library version stamps (``transformers_version``): the installed versions move."""
+    return {k: v for k, v in d.items() if not k.endswith("_version")}
+
+
+@pytest.mark.slow
+def test_the_text_reasoning_builder_rebuilds_the_shipped_model(tmp_path: Path) -> None:
+    """The tests' warm-started LM (tests/conftest.py, ``tiny_text_model_dir``) is the shipped folder: building it
+    again writes the same files, config (version stamps aside), tokenizer and tensors (names and shapes; the values of a warm start on
+    another CPU or torch may differ in the last bits), and the rebuilt LM answers the task as the shipped one does."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shipped = REPO / "assets" / "models" / "text_reasoning-tiny"
+    built = tiny.build("text_reasoning", tmp_path / "text_reasoning-tiny", announce=False)
+    assert sorted(p.name for p in built.iterdir()) == sorted(p.name for p in shipped.iterdir())
+    for name in ("config.json", "mmalign_tiny.json", "tokenizer.json"):
+        a_json, b_json = (_unstamped(json.loads((f / name).read_text())) for f in (built, shipped))
+        assert a_json == b_json, name
+    a, b = load_file(built / "model.safetensors"), load_file(shipped / "model.safetensors")
+    assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+    prompt = "Q: 3 + 4 = ?\nA:"
+    answers = []
+    for folder in (built, shipped):
+        tok = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+        answers.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    assert answers[0] == answers[1] and "<answer>7</answer>" in answers[0], answers
