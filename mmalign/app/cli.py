@@ -22,6 +22,48 @@ if TYPE_CHECKING:
     from mmalign.config import Config
 
 
+PEER_GONE_HINT = (
+    "(another process of this launch stopped first and closed its connections: its own 'mmalign: error' line "
+    "above is the cause, and the launcher's summary below names it)"
+)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def launch_rank() -> str | None:
+    """``"rank R of N"`` in a multi-process launch (``RANK`` and ``WORLD_SIZE`` > 1, set by torchrun and accelerate
+    launch), else None: what a process's error line is tagged with, so that interleaved logs say who failed."""
+    from mmalign.training.distributed import launched_processes
+
+    world = launched_processes()
+    if world < 2:
+        return None
+    rank = os.environ.get("RANK", "").strip()
+    return f"rank {rank if rank.isdigit() else '?'} of {world}"
+
+
+def peer_gone(e: BaseException) -> bool:
+    """`e` is a collective's failure because another process of the launch is gone (gloo's "Connection closed by
+    peer" / "reset by peer", a broken pipe): a consequence, not the cause, of a multi-process run's failure."""
+    text = f"{e} {e.__cause__ or ''}"
+    return isinstance(e, RuntimeError | ConnectionError | BrokenPipeError) and any(
+        x in text for x in _PEER_GONE
+    )
+
+
+def _record_for_launcher(e: BaseException) -> None:
+    """Write `e` to torchrun's per-process error file (``TORCHELASTIC_ERROR_FILE``; torch's `ErrorHandler`), so the
+    launcher's failure summary shows this message instead of "To enable traceback see ...". A consequence of a
+    peer's failure (`peer_gone`) is not recorded: the summary then names the process that failed first."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(e)
+    except Exception as err:  # noqa: BLE001 - the error line is printed already; the summary is a courtesy
+        print(f"mmalign: could not write the launcher's error file: {err}", file=sys.stderr)
+
+
 def _expected(e: BaseException) -> bool:
     """Reported as one `mmalign: error: ...` line: an `MmalignError` (config, data, registry, plugin, reward,
     training errors) or an OSError (a file that cannot be read or written). Anything else is a bug and also
@@ -704,7 +746,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             cause = e.__cause__
             if str(cause) and str(cause) not in msg:
                 msg += f"\n  caused by {type(cause).__name__}: {cause}"
-        print(f"mmalign: error: {msg}", file=sys.stderr)
+        where = launch_rank()
+        if where is None:
+            print(f"mmalign: error: {msg}", file=sys.stderr)
+        elif peer_gone(e):
+            print(f"mmalign: error ({where}): {msg}\n  {PEER_GONE_HINT}", file=sys.stderr)
+        else:
+            print(f"mmalign: error ({where}): {msg}", file=sys.stderr)
+            _record_for_launcher(e)
         return 1
 
 

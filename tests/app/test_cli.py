@@ -345,6 +345,59 @@ def test_unexpected_error_shows_its_traceback(capsys, tmp_path, monkeypatch):
     assert err.strip().splitlines()[-1] == "mmalign: error: a bug, not a user error"
 
 
+def _as_rank_1_of_2(monkeypatch: pytest.MonkeyPatch, error_file: Path) -> None:
+    """The environment torchrun gives the second of two workers (the CLI's multi-process error path)."""
+    for key, value in {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "ACCELERATE_USE_CPU": "true",
+    }.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+
+def test_a_worker_tags_its_error_with_its_rank_and_tells_the_launcher(capsys, tmp_path, monkeypatch):
+    """In a multi-process launch the error line names the process (``rank 1 of 2``), and the error goes into
+    torchrun's error file, so the launcher's failure summary shows it (instead of "To enable traceback ...")."""
+    import json
+
+    error_file = tmp_path / "error.json"
+    _as_rank_1_of_2(monkeypatch, error_file)
+    rc, _, err = run_main(capsys, "train", str(tmp_path / "nope.yaml"))
+    assert rc == 1
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(
+        f"mmalign: error (rank 1 of 2): config file not found: {tmp_path / 'nope.yaml'}"
+    ), err
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"] == "ConfigError: " + line.split(": ", 2)[2]
+    assert recorded["extraInfo"]["timestamp"].isdigit()
+
+
+def test_a_worker_whose_peer_is_gone_points_at_the_peer(capsys, tmp_path, monkeypatch):
+    """A collective that fails because another process already stopped (gloo: "Connection closed by peer") is
+    a consequence: the line says to look for the other process's error, and nothing goes into the error file, so
+    torchrun's summary names the process that failed first."""
+
+    def peer_closed(cfg):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:30411")
+
+    monkeypatch.setattr(pipelines.text_reasoning, "build_text_policy", peer_closed)
+    error_file = tmp_path / "error.json"
+    _as_rank_1_of_2(monkeypatch, error_file)
+    cfg, _ = tiny_config(tmp_path)
+    rc, _, err = run_main(capsys, "train", str(cfg))
+    assert rc == 1
+    lines = err.strip().splitlines()
+    assert (
+        lines[-2].startswith("mmalign: error (rank 1 of 2): [gloo")
+        and "Connection closed by peer" in lines[-2]
+    )
+    assert "another process of this launch stopped first" in lines[-1]
+    assert not error_file.exists()
+
+
 @pytest.mark.parametrize(
     "error",
     [
