@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(
 def _train(config: str, out: Path, steps: int = STEPS, *extra: str) -> subprocess.CompletedProcess:
     cmd = tp.launch_cmd(2, "train", *tp.train_args(config, out, steps, SAVE_EVERY, *extra))
     proc = subprocess.run(cmd, cwd=REPO, env=tp.env(), capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{tp.failure(proc)}"
     return proc
 
 
@@ -158,7 +158,7 @@ def test_kill_after_checkpoint_then_resume_on_two_processes(
 
     resume = tp.launch_cmd(2, "train", *tp.train_args(config, part, STEPS, SAVE_EVERY), "--resume")
     resumed = subprocess.run(resume, cwd=REPO, env=tp.env(), capture_output=True, text=True, timeout=TIMEOUT)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert resumed.returncode == 0, tp.failure(resumed)
     _check_launch_record(part, resumed.stdout)
     assert tp.metrics(part) == expected
 
@@ -169,7 +169,7 @@ def test_kill_after_checkpoint_then_resume_on_two_processes(
 def _cli(nproc: int, command: str, *args: str) -> str:
     cmd = tp.launch_cmd(nproc, command, *args)
     proc = subprocess.run(cmd, cwd=REPO, env=tp.env(), capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{tp.failure(proc)}"
     assert ("distributed: MULTI_CPU, 2 processes" in proc.stdout) == (nproc == 2)
     return proc.stdout
 

@@ -3,6 +3,7 @@ tests/e2e/test_every_config_two_processes.py and benchmarks/two_process_runs.py.
 
 - `launch_cmd(nproc, command, *args)`: ``torchrun --standalone --nproc_per_node N -m mmalign.app.cli ...`` (the
   plain interpreter for N = 1).
+- `failure(proc)`: a failed launch's ``mmalign: error`` lines and the end of its stderr (an assertion message).
 - `kill_launch(proc)`: SIGKILL a launcher started with ``start_new_session=True`` AND its workers (torchrun starts
   each worker in a session of its own, so killing the launcher's process group alone leaves them running).
 - `check_advantages(run_dir)`: recompute every written step's advantages in this one process with the run's
@@ -69,6 +70,13 @@ def train_args(
     if save_every is not None:
         args.append(f"trainer.save_every={save_every}")
     return [*args, "trainer.progress_bar=false", *extra]
+
+
+def failure(proc: subprocess.CompletedProcess, tail: int = 3000) -> str:
+    """What a failed launch said, for an assertion message: every process's ``mmalign: error`` line (wherever it
+    is in the output: the first failure is often far above the launcher's summary) and the end of stderr."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("mmalign: error")]
+    return "\n".join([*errors, "--- end of stderr:", proc.stderr[-tail:]])
 
 
 def kill_launch(proc: subprocess.Popen) -> None:
