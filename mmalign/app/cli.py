@@ -335,6 +335,35 @@ def _checkpoint(cfg: Config, spec: str, what: str) -> Path | None:
     return ckpt
 
 
+def _shared_checkpoint(cfg: Config, spec: str, what: str, state: Any) -> Path | None:
+    """`_checkpoint` of `spec`, resolved by the main process only and used by every process of a multi-process
+    `sample` / `eval` (accelerate's `state`): resolved on each, a run still training could finish or rotate a
+    checkpoint between their look-ups, and the processes would load different weights. A failure on the main
+    process is raised on every process."""
+    answer: tuple[str, Any] | None = None
+    error: Exception | None = None
+    if state.is_main_process:
+        try:
+            answer = ("ok", _checkpoint(cfg, spec, what))
+        except Exception as e:  # noqa: BLE001 - shared with the other processes first, then raised here
+            error, answer = e, ("error", (type(e).__name__, str(e)))
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        answer = broadcast_object_list([answer], from_process=0)[0]
+    if error is not None:
+        raise error
+    assert answer is not None
+    kind, value = answer
+    if kind == "error":
+        from mmalign.errors import CheckpointError, ConfigError
+
+        name, message = value
+        kinds = {"ConfigError": ConfigError, "CheckpointError": CheckpointError}
+        raise kinds.get(name, RuntimeError)(f"(the main process) {message}")
+    return value
+
+
 def _existing_checkpoints(cfg: Config) -> str:
     """The run's complete checkpoints, for a message: what ``--checkpoint`` may name."""
     from mmalign.training import rundir
@@ -380,21 +409,20 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     import torch
 
-    from mmalign.app.evaluation import eval_rows, generate_chunks, load_weights, resolve_checkpoint
+    from mmalign.app.evaluation import eval_rows, generate_chunks, load_agreed
     from mmalign.data.media import save_grid
     from mmalign.training import rundir
 
     cfg, build = _prepare(args)
     state = _process_state(cfg)
     main_process = state.is_main_process
-    if main_process:
-        ckpt = _checkpoint(cfg, args.checkpoint, "using the base model")
-    else:  # (the first process says it when there is none)
-        ckpt = resolve_checkpoint(cfg.output_dir, args.checkpoint)
+    ckpt = _shared_checkpoint(cfg, args.checkpoint, "using the base model", state)
     rows = _prompt_rows(args, cfg)
     components = build(cfg)
-    if ckpt is not None:
-        load_weights(components.policy, ckpt)  # type: ignore[attr-defined]
+    if (
+        ckpt is not None
+    ):  # (the one loaded: a rotated-away checkpoint falls back to the newest, on every process)
+        ckpt = load_agreed(components.policy, ckpt, state.process_index, state.num_processes)  # type: ignore[attr-defined]
     if rows is None:
         rows = eval_rows(cfg, components)[: args.max_prompts]
     seed = cfg.eval.seed if args.seed is None else args.seed
@@ -472,15 +500,12 @@ def _write_samples(
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Before/after report: the base model and a checkpoint scored on the evaluation prompts."""
-    from mmalign.app.evaluation import evaluate_run, format_report, resolve_checkpoint, write_report
+    from mmalign.app.evaluation import evaluate_run, format_report, write_report
     from mmalign.training import rundir
 
     cfg, build = _prepare(args, eval_rewards=True)
     state = _process_state(cfg)
-    if state.is_main_process:
-        ckpt = _checkpoint(cfg, args.checkpoint, "scoring the base model only")
-    else:  # (the first process says it when there is none)
-        ckpt = resolve_checkpoint(cfg.output_dir, args.checkpoint)
+    ckpt = _shared_checkpoint(cfg, args.checkpoint, "scoring the base model only", state)
     components = build(cfg)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / rundir.EVAL_FILE
     report = evaluate_run(

@@ -34,6 +34,7 @@ __all__ = [
     "format_report",
     "generate",
     "generate_chunks",
+    "load_agreed",
     "load_trained",
     "load_weights",
     "resolve_checkpoint",
@@ -309,6 +310,17 @@ def load_trained(policy: Any, checkpoint: Path) -> Path:
     return newest
 
 
+def load_agreed(policy: Any, checkpoint: Path, rank: int, world: int) -> Path:
+    """`load_trained` of `checkpoint` on this process (rank `rank` of `world`), then the processes compare what they
+    loaded (`_agreed_checkpoint`): all go on with the same weights and return that checkpoint, or all raise."""
+    used, error = None, None
+    try:
+        used = load_trained(policy, checkpoint)
+    except Exception as e:  # noqa: BLE001 - re-raised by _agreed_checkpoint, after the other processes
+        error = e
+    return _agreed_checkpoint(used, error, rank, world)
+
+
 def _agreed_checkpoint(used: Path | None, error: Exception | None, rank: int, world: int) -> Path:
     """The checkpoint every process loaded (`used` here, or `error`): on several processes their outcomes
     are gathered first, so all of them raise, or go on with the same weights."""
@@ -419,12 +431,7 @@ def evaluate_run(
             write_report(report, report_path)
     if checkpoint is not None:
         try:
-            used, error = None, None
-            try:
-                used = load_trained(policy, checkpoint)
-            except Exception as e:  # noqa: BLE001 - re-raised by _agreed_checkpoint, after the other processes
-                error = e
-            used = _agreed_checkpoint(used, error, rank, world)
+            used = load_agreed(policy, checkpoint, rank, world)
             if used != checkpoint:
                 report["checkpoint_requested"] = report["checkpoint"]
                 report["checkpoint"] = str(used)

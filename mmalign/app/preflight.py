@@ -25,7 +25,7 @@ from mmalign.app.fixtures import check_fixtures_available, ensure_fixtures
 from mmalign.config import Config, ConfigError
 from mmalign.data.rows import DataError, load_rows, missing_data_hint
 from mmalign.registry import RegistryError
-from mmalign.training.rundir import check_output_dir
+from mmalign.training.rundir import WRITE_TEST_PREFIX, check_output_dir
 from rewards import check_reward_specs
 
 log = logging.getLogger(__name__)
@@ -348,7 +348,7 @@ def check_output_writable(cfg: Config) -> None:
             + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else "")
         ) from None
     try:
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".mmalign-write-test-", delete=True) as f:
+        with tempfile.NamedTemporaryFile(dir=out, prefix=WRITE_TEST_PREFIX, delete=True) as f:
             f.write(b"ok")
             f.flush()
     except OSError as e:

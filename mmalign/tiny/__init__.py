@@ -250,11 +250,19 @@ def build(name: str, path: str | Path, *, announce: bool = True) -> Path:
     remove_stale(tmp, BUILDING_MARK, what="an unfinished tiny build")
     tmp.mkdir(parents=True)
     (tmp / BUILDING_MARK).write_text(f"{os.getpid()}\n")
-    with _building(path.name, int(meta.get("phases", 0))):
-        builder(tmp)
-    if not (tmp / MARK_FILE).exists():  # a builder that records nothing itself: its name and defaults
-        (tmp / MARK_FILE).write_text(json.dumps(_builder_defaults(name), indent=1, default=str) + "\n")
-    (tmp / BUILDING_MARK).unlink()
+    try:
+        with _building(path.name, int(meta.get("phases", 0))):
+            builder(tmp)
+        if not (tmp / MARK_FILE).exists():  # a builder that records nothing itself: its name and defaults
+            (tmp / MARK_FILE).write_text(json.dumps(_builder_defaults(name), indent=1, default=str) + "\n")
+        (tmp / BUILDING_MARK).unlink()
+    except (
+        BaseException
+    ):  # a failed build leaves nothing (a waiting process then builds again, or fails itself)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     tmp.rename(path)  # appears whole or not at all
     if announce:
         print(

@@ -63,6 +63,9 @@ CLI_SAMPLES_DIR = "samples_cli"
 READER_OUTPUTS = (EVAL_FILE, CLI_SAMPLES_DIR, LOCK_FILE)
 """What the readers (and the lock) put in a run's folder, before a run may exist there (``eval --checkpoint base``
 first is the README's before/after): a folder holding only these counts as empty for a new run."""
+WRITE_TEST_PREFIX = ".mmalign-write-test-"
+"""The name prefix of the temp file the validation pass writes and removes to check that ``output_dir`` is
+writable (`mmalign.app.preflight.check_output_writable`)."""
 CONFIG_HEADER = "# mmalign run: the resolved config of this run, written by `mmalign train`\n"
 """The first line of the ``config.yaml`` a run writes: what marks a folder as a run's (`holds_run`)."""
 
@@ -157,10 +160,13 @@ def foreign_problem(output_dir: str | Path) -> str | None:
 
 
 def _write_leftover(name: str) -> bool:
-    """`name` is the temp file of a `write_atomic` of a run's own file (``.config.yaml.tmp-PID``): written by
-    the run, or left by one killed while writing; not a sign of a folder of other files."""
+    """`name` is a temp file mmalign writes in a run's folder: a `write_atomic` of a run's or a reader's own file
+    (``.config.yaml.tmp-PID``, ``.eval.json.tmp-PID``), written now or left by a kill, or the probe of
+    `WRITE_TEST_PREFIX`; not a sign of a folder of other files (another process of the launch may be writing it)."""
+    if name.startswith(WRITE_TEST_PREFIX):
+        return True
     match = re.fullmatch(r"\.(.+)\.tmp-\d+", name)
-    return match is not None and match.group(1) in (CONFIG_FILE, *RUN_OUTPUTS)
+    return match is not None and match.group(1) in (CONFIG_FILE, EVAL_FILE, *RUN_OUTPUTS)
 
 
 def clear_run(output_dir: str | Path) -> None:
@@ -649,13 +655,21 @@ def checkpoint_problem(folder: str | Path, *, only: tuple[str, ...] | None = Non
     check cheap before the next: the manifest is readable (`read_manifest`); every entry stays inside the
     folder, symlinks resolved; every file in the folder is listed (`manifest_entries`: an empty ``files``
     does not pass); every listed file (of `only`, when given) has its size; then their sha256. A checkpoint
-    without any manifest (written by an older version) is accepted with a warning."""
+    without any manifest (written by an older version) is accepted with a warning, unless it is gone (the folder,
+    or in a run's ``checkpoints/`` its ``COMPLETE`` mark: removed since it was listed, not an old checkpoint)."""
     folder = Path(folder)
     try:
         files = read_manifest(folder)
     except CheckpointError as e:
         return str(e)
     if files is None:
+        # a folder listed complete and removed since (rotated away while being read) is not an old checkpoint
+        in_run = folder.parent.name == CHECKPOINTS_DIR
+        if not folder.is_dir() or (in_run and not (folder / COMPLETE_MARK).is_file()):
+            return (
+                f"{folder}: the checkpoint was removed while it was being read (rotated away by a run still "
+                "training?)"
+            )
         log.warning(
             "checkpoint %s has no %s (written by an older version of mmalign): its files are not verified",
             folder,

@@ -345,6 +345,62 @@ def test_unexpected_error_shows_its_traceback(capsys, tmp_path, monkeypatch):
     assert err.strip().splitlines()[-1] == "mmalign: error: a bug, not a user error"
 
 
+def test_sample_and_eval_resolve_the_checkpoint_once_for_every_process(tmp_path, monkeypatch, capsys):
+    """``--checkpoint latest`` on several processes is resolved by the main process and used by all (each resolving
+    it, a run still training could finish a checkpoint between their look-ups: rank 1 loaded step 3 and rank 0
+    step 2, and ``sample`` wrote both in one grid); a failure there is raised on every process."""
+    from types import SimpleNamespace
+
+    import accelerate.utils
+
+    from mmalign.app import cli, evaluation
+
+    cfg = SimpleNamespace(output_dir=str(tmp_path / "run"))
+    sent: list = []
+
+    def broadcast(objects, from_process=0):
+        assert from_process == 0
+        sent.append(objects[0])
+        return [main_answer]
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", broadcast)
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("a process other than the main resolved the checkpoint")
+
+    monkeypatch.setattr(evaluation, "resolve_checkpoint", not_here)
+    rank1 = SimpleNamespace(is_main_process=False, num_processes=2)
+    main_answer = ("ok", tmp_path / "run" / "checkpoints" / "step_000002")
+    assert cli._shared_checkpoint(cfg, "latest", "x", rank1) == main_answer[1]
+    assert sent == [None]
+    main_answer = ("error", ("CheckpointError", "checkpoint step_000002 fails verification: a.bin: missing"))
+    with pytest.raises(MmalignError, match=r"\(the main process\) checkpoint step_000002 fails verification"):
+        cli._shared_checkpoint(cfg, "latest", "x", rank1)
+
+    found = tmp_path / "run" / "checkpoints" / "step_000003"  # the main process resolves it, and shares it
+    monkeypatch.setattr(evaluation, "resolve_checkpoint", lambda out, spec: found)
+    sent.clear()
+    main0 = SimpleNamespace(is_main_process=True, num_processes=2)
+    main_answer = ("ok", found)
+    assert cli._shared_checkpoint(cfg, "latest", "x", main0) == found and sent == [("ok", found)]
+
+
+def test_a_failed_tiny_build_leaves_nothing(tmp_path, monkeypatch):
+    """A builder that fails removes its ``.building`` folder: a process waiting for it (the other ranks of a
+    launch) then builds again instead of being told that a build (the dead one) is writing it."""
+    from mmalign import tiny
+
+    def broken(path):
+        (path / "half.bin").write_bytes(b"x")
+        raise RuntimeError("out of memory")
+
+    tiny.get_builder("vlm_random")  # (the builders are discovered)
+    monkeypatch.setattr(tiny, "get_builder", lambda name: broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        tiny.build("vlm_random", tmp_path / "m", announce=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def _as_rank_1_of_2(monkeypatch: pytest.MonkeyPatch, error_file: Path) -> None:
     """The environment torchrun gives the second of two workers (the CLI's multi-process error path)."""
     for key, value in {

@@ -484,6 +484,8 @@ def test_a_folder_of_other_files_is_never_a_run_directory(tmp_path, capsys, no_m
     # the temp file of a run's atomic write (written now by the main process, or left by a kill): a run's
     (readers / ".config.yaml.tmp-4242").write_text(rundir.CONFIG_HEADER)
     (readers / ".metrics.jsonl.tmp-7").write_text("")
+    (readers / ".eval.json.tmp-8").write_text("")  # an eval writing (or killed writing) its report
+    (readers / f"{rundir.WRITE_TEST_PREFIX}x1y2").write_text("")  # another process's writability probe
     assert rundir.foreign_problem(readers) is None
     (readers / ".notes.txt.tmp-7").write_text("")  # not a name a run writes
     assert "holds no mmalign run (it has .notes.txt.tmp-7)" in rundir.foreign_problem(readers)

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -225,6 +226,18 @@ def test_checkpoint_without_manifest_is_accepted_with_a_warning(
     assert "no manifest.json (written by an older version" in caplog.text
     (ckpt / rundir.MANIFEST_FILE).write_text("{not json")
     assert "unreadable manifest" in rundir.checkpoint_problem(ckpt)
+
+
+def test_a_checkpoint_removed_after_it_was_listed_is_not_taken_for_an_old_one(tmp_path: Path) -> None:
+    """A run still training rotates a listed checkpoint away while a reader verifies it: without its manifest (or
+    its whole folder) it is a problem, not "written by an older version" (a reader then falls back, or says so)."""
+    ckpt = make_checkpoint(tmp_path, 1)
+    (ckpt / rundir.MANIFEST_FILE).unlink()
+    assert rundir.checkpoint_problem(ckpt) is None  # an old checkpoint: complete, no manifest
+    (ckpt / rundir.COMPLETE_MARK).unlink()  # rmtree half-way
+    assert "removed while it was being read" in rundir.checkpoint_problem(ckpt)
+    shutil.rmtree(ckpt)
+    assert "removed while it was being read" in rundir.checkpoint_problem(ckpt)
 
 
 def test_a_half_written_checkpoint_is_never_taken(tmp_path: Path) -> None:
