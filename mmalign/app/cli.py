@@ -419,9 +419,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     ckpt = _shared_checkpoint(cfg, args.checkpoint, "using the base model", state)
     rows = _prompt_rows(args, cfg)
     components = build(cfg)
-    if (
-        ckpt is not None
-    ):  # (the one loaded: a rotated-away checkpoint falls back to the newest, on every process)
+    if ckpt is not None:
+        # the one loaded: a checkpoint rotated away since falls back to the newest, the same on every process
         ckpt = load_agreed(components.policy, ckpt, state.process_index, state.num_processes)  # type: ignore[attr-defined]
     if rows is None:
         rows = eval_rows(cfg, components)[: args.max_prompts]
@@ -699,9 +698,8 @@ def cmd_tiny(args: argparse.Namespace) -> int:
             "it), so it is not replaced; choose another --out or remove it yourself"
         )
     staged = out.with_name(out.name + ".new")
-    tiny.remove_stale(
-        staged, tiny.MARK_FILE, what="a tiny build's staged copy"
-    )  # a rebuild killed before the swap
+    # a rebuild killed between its build and the swap left a complete copy there
+    tiny.remove_stale(staged, tiny.MARK_FILE, what="a tiny build's staged copy")
     fresh = tiny.build(args.name, staged)
     if out.exists():
         shutil.rmtree(out)
